@@ -1,0 +1,62 @@
+# The README's two commands are `make demo` and `make test`; both bootstrap what they need.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+TORCH_CPU := torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all protos check-protos lint servers venv clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PIP) install -q --upgrade pip
+	@# Without a GPU, take the CPU wheel first so that nothing pulls a multi-GB CUDA build.
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU); \
+	fi
+	@$(PIP) install -q -e '.[all,dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+# nats-server and redis-server must be on this machine: the tests and `policyloop up` start
+# their own. Installed with apt where missing and possible.
+servers:
+	@missing=""; \
+	for bin in nats-server redis-server; do \
+		command -v $$bin >/dev/null 2>&1 || test -x /usr/sbin/$$bin || missing="$$missing $$bin"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			echo "installing$$missing with apt-get"; \
+			apt-get install -y -q $$missing >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; \
+		else \
+			echo "policyloop needs$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing; macOS: brew install nats-server redis)"; \
+			exit 1; \
+		fi; \
+	fi
+
+demo: $(STAMP) servers
+	$(VENV)/bin/policyloop demo
+
+test: $(STAMP) servers
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Everything, slow tests included.
+test-all: $(STAMP) servers
+	$(PY) -m pytest -m '' $(PYTEST_ARGS)
+
+protos: $(STAMP)
+	$(PY) -m policyloop.contracts.generate
+
+check-protos: $(STAMP)
+	$(PY) -m policyloop.contracts.generate --check
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check libs services tests perf
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,3 @@
+from policyloop.cli import app
+
+app(prog_name="policyloop")

@@ -1,0 +1,231 @@
+"""A connection to the bus: bounded connect, idempotent topology, acknowledged typed publish,
+backlog figures."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+import nats
+import nats.errors
+import nats.js.errors
+from google.protobuf.message import Message
+from nats.aio.client import Client as NatsClient
+from nats.js import api
+
+from policyloop.bus.topology import ConsumerSpec, StreamSpec, Topology, build_topology
+from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import BUS_BACKLOG, BUS_PUBLISHED
+
+log = get_logger(__name__)
+
+TYPE_HEADER = "Pl-Type"          # the protobuf full name of the payload
+MSG_ID_HEADER = "Nats-Msg-Id"
+ERR_STREAM_FULL = 10077          # JetStream: maximum messages/bytes exceeded with discard new
+
+
+class BusError(Exception):
+    """Base of the bus layer's errors."""
+
+
+class BusUnavailable(BusError):
+    """No NATS server answered within the connect deadline."""
+
+
+class StreamFull(BusError):
+    """The stream is bounded with discard-new and full: slow down and retry later."""
+
+    def __init__(self, subject: str, stream: str) -> None:
+        super().__init__(f"stream {stream} is full; publish to {subject} refused (backpressure)")
+        self.subject = subject
+        self.stream = stream
+
+
+class PublishFailed(BusError):
+    """No publish acknowledgement after every attempt."""
+
+
+@dataclass(frozen=True)
+class Backlog:
+    stream: str
+    consumer: str
+    pending: int       # in the stream, not yet delivered to the consumer
+    ack_pending: int   # delivered, not yet acknowledged
+    redelivered: int
+    waiting: int       # pull requests waiting for messages (idle replicas)
+
+
+class Bus:
+    """One NATS connection with JetStream, bound to the project's topology."""
+
+    def __init__(self, nc: NatsClient, topology: Topology) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.topology = topology
+        # Increments on every reconnect so that pull workers know to re-bind.
+        self.reconnects = 0
+        self.closing = False
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        name: str,
+        topology: Topology | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> Bus:
+        """Connects within `connect_timeout_s` (retrying while the server starts), then keeps
+        reconnecting forever: a server restart must not end a service."""
+        holder: dict[str, Bus] = {}
+
+        async def on_reconnect() -> None:
+            if "bus" in holder:
+                holder["bus"].reconnects += 1
+            log.info("nats_reconnected", url=url)
+
+        async def on_disconnect() -> None:
+            if not holder.get("bus") or not holder["bus"].closing:
+                log.warning("nats_disconnected", url=url)
+
+        async def on_error(exc: Exception) -> None:
+            log.warning("nats_error", error=repr(exc))
+
+        deadline = time.monotonic() + connect_timeout_s
+        last_error: Exception | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise BusUnavailable(f"no NATS server at {url} within {connect_timeout_s}s: {last_error!r}")
+            try:
+                nc = await asyncio.wait_for(
+                    nats.connect(
+                        url,
+                        name=name,
+                        connect_timeout=max(1, int(min(remaining, 2))),
+                        allow_reconnect=True,
+                        max_reconnect_attempts=-1,
+                        reconnect_time_wait=0.5,
+                        reconnected_cb=on_reconnect,
+                        disconnected_cb=on_disconnect,
+                        error_cb=on_error,
+                    ),
+                    timeout=remaining,
+                )
+                break
+            except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+                last_error = exc
+                await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
+        bus = cls(nc, topology or build_topology())
+        holder["bus"] = bus
+        return bus
+
+    async def close(self) -> None:
+        self.closing = True
+        if not self.nc.is_closed:
+            try:
+                await asyncio.wait_for(self.nc.drain(), timeout=5)
+            except (asyncio.TimeoutError, nats.errors.Error):
+                await self.nc.close()
+
+    # -- topology ---------------------------------------------------------------------------
+
+    async def ensure_topology(self) -> None:
+        """Creates every stream and consumer of the table, or updates them to match it.
+        Safe to call from every service at start-up, concurrently."""
+        for spec in self.topology.streams.values():
+            await self.ensure_stream(spec)
+        for spec in self.topology.consumers.values():
+            await self.ensure_consumer(spec)
+
+    async def ensure_stream(self, spec: StreamSpec) -> None:
+        config = spec.config()
+        try:
+            await self.js.add_stream(config)
+        except nats.js.errors.BadRequestError:
+            # Exists with another configuration (e.g. a new capacity): bring it in line.
+            await self.js.update_stream(config)
+
+    async def ensure_consumer(self, spec: ConsumerSpec) -> None:
+        # CONSUMER.CREATE with an existing durable name updates the editable fields on 2.9,
+        # so a config change in the table reaches consumers that already exist.
+        await self.js.add_consumer(spec.stream, spec.config())
+
+    # -- publish ----------------------------------------------------------------------------
+
+    async def publish(
+        self,
+        subject: str,
+        message: Message,
+        msg_id: str,
+        *,
+        timeout_s: float = 5.0,
+        attempts: int = 6,
+        headers: dict[str, str] | None = None,
+    ) -> api.PubAck:
+        """Publishes and waits for JetStream's acknowledgement. Retries reuse `msg_id`, so a
+        publish whose ack was lost is stored once (PubAck.duplicate tells)."""
+        if not msg_id:
+            raise ValueError("msg_id is required: it is how retries and redeliveries are deduplicated")
+        payload = message.SerializeToString()
+        all_headers = {MSG_ID_HEADER: msg_id, TYPE_HEADER: message.DESCRIPTOR.full_name}
+        all_headers.update(headers or {})
+        return await self.publish_bytes(subject, payload, all_headers, timeout_s=timeout_s, attempts=attempts)
+
+    async def publish_bytes(
+        self,
+        subject: str,
+        payload: bytes,
+        headers: dict[str, str],
+        *,
+        timeout_s: float = 5.0,
+        attempts: int = 6,
+    ) -> api.PubAck:
+        if MSG_ID_HEADER not in headers:
+            raise ValueError("headers must carry Nats-Msg-Id")
+        delay = 0.1
+        last_error: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                ack = await self.js.publish(subject, payload, timeout=timeout_s, headers=headers)
+                BUS_PUBLISHED.labels(stream=ack.stream, duplicate=str(bool(ack.duplicate)).lower()).inc()
+                return ack
+            except nats.js.errors.APIError as exc:
+                if exc.err_code == ERR_STREAM_FULL:
+                    raise StreamFull(subject, self.topology.stream_for_subject(subject).name) from exc
+                if exc.code is not None and exc.code < 500:
+                    raise
+                last_error = exc
+            except (
+                nats.errors.TimeoutError,
+                nats.errors.NoRespondersError,
+                nats.errors.ConnectionReconnectingError,
+                nats.errors.OutboundBufferLimitError,
+                nats.js.errors.NoStreamResponseError,
+            ) as exc:
+                last_error = exc
+            log.warning("publish_retry", subject=subject, attempt=attempt + 1, error=repr(last_error))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+        raise PublishFailed(f"publish to {subject} not acknowledged after {attempts} attempts: {last_error!r}")
+
+    # -- backlog ----------------------------------------------------------------------------
+
+    async def backlog(self, durable: str) -> Backlog:
+        spec = self.topology.consumers[durable]
+        info = await self.js.consumer_info(spec.stream, durable)
+        figures = Backlog(
+            stream=spec.stream,
+            consumer=durable,
+            pending=info.num_pending or 0,
+            ack_pending=info.num_ack_pending or 0,
+            redelivered=info.num_redelivered or 0,
+            waiting=info.num_waiting or 0,
+        )
+        BUS_BACKLOG.labels(spec.stream, durable, "pending").set(figures.pending)
+        BUS_BACKLOG.labels(spec.stream, durable, "ack_pending").set(figures.ack_pending)
+        return figures
+
+    async def all_backlogs(self) -> dict[str, Backlog]:
+        return {name: await self.backlog(name) for name in self.topology.consumers}

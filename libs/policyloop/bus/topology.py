@@ -1,0 +1,231 @@
+"""The whole JetStream topology in one table: streams, their subjects and message types, and
+the durable consumers the services share.
+
+Only fields nats-server 2.9.10 understands are used. On 2.9 a consumer's `backoff` also sets
+its ack wait (the first backoff step), so every backoff schedule starts at the ack wait.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from google.protobuf.message import Message
+from nats.js import api
+from pydantic import BaseModel, Field
+
+from policyloop.contracts.v1 import bus_pb2
+
+SUBJECT_PREFIX = "pl"
+DAY_SECONDS = 24 * 3600.0
+
+
+class BusLimits(BaseModel):
+    """Sizes and timings of the topology. Every service must agree on them, so they are set
+    once per cluster (env vars POLICYLOOP_BUS__*)."""
+
+    tasks_capacity: int = Field(
+        10_000, description="Most Tasks TASKS holds; when full a publish fails (backpressure)."
+    )
+    rollout_ack_wait_s: float = Field(
+        120.0, description="How long a rollout replica may hold a Task between heartbeats."
+    )
+    reward_ack_wait_s: float = Field(60.0, description="Same for a reward replica and a Rollout.")
+    learner_ack_wait_s: float = Field(
+        300.0, description="How long the learner may hold a Trajectory before it is redelivered."
+    )
+    sandbox_ack_wait_s: float = Field(120.0, description="Same for a sandbox replica and a job.")
+    max_deliver: int = Field(
+        5, description="Deliveries of one message before it is dead-lettered."
+    )
+    trajectory_max_age_s: float = Field(
+        7 * DAY_SECONDS, description="How long TRAJECTORIES keeps messages for replay."
+    )
+    trajectory_max_bytes: int = Field(
+        8 * 1024**3, description="Size bound of TRAJECTORIES; the oldest go first."
+    )
+    weights_history: int = Field(
+        16, description="WeightsPublished events kept per model subject."
+    )
+    dlq_max_age_s: float = Field(7 * DAY_SECONDS, description="How long DLQ keeps dead letters.")
+    duplicate_window_s: float = Field(
+        600.0, description="Window in which a repeated Nats-Msg-Id is recognised as a duplicate."
+    )
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    name: str
+    subjects: tuple[str, ...]
+    message_type: type[Message] | None  # None: any bytes (the DLQ stores DeadLetter)
+    retention: api.RetentionPolicy
+    discard: api.DiscardPolicy = api.DiscardPolicy.OLD
+    max_msgs: int = -1
+    max_bytes: int = -1
+    max_age_s: float = 0.0
+    max_msgs_per_subject: int = -1
+    duplicate_window_s: float = 120.0
+    description: str = ""
+
+    def config(self) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=self.name,
+            description=self.description,
+            subjects=list(self.subjects),
+            retention=self.retention,
+            discard=self.discard,
+            max_msgs=self.max_msgs,
+            max_bytes=self.max_bytes,
+            max_age=self.max_age_s,
+            max_msgs_per_subject=self.max_msgs_per_subject,
+            duplicate_window=self.duplicate_window_s,
+            storage=api.StorageType.FILE,
+        )
+
+
+@dataclass(frozen=True)
+class ConsumerSpec:
+    stream: str
+    durable: str
+    filter_subject: str
+    ack_wait_s: float
+    max_deliver: int
+    # Redelivery delays after an ack timeout; starts with ack_wait_s (see module docstring).
+    backoff_s: tuple[float, ...] = ()
+    max_ack_pending: int = 1000
+    description: str = ""
+
+    def config(self) -> api.ConsumerConfig:
+        return api.ConsumerConfig(
+            name=self.durable,
+            durable_name=self.durable,
+            description=self.description,
+            filter_subject=self.filter_subject,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=api.DeliverPolicy.ALL,
+            ack_wait=self.ack_wait_s,
+            max_deliver=self.max_deliver,
+            backoff=list(self.backoff_s) or None,
+            max_ack_pending=self.max_ack_pending,
+        )
+
+
+@dataclass(frozen=True)
+class Topology:
+    streams: dict[str, StreamSpec]
+    consumers: dict[str, ConsumerSpec] = field(default_factory=dict)
+
+    def stream_for_subject(self, subject: str) -> StreamSpec:
+        for spec in self.streams.values():
+            if any(_subject_matches(pattern, subject) for pattern in spec.subjects):
+                return spec
+        raise KeyError(f"no stream takes subject {subject!r}")
+
+
+def redelivery_backoff(ack_wait_s: float, max_deliver: int) -> tuple[float, ...]:
+    """Ack-timeout redelivery delays: the ack wait first, then growing, one per delivery."""
+    steps = max(1, max_deliver - 1)
+    return tuple(round(ack_wait_s * min(2**i, 8), 3) for i in range(steps))
+
+
+def build_topology(limits: BusLimits | None = None) -> Topology:
+    """The table. Streams, subjects, retention and consumers of the whole loop."""
+    lim = limits or BusLimits()
+    p = SUBJECT_PREFIX
+    streams = [
+        StreamSpec(
+            "TASKS", (f"{p}.tasks.>",), bus_pb2.Task, api.RetentionPolicy.WORK_QUEUE,
+            discard=api.DiscardPolicy.NEW, max_msgs=lim.tasks_capacity,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Prompts waiting for a rollout replica (work queue; full = backpressure).",
+        ),
+        StreamSpec(
+            "ROLLOUTS", (f"{p}.rollouts.>",), bus_pb2.Trajectory, api.RetentionPolicy.WORK_QUEUE,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Sampled completions waiting for reward.",
+        ),
+        StreamSpec(
+            "TRAJECTORIES", (f"{p}.traj.>",), bus_pb2.Trajectory, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.trajectory_max_age_s, max_bytes=lim.trajectory_max_bytes,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Scored trajectories; kept so the learner can replay from a checkpoint.",
+        ),
+        StreamSpec(
+            "SANDBOX", (f"{p}.sandbox.>",), bus_pb2.SandboxJob, api.RetentionPolicy.WORK_QUEUE,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Jobs for the sandbox (request/reply through reply_subject).",
+        ),
+        StreamSpec(
+            "WEIGHTS", (f"{p}.weights.>",), bus_pb2.WeightsPublished, api.RetentionPolicy.LIMITS,
+            max_msgs_per_subject=lim.weights_history, duplicate_window_s=lim.duplicate_window_s,
+            description="WeightsPublished events; replicas read the last per model subject.",
+        ),
+        StreamSpec(
+            "DLQ", (f"{p}.dlq.>",), bus_pb2.DeadLetter, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.dlq_max_age_s, duplicate_window_s=lim.duplicate_window_s,
+            description="Messages no service could handle, with the reason.",
+        ),
+    ]
+
+    def consumer(stream: str, durable: str, subject: str, ack_wait: float, what: str) -> ConsumerSpec:
+        return ConsumerSpec(
+            stream, durable, subject, ack_wait, lim.max_deliver,
+            backoff_s=redelivery_backoff(ack_wait, lim.max_deliver), description=what,
+        )
+
+    consumers = [
+        consumer("TASKS", "rollout", f"{p}.tasks.>", lim.rollout_ack_wait_s,
+                 "Rollout replicas share it: each Task goes to one replica."),
+        consumer("ROLLOUTS", "reward", f"{p}.rollouts.>", lim.reward_ack_wait_s,
+                 "Reward replicas share it."),
+        consumer("TRAJECTORIES", "learner", f"{p}.traj.>", lim.learner_ack_wait_s,
+                 "The learner's cursor over scored trajectories."),
+        consumer("SANDBOX", "sandbox", f"{p}.sandbox.>", lim.sandbox_ack_wait_s,
+                 "Sandbox replicas share it."),
+    ]
+    return Topology({s.name: s for s in streams}, {c.durable: c for c in consumers})
+
+
+_TOKEN_RE = re.compile(r"[^A-Za-z0-9_@\-]")
+
+
+def subject_token(value: str) -> str:
+    """Makes `value` one valid subject token ('.', '*', '>' and spaces become '_')."""
+    token = _TOKEN_RE.sub("_", value)
+    if not token:
+        raise ValueError("empty subject token")
+    return token
+
+
+def tasks_subject(environment: str) -> str:
+    return f"{SUBJECT_PREFIX}.tasks.{subject_token(environment)}"
+
+
+def rollouts_subject(environment: str) -> str:
+    return f"{SUBJECT_PREFIX}.rollouts.{subject_token(environment)}"
+
+
+def trajectories_subject(environment: str) -> str:
+    return f"{SUBJECT_PREFIX}.traj.{subject_token(environment)}"
+
+
+def sandbox_subject(kind: str) -> str:
+    return f"{SUBJECT_PREFIX}.sandbox.{subject_token(kind)}"
+
+
+def weights_subject(model: str) -> str:
+    return f"{SUBJECT_PREFIX}.weights.{subject_token(model)}"
+
+
+def dlq_subject(origin_stream: str) -> str:
+    return f"{SUBJECT_PREFIX}.dlq.{subject_token(origin_stream.lower())}"
+
+
+def _subject_matches(pattern: str, subject: str) -> bool:
+    pat, sub = pattern.split("."), subject.split(".")
+    for i, token in enumerate(pat):
+        if token == ">":
+            return len(sub) > i
+        if i >= len(sub) or (token != "*" and token != sub[i]):
+            return False
+    return len(pat) == len(sub)

@@ -1,0 +1,187 @@
+"""The `policyloop` command: serve one service, bring up a local cluster, show its status,
+run the demo."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from policyloop.cluster.catalogue import SERVICE_NAMES, service_main
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="policyloop: an RL post-training loop of independent services.")
+# Tables stay readable when the output is a file or a CI log (rich assumes 80 columns there).
+console = Console() if sys.stdout.isatty() else Console(width=160)
+
+DEFAULT_RUN_DIR = Path("runs/local")
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+    add_help_option=False,
+)
+def serve(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"one of: {', '.join(SERVICE_NAMES)}")]) -> None:
+    """Run one service. Settings come from POLICYLOOP_* variables or flags (--help lists them)."""
+    if name not in SERVICE_NAMES:
+        console.print(f"[red]unknown service {name!r}[/red]; one of: {', '.join(SERVICE_NAMES)}")
+        raise typer.Exit(2)
+    raise typer.Exit(service_main(name)(list(ctx.args)))
+
+
+def _parse_replicas(values: list[str]) -> dict[str, int]:
+    out = {}
+    for value in values:
+        name, _, count = value.partition("=")
+        if name not in SERVICE_NAMES or not count.isdigit():
+            raise typer.BadParameter(f"{value!r}: expected <service>=<count>, service one of {SERVICE_NAMES}")
+        out[name] = int(count)
+    return out
+
+
+def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
+    table = Table(title=f"policyloop cluster in {info.run_dir}")
+    table.add_column("process")
+    table.add_column("listens on")
+    table.add_row("nats", info.nats_url)
+    table.add_row("redis", info.redis_url)
+    for name, ports in sorted(info.processes.items()):
+        if name in ("nats-server", "redis-server"):
+            continue
+        where = []
+        if "grpc" in ports:
+            where.append(f"gRPC 127.0.0.1:{ports['grpc']}")
+        where.append(f"http://127.0.0.1:{ports['http']}/metrics, /healthz")
+        table.add_row(name, "; ".join(where))
+    console.print(table)
+
+
+@app.command()
+def up(
+    run_dir: Annotated[Path, typer.Option(help="Where logs, NATS/Redis data and weights go.")] = DEFAULT_RUN_DIR,
+    nats_url: Annotated[Optional[str], typer.Option(help="Use this NATS instead of starting one.")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="Use this Redis instead of starting one.")] = None,
+    namespace: Annotated[str, typer.Option(help="Redis key namespace of this cluster.")] = "default",
+    replicas: Annotated[list[str], typer.Option("--replicas", help="e.g. --replicas rollout=2")] = [],  # noqa: B006
+    wait_s: Annotated[float, typer.Option(help="How long to wait for every service to be healthy.")] = 60.0,
+) -> None:
+    """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
+    from policyloop.cluster.local import LocalCluster
+
+    cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
+                           replicas=_parse_replicas(replicas))
+    stopping = False
+
+    def request_stop(*_: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    info = cluster.start()
+    _print_endpoints(info)
+    try:
+        status = asyncio.run(_wait_healthy(info.nats_url, info.redis_url, namespace, wait_s, lambda: stopping))
+        _print_status(status)
+        if status.all_healthy:
+            console.print("[green]all services healthy[/green] — Ctrl-C stops the cluster")
+        else:
+            console.print("[yellow]not every service is healthy yet; see the logs in "
+                          f"{info.run_dir}/logs[/yellow]")
+        while not stopping:
+            for name in cluster.supervise():
+                console.print(f"[yellow]{name} exited; restarted[/yellow]")
+            time.sleep(0.5)
+    finally:
+        console.print("stopping the cluster…")
+        cluster.stop()
+        console.print("stopped")
+
+
+async def _wait_healthy(nats_url: str, redis_url: str, namespace: str, wait_s: float,
+                        give_up=lambda: False):  # type: ignore[no-untyped-def]
+    from policyloop.cluster.status import cluster_status
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        status = await cluster_status(nats_url, redis_url, namespace)
+        if status.all_healthy or time.monotonic() >= deadline or give_up():
+            return status
+        await asyncio.sleep(0.5)
+
+
+def _print_status(status) -> None:  # type: ignore[no-untyped-def]
+    table = Table(title="policyloop status")
+    for col in ("service", "instance", "healthy", "policy version", "backlog (pending / unacked)", "notes"):
+        table.add_column(col)
+    for inst in status.instances:
+        backlog = f"{inst.backlog.pending} / {inst.backlog.ack_pending}" if inst.backlog else "—"
+        table.add_row(inst.service, inst.instance, "[green]yes[/green]" if inst.healthy else f"[red]no[/red] {inst.reason}",
+                      str(inst.policy_version), backlog, _notes(inst.detail))
+    for name in status.missing:
+        table.add_row(name, "—", "[red]no instance[/red]", "—", "—", "")
+    console.print(table)
+
+
+def _notes(detail: dict[str, object]) -> str:
+    skip = {"nats", "redis"}
+    return ", ".join(f"{k}={v}" for k, v in detail.items() if k not in skip and not k.startswith("consumer:"))
+
+
+@app.command()
+def status(
+    run_dir: Annotated[Path, typer.Option(help="Run directory of a `policyloop up`.")] = DEFAULT_RUN_DIR,
+    nats_url: Annotated[Optional[str], typer.Option(help="Instead of the run directory's.")] = None,
+    redis_url: Annotated[Optional[str], typer.Option(help="Instead of the run directory's.")] = None,
+    namespace: Annotated[Optional[str], typer.Option(help="Redis key namespace.")] = None,
+    wait_s: Annotated[float, typer.Option(help="Wait up to this long for every service to be healthy.")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List each service: healthy or not, its policy version and its backlog. Exit 1 unless all
+    six are healthy."""
+    from policyloop.cluster.local import ClusterInfo, ClusterError
+
+    if not (nats_url and redis_url):
+        try:
+            info = ClusterInfo.load(run_dir)
+        except ClusterError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from exc
+        nats_url, redis_url = nats_url or info.nats_url, redis_url or info.redis_url
+        namespace = namespace or info.namespace
+    result = asyncio.run(_wait_healthy(nats_url, redis_url, namespace or "default", wait_s))
+    if as_json:
+        print(json.dumps({
+            "all_healthy": result.all_healthy,
+            "missing": result.missing,
+            "instances": [asdict(i) for i in result.instances],
+        }, indent=2, default=str))
+    else:
+        _print_status(result)
+    raise typer.Exit(0 if result.all_healthy else 1)
+
+
+@app.command()
+def demo(
+    run_dir: Annotated[Path, typer.Option(help="Where the demo cluster keeps its data.")] = Path("runs/demo"),
+    tasks: Annotated[int, typer.Option(help="Tasks to push through the loop.")] = 32,
+    group_size: Annotated[int, typer.Option(help="Samples per task.")] = 4,
+) -> None:
+    """Bring up the local cluster, feed a run through it and show its status."""
+    from policyloop.cluster.demo import run_demo
+
+    sys.exit(run_demo(run_dir, tasks=tasks, group_size=group_size, console=console,
+                      print_status=_print_status))
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,1 @@
+"""Running the loop's processes: the service catalogue and the local cluster launcher."""

@@ -1,0 +1,274 @@
+"""The local cluster: nats-server, redis-server and every service as plain processes.
+
+`policyloop up` uses it; so do the tests. NATS and Redis start on free ports with their data
+under the run directory, unless URLs of running ones are given. Services are supervised: one
+that exits unexpectedly is restarted (it recovers its work from the bus).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from policyloop.cluster.catalogue import SERVICES, ServiceEntry
+
+
+class ClusterError(RuntimeError):
+    pass
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ClusterError(f"{proc.args[0]} exited with {proc.returncode} before listening on {port}")
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise ClusterError(f"nothing listens on {host}:{port} after {timeout_s}s")
+
+
+def require_binary(name: str) -> str:
+    path = shutil.which(name) or (f"/usr/sbin/{name}" if Path(f"/usr/sbin/{name}").exists() else None)
+    if path is None:
+        raise ClusterError(f"{name} is not installed (Debian: apt-get install {name})")
+    return path
+
+
+@dataclass
+class ManagedProcess:
+    name: str                      # e.g. "rollout-0", "nats-server"
+    command: list[str]
+    env: dict[str, str]
+    log_path: Path
+    ports: dict[str, int] = field(default_factory=dict)
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            self.command, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,  # Ctrl-C reaches only the launcher
+        )
+        log.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            assert self.proc is not None
+            try:
+                self.proc.send_signal(sig)
+            except ProcessLookupError:
+                pass
+
+
+def start_nats(run_dir: Path, port: int | None = None) -> ManagedProcess:
+    """nats-server with JetStream, its store in the run directory (survives restarts)."""
+    port = port or free_port()
+    store = run_dir / "nats"
+    store.mkdir(parents=True, exist_ok=True)
+    managed = ManagedProcess(
+        "nats-server",
+        [require_binary("nats-server"), "-js", "-a", "127.0.0.1", "-p", str(port), "-sd", str(store)],
+        dict(os.environ), run_dir / "logs" / "nats-server.log", {"client": port},
+    )
+    managed.start()
+    wait_for_port("127.0.0.1", port, 15, managed.proc)
+    return managed
+
+
+def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
+    """redis-server with an append-only file in the run directory (survives restarts)."""
+    port = port or free_port()
+    data = run_dir / "redis"
+    data.mkdir(parents=True, exist_ok=True)
+    managed = ManagedProcess(
+        "redis-server",
+        [require_binary("redis-server"), "--port", str(port), "--bind", "127.0.0.1",
+         "--dir", str(data), "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+         "--protected-mode", "no"],
+        dict(os.environ), run_dir / "logs" / "redis-server.log", {"client": port},
+    )
+    managed.start()
+    wait_for_port("127.0.0.1", port, 15, managed.proc)
+    return managed
+
+
+def service_args(entry: ServiceEntry) -> list[str]:
+    """Arguments after `policyloop`: the same in compose.yaml (checked by a test)."""
+    return ["serve", entry.name]
+
+
+def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: str, redis_url: str,
+                    namespace: str, extra_env: dict[str, str] | None = None) -> ManagedProcess:
+    instance = f"{entry.name}-{index}"
+    ports = {"http": free_port()}
+    env = dict(os.environ)
+    env.update({
+        "POLICYLOOP_NATS_URL": nats_url,
+        "POLICYLOOP_REDIS_URL": redis_url,
+        "POLICYLOOP_NAMESPACE": namespace,
+        "POLICYLOOP_INSTANCE_ID": instance,
+        "POLICYLOOP_HTTP_PORT": str(ports["http"]),
+        "POLICYLOOP_RUN_ID": run_dir.name,
+        # Several processes share the cores: one math thread each.
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    if entry.grpc:
+        ports["grpc"] = free_port()
+        env["POLICYLOOP_GRPC_PORT"] = str(ports["grpc"])
+    if entry.name == "publisher":
+        env["POLICYLOOP_STORE_DIR"] = str(run_dir / "weights")
+    if entry.name == "sandbox":
+        env["POLICYLOOP_SCRATCH_DIR"] = str(run_dir / "sandbox")
+    env.update(extra_env or {})
+    return ManagedProcess(
+        instance, [sys.executable, "-m", "policyloop", *service_args(entry)], env,
+        run_dir / "logs" / f"{instance}.log", ports,
+    )
+
+
+@dataclass
+class ClusterInfo:
+    """What `policyloop status` needs to find a running cluster (written to cluster.json)."""
+
+    run_dir: str
+    nats_url: str
+    redis_url: str
+    namespace: str
+    launcher_pid: int
+    processes: dict[str, dict[str, int]]
+
+    def save(self) -> None:
+        path = Path(self.run_dir) / "cluster.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=2))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, run_dir: Path) -> ClusterInfo:
+        path = run_dir / "cluster.json"
+        if not path.exists():
+            raise ClusterError(f"no cluster.json in {run_dir}: is `policyloop up` running there?")
+        return cls(**json.loads(path.read_text()))
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        nats_url: str | None = None,
+        redis_url: str | None = None,
+        namespace: str = "default",
+        replicas: dict[str, int] | None = None,
+        services: tuple[ServiceEntry, ...] = SERVICES,
+        extra_env: dict[str, str] | None = None,
+        stop_grace_s: float = 20.0,
+    ) -> None:
+        self.run_dir = Path(run_dir).resolve()
+        self.given_nats_url = nats_url
+        self.given_redis_url = redis_url
+        self.namespace = namespace
+        self.replicas = replicas or {}
+        self.services = services
+        self.extra_env = extra_env or {}
+        self.stop_grace_s = stop_grace_s
+        self.nats: ManagedProcess | None = None
+        self.redis: ManagedProcess | None = None
+        self.processes: list[ManagedProcess] = []
+        self.nats_url = nats_url or ""
+        self.redis_url = redis_url or ""
+
+    def start(self) -> ClusterInfo:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            if not self.given_nats_url:
+                self.nats = start_nats(self.run_dir)
+                self.nats_url = f"nats://127.0.0.1:{self.nats.ports['client']}"
+            if not self.given_redis_url:
+                self.redis = start_redis(self.run_dir)
+                self.redis_url = f"redis://127.0.0.1:{self.redis.ports['client']}/0"
+            for entry in self.services:
+                for index in range(self.replicas.get(entry.name, 1)):
+                    proc = service_process(entry, index, self.run_dir, self.nats_url, self.redis_url,
+                                           self.namespace, self.extra_env)
+                    proc.start()
+                    self.processes.append(proc)
+        except BaseException:
+            self.stop()
+            raise
+        info = self.info()
+        info.save()
+        return info
+
+    def info(self) -> ClusterInfo:
+        procs = {p.name: p.ports for p in self.processes}
+        for infra in (self.nats, self.redis):
+            if infra is not None:
+                procs[infra.name] = infra.ports
+        return ClusterInfo(str(self.run_dir), self.nats_url, self.redis_url, self.namespace,
+                           os.getpid(), procs)
+
+    def supervise(self) -> list[str]:
+        """Restarts processes that exited; returns the names restarted."""
+        restarted = []
+        for managed in [p for p in (self.nats, self.redis) if p is not None] + self.processes:
+            if managed.proc is not None and managed.proc.poll() is not None:
+                managed.restarts += 1
+                managed.start()
+                if managed in (self.nats, self.redis):
+                    wait_for_port("127.0.0.1", managed.ports["client"], 15, managed.proc)
+                restarted.append(managed.name)
+        return restarted
+
+    def process(self, name: str) -> ManagedProcess:
+        for managed in [p for p in (self.nats, self.redis) if p is not None] + self.processes:
+            if managed.name == name:
+                return managed
+        raise KeyError(name)
+
+    def stop(self) -> None:
+        """SIGTERM to every service (they finish or nak what they hold), then the servers."""
+        for managed in self.processes:
+            managed.signal(signal.SIGTERM)
+        _wait_all(self.processes, self.stop_grace_s)
+        infra = [p for p in (self.redis, self.nats) if p is not None]
+        for managed in infra:
+            managed.signal(signal.SIGTERM)
+        _wait_all(infra, 10)
+
+
+def _wait_all(processes: list[ManagedProcess], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for managed in processes:
+        if managed.proc is None:
+            continue
+        try:
+            managed.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            managed.proc.kill()
+            managed.proc.wait()

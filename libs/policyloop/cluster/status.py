@@ -1,0 +1,85 @@
+"""What `policyloop status` reports: every service instance that is alive (by its Redis
+heartbeat), whether it is healthy (its own report, plus the gRPC health protocol for gRPC
+services), its policy version, and the backlog of the consumer it reads."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from policyloop.bus import Backlog, Bus
+from policyloop.cluster.catalogue import SERVICES, entry
+from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
+
+
+@dataclass
+class InstanceStatus:
+    service: str
+    instance: str
+    healthy: bool
+    policy_version: int
+    reason: str = ""
+    backlog: Backlog | None = None
+    detail: dict[str, object] = field(default_factory=dict)
+    age_s: float = 0.0
+
+
+@dataclass
+class ClusterStatus:
+    instances: list[InstanceStatus]
+    missing: list[str]              # services with no live instance
+    backlogs: dict[str, Backlog]
+
+    @property
+    def all_healthy(self) -> bool:
+        return not self.missing and all(i.healthy for i in self.instances)
+
+
+async def grpc_serving(target: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        try:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            return False, f"grpc health: {exc.code().name}"
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving, "" if serving else f"grpc health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+
+
+async def _instance_status(beat: Heartbeat, backlogs: dict[str, Backlog]) -> InstanceStatus:
+    healthy, reason = beat.healthy, "" if beat.healthy else "reports unhealthy"
+    known = beat.service in {s.name for s in SERVICES}
+    if healthy and known and entry(beat.service).grpc:
+        target = str(beat.detail.get("grpc", ""))
+        healthy, reason = await grpc_serving(target) if target else (False, "no gRPC address")
+    return InstanceStatus(
+        service=beat.service, instance=beat.instance, healthy=healthy, reason=reason,
+        policy_version=beat.policy_version, backlog=backlogs.get(beat.service),
+        detail=beat.detail, age_s=max(0.0, time.time() - beat.beat_unix_ms / 1000),
+    )
+
+
+async def cluster_status(nats_url: str, redis_url: str, namespace: str,
+                         connect_timeout_s: float = 5.0) -> ClusterStatus:
+    client = await connect_redis(redis_url, connect_timeout_s=connect_timeout_s)
+    bus = await Bus.connect(nats_url, name="policyloop-status", connect_timeout_s=connect_timeout_s)
+    try:
+        beats = await HeartbeatRegistry(client, namespace).alive()
+        backlogs: dict[str, Backlog] = {}
+        for durable in bus.topology.consumers:
+            try:
+                backlogs[durable] = await bus.backlog(durable)
+            except Exception:  # noqa: BLE001 - a consumer not created yet has no backlog
+                pass
+        instances = list(await asyncio.gather(*(_instance_status(b, backlogs) for b in beats)))
+    finally:
+        await bus.close()
+        await client.aclose()
+    present = {i.service for i in instances}
+    missing = [s.name for s in SERVICES if s.name not in present]
+    return ClusterStatus(instances, missing, backlogs)

@@ -1,0 +1,1 @@
+"""Generated from protos/policyloop/v1 by `make protos`; do not edit."""

@@ -1,0 +1,292 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+    FINISH_REASON_ERROR: _ClassVar[FinishReason]
+
+class SandboxLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SANDBOX_LIMIT_NONE: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_WALL_TIME: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_CPU_TIME: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_MEMORY: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_PROCESSES: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_FILE_SIZE: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_OUTPUT: _ClassVar[SandboxLimit]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+FINISH_REASON_ERROR: FinishReason
+SANDBOX_LIMIT_NONE: SandboxLimit
+SANDBOX_LIMIT_WALL_TIME: SandboxLimit
+SANDBOX_LIMIT_CPU_TIME: SandboxLimit
+SANDBOX_LIMIT_MEMORY: SandboxLimit
+SANDBOX_LIMIT_PROCESSES: SandboxLimit
+SANDBOX_LIMIT_FILE_SIZE: SandboxLimit
+SANDBOX_LIMIT_OUTPUT: SandboxLimit
+
+class SamplingParams(_message.Message):
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    seed: int
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Task(_message.Message):
+    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    task_id: str
+    run_id: str
+    environment: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    prompt_text: str
+    group_size: int
+    sampling: SamplingParams
+    metadata: _containers.ScalarMap[str, str]
+    created_unix_ms: int
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+
+class VersionSpan(_message.Message):
+    __slots__ = ("version", "start", "end")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    start: int
+    end: int
+    def __init__(self, version: _Optional[int] = ..., start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("task_created_unix_ms", "generation_started_unix_ms", "generation_finished_unix_ms", "scored_unix_ms")
+    TASK_CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FINISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SCORED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    task_created_unix_ms: int
+    generation_started_unix_ms: int
+    generation_finished_unix_ms: int
+    scored_unix_ms: int
+    def __init__(self, task_created_unix_ms: _Optional[int] = ..., generation_started_unix_ms: _Optional[int] = ..., generation_finished_unix_ms: _Optional[int] = ..., scored_unix_ms: _Optional[int] = ...) -> None: ...
+
+class RewardComponent(_message.Message):
+    __slots__ = ("name", "value", "weight", "detail")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: float
+    weight: float
+    detail: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., weight: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class Trajectory(_message.Message):
+    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "scored", "reward", "reward_breakdown")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    TRAJECTORY_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BEHAVIOUR_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
+    VERSION_SPANS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_REPLICA_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    SCORED_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    trajectory_id: str
+    task_id: str
+    group_id: str
+    sample_index: int
+    group_size: int
+    run_id: str
+    environment: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    response_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    behaviour_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    version_spans: _containers.RepeatedCompositeFieldContainer[VersionSpan]
+    finish_reason: FinishReason
+    timings: Timings
+    rollout_replica: str
+    metadata: _containers.ScalarMap[str, str]
+    scored: bool
+    reward: float
+    reward_breakdown: _containers.RepeatedCompositeFieldContainer[RewardComponent]
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
+
+class WeightsPublished(_message.Message):
+    __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RAW_FIELD_NUMBER: _ClassVar[int]
+    BYTES_DELTA_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    base_versions: _containers.RepeatedScalarFieldContainer[int]
+    manifest_hash: str
+    bytes_raw: int
+    bytes_delta: int
+    codec: str
+    fetch_endpoint: str
+    step: int
+    published_unix_ms: int
+    run_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., base_versions: _Optional[_Iterable[int]] = ..., manifest_hash: _Optional[str] = ..., bytes_raw: _Optional[int] = ..., bytes_delta: _Optional[int] = ..., codec: _Optional[str] = ..., fetch_endpoint: _Optional[str] = ..., step: _Optional[int] = ..., published_unix_ms: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class DeadLetter(_message.Message):
+    __slots__ = ("origin_stream", "origin_subject", "stream_sequence", "consumer", "payload", "headers", "reason", "delivery_count", "service", "dead_lettered_unix_ms")
+    class HeadersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ORIGIN_STREAM_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    CONSUMER_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    HEADERS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    origin_stream: str
+    origin_subject: str
+    stream_sequence: int
+    consumer: str
+    payload: bytes
+    headers: _containers.ScalarMap[str, str]
+    reason: str
+    delivery_count: int
+    service: str
+    dead_lettered_unix_ms: int
+    def __init__(self, origin_stream: _Optional[str] = ..., origin_subject: _Optional[str] = ..., stream_sequence: _Optional[int] = ..., consumer: _Optional[str] = ..., payload: _Optional[bytes] = ..., headers: _Optional[_Mapping[str, str]] = ..., reason: _Optional[str] = ..., delivery_count: _Optional[int] = ..., service: _Optional[str] = ..., dead_lettered_unix_ms: _Optional[int] = ...) -> None: ...
+
+class SandboxLimits(_message.Message):
+    __slots__ = ("wall_seconds", "cpu_seconds", "memory_bytes", "max_processes", "max_file_bytes", "max_open_files", "max_output_bytes")
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    MAX_FILE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_OPEN_FILES_FIELD_NUMBER: _ClassVar[int]
+    MAX_OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    wall_seconds: float
+    cpu_seconds: float
+    memory_bytes: int
+    max_processes: int
+    max_file_bytes: int
+    max_open_files: int
+    max_output_bytes: int
+    def __init__(self, wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_bytes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
+
+class SandboxJob(_message.Message):
+    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    run_id: str
+    files: _containers.ScalarMap[str, bytes]
+    command: _containers.RepeatedScalarFieldContainer[str]
+    stdin: bytes
+    limits: SandboxLimits
+    reply_subject: str
+    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ...) -> None: ...
+
+class SandboxResult(_message.Message):
+    __slots__ = ("job_id", "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "wall_seconds", "cpu_seconds", "limit_hit", "error", "sandbox_instance")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_HIT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    stdout_truncated: bool
+    stderr_truncated: bool
+    wall_seconds: float
+    cpu_seconds: float
+    limit_hit: SandboxLimit
+    error: str
+    sandbox_instance: str
+    def __init__(self, job_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., limit_hit: _Optional[_Union[SandboxLimit, str]] = ..., error: _Optional[str] = ..., sandbox_instance: _Optional[str] = ...) -> None: ...

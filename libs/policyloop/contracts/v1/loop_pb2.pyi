@@ -1,0 +1,218 @@
+from policyloop.contracts.v1 import bus_pb2 as _bus_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    RUN_STATE_UNSPECIFIED: _ClassVar[RunState]
+    RUN_STATE_RUNNING: _ClassVar[RunState]
+    RUN_STATE_STOPPING: _ClassVar[RunState]
+    RUN_STATE_STOPPED: _ClassVar[RunState]
+    RUN_STATE_FINISHED: _ClassVar[RunState]
+    RUN_STATE_FAILED: _ClassVar[RunState]
+RUN_STATE_UNSPECIFIED: RunState
+RUN_STATE_RUNNING: RunState
+RUN_STATE_STOPPING: RunState
+RUN_STATE_STOPPED: RunState
+RUN_STATE_FINISHED: RunState
+RUN_STATE_FAILED: RunState
+
+class TaskSpec(_message.Message):
+    __slots__ = ("prompt_text", "prompt_token_ids", "answer", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    prompt_text: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    answer: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class BuiltinVerifier(_message.Message):
+    __slots__ = ("kind", "tolerance", "pattern", "format_weight")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BuiltinVerifier.Kind]
+        KIND_EXACT_ANSWER: _ClassVar[BuiltinVerifier.Kind]
+        KIND_NUMERIC_TOLERANCE: _ClassVar[BuiltinVerifier.Kind]
+        KIND_REGEX: _ClassVar[BuiltinVerifier.Kind]
+    KIND_UNSPECIFIED: BuiltinVerifier.Kind
+    KIND_EXACT_ANSWER: BuiltinVerifier.Kind
+    KIND_NUMERIC_TOLERANCE: BuiltinVerifier.Kind
+    KIND_REGEX: BuiltinVerifier.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    kind: BuiltinVerifier.Kind
+    tolerance: float
+    pattern: str
+    format_weight: float
+    def __init__(self, kind: _Optional[_Union[BuiltinVerifier.Kind, str]] = ..., tolerance: _Optional[float] = ..., pattern: _Optional[str] = ..., format_weight: _Optional[float] = ...) -> None: ...
+
+class UnitTestScorer(_message.Message):
+    __slots__ = ("test_code", "timeout_seconds")
+    TEST_CODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    test_code: str
+    timeout_seconds: float
+    def __init__(self, test_code: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RewardCodeScorer(_message.Message):
+    __slots__ = ("source", "timeout_seconds")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    timeout_seconds: float
+    def __init__(self, source: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Environment(_message.Message):
+    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    BUILTIN_FIELD_NUMBER: _ClassVar[int]
+    UNIT_TESTS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
+    builtin: BuiltinVerifier
+    unit_tests: UnitTestScorer
+    reward_code: RewardCodeScorer
+    group_size: int
+    sampling: _bus_pb2.SamplingParams
+    max_turns: int
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SubmitEnvironmentRequest(_message.Message):
+    __slots__ = ("environment",)
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    environment: Environment
+    def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ...) -> None: ...
+
+class SubmitEnvironmentResponse(_message.Message):
+    __slots__ = ("environment", "num_tasks", "created")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    num_tasks: int
+    created: bool
+    def __init__(self, environment: _Optional[str] = ..., num_tasks: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class EnvironmentMix(_message.Message):
+    __slots__ = ("environment", "weight")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    weight: float
+    def __init__(self, environment: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
+
+class StartRunRequest(_message.Message):
+    __slots__ = ("run_id", "environments", "model", "num_tasks", "max_lag", "loss", "seed")
+    class LossEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
+    model: str
+    num_tasks: int
+    max_lag: int
+    loss: _containers.ScalarMap[str, str]
+    seed: int
+    def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_FIELD_NUMBER: _ClassVar[int]
+    TASKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TASKS_ENQUEUED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    state: RunState
+    environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
+    model: str
+    max_lag: int
+    tasks_total: int
+    tasks_enqueued: int
+    policy_version: int
+    created_unix_ms: int
+    updated_unix_ms: int
+    error: str
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class StopRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class GetRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class WatchRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class ListPoliciesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Policy(_message.Message):
+    __slots__ = ("model", "version", "updated_unix_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    updated_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ListPoliciesResponse(_message.Message):
+    __slots__ = ("policies",)
+    POLICIES_FIELD_NUMBER: _ClassVar[int]
+    policies: _containers.RepeatedCompositeFieldContainer[Policy]
+    def __init__(self, policies: _Optional[_Iterable[_Union[Policy, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,121 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PayloadKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PAYLOAD_KIND_UNSPECIFIED: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_KEYFRAME: _ClassVar[PayloadKind]
+    PAYLOAD_KIND_DELTA: _ClassVar[PayloadKind]
+PAYLOAD_KIND_UNSPECIFIED: PayloadKind
+PAYLOAD_KIND_KEYFRAME: PayloadKind
+PAYLOAD_KIND_DELTA: PayloadKind
+
+class PushHeader(_message.Message):
+    __slots__ = ("model", "version", "step", "codec", "total_bytes", "payload_xxh3_128", "run_id")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    step: int
+    codec: str
+    total_bytes: int
+    payload_xxh3_128: str
+    run_id: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+
+class PushChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: PushHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[PushHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PushResult(_message.Message):
+    __slots__ = ("model", "version", "bytes_stored")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTES_STORED_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    bytes_stored: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., bytes_stored: _Optional[int] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("model", "have_version", "want_version")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    HAVE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WANT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    have_version: int
+    want_version: int
+    def __init__(self, model: _Optional[str] = ..., have_version: _Optional[int] = ..., want_version: _Optional[int] = ...) -> None: ...
+
+class FetchHeader(_message.Message):
+    __slots__ = ("model", "version", "base_version", "kind", "codec", "total_bytes", "payload_xxh3_128", "manifest_hash")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    base_version: int
+    kind: PayloadKind
+    codec: str
+    total_bytes: int
+    payload_xxh3_128: str
+    manifest_hash: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., base_version: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
+
+class WeightChunk(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: FetchHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[FetchHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ("model",)
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    def __init__(self, model: _Optional[str] = ...) -> None: ...
+
+class VersionInfo(_message.Message):
+    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CODEC_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_XXH3_128_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    step: int
+    codec: str
+    bytes: int
+    payload_xxh3_128: str
+    created_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...

@@ -1,0 +1,92 @@
+"""Validation of LoopService requests. Every error names the offending field, so the gateway
+can answer INVALID_ARGUMENT with a message a user can act on."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from policyloop.contracts.v1 import loop_pb2
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
+MAX_TASKS_PER_ENVIRONMENT = 1_000_000
+MAX_GROUP_SIZE = 1024
+
+
+class InvalidField(ValueError):
+    def __init__(self, field: str, problem: str) -> None:
+        super().__init__(f"{field}: {problem}")
+        self.field = field
+
+
+def environment_key(name: str, version: str) -> str:
+    return f"{name}@{version}"
+
+
+def validate_environment(env: loop_pb2.Environment) -> None:
+    if not NAME_RE.match(env.name):
+        raise InvalidField("environment.name", f"{env.name!r} must match {NAME_RE.pattern}")
+    if not VERSION_RE.match(env.version):
+        raise InvalidField("environment.version", f"{env.version!r} must match {VERSION_RE.pattern}")
+    if not env.tasks:
+        raise InvalidField("environment.tasks", "an environment needs at least one task")
+    if len(env.tasks) > MAX_TASKS_PER_ENVIRONMENT:
+        raise InvalidField("environment.tasks", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
+    for i, task in enumerate(env.tasks):
+        if not task.prompt_text and not task.prompt_token_ids:
+            raise InvalidField(f"environment.tasks[{i}].prompt_text", "the task has no prompt")
+        if any(t < 0 for t in task.prompt_token_ids):
+            raise InvalidField(f"environment.tasks[{i}].prompt_token_ids", "token ids must not be negative")
+    scorer = env.WhichOneof("scorer")
+    if scorer is None:
+        raise InvalidField("environment.scorer", "choose builtin, unit_tests or reward_code")
+    if scorer == "builtin":
+        verifier = env.builtin
+        if verifier.kind == loop_pb2.BuiltinVerifier.KIND_UNSPECIFIED:
+            raise InvalidField("environment.builtin.kind", "is unspecified")
+        if verifier.kind == loop_pb2.BuiltinVerifier.KIND_NUMERIC_TOLERANCE and not (
+            math.isfinite(verifier.tolerance) and verifier.tolerance >= 0
+        ):
+            raise InvalidField("environment.builtin.tolerance", "must be a finite number >= 0")
+        if verifier.kind == loop_pb2.BuiltinVerifier.KIND_REGEX and not verifier.pattern:
+            raise InvalidField("environment.builtin.pattern", "a regex verifier needs a pattern")
+        if verifier.pattern:
+            try:
+                re.compile(verifier.pattern)
+            except re.error as exc:
+                raise InvalidField("environment.builtin.pattern", f"not a valid regex: {exc}") from exc
+        if verifier.kind != loop_pb2.BuiltinVerifier.KIND_REGEX:
+            for i, task in enumerate(env.tasks):
+                if not task.answer:
+                    raise InvalidField(f"environment.tasks[{i}].answer", "the verifier needs an answer")
+    elif scorer == "unit_tests" and not env.unit_tests.test_code:
+        raise InvalidField("environment.unit_tests.test_code", "is empty")
+    elif scorer == "reward_code" and not env.reward_code.source:
+        raise InvalidField("environment.reward_code.source", "is empty")
+    if env.group_size > MAX_GROUP_SIZE:
+        raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE}")
+    sampling = env.sampling
+    if sampling.temperature < 0 or not math.isfinite(sampling.temperature):
+        raise InvalidField("environment.sampling.temperature", "must be a finite number >= 0")
+    if not 0 <= sampling.top_p <= 1:
+        raise InvalidField("environment.sampling.top_p", "must be within [0, 1] (0: engine default)")
+
+
+def validate_start_run(request: loop_pb2.StartRunRequest) -> None:
+    if request.run_id and not NAME_RE.match(request.run_id):
+        raise InvalidField("run_id", f"{request.run_id!r} must match {NAME_RE.pattern}")
+    if not request.environments:
+        raise InvalidField("environments", "a run needs at least one environment")
+    seen = set()
+    for i, mix in enumerate(request.environments):
+        name, _, version = mix.environment.partition("@")
+        if not NAME_RE.match(name) or not VERSION_RE.match(version):
+            raise InvalidField(f"environments[{i}].environment", f"{mix.environment!r} is not name@version")
+        if mix.environment in seen:
+            raise InvalidField(f"environments[{i}].environment", f"{mix.environment} is listed twice")
+        seen.add(mix.environment)
+        if not (math.isfinite(mix.weight) and mix.weight > 0):
+            raise InvalidField(f"environments[{i}].weight", "must be a finite number > 0")
+    if request.max_lag < -1:
+        raise InvalidField("max_lag", "must be -1 (unbounded) or >= 0")

@@ -1,0 +1,81 @@
+"""gRPC servers with the standard health service and reflection, and an optional bearer token."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Rejects every call without `authorization: Bearer <token>` (health checks excepted,
+    so orchestrators can probe without the secret)."""
+
+    OPEN_METHODS = ("/grpc.health.v1.Health/",)
+
+    def __init__(self, token: str) -> None:
+        self._expected = f"Bearer {token}".encode()
+
+        async def deny(_request: object, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+        self._deny_unary = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.stream_unary_rpc_method_handler(deny)
+        self._deny_unary_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        method = handler_call_details.method
+        if method.startswith(self.OPEN_METHODS):
+            return await continuation(handler_call_details)
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        supplied = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(supplied, self._expected):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.request_streaming:
+            return self._deny_stream
+        if handler.response_streaming:
+            return self._deny_unary_stream
+        return self._deny_unary
+
+
+Registrar = Callable[[grpc.aio.Server], None]
+
+
+async def start_grpc_server(
+    registrars: Sequence[Registrar],
+    service_names: Sequence[str],
+    *,
+    host: str,
+    port: int,
+    bearer_token: str = "",
+) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+    """Starts a server with the given services plus health and reflection. Returns the server,
+    its health servicer (to flip SERVING/NOT_SERVING) and the bound port."""
+    interceptors = [BearerTokenInterceptor(bearer_token)] if bearer_token else []
+    server = grpc.aio.server(
+        interceptors=interceptors,
+        options=[
+            ("grpc.max_receive_message_length", 8 * 1024 * 1024),
+            ("grpc.max_send_message_length", 8 * 1024 * 1024),
+        ],
+    )
+    for register in registrars:
+        register(server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for name in ("", *service_names):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    reflection.enable_server_reflection(
+        (*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port}")
+    await server.start()
+    return server, health_servicer, bound

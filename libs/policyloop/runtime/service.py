@@ -1,0 +1,194 @@
+"""What every service process does around its own loop: logging, connections to NATS and
+Redis, the topology, /metrics and /healthz, a Redis heartbeat, and a graceful stop.
+
+A service is an async function `body(ctx)` that runs until `ctx.stop` is set and then returns
+once it has finished or handed back (nacked) what it holds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import redis.exceptions
+import redis.asyncio as aioredis
+
+from policyloop.bus import Bus, PullWorker
+from policyloop.bus.topology import build_topology
+from policyloop.runtime.settings import ServiceSettings
+from policyloop.state import Heartbeat, HeartbeatRegistry, VersionRegistry, connect_redis
+from policyloop.telemetry.http import HealthReport, start_http
+from policyloop.telemetry.logging import bind_policy_version, configure_logging, get_logger
+from policyloop.telemetry.metrics import POLICY_VERSION, SERVICE_UP
+
+log = get_logger(__name__)
+
+HealthProbe = Callable[[], tuple[bool, str]]
+
+
+@dataclass
+class ServiceContext:
+    name: str
+    settings: ServiceSettings
+    bus: Bus
+    redis: aioredis.Redis
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    http_port: int = 0
+    # Extra figures for heartbeats and /healthz (e.g. messages handled).
+    detail: dict[str, object] = field(default_factory=dict)
+    _probes: dict[str, HealthProbe] = field(default_factory=dict)
+    _policy_version: int = 0
+    redis_ok: bool = True
+    health_url: str = ""
+
+    @property
+    def policy_version(self) -> int:
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, version: int) -> None:
+        self._policy_version = version
+        bind_policy_version(version)
+        POLICY_VERSION.labels(self.name).set(version)
+
+    @property
+    def versions(self) -> VersionRegistry:
+        return VersionRegistry(self.redis, self.settings.namespace)
+
+    def add_health_probe(self, name: str, probe: HealthProbe) -> None:
+        """`probe` returns (healthy, reason); the service is healthy when all probes are."""
+        self._probes[name] = probe
+
+    def health(self) -> HealthReport:
+        checks: dict[str, str] = {}
+        healthy = True
+        nats_ok = self.bus.nc.is_connected
+        checks["nats"] = "ok" if nats_ok else "disconnected"
+        checks["redis"] = "ok" if self.redis_ok else "unreachable"
+        healthy = nats_ok and self.redis_ok
+        for name, probe in self._probes.items():
+            ok, reason = probe()
+            checks[name] = "ok" if ok else reason
+            healthy = healthy and ok
+        SERVICE_UP.labels(self.name).set(1 if healthy else 0)
+        return HealthReport(
+            healthy,
+            {"service": self.name, "instance": self.settings.instance_id,
+             "policy_version": self.policy_version, "checks": checks, **self.detail},
+        )
+
+
+ServiceBody = Callable[[ServiceContext], Awaitable[None]]
+
+
+async def _heartbeat_loop(ctx: ServiceContext, registry: HeartbeatRegistry, started_ms: int) -> None:
+    s = ctx.settings
+    while True:
+        report = ctx.health()
+        beat = Heartbeat(
+            service=ctx.name,
+            instance=s.instance_id,
+            healthy=report.healthy,
+            policy_version=ctx.policy_version,
+            health_url=ctx.health_url,
+            detail=dict(report.detail.get("checks", {})) | ctx.detail,  # type: ignore[arg-type]
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            started_unix_ms=started_ms,
+        )
+        try:
+            await registry.beat(beat, s.heartbeat_ttl_s)
+            ctx.redis_ok = True
+        except (redis.exceptions.RedisError, OSError) as exc:
+            ctx.redis_ok = False
+            log.warning("heartbeat_failed", error=repr(exc))
+        await asyncio.sleep(s.heartbeat_interval_s)
+
+
+async def serve(name: str, settings: ServiceSettings, body: ServiceBody) -> int:
+    """Runs one service until SIGTERM/SIGINT; returns the process exit code."""
+    configure_logging(service=name, run_id=settings.run_id, instance=settings.instance_id,
+                      level=settings.log_level)
+    started_ms = int(time.time() * 1000)
+    bus = await Bus.connect(settings.nats_url, name=f"{name}:{settings.instance_id}",
+                            topology=build_topology(settings.bus),
+                            connect_timeout_s=settings.connect_timeout_s)
+    await bus.ensure_topology()
+    client = await connect_redis(settings.redis_url, connect_timeout_s=settings.connect_timeout_s)
+    ctx = ServiceContext(name=name, settings=settings, bus=bus, redis=client)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, ctx.stop.set)
+    runner, ctx.http_port = await start_http(ctx.health, settings.http_host, settings.http_port)
+    ctx.health_url = f"http://{settings.advertise_host}:{ctx.http_port}/healthz"
+    registry = HeartbeatRegistry(client, settings.namespace)
+    heartbeat = asyncio.create_task(_heartbeat_loop(ctx, registry, started_ms))
+    log.info("service_started", http_port=ctx.http_port, nats=settings.nats_url,
+             redis=settings.redis_url)
+    exit_code = 0
+    body_task = asyncio.create_task(body(ctx))
+    stop_wait = asyncio.create_task(ctx.stop.wait())
+    try:
+        await asyncio.wait({body_task, stop_wait}, return_when=asyncio.FIRST_COMPLETED)
+        if not body_task.done():
+            log.info("service_stopping", grace_s=settings.shutdown_grace_s)
+            # The body drains within the grace period; a margin lets it nak what is left.
+            done, _ = await asyncio.wait({body_task}, timeout=settings.shutdown_grace_s + 5)
+            if not done:
+                log.error("service_stop_timeout")
+                body_task.cancel()
+                await asyncio.gather(body_task, return_exceptions=True)
+        if body_task.done() and not body_task.cancelled() and body_task.exception() is not None:
+            exc = body_task.exception()
+            log.error("service_failed", error=repr(exc), exc_info=exc)
+            exit_code = 1
+    finally:
+        stop_wait.cancel()
+        heartbeat.cancel()
+        await asyncio.gather(heartbeat, stop_wait, return_exceptions=True)
+        try:
+            await registry.remove(name, settings.instance_id)
+        except (redis.exceptions.RedisError, OSError):
+            pass
+        await runner.cleanup()
+        await bus.close()
+        await client.aclose()
+        log.info("service_stopped", exit_code=exit_code)
+    return exit_code
+
+
+def limit_threads(threads: int = 1) -> None:
+    """Keeps math libraries from starting one thread per core in every service process
+    (several services share two cores here). Call before importing torch/numpy."""
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+        os.environ.setdefault(var, str(threads))
+
+
+async def run_pull_workers(ctx: ServiceContext, *workers: PullWorker) -> None:  # type: ignore[type-arg]
+    """Runs pull workers until the stop signal, then drains them: in-flight messages get the
+    grace period to finish and are nacked after it."""
+    for worker in workers:
+        ctx.add_health_probe(
+            f"consumer:{worker.consumer.durable}",
+            lambda w=worker: (w.bound, f"not bound: {w.last_error}"),
+        )
+    loops = [asyncio.create_task(w.run(ctx.stop)) for w in workers]
+    try:
+        await ctx.stop.wait()
+    finally:
+        await asyncio.gather(*loops, return_exceptions=True)
+        await asyncio.gather(*(w.drain(ctx.settings.shutdown_grace_s) for w in workers))
+
+
+def run_main(name: str, settings_model: type[ServiceSettings], body: ServiceBody,
+             argv: list[str] | None) -> int:
+    """Entry point of a service process: settings from env and flags, then `serve`."""
+    from policyloop.runtime.settings import load_settings
+
+    settings = load_settings(settings_model, list(argv or []))
+    return asyncio.run(serve(name, settings, body))

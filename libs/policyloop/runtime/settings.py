@@ -1,0 +1,73 @@
+"""Settings shared by every service. Each service has one model that extends this one; every
+field is read from `POLICYLOOP_<FIELD>` (nested: `POLICYLOOP_BUS__<FIELD>`) or from a flag
+(`--field-name value` after `policyloop serve <name>`), and every field is documented."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any, TypeVar
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
+
+from policyloop.bus.topology import BusLimits
+
+
+def default_instance_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+class ServiceSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="POLICYLOOP_",
+        env_nested_delimiter="__",
+        cli_kebab_case=True,
+        cli_implicit_flags=True,
+        extra="ignore",
+    )
+
+    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for shared state.")
+    namespace: str = Field(
+        "default",
+        description="Redis key namespace of this cluster, so clusters can share one Redis.",
+    )
+    run_id: str = Field("local", description="Run this service belongs to; bound into every log line.")
+    instance_id: str = Field(
+        default_factory=default_instance_id,
+        description="Name of this replica (heartbeats, logs, trajectory stamps). Default host-pid.",
+    )
+    log_level: str = Field("INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    http_host: str = Field("127.0.0.1", description="Interface of the /metrics and /healthz server.")
+    http_port: int = Field(0, description="Port of the /metrics and /healthz server (0: any free port).")
+    advertise_host: str = Field(
+        "127.0.0.1",
+        description="Host other processes use to reach this one (written into heartbeats).",
+    )
+    heartbeat_interval_s: float = Field(2.0, description="Seconds between Redis heartbeats.")
+    heartbeat_ttl_s: float = Field(
+        6.0, description="Lifetime of a heartbeat; an instance silent this long counts as gone."
+    )
+    connect_timeout_s: float = Field(
+        20.0, description="Deadline for the first connection to NATS and to Redis at start-up."
+    )
+    shutdown_grace_s: float = Field(
+        10.0,
+        description="On SIGTERM, how long in-flight messages may finish before they are nacked.",
+    )
+    bus: BusLimits = Field(
+        default_factory=BusLimits, description="Sizes and timings of the stream topology."
+    )
+
+
+S = TypeVar("S", bound=ServiceSettings)
+
+
+def load_settings(model: type[S], cli_args: list[str] | None = None, **overrides: Any) -> S:
+    """Environment variables, then flags, then explicit overrides (highest)."""
+    if cli_args:
+        settings = CliApp.run(model, cli_args=cli_args)
+    else:
+        settings = model()
+    return settings.model_copy(update=overrides) if overrides else settings

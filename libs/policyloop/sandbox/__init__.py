@@ -1,0 +1,1 @@
+"""Isolated execution of untrusted code (jobs from the SANDBOX stream)."""

@@ -1,0 +1,16 @@
+"""Small shared state in Redis: policy versions, heartbeats, idempotency keys."""
+
+from policyloop.state.store import (
+    Heartbeat,
+    HeartbeatRegistry,
+    IdempotencyKeys,
+    StateUnavailable,
+    VersionConflict,
+    VersionRegistry,
+    connect_redis,
+)
+
+__all__ = [
+    "Heartbeat", "HeartbeatRegistry", "IdempotencyKeys", "StateUnavailable", "VersionConflict",
+    "VersionRegistry", "connect_redis",
+]

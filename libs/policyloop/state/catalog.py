@@ -1,0 +1,111 @@
+"""Environments and runs, kept in Redis by the gateway (any replica can answer for any run).
+
+A run is a hash: its definition (the StartRunRequest, immutable), its state, its feeding
+progress and timestamps, each a field of its own so that the feeder and StopRun never
+overwrite each other's updates.
+"""
+
+from __future__ import annotations
+
+import time
+
+import redis.asyncio as aioredis
+
+from policyloop.contracts.v1 import loop_pb2
+
+TERMINAL_STATES = frozenset({
+    loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FINISHED, loop_pb2.RUN_STATE_FAILED,
+})
+
+
+class EnvironmentConflict(Exception):
+    """A different definition is stored under the same name@version."""
+
+
+class EnvironmentCatalog:
+    def __init__(self, client: aioredis.Redis, namespace: str) -> None:
+        """`client` must not decode responses: definitions are protobuf bytes."""
+        self.client = client
+        self.prefix = f"pl:{namespace}:env:"
+
+    async def put(self, key: str, env: loop_pb2.Environment) -> bool:
+        """Stores the environment; True if new, False if the identical one was there."""
+        data = env.SerializeToString(deterministic=True)
+        if await self.client.set(self.prefix + key, data, nx=True):
+            return True
+        if await self.client.get(self.prefix + key) == data:
+            return False
+        raise EnvironmentConflict(f"{key} exists with a different definition; submit a new version")
+
+    async def get(self, key: str) -> loop_pb2.Environment | None:
+        data = await self.client.get(self.prefix + key)
+        if data is None:
+            return None
+        env = loop_pb2.Environment()
+        env.ParseFromString(data)
+        return env
+
+
+class RunConflict(Exception):
+    pass
+
+
+class RunRegistry:
+    def __init__(self, client: aioredis.Redis, namespace: str) -> None:
+        """`client` must not decode responses: definitions are protobuf bytes."""
+        self.client = client
+        self.prefix = f"pl:{namespace}:run:"
+        self.index = f"pl:{namespace}:runs"
+
+    async def create(self, run_id: str, request: loop_pb2.StartRunRequest, tasks_total: int) -> None:
+        now = str(int(time.time() * 1000))
+        key = self.prefix + run_id
+        created = await self.client.hsetnx(key, "definition", request.SerializeToString(deterministic=True))
+        if not created:
+            raise RunConflict(f"run {run_id} exists")
+        await self.client.hset(key, mapping={
+            "state": str(loop_pb2.RUN_STATE_RUNNING), "tasks_total": str(tasks_total),
+            "tasks_enqueued": "0", "created": now, "updated": now, "error": "",
+        })
+        await self.client.sadd(self.index, run_id)
+
+    async def definition(self, run_id: str) -> loop_pb2.StartRunRequest | None:
+        data = await self.client.hget(self.prefix + run_id, "definition")
+        if data is None:
+            return None
+        request = loop_pb2.StartRunRequest()
+        request.ParseFromString(data)
+        return request
+
+    async def get(self, run_id: str, policy_version: int = 0) -> loop_pb2.Run | None:
+        fields = await self.client.hgetall(self.prefix + run_id)
+        if b"definition" not in fields:
+            return None
+        request = loop_pb2.StartRunRequest()
+        request.ParseFromString(fields[b"definition"])
+        return loop_pb2.Run(
+            run_id=run_id,
+            state=int(fields.get(b"state", b"0")),
+            environments=request.environments,
+            model=request.model,
+            max_lag=request.max_lag,
+            tasks_total=int(fields.get(b"tasks_total", b"0")),
+            tasks_enqueued=int(fields.get(b"tasks_enqueued", b"0")),
+            policy_version=policy_version,
+            created_unix_ms=int(fields.get(b"created", b"0")),
+            updated_unix_ms=int(fields.get(b"updated", b"0")),
+            error=fields.get(b"error", b"").decode(),
+        )
+
+    async def set_state(self, run_id: str, state: int, error: str = "") -> None:
+        await self.client.hset(self.prefix + run_id, mapping={
+            "state": str(state), "error": error, "updated": str(int(time.time() * 1000)),
+        })
+
+    async def set_enqueued(self, run_id: str, count: int) -> None:
+        await self.client.hset(self.prefix + run_id, mapping={
+            "tasks_enqueued": str(count), "updated": str(int(time.time() * 1000)),
+        })
+
+    async def run_ids(self) -> list[str]:
+        return sorted(m.decode() for m in await self.client.smembers(self.index))

@@ -1,0 +1,1 @@
+"""Logging (structlog, JSON) and Prometheus metrics shared by every service."""

@@ -1,0 +1,1 @@
+"""Policy weights: the version store behind the publisher and the WeightService client."""

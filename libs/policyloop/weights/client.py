@@ -1,0 +1,77 @@
+"""A WeightService client: push a version, fetch one back verified."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import xxhash
+
+from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
+from policyloop.weights.store import CHUNK_BYTES
+
+
+class FetchError(Exception):
+    """The fetched payload is not what its header promised."""
+
+
+@dataclass(frozen=True)
+class FetchedVersion:
+    header: weights_pb2.FetchHeader
+    payload: bytes
+
+
+class WeightClient:
+    def __init__(self, target: str, *, bearer_token: str = "", deadline_s: float = 60.0) -> None:
+        self.channel = grpc.aio.insecure_channel(target)
+        self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {bearer_token}"),) if bearer_token else ()
+        self.deadline_s = deadline_s
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def push(self, model: str, version: int, payload: bytes, *, codec: str, step: int = 0,
+                   run_id: str = "") -> weights_pb2.PushResult:
+        async def chunks() -> AsyncIterator[weights_pb2.PushChunk]:
+            yield weights_pb2.PushChunk(header=weights_pb2.PushHeader(
+                model=model, version=version, step=step, codec=codec, total_bytes=len(payload),
+                payload_xxh3_128=xxhash.xxh3_128_hexdigest(payload), run_id=run_id,
+            ))
+            for start in range(0, len(payload), CHUNK_BYTES):
+                yield weights_pb2.PushChunk(data=payload[start:start + CHUNK_BYTES])
+
+        return await self.stub.Push(chunks(), timeout=self.deadline_s, metadata=self.metadata)
+
+    async def fetch(self, model: str, *, have_version: int = 0, want_version: int = 0) -> FetchedVersion:
+        call = self.stub.Fetch(
+            weights_pb2.FetchRequest(model=model, have_version=have_version, want_version=want_version),
+            timeout=self.deadline_s, metadata=self.metadata,
+        )
+        header: weights_pb2.FetchHeader | None = None
+        parts: list[bytes] = []
+        async for chunk in call:
+            if chunk.WhichOneof("part") == "header":
+                if header is not None:
+                    raise FetchError("a second header arrived mid-stream")
+                header = chunk.header
+            else:
+                if header is None:
+                    raise FetchError("data arrived before the header")
+                parts.append(chunk.data)
+        if header is None:
+            raise FetchError("the stream ended without a header")
+        payload = b"".join(parts)
+        if len(payload) != header.total_bytes:
+            raise FetchError(f"received {len(payload)} bytes, header announced {header.total_bytes}")
+        digest = xxhash.xxh3_128_hexdigest(payload)
+        if digest != header.payload_xxh3_128:
+            raise FetchError(f"payload xxh3-128 {digest} does not match the header's {header.payload_xxh3_128}")
+        return FetchedVersion(header, payload)
+
+    async def list_versions(self, model: str = "") -> list[weights_pb2.VersionInfo]:
+        reply = await self.stub.ListVersions(
+            weights_pb2.ListVersionsRequest(model=model), timeout=self.deadline_s, metadata=self.metadata
+        )
+        return list(reply.versions)

@@ -1,0 +1,1 @@
+"""gateway: the gRPC LoopService; turns runs into Tasks on TASKS."""

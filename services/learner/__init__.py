@@ -1,0 +1,1 @@
+"""learner: trains on Trajectories and produces new policy versions."""

@@ -1,0 +1,1 @@
+"""publisher: stores policy versions, serves them over gRPC, announces them on WEIGHTS."""

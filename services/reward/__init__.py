@@ -1,0 +1,1 @@
+"""reward: scores Rollouts and publishes Trajectories."""

@@ -1,0 +1,1 @@
+"""rollout: pulls Tasks, samples a group of completions per task, publishes Rollouts."""

@@ -1,0 +1,1 @@
+"""sandbox: runs jobs from SANDBOX in isolation and replies with the result."""
