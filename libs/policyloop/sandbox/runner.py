@@ -102,6 +102,16 @@ def _classify(returncode: int, limits: JobLimits, cpu_s: float, timed_out: bool,
     return bus_pb2.SANDBOX_LIMIT_NONE
 
 
+async def _kill(proc: asyncio.subprocess.Process) -> None:
+    """unshare runs in its own session; killing the group ends the pid namespace's init and
+    with it every process of the job."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    await proc.wait()
+
+
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path,
                   instance: str = "") -> bus_pb2.SandboxResult:
     scratch = Path(tempfile.mkdtemp(prefix="job-", dir=scratch_root))
@@ -144,10 +154,13 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
             await asyncio.wait_for(proc.wait(), timeout=limits.wall_seconds)
         except asyncio.TimeoutError:
             timed_out = True
-            # unshare runs in its own session; killing the group ends the pid namespace's init
-            # and with it every process of the job.
-            os.killpg(proc.pid, signal.SIGKILL)
-            await proc.wait()
+            await _kill(proc)
+        except BaseException:
+            # Cancelled (the sandbox is stopping and hands the job back): no orphans.
+            await _kill(proc)
+            readers.cancel()
+            await asyncio.gather(readers, return_exceptions=True)
+            raise
         (stdout, out_trunc), (stderr, err_trunc) = await readers
         wall = time.monotonic() - started
         usage = resource.getrusage(resource.RUSAGE_CHILDREN)

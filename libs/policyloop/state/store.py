@@ -47,9 +47,11 @@ async def connect_redis(
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
-            await client.ping()
+            # The client's own retries could outlast the deadline: bound each attempt.
+            await asyncio.wait_for(client.ping(), timeout=max(0.1, deadline - time.monotonic()))
             return client
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
+        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
+                asyncio.TimeoutError) as exc:
             if time.monotonic() >= deadline:
                 await client.aclose()
                 raise StateUnavailable(f"no Redis at {url} within {connect_timeout_s}s: {exc!r}") from exc
