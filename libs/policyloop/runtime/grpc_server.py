@@ -11,10 +11,10 @@ from grpc_reflection.v1alpha import reflection
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
-    """Rejects every call without `authorization: Bearer <token>` (health checks excepted,
-    so orchestrators can probe without the secret)."""
+    """Rejects every call without `authorization: Bearer <token>`. Health checks and
+    reflection stay open: orchestrators probe without the secret, and the schema is public."""
 
-    OPEN_METHODS = ("/grpc.health.v1.Health/",)
+    OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     def __init__(self, token: str) -> None:
         self._expected = f"Bearer {token}".encode()

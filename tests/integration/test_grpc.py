@@ -1,0 +1,246 @@
+"""The gRPC services (gateway LoopService, publisher WeightService) as real processes, called
+through real channels: health, reflection, validation errors, tokens, durability."""
+
+from __future__ import annotations
+
+import os
+
+import grpc
+import pytest
+import xxhash
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from policyloop.bus import Bus, build_topology
+from policyloop.cluster.demo import addition_environment
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, weights_pb2, weights_pb2_grpc
+from policyloop.weights.client import WeightClient
+from tests.conftest import ServiceLauncher, fast_limits
+from tests.helpers import eventually, stored, stored_messages
+
+
+async def health_status(target: str) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return reply.status
+
+
+async def reflected_services(target: str) -> set[str]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+        async def requests():  # type: ignore[no-untyped-def]
+            yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+        async for reply in stub.ServerReflectionInfo(requests(), timeout=5):
+            return {s.name for s in reply.list_services_response.service}
+    return set()
+
+
+@pytest.fixture
+async def gateway(services: ServiceLauncher):  # type: ignore[no-untyped-def]
+    process = services.start("gateway", env={"POLICYLOOP_BEARER_TOKEN": "s3cret"},
+                             limits=fast_limits(tasks_capacity=20))
+    await services.wait_healthy(process)
+    target = f"127.0.0.1:{process.ports['grpc']}"
+    async with grpc.aio.insecure_channel(target) as channel:
+        yield process, target, loop_pb2_grpc.LoopServiceStub(channel)
+
+
+AUTH = (("authorization", "Bearer s3cret"),)
+
+
+async def test_gateway_health_reflection_and_token(gateway) -> None:  # type: ignore[no-untyped-def]
+    _, target, stub = gateway
+    assert await health_status(target) == health_pb2.HealthCheckResponse.SERVING
+    assert {"policyloop.v1.LoopService", "grpc.health.v1.Health"} <= await reflected_services(target)
+    with pytest.raises(grpc.aio.AioRpcError) as denied:
+        await stub.ListPolicies(loop_pb2.ListPoliciesRequest(), timeout=5)
+    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as wrong:
+        await stub.ListPolicies(loop_pb2.ListPoliciesRequest(), timeout=5,
+                                metadata=(("authorization", "Bearer nope"),))
+    assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert (await stub.ListPolicies(loop_pb2.ListPoliciesRequest(), timeout=5, metadata=AUTH)).policies == []
+
+
+@pytest.mark.parametrize(
+    ("mutate", "field"),
+    [
+        (lambda e: setattr(e, "name", ""), "environment.name"),
+        (lambda e: setattr(e, "version", "v 1"), "environment.version"),
+        (lambda e: e.ClearField("tasks"), "environment.tasks"),
+        (lambda e: setattr(e.tasks[1], "prompt_text", ""), "environment.tasks[1].prompt_text"),
+        (lambda e: setattr(e.tasks[2], "answer", ""), "environment.tasks[2].answer"),
+        (lambda e: e.ClearField("builtin"), "environment.scorer"),
+        (lambda e: setattr(e.sampling, "top_p", 1.5), "environment.sampling.top_p"),
+        (lambda e: setattr(e.builtin, "pattern", "(unclosed"), "environment.builtin.pattern"),
+    ],
+)
+async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway, mutate, field) -> None:  # type: ignore[no-untyped-def]
+    _, _, stub = gateway
+    env = addition_environment(4)
+    mutate(env)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith(field + ":")
+
+
+async def test_runs_feed_tasks_with_backpressure_and_clear_errors(gateway, nats_server) -> None:  # type: ignore[no-untyped-def]
+    _, _, stub = gateway
+    # The gateway's own limits (TASKS holds 20); the shared fixture would reset them.
+    bus = await Bus.connect(nats_server.url, name="test", topology=build_topology(fast_limits(tasks_capacity=20)))
+    try:
+        await _runs_feed_tasks(stub, bus)
+    finally:
+        await bus.close()
+
+
+async def _runs_feed_tasks(stub: loop_pb2_grpc.LoopServiceStub, bus: Bus) -> None:
+    env = addition_environment(5, group_size=2)
+    first = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
+    assert (first.environment, first.num_tasks, first.created) == ("addition@demo", 5, True)
+    again = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
+    assert not again.created  # the identical definition is accepted as is
+    changed = addition_environment(6)
+    with pytest.raises(grpc.aio.AioRpcError) as exists:
+        await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=changed), timeout=5, metadata=AUTH)
+    assert exists.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    with pytest.raises(grpc.aio.AioRpcError) as missing:
+        await stub.StartRun(loop_pb2.StartRunRequest(
+            environments=[loop_pb2.EnvironmentMix(environment="nope@v1", weight=1)]), timeout=5, metadata=AUTH)
+    assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert missing.value.details().startswith("environments[0].environment:")
+    with pytest.raises(grpc.aio.AioRpcError) as bad_weight:
+        await stub.StartRun(loop_pb2.StartRunRequest(
+            environments=[loop_pb2.EnvironmentMix(environment="addition@demo", weight=0)]), timeout=5, metadata=AUTH)
+    assert bad_weight.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_weight.value.details().startswith("environments[0].weight:")
+    with pytest.raises(grpc.aio.AioRpcError) as unknown_run:
+        await stub.GetRun(loop_pb2.GetRunRequest(run_id="ghost"), timeout=5, metadata=AUTH)
+    assert unknown_run.value.code() == grpc.StatusCode.NOT_FOUND
+
+    # 30 tasks into a TASKS stream that holds 20: the feeder waits, it never drops.
+    run = await stub.StartRun(loop_pb2.StartRunRequest(
+        run_id="run1", environments=[loop_pb2.EnvironmentMix(environment="addition@demo", weight=1)],
+        num_tasks=30, seed=3), timeout=5, metadata=AUTH)
+    assert (run.run_id, run.state, run.tasks_total) == ("run1", loop_pb2.RUN_STATE_RUNNING, 30)
+    with pytest.raises(grpc.aio.AioRpcError) as duplicate:
+        await stub.StartRun(loop_pb2.StartRunRequest(
+            run_id="run1", environments=[loop_pb2.EnvironmentMix(environment="addition@demo", weight=1)]),
+            timeout=5, metadata=AUTH)
+    assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
+
+    async def full() -> bool:
+        return len(await stored_messages(bus, "TASKS")) == 20
+
+    await eventually(full)
+    state = await stub.GetRun(loop_pb2.GetRunRequest(run_id="run1"), timeout=5, metadata=AUTH)
+    assert state.tasks_enqueued == 20
+    # Drain ten: the feeder resumes and enqueues exactly the rest.
+    sub = await bus.js.pull_subscribe_bind(durable="rollout", stream="TASKS")
+    taken = []
+    while len(taken) < 10:
+        for msg in await sub.fetch(10 - len(taken), timeout=5):
+            await msg.ack_sync()
+            taken.append(msg)
+
+    async def rest_enqueued() -> bool:
+        return (await stub.GetRun(loop_pb2.GetRunRequest(run_id="run1"), timeout=5, metadata=AUTH)).tasks_enqueued == 30
+
+    await eventually(rest_enqueued)
+    tasks = [bus_pb2.Task.FromString(m.data) for m in taken] + await stored(bus, "TASKS", bus_pb2.Task)
+    assert sorted(t.task_id for t in tasks) == [f"run1:{i:09d}" for i in range(30)]
+    assert all(t.group_size == 2 and t.metadata["answer"] and t.prompt_text for t in tasks)
+
+    watch = stub.WatchRun(loop_pb2.WatchRunRequest(run_id="run1"), timeout=10, metadata=AUTH)
+    first_update = await watch.read()
+    assert first_update.run_id == "run1" and first_update.state == loop_pb2.RUN_STATE_RUNNING
+    stopped = await stub.StopRun(loop_pb2.StopRunRequest(run_id="run1"), timeout=5, metadata=AUTH)
+    assert stopped.state == loop_pb2.RUN_STATE_STOPPED
+    updates = []
+    while (update := await watch.read()) != grpc.aio.EOF:
+        updates.append(update)
+    assert updates[-1].state == loop_pb2.RUN_STATE_STOPPED  # the stream ends with the run
+
+
+@pytest.fixture
+async def publisher(services: ServiceLauncher):  # type: ignore[no-untyped-def]
+    process = services.start("publisher", env={"POLICYLOOP_RETENTION_VERSIONS": "2"})
+    await services.wait_healthy(process)
+    client = WeightClient(f"127.0.0.1:{process.ports['grpc']}", deadline_s=10)
+    yield process, client
+    await client.close()
+
+
+async def test_publisher_stores_serves_and_announces_versions(publisher, bus: Bus, services: ServiceLauncher) -> None:  # type: ignore[no-untyped-def]
+    process, client = publisher
+    target = f"127.0.0.1:{process.ports['grpc']}"
+    assert await health_status(target) == health_pb2.HealthCheckResponse.SERVING
+    assert "policyloop.v1.WeightService" in await reflected_services(target)
+    payloads = {v: os.urandom(2_500_000 + v) for v in (1, 2, 3)}  # several 1 MiB chunks each
+    for version, payload in payloads.items():
+        result = await client.push("policy", version, payload, codec="raw", step=version)
+        assert result.bytes_stored == len(payload)
+    fetched = await client.fetch("policy")
+    assert fetched.header.version == 3 and fetched.payload == payloads[3]
+    assert fetched.header.kind == weights_pb2.PAYLOAD_KIND_KEYFRAME
+    assert (await client.fetch("policy", want_version=2)).payload == payloads[2]
+    # Retention 2: version 1 is gone.
+    assert [v.version for v in await client.list_versions("policy")] == [2, 3]
+    with pytest.raises(grpc.aio.AioRpcError) as gone:
+        await client.fetch("policy", want_version=1)
+    assert gone.value.code() == grpc.StatusCode.NOT_FOUND
+    events = await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)
+    assert [e.version for e in events] == [1, 2, 3]
+    assert events[-1].manifest_hash == xxhash.xxh3_128_hexdigest(payloads[3])
+    assert events[-1].fetch_endpoint.endswith(str(process.ports["grpc"]))
+
+    # A restarted publisher serves what is on disk and announces it again (stored once).
+    assert process.terminate() == 0
+    again = services.start("publisher", env={"POLICYLOOP_RETENTION_VERSIONS": "2",
+                                             "POLICYLOOP_GRPC_PORT": str(process.ports["grpc"])})
+    await services.wait_healthy(again)
+    assert (await client.fetch("policy")).payload == payloads[3]
+    assert [e.version for e in await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)] == [1, 2, 3]
+
+
+async def test_publisher_rejects_bad_pushes_and_keeps_what_it_has(publisher) -> None:  # type: ignore[no-untyped-def]
+    process, client = publisher
+    good = os.urandom(100_000)
+    await client.push("policy", 5, good, codec="raw")
+    stub = weights_pb2_grpc.WeightServiceStub(client.channel)
+
+    async def push(header: weights_pb2.PushHeader, *chunks: bytes) -> grpc.aio.AioRpcError:
+        async def stream():  # type: ignore[no-untyped-def]
+            yield weights_pb2.PushChunk(header=header)
+            for chunk in chunks:
+                yield weights_pb2.PushChunk(data=chunk)
+
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.Push(stream(), timeout=10)
+        return err.value
+
+    data = os.urandom(10_000)
+    digest = xxhash.xxh3_128_hexdigest(data)
+    header = dict(model="policy", version=6, codec="raw", total_bytes=len(data), payload_xxh3_128=digest)
+    corrupted = await push(weights_pb2.PushHeader(**header), data[:-1] + bytes([data[-1] ^ 1]))
+    assert corrupted.code() == grpc.StatusCode.INVALID_ARGUMENT and "xxh3-128" in corrupted.details()
+    truncated = await push(weights_pb2.PushHeader(**header), data[:5000])
+    assert truncated.code() == grpc.StatusCode.INVALID_ARGUMENT and "5000 bytes" in truncated.details()
+    stale = await push(weights_pb2.PushHeader(**(header | {"version": 5})), data)
+    assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION and stale.details().startswith("header.version:")
+    bad_model = await push(weights_pb2.PushHeader(**(header | {"model": "../etc"})), data)
+    assert bad_model.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_model.details().startswith("header.model:")
+    bad_hash = await push(weights_pb2.PushHeader(**(header | {"payload_xxh3_128": "xyz"})), data)
+    assert bad_hash.details().startswith("header.payload_xxh3_128:")
+    # None of it replaced or added a version; no temporary file is left behind.
+    assert [v.version for v in await client.list_versions()] == [5]
+    assert (await client.fetch("policy")).payload == good
+    weights_dir = process.log_path.parent / "weights" / "policy"
+    assert sorted(p.name for p in weights_dir.iterdir()) == ["000000000005.bin", "000000000005.json"]
+    with pytest.raises(grpc.aio.AioRpcError) as unknown:
+        await client.fetch("other")
+    assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
