@@ -150,8 +150,6 @@ class ServiceLauncher:
             full_env["POLICYLOOP_GRPC_PORT"] = str(ports["grpc"])
         if name == "publisher":
             full_env["POLICYLOOP_STORE_DIR"] = str(self.tmp_path / "weights")
-        if name == "sandbox":
-            full_env["POLICYLOOP_SCRATCH_DIR"] = str(self.tmp_path / "sandbox")
         full_env.update(limits_env(limits or fast_limits()))
         full_env.update(env or {})
         log_path = self.tmp_path / f"{instance}.log"

@@ -16,7 +16,13 @@ from policyloop.bus import Delivery, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_sandbox_job
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
-from policyloop.sandbox.runner import JobLimits, check_isolation, effective_limits, run_job
+from policyloop.sandbox.runner import (
+    JobLimits,
+    check_isolation,
+    check_scratch_root,
+    effective_limits,
+    run_job,
+)
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -24,7 +30,10 @@ log = get_logger(__name__)
 
 class SandboxSettings(ServiceSettings):
     concurrency: int = Field(1, description="Jobs run at once by this replica.")
-    scratch_dir: Path = Field(Path("/tmp"), description="Where each job's private scratch directory is made.")
+    scratch_dir: Path = Field(
+        Path("/tmp/policyloop-sandbox"),
+        description="Where each job's private scratch directory is made; others need o+x on every parent.",
+    )
     default_wall_seconds: float = Field(10.0, description="Wall-clock limit of a job that asks for none.")
     default_cpu_seconds: float = Field(5.0, description="CPU-time limit of a job that asks for none.")
     default_memory_bytes: int = Field(512 * 1024**2, description="Address-space limit of a job that asks for none.")
@@ -36,7 +45,7 @@ class SandboxSettings(ServiceSettings):
 async def body(ctx: ServiceContext) -> None:
     settings: SandboxSettings = ctx.settings  # type: ignore[assignment]
     await asyncio.to_thread(check_isolation)
-    settings.scratch_dir.mkdir(parents=True, exist_ok=True)
+    check_scratch_root(settings.scratch_dir)
     defaults = JobLimits(wall_seconds=settings.default_wall_seconds, cpu_seconds=settings.default_cpu_seconds,
                          memory_bytes=settings.default_memory_bytes)
     ceiling = JobLimits(wall_seconds=settings.max_wall_seconds, cpu_seconds=settings.max_cpu_seconds,

@@ -1,8 +1,11 @@
 """The whole JetStream topology in one table: streams, their subjects and message types, and
 the durable consumers the services share.
 
-Only fields nats-server 2.9.10 understands are used. On 2.9 a consumer's `backoff` also sets
-its ack wait (the first backoff step), so every backoff schedule starts at the ack wait.
+Only fields nats-server 2.9.10 understands are used. Consumers have no server-side `backoff`:
+on 2.9.10 it overrides the ack wait with its first step and, worse, overrides the delay of a
+`nak(delay=...)` after the first redelivery (measured: nak delays of 0.1/0.2 s became 3 s and
+9 s). Redelivery is paced instead by the handler's nak delays (policyloop.bus.consume) and,
+for a holder that died, by the ack wait.
 """
 
 from __future__ import annotations
@@ -90,8 +93,6 @@ class ConsumerSpec:
     filter_subject: str
     ack_wait_s: float
     max_deliver: int
-    # Redelivery delays after an ack timeout; starts with ack_wait_s (see module docstring).
-    backoff_s: tuple[float, ...] = ()
     max_ack_pending: int = 1000
     description: str = ""
 
@@ -105,7 +106,6 @@ class ConsumerSpec:
             deliver_policy=api.DeliverPolicy.ALL,
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
-            backoff=list(self.backoff_s) or None,
             max_ack_pending=self.max_ack_pending,
         )
 
@@ -120,12 +120,6 @@ class Topology:
             if any(_subject_matches(pattern, subject) for pattern in spec.subjects):
                 return spec
         raise KeyError(f"no stream takes subject {subject!r}")
-
-
-def redelivery_backoff(ack_wait_s: float, max_deliver: int) -> tuple[float, ...]:
-    """Ack-timeout redelivery delays: the ack wait first, then growing, one per delivery."""
-    steps = max(1, max_deliver - 1)
-    return tuple(round(ack_wait_s * min(2**i, 8), 3) for i in range(steps))
 
 
 def build_topology(limits: BusLimits | None = None) -> Topology:
@@ -168,10 +162,7 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
     ]
 
     def consumer(stream: str, durable: str, subject: str, ack_wait: float, what: str) -> ConsumerSpec:
-        return ConsumerSpec(
-            stream, durable, subject, ack_wait, lim.max_deliver,
-            backoff_s=redelivery_backoff(ack_wait, lim.max_deliver), description=what,
-        )
+        return ConsumerSpec(stream, durable, subject, ack_wait, lim.max_deliver, description=what)
 
     consumers = [
         consumer("TASKS", "rollout", f"{p}.tasks.>", lim.rollout_ack_wait_s,

@@ -142,8 +142,6 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
         env["POLICYLOOP_GRPC_PORT"] = str(ports["grpc"])
     if entry.name == "publisher":
         env["POLICYLOOP_STORE_DIR"] = str(run_dir / "weights")
-    if entry.name == "sandbox":
-        env["POLICYLOOP_SCRATCH_DIR"] = str(run_dir / "sandbox")
     env.update(extra_env or {})
     return ManagedProcess(
         instance, [sys.executable, "-m", "policyloop", *service_args(entry)], env,
@@ -160,7 +158,8 @@ class ClusterInfo:
     redis_url: str
     namespace: str
     launcher_pid: int
-    processes: dict[str, dict[str, int]]
+    processes: dict[str, dict[str, int]]   # name -> ports
+    pids: dict[str, int] = field(default_factory=dict)
 
     def save(self) -> None:
         path = Path(self.run_dir) / "cluster.json"
@@ -226,12 +225,12 @@ class LocalCluster:
         return info
 
     def info(self) -> ClusterInfo:
-        procs = {p.name: p.ports for p in self.processes}
-        for infra in (self.nats, self.redis):
-            if infra is not None:
-                procs[infra.name] = infra.ports
-        return ClusterInfo(str(self.run_dir), self.nats_url, self.redis_url, self.namespace,
-                           os.getpid(), procs)
+        managed = [p for p in (self.nats, self.redis) if p is not None] + self.processes
+        return ClusterInfo(
+            str(self.run_dir), self.nats_url, self.redis_url, self.namespace, os.getpid(),
+            processes={p.name: p.ports for p in managed},
+            pids={p.name: p.proc.pid for p in managed if p.proc is not None},
+        )
 
     def supervise(self) -> list[str]:
         """Restarts processes that exited; returns the names restarted."""
@@ -243,6 +242,8 @@ class LocalCluster:
                 if managed in (self.nats, self.redis):
                     wait_for_port("127.0.0.1", managed.ports["client"], 15, managed.proc)
                 restarted.append(managed.name)
+        if restarted:
+            self.info().save()
         return restarted
 
     def process(self, name: str) -> ManagedProcess:

@@ -64,6 +64,21 @@ def check_isolation() -> None:
         raise SandboxUnavailable(f"cannot create namespaces: {probe.stderr.decode(errors='replace').strip()}")
 
 
+def check_scratch_root(root: Path) -> None:
+    """The job runs as an unprivileged uid, so every directory above its scratch directory must
+    let others through (o+x); otherwise no job could open its own files."""
+    root = root.resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        return
+    for directory in [root, *root.parents]:
+        if not directory.stat().st_mode & 0o001:
+            raise SandboxUnavailable(
+                f"scratch root {root}: {directory} is not traversable by others (chmod o+x, or "
+                "choose another scratch_dir)"
+            )
+
+
 def _preexec(limits: JobLimits) -> None:
     os.setsid()
     cpu = max(1, int(limits.cpu_seconds + 0.999))

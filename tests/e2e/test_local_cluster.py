@@ -1,0 +1,91 @@
+"""`policyloop up` brings up NATS, Redis and all six services; `policyloop status` reports them
+healthy; Ctrl-C stops every process. Then the demo drives messages through the whole cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from policyloop.cluster.catalogue import SERVICE_NAMES
+from policyloop.cluster.local import ClusterInfo
+
+POLICYLOOP = [sys.executable, "-m", "policyloop"]
+
+
+def wait_for_file(path: Path, proc: subprocess.Popen, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"policyloop up exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} not written within {timeout_s}s")
+        time.sleep(0.1)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_up_status_and_ctrl_c(tmp_path: Path) -> None:
+    run_dir = tmp_path / "cluster"
+    up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for_file(run_dir / "cluster.json", up, 60)
+        status = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir), "--wait-s", "90", "--json"],
+                                capture_output=True, text=True, timeout=120)
+        assert status.returncode == 0, status.stdout + status.stderr
+        report = json.loads(status.stdout)
+        assert report["all_healthy"] and report["missing"] == []
+        assert sorted(i["service"] for i in report["instances"]) == sorted(SERVICE_NAMES)
+        by_service = {i["service"]: i for i in report["instances"]}
+        assert by_service["rollout"]["backlog"]["stream"] == "TASKS"
+        assert by_service["learner"]["backlog"]["consumer"] == "learner"
+        table = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir)], capture_output=True,
+                               text=True, timeout=60)
+        assert table.returncode == 0 and all(name in table.stdout for name in SERVICE_NAMES)
+        info = ClusterInfo.load(run_dir)
+        pids = list(info.pids.values())
+        assert len(pids) == len(SERVICE_NAMES) + 2  # the services, nats-server and redis-server
+        assert all(pid_alive(pid) for pid in pids)
+    finally:
+        up.send_signal(signal.SIGINT)  # Ctrl-C
+        out, _ = up.communicate(timeout=90)
+    assert up.returncode == 0, out
+    assert "stopped" in out
+    assert not [pid for pid in pids if pid_alive(pid)]
+    # Each service stopped gracefully (SIGTERM), not by SIGKILL.
+    for name in SERVICE_NAMES:
+        log = (run_dir / "logs" / f"{name}-0.log").read_text()
+        assert '"event": "service_stopped"' in log, f"{name} did not stop gracefully:\n{log[-2000:]}"
+
+
+def test_status_without_a_cluster_says_so(tmp_path: Path) -> None:
+    result = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(tmp_path)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 2
+    assert "no cluster.json" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_demo_drives_a_run_through_every_service(tmp_path: Path) -> None:
+    result = subprocess.run([*POLICYLOOP, "demo", "--run-dir", str(tmp_path / "demo"), "--tasks", "16"],
+                            capture_output=True, text=True, timeout=200)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "the learner received 16 of 16 complete groups (64 trajectories)" in result.stdout
+    assert "demo complete" in result.stdout

@@ -1,0 +1,66 @@
+"""The generated code matches protos/, and bus messages are checked beyond decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from policyloop.contracts.generate import generate, stale_files
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.validate import (
+    InvalidMessage,
+    validate_sandbox_job,
+    validate_task,
+    validate_trajectory,
+)
+
+
+def test_committed_generated_code_is_fresh() -> None:
+    assert stale_files(generate()) == [], "run `make protos` and commit the result"
+
+
+def test_stale_files_notices_a_change() -> None:
+    files = generate()
+    name = sorted(files)[0]
+    files[name] += "\n# changed\n"
+    assert stale_files(files) == [name]
+
+
+def trajectory(**kw: object) -> bus_pb2.Trajectory:
+    base = dict(trajectory_id="t/0", task_id="t", group_size=2, sample_index=0,
+                response_token_ids=[5, 6, 7], behaviour_logprobs=[-0.1, -0.2, -0.3],
+                loss_mask=[True, True, False],
+                version_spans=[bus_pb2.VersionSpan(version=3, start=0, end=2),
+                               bus_pb2.VersionSpan(version=4, start=2, end=3)])
+    base.update(kw)
+    return bus_pb2.Trajectory(**base)  # type: ignore[arg-type]
+
+
+def test_valid_trajectory_passes() -> None:
+    validate_trajectory(trajectory())
+    validate_trajectory(trajectory(response_token_ids=[], behaviour_logprobs=[], loss_mask=[], version_spans=[]))
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"trajectory_id": ""}, "trajectory_id"),
+    ({"sample_index": 2}, "sample_index"),
+    ({"behaviour_logprobs": [-0.1]}, "behaviour_logprobs"),
+    ({"loss_mask": [True]}, "loss_mask"),
+    ({"version_spans": [bus_pb2.VersionSpan(version=3, start=0, end=2)]}, "version_spans"),
+    ({"version_spans": [bus_pb2.VersionSpan(version=3, start=1, end=3)]}, "version_spans[0]"),
+    ({"version_spans": [bus_pb2.VersionSpan(version=3, start=0, end=2),
+                        bus_pb2.VersionSpan(version=4, start=1, end=3)]}, "version_spans[1]"),
+])
+def test_invalid_trajectory_names_the_field(change: dict, field: str) -> None:
+    with pytest.raises(InvalidMessage) as err:
+        validate_trajectory(trajectory(**change))
+    assert err.value.field == field
+
+
+def test_task_and_job_checks() -> None:
+    validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_token_ids=[1], group_size=1))
+    with pytest.raises(InvalidMessage, match="group_size"):
+        validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x"))
+    with pytest.raises(InvalidMessage, match="leaves the scratch"):
+        validate_sandbox_job(bus_pb2.SandboxJob(job_id="j", command=["true"], files={"../x": b""}))
+    with pytest.raises(InvalidMessage, match="command"):
+        validate_sandbox_job(bus_pb2.SandboxJob(job_id="j"))

@@ -1,0 +1,91 @@
+"""The sandbox runner on real processes: isolation, limits, timeouts, output caps."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.sandbox.runner import (
+    JobLimits,
+    SandboxUnavailable,
+    check_isolation,
+    check_scratch_root,
+    effective_limits,
+    run_job,
+)
+
+try:
+    check_isolation()
+except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"no namespaces here: {exc}", allow_module_level=True)
+
+
+@pytest.fixture
+def tmp_path():  # type: ignore[no-untyped-def]
+    """A scratch root the unprivileged job user can traverse (pytest's own is root-only)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="pl-sandbox-test-"))
+    root.chmod(0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_scratch_root_must_be_traversable(tmp_path: Path) -> None:
+    import os
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        with pytest.raises(SandboxUnavailable, match="not traversable"):
+            check_scratch_root(private / "scratch")
+    check_scratch_root(tmp_path / "scratch")
+
+
+def job(*command: str, **kw: object) -> bus_pb2.SandboxJob:
+    return bus_pb2.SandboxJob(job_id="j", command=list(command), **kw)  # type: ignore[arg-type]
+
+
+async def test_runs_a_program_with_its_files_and_stdin(tmp_path: Path) -> None:
+    result = await run_job(job("python3", "main.py", files={"main.py": b"import sys; print(sys.stdin.read().upper())"},
+                               stdin=b"hello"), JobLimits(), tmp_path)
+    assert (result.exit_code, result.stdout, result.limit_hit) == (0, b"HELLO\n", bus_pb2.SANDBOX_LIMIT_NONE)
+    assert list(tmp_path.iterdir()) == []  # scratch removed
+
+
+async def test_no_network_and_own_pid_namespace(tmp_path: Path) -> None:
+    code = (b"import os, socket\nprint(os.getpid())\n"
+            b"try:\n socket.create_connection(('127.0.0.1', 22), timeout=2)\n print('connected')\n"
+            b"except OSError as e:\n print('refused', e.errno)\n")
+    result = await run_job(job("python3", "n.py", files={"n.py": code}), JobLimits(), tmp_path)
+    pid, outcome = result.stdout.decode().split("\n")[:2]
+    assert pid == "1"  # first process of its own pid namespace (after unshare's fork)
+    assert outcome.startswith("refused")
+
+
+async def test_wall_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
+    marker = "sleep 4242"
+    result = await run_job(job("sh", "-c", f"({marker} &) ; {marker}"), JobLimits(wall_seconds=1), tmp_path)
+    assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_WALL_TIME and result.exit_code < 0
+    await asyncio.sleep(0.2)
+    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
+    assert left.stdout.strip() == ""
+
+
+async def test_cpu_and_output_limits(tmp_path: Path) -> None:
+    spin = await run_job(job("python3", "-c", "while True: pass"), JobLimits(cpu_seconds=1, wall_seconds=10), tmp_path)
+    assert spin.limit_hit == bus_pb2.SANDBOX_LIMIT_CPU_TIME and spin.exit_code != 0
+    loud = await run_job(job("python3", "-c", "print('x' * 100000)"), JobLimits(max_output_bytes=1000), tmp_path)
+    assert len(loud.stdout) == 1000 and loud.stdout_truncated
+    assert loud.limit_hit == bus_pb2.SANDBOX_LIMIT_OUTPUT
+
+
+def test_requested_limits_are_capped() -> None:
+    limits = effective_limits(bus_pb2.SandboxLimits(wall_seconds=999, cpu_seconds=2),
+                              JobLimits(), JobLimits(wall_seconds=60, cpu_seconds=30))
+    assert (limits.wall_seconds, limits.cpu_seconds, limits.memory_bytes) == (60, 2, JobLimits().memory_bytes)

@@ -1,0 +1,61 @@
+"""The topology table is consistent and uses only what nats-server 2.9 understands."""
+
+from __future__ import annotations
+
+import pytest
+
+from policyloop.bus.consume import retry_delay
+from policyloop.bus.topology import (
+    _subject_matches,
+    build_topology,
+    dlq_subject,
+    rollouts_subject,
+    sandbox_subject,
+    subject_token,
+    tasks_subject,
+    trajectories_subject,
+    weights_subject,
+)
+
+
+def test_subjects_of_streams_do_not_overlap() -> None:
+    topo = build_topology()
+    patterns = [(s.name, p) for s in topo.streams.values() for p in s.subjects]
+    for name, pattern in patterns:
+        probe = pattern.replace(">", "x")
+        owners = [n for n, p in patterns if _subject_matches(p, probe)]
+        assert owners == [name], f"{probe} is taken by {owners}"
+
+
+def test_consumers_read_existing_streams_within_their_subjects() -> None:
+    topo = build_topology()
+    for consumer in topo.consumers.values():
+        stream = topo.streams[consumer.stream]
+        assert any(_subject_matches(p, consumer.filter_subject.replace(">", "x")) for p in stream.subjects)
+        config = consumer.config()
+        # No server-side backoff: on 2.9.10 it overrides nak delays (see topology's docstring).
+        assert config.backoff is None and config.ack_wait == consumer.ack_wait_s
+
+
+@pytest.mark.parametrize(("subject", "stream"), [
+    (tasks_subject("addition@v1.2"), "TASKS"),
+    (rollouts_subject("code env"), "ROLLOUTS"),
+    (trajectories_subject("a.b"), "TRAJECTORIES"),
+    (sandbox_subject("python"), "SANDBOX"),
+    (weights_subject("qwen2.5"), "WEIGHTS"),
+    (dlq_subject("TASKS"), "DLQ"),
+])
+def test_subject_helpers_land_in_their_stream(subject: str, stream: str) -> None:
+    assert build_topology().stream_for_subject(subject).name == stream
+    assert subject.count(".") == 2  # one token after the prefix, whatever the name held
+
+
+def test_subject_token() -> None:
+    assert subject_token("addition@v1.2") == "addition@v1_2"
+    assert subject_token("a b*c>d") == "a_b_c_d"
+    with pytest.raises(ValueError):
+        subject_token("")
+
+
+def test_retry_delays_grow_and_are_bounded() -> None:
+    assert [retry_delay(n, (1, 2, 3)) for n in (1, 2, 3, 9)] == [1, 2, 3, 3]

@@ -1,0 +1,84 @@
+"""Versions on disk: atomic, increasing, verified, pruned; crash leftovers cleaned."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from policyloop.weights.store import (
+    PayloadMismatch,
+    StaleVersion,
+    StoredVersion,
+    UnknownVersion,
+    VersionStore,
+    payload_digest,
+)
+
+
+def meta(version: int, payload: bytes, model: str = "m") -> StoredVersion:
+    return StoredVersion(model, version, version, "raw", len(payload), payload_digest(payload), 0)
+
+
+def put(store: VersionStore, version: int, payload: bytes) -> StoredVersion:
+    writer = store.begin(meta(version, payload))
+    for i in range(0, len(payload), 1000):
+        writer.write(payload[i:i + 1000])
+    return writer.commit()
+
+
+def test_put_read_and_prune(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path, retention=2)
+    payloads = {v: os.urandom(5000 + v) for v in (1, 2, 3)}
+    for v, p in payloads.items():
+        put(store, v, p)
+    assert [v.version for v in store.versions("m")] == [2, 3]
+    assert b"".join(store.read_chunks("m", 3, chunk_bytes=999)) == payloads[3]
+    with pytest.raises(UnknownVersion):
+        store.get("m", 1)
+    assert store.models() == ["m"]
+
+
+def test_versions_only_increase(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    put(store, 4, b"abc")
+    with pytest.raises(StaleVersion, match="not newer than 4"):
+        store.begin(meta(4, b"abc"))
+    with pytest.raises(StaleVersion, match="start at 1"):
+        store.begin(meta(0, b"abc"))
+
+
+def test_mismatched_payload_is_refused_and_leaves_nothing(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    writer = store.begin(meta(1, b"hello world"))
+    writer.write(b"hello worle")
+    with pytest.raises(PayloadMismatch, match="xxh3-128"):
+        writer.commit()
+    writer = store.begin(meta(1, b"hello world"))
+    writer.write(b"hello")
+    with pytest.raises(PayloadMismatch, match="5 bytes"):
+        writer.commit()
+    writer = store.begin(meta(1, b"hi"))
+    with pytest.raises(PayloadMismatch, match="longer"):
+        writer.write(b"hi!")
+    writer.abort()
+    assert store.versions("m") == [] and list((tmp_path / "m").iterdir()) == []
+
+
+def test_a_crash_mid_write_leaves_the_previous_version(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    put(store, 1, b"one")
+    # What a crash can leave: a temporary payload, and a payload renamed without its record.
+    (tmp_path / "m" / ".000000000002.123.456.tmp").write_bytes(b"partial")
+    (tmp_path / "m" / "000000000003.bin").write_bytes(b"orphan")
+    reopened = VersionStore(tmp_path)
+    assert [v.version for v in reopened.versions("m")] == [1]
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == ["000000000001.bin", "000000000001.json"]
+    put(reopened, 2, b"two")
+
+
+def test_model_names_cannot_escape_the_store(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    with pytest.raises(ValueError):
+        store.begin(meta(1, b"x", model="../x"))
