@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -68,8 +68,8 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
 @app.command()
 def up(
     run_dir: Annotated[Path, typer.Option(help="Where logs, NATS/Redis data and weights go.")] = DEFAULT_RUN_DIR,
-    nats_url: Annotated[Optional[str], typer.Option(help="Use this NATS instead of starting one.")] = None,
-    redis_url: Annotated[Optional[str], typer.Option(help="Use this Redis instead of starting one.")] = None,
+    nats_url: Annotated[str | None, typer.Option(help="Use this NATS instead of starting one.")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Use this Redis instead of starting one.")] = None,
     namespace: Annotated[str, typer.Option(help="Redis key namespace of this cluster.")] = "default",
     replicas: Annotated[list[str], typer.Option("--replicas", help="e.g. --replicas rollout=2")] = [],  # noqa: B006
     wait_s: Annotated[float, typer.Option(help="How long to wait for every service to be healthy.")] = 60.0,
@@ -125,8 +125,8 @@ def _print_status(status) -> None:  # type: ignore[no-untyped-def]
         table.add_column(col)
     for inst in status.instances:
         backlog = f"{inst.backlog.pending} / {inst.backlog.ack_pending}" if inst.backlog else "—"
-        table.add_row(inst.service, inst.instance, "[green]yes[/green]" if inst.healthy else f"[red]no[/red] {inst.reason}",
-                      str(inst.policy_version), backlog, _notes(inst.detail))
+        healthy = "[green]yes[/green]" if inst.healthy else f"[red]no[/red] {inst.reason}"
+        table.add_row(inst.service, inst.instance, healthy, str(inst.policy_version), backlog, _notes(inst.detail))
     for name in status.missing:
         table.add_row(name, "—", "[red]no instance[/red]", "—", "—", "")
     console.print(table)
@@ -140,15 +140,15 @@ def _notes(detail: dict[str, object]) -> str:
 @app.command()
 def status(
     run_dir: Annotated[Path, typer.Option(help="Run directory of a `policyloop up`.")] = DEFAULT_RUN_DIR,
-    nats_url: Annotated[Optional[str], typer.Option(help="Instead of the run directory's.")] = None,
-    redis_url: Annotated[Optional[str], typer.Option(help="Instead of the run directory's.")] = None,
-    namespace: Annotated[Optional[str], typer.Option(help="Redis key namespace.")] = None,
+    nats_url: Annotated[str | None, typer.Option(help="Instead of the run directory's.")] = None,
+    redis_url: Annotated[str | None, typer.Option(help="Instead of the run directory's.")] = None,
+    namespace: Annotated[str | None, typer.Option(help="Redis key namespace.")] = None,
     wait_s: Annotated[float, typer.Option(help="Wait up to this long for every service to be healthy.")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     """List each service: healthy or not, its policy version and its backlog. Exit 1 unless all
     six are healthy."""
-    from policyloop.cluster.local import ClusterInfo, ClusterError
+    from policyloop.cluster.local import ClusterError, ClusterInfo
 
     if not (nats_url and redis_url):
         try:

@@ -204,7 +204,7 @@ async def feeder_loop(ctx: ServiceContext, environments: EnvironmentCatalog, run
             log.warning("feeder_error", error=repr(exc))
         try:
             await asyncio.wait_for(wake.wait(), timeout=settings.feeder_lease_s / 2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 

@@ -3,6 +3,7 @@ healthy; Ctrl-C stops every process. Then the demo drives messages through the w
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -89,3 +90,27 @@ def test_demo_drives_a_run_through_every_service(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "the learner received 16 of 16 complete groups (64 trajectories)" in result.stdout
     assert "demo complete" in result.stdout
+
+
+async def test_cluster_uses_servers_given_by_url(tmp_path: Path, nats_server, redis_server) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.cluster.catalogue import entry
+    from policyloop.cluster.local import LocalCluster
+    from policyloop.cluster.status import cluster_status
+
+    cluster = LocalCluster(tmp_path / "c", nats_url=nats_server.url, redis_url=redis_server.url,
+                           services=(entry("reward"),), replicas={"reward": 2})
+    info = cluster.start()
+    try:
+        assert set(info.pids) == {"reward-0", "reward-1"}  # no servers of its own
+        deadline = time.monotonic() + 30
+        while True:
+            status = await cluster_status(nats_server.url, redis_server.url, "default")
+            healthy = sorted(i.instance for i in status.instances if i.healthy)
+            if healthy == ["reward-0", "reward-1"] or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+        assert healthy == ["reward-0", "reward-1"]
+        assert not status.all_healthy and "gateway" in status.missing  # only reward runs here
+    finally:
+        cluster.stop()
+    assert all(not pid_alive(pid) for pid in info.pids.values())

@@ -378,3 +378,35 @@ def test_consumer_specs_are_frozen() -> None:
     spec = build_topology().consumers["rollout"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.max_deliver = 1  # type: ignore[misc]
+
+
+async def test_initial_connect_is_bounded_and_says_why() -> None:
+    from policyloop.bus import BusUnavailable
+    from policyloop.cluster.local import free_port
+
+    port = free_port()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    with pytest.raises(BusUnavailable, match=f"no NATS server at nats://127.0.0.1:{port} within 1.5s"):
+        await Bus.connect(f"nats://127.0.0.1:{port}", name="t", connect_timeout_s=1.5)
+    assert loop.time() - t0 < 6
+
+
+async def test_connect_waits_for_a_server_that_is_starting(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.cluster.local import free_port, start_nats
+
+    port = free_port()
+
+    async def start_later():  # type: ignore[no-untyped-def]
+        await asyncio.sleep(1.0)
+        return await asyncio.to_thread(start_nats, tmp_path, port)
+
+    starter = asyncio.create_task(start_later())
+    bus = await Bus.connect(f"nats://127.0.0.1:{port}", name="t", connect_timeout_s=15)
+    managed = await starter
+    try:
+        assert bus.nc.is_connected
+    finally:
+        await bus.close()
+        managed.proc.terminate()
+        managed.proc.wait()

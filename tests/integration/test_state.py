@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from policyloop.cluster.local import free_port
 from policyloop.state import (
     Heartbeat,
     HeartbeatRegistry,
@@ -15,7 +16,6 @@ from policyloop.state import (
     VersionRegistry,
     connect_redis,
 )
-from policyloop.cluster.local import free_port
 from tests.conftest import Server
 
 

@@ -114,7 +114,7 @@ class Bus:
                     timeout=remaining,
                 )
                 break
-            except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
+            except (TimeoutError, OSError, nats.errors.Error) as exc:
                 last_error = exc
                 await asyncio.sleep(min(0.25, max(0.0, deadline - time.monotonic())))
         bus = cls(nc, topology or build_topology())
@@ -126,7 +126,7 @@ class Bus:
         if not self.nc.is_closed:
             try:
                 await asyncio.wait_for(self.nc.drain(), timeout=5)
-            except (asyncio.TimeoutError, nats.errors.Error):
+            except (TimeoutError, nats.errors.Error):
                 await self.nc.close()
 
     # -- topology ---------------------------------------------------------------------------

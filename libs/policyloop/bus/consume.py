@@ -123,7 +123,7 @@ class PullWorker(Generic[M]):
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
-            except (nats.errors.Error, asyncio.TimeoutError):
+            except (TimeoutError, nats.errors.Error):
                 pass
         self._sub = await self.bus.js.pull_subscribe_bind(
             durable=self.consumer.durable, stream=self.consumer.stream
@@ -161,7 +161,7 @@ class PullWorker(Generic[M]):
                     task.add_done_callback(self._forget)
             except asyncio.CancelledError:
                 raise
-            except (nats.errors.Error, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, nats.errors.Error, OSError) as exc:
                 # Server gone or consumer lost: wait, then re-bind.
                 self.last_error = repr(exc)
                 log.warning("consume_error", consumer=self.consumer.durable, error=repr(exc))
@@ -184,7 +184,7 @@ class PullWorker(Generic[M]):
             if sub is not None:
                 try:
                     await sub.unsubscribe()
-                except (nats.errors.Error, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.Error):
                     pass
 
     async def _handle(self, msg: Msg) -> None:
@@ -269,5 +269,5 @@ class PullWorker(Generic[M]):
 async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
     try:
         await asyncio.wait_for(stop.wait(), timeout=seconds)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         pass

@@ -12,7 +12,6 @@ original, which would otherwise sit there forever). Both paths use the message i
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 
@@ -135,7 +134,7 @@ async def watch_max_deliveries(bus: Bus, stream: str, consumer: str, service: st
                 deliveries=int(event.get("deliveries", 0)),
                 service=service,
             )
-        except (ValueError, KeyError, nats.errors.Error, asyncio.TimeoutError) as exc:
+        except (TimeoutError, ValueError, KeyError, nats.errors.Error) as exc:
             log.error("advisory_failed", stream=stream, consumer=consumer, error=repr(exc))
 
     return await bus.nc.subscribe(f"{ADVISORY_MAX_DELIVERIES}.{stream}.{consumer}", cb=on_advisory)

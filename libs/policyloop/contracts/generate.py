@@ -22,8 +22,8 @@ _IMPORT_RE = re.compile(r"^from policyloop\.v1 import ", re.MULTILINE)
 
 def generate() -> dict[str, str]:
     """Runs protoc (from grpcio-tools) and returns {file name: rewritten source}."""
-    from grpc_tools import protoc  # dev dependency: only needed to regenerate
     import grpc_tools
+    from grpc_tools import protoc  # dev dependency: only needed to regenerate
 
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PROTO_PACKAGE_DIR.glob("*.proto"))
     well_known = str(Path(grpc_tools.__file__).parent / "_proto")
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         old.unlink()
     for name, src in files.items():
         (OUTPUT_DIR / name).write_text(src)
-    (OUTPUT_DIR / "__init__.py").write_text('"""Generated from protos/policyloop/v1 by `make protos`; do not edit."""\n')
+    init = '"""Generated from protos/policyloop/v1 by `make protos`; do not edit."""\n'
+    (OUTPUT_DIR / "__init__.py").write_text(init)
     print(f"wrote {len(files)} files to {OUTPUT_DIR}")
     return 0
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-import redis.exceptions
 import redis.asyncio as aioredis
+import redis.exceptions
 
 from policyloop.bus import Bus, PullWorker
 from policyloop.bus.topology import build_topology

@@ -167,7 +167,7 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout=limits.wall_seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             timed_out = True
             await _kill(proc)
         except BaseException:

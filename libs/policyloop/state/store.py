@@ -50,8 +50,7 @@ async def connect_redis(
             # The client's own retries could outlast the deadline: bound each attempt.
             await asyncio.wait_for(client.ping(), timeout=max(0.1, deadline - time.monotonic()))
             return client
-        except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError,
-                asyncio.TimeoutError) as exc:
+        except (TimeoutError, redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError) as exc:
             if time.monotonic() >= deadline:
                 await client.aclose()
                 raise StateUnavailable(f"no Redis at {url} within {connect_timeout_s}s: {exc!r}") from exc
