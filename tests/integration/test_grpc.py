@@ -244,3 +244,23 @@ async def test_publisher_rejects_bad_pushes_and_keeps_what_it_has(publisher) -> 
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
         await client.fetch("other")
     assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_rollout_replicas_hear_of_published_versions(publisher, services: ServiceLauncher) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.state import HeartbeatRegistry, connect_redis
+
+    _, client = publisher
+    await client.push("policy", 1, b"weights v1", codec="raw")
+    rollout = services.start("rollout")  # joins late: reads the last announcement
+    await services.wait_healthy(rollout)
+    await client.push("policy", 2, b"weights v2", codec="raw")
+    redis_client = await connect_redis(services.redis.url)
+    try:
+        async def heard() -> bool:
+            beats = await HeartbeatRegistry(redis_client, "default").alive("rollout")
+            return bool(beats) and beats[0].detail.get("announced_version") == 2
+
+        await eventually(heard)
+    finally:
+        await redis_client.aclose()
+    assert [e["version"] for e in rollout.log_events() if e["event"] == "weights_announced"] == [1, 2]

@@ -159,3 +159,13 @@ async def test_services_reconnect_and_resume_after_nats_restart(
 
 async def _ids_are(bus: Bus, expected: list[str]) -> bool:
     return await trajectory_ids(bus) == expected
+
+
+async def test_service_without_nats_exits_with_a_clear_reason(services: ServiceLauncher) -> None:
+    from policyloop.cluster.local import free_port
+
+    reward = services.start("reward", env={"POLICYLOOP_NATS_URL": f"nats://127.0.0.1:{free_port()}",
+                                           "POLICYLOOP_CONNECT_TIMEOUT_S": "1"})
+    assert await asyncio.to_thread(reward.proc.wait, 30) == 1
+    [failure] = [e for e in reward.log_events() if e["event"] == "service_cannot_start"]
+    assert failure["error"].startswith("no NATS server at nats://127.0.0.1:")

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 import redis.asyncio as aioredis
 import redis.exceptions
 
-from policyloop.bus import Bus, PullWorker
+from policyloop.bus import Bus, BusUnavailable, PullWorker
 from policyloop.bus.topology import build_topology
 from policyloop.runtime.settings import ServiceSettings
-from policyloop.state import Heartbeat, HeartbeatRegistry, VersionRegistry, connect_redis
+from policyloop.state import Heartbeat, HeartbeatRegistry, StateUnavailable, VersionRegistry, connect_redis
 from policyloop.telemetry.http import HealthReport, start_http
 from policyloop.telemetry.logging import bind_policy_version, configure_logging, get_logger
 from policyloop.telemetry.metrics import POLICY_VERSION, SERVICE_UP
@@ -191,4 +191,9 @@ def run_main(name: str, settings_model: type[ServiceSettings], body: ServiceBody
     from policyloop.runtime.settings import load_settings
 
     settings = load_settings(settings_model, list(argv or []))
-    return asyncio.run(serve(name, settings, body))
+    try:
+        return asyncio.run(serve(name, settings, body))
+    except (BusUnavailable, StateUnavailable) as exc:
+        # Nothing was taken from the bus yet: say why and let the supervisor retry.
+        log.error("service_cannot_start", error=str(exc))
+        return 1
