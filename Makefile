@@ -12,12 +12,13 @@ PYTEST_ARGS ?=
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PIP) install -q --upgrade pip
+	@echo "installing policyloop into $(VENV) (log: $(VENV)/install.log)"
+	@$(PIP) install -q --upgrade pip > $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; exit 1; }
 	@# Without a GPU, take the CPU wheel first so that nothing pulls a multi-GB CUDA build.
-	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
-		$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q $(TORCH_CPU); \
+	@if ! command -v nvidia-smi >/dev/null 2>&1 && ! $(PY) -c "import torch" 2>/dev/null; then \
+		$(PIP) install $(TORCH_CPU) >> $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; exit 1; }; \
 	fi
-	@$(PIP) install -q -e '.[all,dev]'
+	@$(PIP) install -e '.[all,dev]' >> $(VENV)/install.log 2>&1 || { tail -40 $(VENV)/install.log; exit 1; }
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -48,3 +48,21 @@ def test_bad_values_are_refused() -> None:
 
 def test_settings_are_plain_models() -> None:
     assert issubclass(BusLimits, BaseModel)
+
+
+def test_each_service_starts_by_module_and_by_cli_and_documents_its_flags() -> None:
+    import subprocess
+    import sys
+
+    commands = {}
+    for service in SERVICES:
+        commands[f"-m {service.module}"] = [sys.executable, "-m", service.module, "--help"]
+        commands[f"serve {service.name}"] = [sys.executable, "-m", "policyloop", "serve", service.name, "--help"]
+    procs = {k: subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for k, c in commands.items()}
+    for key, proc in procs.items():
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, f"{key}: {out}"
+        assert "--nats-url" in out and "NATS server with JetStream." in out, key
+    unknown = subprocess.run([sys.executable, "-m", "policyloop", "serve", "nope"], capture_output=True, text=True)
+    assert unknown.returncode == 2 and "unknown service 'nope'" in unknown.stdout
