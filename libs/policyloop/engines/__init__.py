@@ -1,0 +1,1 @@
+"""Engines: SGLang's native HTTP protocol, the SGLang client, and the embedded engine."""

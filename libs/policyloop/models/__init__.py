@@ -1,0 +1,1 @@
+"""Models made here: the tokenizer and the small base policy that `policyloop bootstrap` builds."""

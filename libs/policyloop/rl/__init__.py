@@ -1,0 +1,1 @@
+"""RL logic as pure functions: advantages, policy losses, log-probabilities, batching."""
