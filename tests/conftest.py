@@ -124,10 +124,11 @@ class ServiceProcess:
 class ServiceLauncher:
     """Starts service processes against the test's servers and cleans them up."""
 
-    def __init__(self, tmp_path: Path, nats: Server, redis_srv: Server) -> None:
+    def __init__(self, tmp_path: Path, nats: Server, redis_srv: Server, model_dir: Path) -> None:
         self.tmp_path = tmp_path
         self.nats = nats
         self.redis = redis_srv
+        self.model_dir = model_dir
         self.started: list[ServiceProcess] = []
 
     def start(self, name: str, instance: str | None = None, env: dict[str, str] | None = None,
@@ -144,6 +145,8 @@ class ServiceLauncher:
             "POLICYLOOP_HEARTBEAT_TTL_S": "2",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",
+            "POLICYLOOP_MODEL_PATH": str(self.model_dir),
+            "POLICYLOOP_WEIGHTS_DIR": str(self.tmp_path / "rollout-weights"),
         })
         if name in ("gateway", "publisher"):
             ports["grpc"] = free_port()
@@ -189,9 +192,19 @@ class ServiceLauncher:
                 service.proc.wait(timeout=10)
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen2 policy with the project's tokenizer (a standard HF directory)."""
+    from tests.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
 @pytest.fixture
-def services(tmp_path: Path, nats_server: Server, redis_server: Server) -> Iterator[ServiceLauncher]:
-    launcher = ServiceLauncher(tmp_path, nats_server, redis_server)
+def services(
+    tmp_path: Path, nats_server: Server, redis_server: Server, tiny_model_dir: Path
+) -> Iterator[ServiceLauncher]:
+    launcher = ServiceLauncher(tmp_path, nats_server, redis_server, tiny_model_dir)
     yield launcher
     launcher.stop_all()
 

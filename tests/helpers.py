@@ -11,6 +11,7 @@ import nats.js.errors
 from google.protobuf.message import Message
 
 from policyloop.bus import Bus
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
 
 M = TypeVar("M", bound=Message)
 
@@ -48,3 +49,20 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s}s")
         await asyncio.sleep(interval_s)
+
+
+def addition_environment(count: int, seed: int = 0, group_size: int = 4) -> loop_pb2.Environment:
+    """A small inline environment for gateway tests (the real one is policyloop.envs.arithmetic)."""
+    import random
+
+    rng = random.Random(seed)
+    tasks = []
+    for _ in range(count):
+        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
+        tasks.append(loop_pb2.TaskSpec(prompt_text=f"{a}+{b}=", answer=str(a + b)))
+    return loop_pb2.Environment(
+        name="addition", version="demo", tasks=tasks,
+        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+        group_size=group_size,
+        sampling=bus_pb2.SamplingParams(max_new_tokens=8, temperature=1.0),
+    )

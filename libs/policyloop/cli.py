@@ -73,12 +73,18 @@ def up(
     namespace: Annotated[str, typer.Option(help="Redis key namespace of this cluster.")] = "default",
     replicas: Annotated[list[str], typer.Option("--replicas", help="e.g. --replicas rollout=2")] = [],  # noqa: B006
     wait_s: Annotated[float, typer.Option(help="How long to wait for every service to be healthy.")] = 60.0,
+    model_path: Annotated[Path | None, typer.Option(help="Base policy directory (default: bootstrap).")] = None,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cluster.local import LocalCluster
 
+    if model_path is None:
+        from policyloop.models.bootstrap import BootstrapConfig, bootstrap
+
+        model_path = bootstrap(BootstrapConfig())
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
-                           replicas=_parse_replicas(replicas))
+                           replicas=_parse_replicas(replicas),
+                           extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())})
     stopping = False
 
     def request_stop(*_: object) -> None:
@@ -173,14 +179,48 @@ def status(
 @app.command()
 def demo(
     run_dir: Annotated[Path, typer.Option(help="Where the demo cluster keeps its data.")] = Path("runs/demo"),
-    tasks: Annotated[int, typer.Option(help="Tasks to push through the loop.")] = 32,
-    group_size: Annotated[int, typer.Option(help="Samples per task.")] = 4,
+    out: Annotated[Path | None, typer.Option(help="Where summary.json and the plot go (default: the run dir).")] = None,
+    budget_s: Annotated[float, typer.Option(help="Seconds of RL after the first evaluation.")] = 420.0,
+    steps: Annotated[int, typer.Option(help="Stop after this many learner steps (0: the budget decides).")] = 0,
+    model_path: Annotated[Path | None, typer.Option(help="Base model directory (default: bootstrap).")] = None,
+    eval_problems: Annotated[int, typer.Option(help="Held-out problems per evaluation.")] = 200,
+    eval_interval_s: Annotated[float, typer.Option(help="Seconds between held-out evaluations.")] = 60.0,
+    groups_per_step: Annotated[int, typer.Option(help="Prompts per learner step.")] = 32,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
+    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
 ) -> None:
-    """Bring up the local cluster, feed a run through it and show its status."""
-    from policyloop.cluster.demo import run_demo
+    """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
+    arithmetic environment for a fixed budget with live progress, and report held-out accuracy
+    before and after (summary.json and a plot)."""
+    from policyloop.cluster.demo import DemoConfig, run_demo
 
-    sys.exit(run_demo(run_dir, tasks=tasks, group_size=group_size, console=console,
-                      print_status=_print_status))
+    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
+                        eval_problems=eval_problems, eval_interval_s=eval_interval_s,
+                        groups_per_step=groups_per_step, group_size=group_size, lr=lr)
+    sys.exit(run_demo(config, console=console, print_status=_print_status))
+
+
+@app.command()
+def bootstrap(
+    out: Annotated[Path | None, typer.Option(
+        help="Cache root: the model goes into OUT/<name>-<config hash>/ "
+             "(default $POLICYLOOP_CACHE/models or ~/.cache/policyloop/models).")] = None,
+    force: Annotated[bool, typer.Option(help="Rebuild even when a complete cached model exists.")] = False,
+) -> None:
+    """Build (or find cached) the small base model warmed up on arithmetic; prints JSON."""
+    from policyloop.models.bootstrap import BootstrapConfig, BootstrapError, bootstrap_dir, is_complete, read_record
+    from policyloop.models.bootstrap import bootstrap as build_bootstrap
+
+    config = BootstrapConfig()
+    cached = is_complete(bootstrap_dir(config, out)) and not force
+    try:
+        path = build_bootstrap(config, out, force=force)
+    except BootstrapError as exc:
+        console.print(f"[red]bootstrap failed:[/red] {exc}")
+        raise typer.Exit(1) from exc
+    record = read_record(path)
+    print(json.dumps({"path": str(path.resolve()), "heldout_accuracy": record["heldout_accuracy"],
+                      "steps": record["steps"], "seconds": record["seconds"], "cached": cached}, indent=2))
 
 
 if __name__ == "__main__":

@@ -223,6 +223,7 @@ async def body(ctx: ServiceContext) -> None:
         host=settings.grpc_host, port=settings.grpc_port, bearer_token=settings.bearer_token,
     )
     ctx.detail["grpc"] = f"{settings.advertise_host}:{port}"
+    ctx.ready = True
     feeder = asyncio.create_task(feeder_loop(ctx, environments, runs, leases, settings, wake))
     try:
         await ctx.stop.wait()

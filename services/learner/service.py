@@ -1,44 +1,150 @@
-"""learner service: consumes TRAJECTORIES.
+"""learner service: TRAJECTORIES → GRPO steps → new policy versions, pushed to the publisher.
 
-In this version the learner has no model yet (training comes with the loop issue). It holds
-the `learner` cursor over TRAJECTORIES, groups trajectories by group id, and reports how many
-complete groups it has seen and the stream position it reached.
+Trajectories are held (unacknowledged, with in-progress heartbeats) until the step that trains
+on them has produced a version the publisher stored durably; then they are acked. A learner
+that dies mid-step therefore loses nothing: its trajectories are redelivered. Redeliveries of
+what is already held or trained are recognised by trajectory id and acked without training.
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections import Counter
+from pathlib import Path
+
 from pydantic import Field
 
-from policyloop.bus import Delivery, PullWorker
+from policyloop.bus import Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
+from policyloop.rl.batching import Admission, GroupCollector, sample_lag
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import LEARNER_DROPPED, LEARNER_STEP_SECONDS, LEARNER_TOKENS, VERSION_LAG
+from policyloop.weights.client import WeightClient
+
+log = get_logger(__name__)
 
 
 class LearnerSettings(ServiceSettings):
-    model: str = Field("policy", description="Name of the model this learner trains.")
+    model: str = Field("policy", description="Name of the model this learner trains (WEIGHTS subject, versions).")
+    model_path: Path = Field(Path("model"), description="Hugging Face directory of the base policy.")
+    publisher_endpoint: str = Field("127.0.0.1:50052", description="host:port of the publisher's WeightService.")
+    publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")
+    groups_per_step: int = Field(32, description="Complete groups (prompts) per optimizer step.")
+    lr: float = Field(1e-4, description="AdamW learning rate.")
+    clip_low: float = Field(0.2, description="PPO clip range below 1 for the importance ratio.")
+    clip_high: float = Field(0.2, description="PPO clip range above 1 (clip-higher when larger than clip_low).")
+    max_grad_norm: float = Field(1.0, description="Gradient norm clipping threshold.")
+    torch_threads: int = Field(1, description="torch intra-op threads of this process.")
 
 
 async def body(ctx: ServiceContext) -> None:
-    ctx.policy_version = await ctx.versions.get(ctx.settings.model)  # type: ignore[attr-defined]
-    open_groups: dict[str, set[int]] = {}
-    ctx.detail.update(trajectories_seen=0, groups_complete=0, stream_position=0)
+    settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
+    from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
+
+    version = await ctx.versions.get(settings.model)
+    config = TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
+                           max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
+    if version != 0:
+        # Resuming from a checkpoint comes with the checkpoint issue; training the base weights
+        # under a later version number would publish a regression.
+        raise RuntimeError(f"{settings.model} is at version {version} but this learner starts from the base "
+                           "weights; clear the version (new namespace) until checkpoints exist")
+    trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, config, version)
+    ctx.policy_version = trainer.version
+    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
+                             deadline_s=settings.publish_deadline_s)
+    collector = GroupCollector()
+    waiting: dict[str, asyncio.Future[None]] = {}
+    enough = asyncio.Event()
+    lag_histogram: Counter[int] = Counter()
+    ctx.detail.update(step=0, mean_reward=0.0, trajectories_seen=0, groups_complete=0,
+                      dropped=0, lag_histogram={}, trained_samples=0)
 
     async def handle(delivery: Delivery[bus_pb2.Trajectory]) -> None:
         traj = delivery.message
-        members = open_groups.setdefault(traj.group_id, set())
-        members.add(traj.sample_index)
-        if len(members) == traj.group_size:
-            del open_groups[traj.group_id]
-            ctx.detail["groups_complete"] = int(ctx.detail["groups_complete"]) + 1
+        if not traj.scored:
+            raise PermanentError("trajectory was not scored by the reward service")
+        admission = collector.add(traj)
         ctx.detail["trajectories_seen"] = int(ctx.detail["trajectories_seen"]) + 1
-        ctx.detail["stream_position"] = max(int(ctx.detail["stream_position"]), delivery.stream_seq)
+        if admission is Admission.DUPLICATE:
+            LEARNER_DROPPED.labels("duplicate").inc()
+            ctx.detail["dropped"] = int(ctx.detail["dropped"]) + 1
+            return
+        future = asyncio.get_running_loop().create_future()
+        waiting[traj.trajectory_id] = future
+        if admission is Admission.COMPLETE:
+            ctx.detail["groups_complete"] = int(ctx.detail["groups_complete"]) + 1
+            if collector.complete_groups >= settings.groups_per_step:
+                enough.set()
+        await future  # resolved once a published version contains this sample
 
+    async def train_loop() -> None:
+        while not ctx.stop.is_set():
+            waiter = asyncio.create_task(enough.wait())
+            stopper = asyncio.create_task(ctx.stop.wait())
+            await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            stopper.cancel()
+            if ctx.stop.is_set():
+                return
+            enough.clear()
+            groups = collector.take(settings.groups_per_step)
+            started = time.monotonic()
+            report = await asyncio.to_thread(trainer.step, groups)
+            payload = await asyncio.to_thread(trainer.export_safetensors)
+            await publisher.push(settings.model, trainer.version, payload, codec="safetensors",
+                                 step=report.step, run_id=settings.run_id)
+            await ctx.versions.compare_and_set(settings.model, trainer.version - 1, trainer.version)
+            ctx.policy_version = trainer.version
+            for group in groups:
+                for traj in group:
+                    lag = sample_lag(traj, trainer.version - 1)
+                    lag_histogram[lag] += 1
+                    VERSION_LAG.observe(lag)
+                    future = waiting.pop(traj.trajectory_id, None)
+                    if future is not None and not future.done():
+                        future.set_result(None)
+            LEARNER_TOKENS.inc(report.trained_tokens)
+            LEARNER_STEP_SECONDS.observe(time.monotonic() - started)
+            ctx.detail.update(step=report.step, mean_reward=round(report.mean_reward, 4),
+                              lag_histogram={str(k): v for k, v in sorted(lag_histogram.items())},
+                              trained_samples=int(ctx.detail["trained_samples"]) + report.samples,
+                              clip_fraction=round(report.clip_fraction, 4), approx_kl=round(report.approx_kl, 6))
+            log.info("step", step=report.step, version=trainer.version, mean_reward=round(report.mean_reward, 4),
+                     loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
+                     step_s=round(time.monotonic() - started, 3))
+            if collector.complete_groups >= settings.groups_per_step:
+                enough.set()
+
+    # The worker must hold a whole step's samples (unacked) plus the groups still filling.
     worker = PullWorker(
         ctx.bus, ctx.bus.topology.consumers["learner"], bus_pb2.Trajectory, handle,
         service="learner", validator=validate_trajectory,
+        concurrency=ctx.bus.topology.consumers["learner"].max_ack_pending,
     )
-    await run_pull_workers(ctx, worker)
+
+    def on_trainer_done(task: asyncio.Task[None]) -> None:
+        # A learner that cannot train must not keep holding trajectories: stop, so the held
+        # messages are handed back and a supervisor restarts it.
+        if not task.cancelled() and task.exception() is not None:
+            log.error("train_loop_failed", error=repr(task.exception()))
+            ctx.stop.set()
+
+    trainer_task = asyncio.create_task(train_loop())
+    trainer_task.add_done_callback(on_trainer_done)
+    try:
+        await run_pull_workers(ctx, worker)
+    finally:
+        trainer_task.cancel()
+        await asyncio.gather(trainer_task, return_exceptions=True)
+        await publisher.close()
+        trainer.close()
+    if not trainer_task.cancelled() and trainer_task.exception() is not None:
+        raise RuntimeError("the training loop failed") from trainer_task.exception()
 
 
 def main(argv: list[str] | None = None) -> int:

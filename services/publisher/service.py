@@ -57,6 +57,7 @@ async def body(ctx: ServiceContext) -> None:
     )
     endpoint = f"{settings.advertise_host}:{port}"
     ctx.detail["grpc"] = endpoint
+    ctx.ready = True
     for model in store.models():
         latest = store.latest(model)
         if latest is not None:

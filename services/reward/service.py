@@ -1,23 +1,26 @@
-"""reward service: ROLLOUTS → TRAJECTORIES.
+"""reward service: ROLLOUTS → scored TRAJECTORIES.
 
-In this version there is no verifier yet (it comes with the loop issue): a Rollout is passed
-on unscored (`scored = false`). The bus contract is already the real one: the Rollout is acked
-only after TRAJECTORIES acknowledged the Trajectory, published under the same trajectory id,
-so redeliveries are stored once.
+Each Rollout is scored by its task's verifier (policyloop.envs.scoring): the reward and its
+breakdown are recorded in the Trajectory. The Rollout is acked only after TRAJECTORIES
+acknowledged the Trajectory, published under the same trajectory id, so redeliveries are stored
+once. A trajectory no verifier here can score is dead-lettered with the reason.
 """
 
 from __future__ import annotations
 
 from pydantic import Field
 
-from policyloop.bus import Delivery, PullWorker, trajectories_subject
+from policyloop.bus import Delivery, PermanentError, PullWorker, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
+from policyloop.envs.scoring import UnscorableTrajectory, score_trajectory
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.telemetry.metrics import REWARD
+from policyloop.trajectories import now_ms
 
 
 class RewardSettings(ServiceSettings):
-    concurrency: int = Field(8, description="Rollouts this replica scores at once.")
+    concurrency: int = Field(64, description="Rollouts this replica scores at once.")
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -26,7 +29,17 @@ async def body(ctx: ServiceContext) -> None:
 
     async def handle(delivery: Delivery[bus_pb2.Trajectory]) -> None:
         traj = delivery.message
+        try:
+            reward, breakdown = score_trajectory(traj)
+        except UnscorableTrajectory as exc:
+            raise PermanentError(str(exc)) from exc
+        traj.scored = True
+        traj.reward = reward
+        del traj.reward_breakdown[:]
+        traj.reward_breakdown.extend(breakdown)
+        traj.timings.scored_unix_ms = now_ms()
         await ctx.bus.publish(trajectories_subject(traj.environment), traj, traj.trajectory_id)
+        REWARD.labels(traj.environment).observe(reward)
         ctx.detail["rollouts_done"] = int(ctx.detail["rollouts_done"]) + 1
 
     worker = PullWorker(

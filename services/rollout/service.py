@@ -1,77 +1,270 @@
-"""rollout service: TASKS → ROLLOUTS, and it follows WEIGHTS.
+"""rollout service: TASKS → sampled groups → ROLLOUTS; follows WEIGHTS into its engine.
 
-In this version a rollout replica has no engine yet: for each Task it publishes one Rollout per
-group member carrying the task's identity and prompt and an empty response (the engine and the
-sampling come with the loop issue). What it already does for real is the bus contract: a Task is
-acked only after all of its group's Rollouts are acknowledged by ROLLOUTS, each under its
-stable trajectory id, so a redelivered Task produces no duplicates.
+The replica talks to its engine only through the SGLang client (SGLang's native HTTP API): a
+real SGLang server at `engine_url`, or the embedded engine, which this service starts as a
+child process when `engine = embedded` and no URL is given. Each Task becomes `group_size`
+generate requests sent together (the engine batches them); each response becomes a Rollout
+stamped with the engine's weight version over its tokens and the behaviour logprob of every
+token. The Task is acked only when every Rollout of its group is stored in ROLLOUTS.
+
+New versions: on a WeightsPublished event the replica fetches the version from the publisher
+(verified by hash), writes it as a Hugging Face directory and asks the engine to load it with
+`update_weights_from_disk`, then reports the version it serves. Only the newest announced
+version is loaded; versions announced meanwhile are skipped, never applied out of order.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Literal
 
 import nats.errors
 from nats.js import api
 from pydantic import Field
 
-from policyloop.bus import Delivery, PullWorker, rollouts_subject
+from policyloop.bus import Delivery, PullWorker, rollouts_subject, weights_subject
+from policyloop.cluster.local import free_port
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_task
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import SGLangClient
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.telemetry.logging import get_logger
-from policyloop.trajectories import group_members
+from policyloop.telemetry.metrics import GENERATED_TOKENS
+from policyloop.trajectories import group_members, now_ms
+from policyloop.weights.client import WeightClient
 
 log = get_logger(__name__)
 
+FINISH = {"stop": bus_pb2.FINISH_REASON_STOP, "length": bus_pb2.FINISH_REASON_LENGTH,
+          "abort": bus_pb2.FINISH_REASON_ABORT}
+
 
 class RolloutSettings(ServiceSettings):
-    concurrency: int = Field(4, description="Tasks this replica works on at once.")
+    concurrency: int = Field(8, description="Tasks (groups) this replica samples at once.")
     model: str = Field("policy", description="Model whose WeightsPublished events this replica follows.")
+    model_path: Path = Field(
+        Path("model"), description="Hugging Face directory of the base policy (tokenizer, config)."
+    )
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="Which engine serves the policy.")
+    engine_url: str = Field(
+        "", description="Base URL of the engine's HTTP API; empty with engine=embedded starts one as a child process."
+    )
+    engine_max_batch: int = Field(64, description="Most sequences the embedded engine decodes together.")
+    engine_threads: int = Field(1, description="torch threads of the embedded engine process.")
+    engine_start_timeout_s: float = Field(120.0, description="How long the engine may take to answer /health.")
+    generate_timeout_s: float = Field(300.0, description="Deadline of one generate request.")
+    weights_dir: Path = Field(
+        Path("runs/local/rollout-weights"),
+        description="Where fetched versions are written for the engine to load (one directory per version).",
+    )
+    publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
 
 
-async def follow_weights(ctx: ServiceContext, model: str) -> None:
-    """Records the newest announced version of `model` (the engine will load it later)."""
-    from policyloop.bus import weights_subject
+def _die_with_parent() -> None:
+    """Runs in the engine child before exec: the kernel sends it SIGTERM when the rollout
+    process dies, even by SIGKILL, so no engine outlives its replica."""
+    import ctypes
+    import signal
 
-    async def on_event(msg) -> None:  # type: ignore[no-untyped-def]
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_embedded_engine(settings: RolloutSettings, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "policyloop.engines.embedded", "--model-path", str(settings.model_path),
+         "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(settings.engine_max_batch),
+         "--threads", str(settings.engine_threads)],
+        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
+
+
+async def wait_for_engine(client: SGLangClient, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the embedded engine exited with {proc.returncode}")
+        if await client.health(timeout_s=2):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine at {client.base_url} did not become healthy within {timeout_s}s")
+        await asyncio.sleep(0.25)
+
+
+def write_version_dir(root: Path, base: Path, version: int, payload: bytes) -> Path:
+    """A Hugging Face directory for `version`: the base config plus the fetched weights."""
+    target = root / f"v{version:09d}"
+    tmp = root / f".v{version:09d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json"):
+        if (base / name).exists():
+            shutil.copy2(base / name, tmp / name)
+    (tmp / "model.safetensors").write_bytes(payload)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+class WeightFollower:
+    """Loads the newest announced version into the engine, one load at a time."""
+
+    def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient) -> None:
+        self.ctx, self.settings, self.client = ctx, settings, client
+        self.latest: bus_pb2.WeightsPublished | None = None
+        self.announced = asyncio.Event()
+        self.loaded_dir: Path | None = None
+
+    async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
         event = bus_pb2.WeightsPublished()
         event.ParseFromString(msg.data)
-        ctx.detail["announced_version"] = max(int(ctx.detail.get("announced_version", 0)), event.version)
-        log.info("weights_announced", version=event.version, endpoint=event.fetch_endpoint)
+        if self.latest is None or event.version > self.latest.version:
+            self.latest = event
+            self.ctx.detail["announced_version"] = event.version
+            log.info("weights_announced", version=event.version, endpoint=event.fetch_endpoint)
+            self.announced.set()
 
-    sub = await ctx.bus.js.subscribe(
-        weights_subject(model), cb=on_event, ordered_consumer=True,
-        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-    )
-    try:
-        await ctx.stop.wait()
-    finally:
+    async def run(self) -> None:
+        sub = await self.ctx.bus.js.subscribe(
+            weights_subject(self.settings.model), cb=self.on_event, ordered_consumer=True,
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        )
         try:
-            await sub.unsubscribe()
-        except nats.errors.Error:
-            pass
+            while not self.ctx.stop.is_set():
+                waiter = asyncio.create_task(self.announced.wait())
+                stopper = asyncio.create_task(self.ctx.stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                self.announced.clear()
+                event = self.latest
+                if event is None or event.version <= self.ctx.policy_version or self.ctx.stop.is_set():
+                    continue
+                try:
+                    await self.load(event)
+                except Exception as exc:  # noqa: BLE001 - keep serving the current version, retry
+                    log.error("weights_load_failed", version=event.version, error=repr(exc))
+                    await asyncio.sleep(1.0)
+                    self.announced.set()
+        finally:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def load(self, event: bus_pb2.WeightsPublished) -> None:
+        started = time.monotonic()
+        weights = WeightClient(event.fetch_endpoint, bearer_token=self.settings.publisher_token)
+        try:
+            fetched = await weights.fetch(event.model, have_version=self.ctx.policy_version,
+                                          want_version=event.version)
+        finally:
+            await weights.close()
+        directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
+                                            self.settings.model_path, event.version, fetched.payload)
+        await self.client.update_weights_from_disk(str(directory), weight_version=str(event.version))
+        previous, self.loaded_dir = self.loaded_dir, directory
+        self.ctx.policy_version = event.version
+        if previous is not None:
+            shutil.rmtree(previous, ignore_errors=True)
+        log.info("weights_loaded", version=event.version, seconds=round(time.monotonic() - started, 3))
 
 
 async def body(ctx: ServiceContext) -> None:
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
-    ctx.detail["tasks_done"] = 0
+    from transformers import AutoTokenizer
 
-    async def handle(delivery: Delivery[bus_pb2.Task]) -> None:
-        task = delivery.message
-        for rollout in group_members(task, settings.instance_id):
-            await ctx.bus.publish(rollouts_subject(task.environment), rollout, rollout.trajectory_id)
-        ctx.detail["tasks_done"] = int(ctx.detail["tasks_done"]) + 1
-
-    worker = PullWorker(
-        ctx.bus, ctx.bus.topology.consumers["rollout"], bus_pb2.Task, handle,
-        service="rollout", concurrency=settings.concurrency, validator=validate_task,
-    )
-    weights = asyncio.create_task(follow_weights(ctx, settings.model))
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
+    engine_proc = None
+    url = settings.engine_url
+    if not url:
+        if settings.engine != "embedded":
+            raise ValueError("engine_url is required with engine=sglang")
+        port = free_port()
+        engine_proc = start_embedded_engine(settings, port)
+        url = f"http://127.0.0.1:{port}"
+    client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     try:
-        await run_pull_workers(ctx, worker)
+        await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
+        info = await client.model_info()
+        ctx.policy_version = int(info.weight_version or 0)
+        if engine_proc is not None:
+            ctx.add_health_probe("engine", lambda: (engine_proc.poll() is None, "the embedded engine exited"))
+        ctx.detail.update(tasks_done=0, generated_tokens=0, engine=url)
+        stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+
+        async def sample(task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> None:
+            prompt_ids = list(traj.prompt_token_ids)
+            sp = task.sampling
+            seed = (sp.seed + traj.sample_index) if sp.HasField("seed") else None
+            result = await client.generate(GenerateRequest(
+                input_ids=prompt_ids,
+                sampling_params=SamplingParams(
+                    max_new_tokens=sp.max_new_tokens or 32, temperature=sp.temperature,
+                    top_p=sp.top_p or 1.0, top_k=sp.top_k or -1,
+                    stop_token_ids=tuple(sp.stop_token_ids or stop_ids), sampling_seed=seed,
+                ),
+                return_logprob=True, rid=traj.trajectory_id,
+            ))
+            if result.weight_version in (None, ""):
+                raise RuntimeError("the engine did not report a weight version")
+            n = len(result.output_ids)
+            traj.response_token_ids.extend(result.output_ids)
+            if result.output_logprobs is None or len(result.output_logprobs) != n:
+                raise RuntimeError("the engine returned no logprob for some response tokens")
+            traj.behaviour_logprobs.extend(result.output_logprobs)
+            traj.loss_mask.extend([True] * n)
+            if result.weight_versions:
+                # The request straddled a weight update: the engine says which tokens came from which.
+                traj.version_spans.extend(bus_pb2.VersionSpan(version=int(s.version), start=s.start, end=s.end)
+                                          for s in result.weight_versions)
+            elif n:
+                traj.version_spans.append(bus_pb2.VersionSpan(version=int(result.weight_version), start=0, end=n))
+            traj.finish_reason = FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
+            traj.response_text = tokenizer.decode(
+                [t for t in result.output_ids if t not in stop_ids], skip_special_tokens=True
+            )
+            traj.prompt_text = task.prompt_text
+            traj.timings.generation_finished_unix_ms = now_ms()
+
+        async def handle(delivery: Delivery[bus_pb2.Task]) -> None:
+            task = delivery.message
+            prompt_ids = list(task.prompt_token_ids) or tokenizer(task.prompt_text, add_special_tokens=False).input_ids
+            group = group_members(task, settings.instance_id)
+            for traj in group:
+                traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
+            await asyncio.gather(*(sample(task, traj) for traj in group))
+            for traj in group:
+                await ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
+            generated = sum(len(t.response_token_ids) for t in group)
+            GENERATED_TOKENS.labels(task.environment).inc(generated)
+            ctx.detail["tasks_done"] = int(ctx.detail["tasks_done"]) + 1
+            ctx.detail["generated_tokens"] = int(ctx.detail["generated_tokens"]) + generated
+
+        worker = PullWorker(
+            ctx.bus, ctx.bus.topology.consumers["rollout"], bus_pb2.Task, handle,
+            service="rollout", concurrency=settings.concurrency, validator=validate_task,
+        )
+        follower = WeightFollower(ctx, settings, client)
+        follow = asyncio.create_task(follower.run())
+        try:
+            await run_pull_workers(ctx, worker)
+        finally:
+            await asyncio.gather(follow, return_exceptions=True)
     finally:
-        await asyncio.gather(weights, return_exceptions=True)
+        await client.close()
+        if engine_proc is not None:
+            engine_proc.terminate()
+            try:
+                await asyncio.to_thread(engine_proc.wait, 15)
+            except subprocess.TimeoutExpired:
+                engine_proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,6 +8,8 @@ import json
 import signal
 import urllib.request
 
+import pytest
+
 from policyloop.bus import Bus, rollouts_subject, sandbox_subject, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from tests.conftest import Server, ServiceLauncher
@@ -15,8 +17,9 @@ from tests.helpers import eventually, stored, stored_messages
 
 
 def task(task_id: str, group_size: int = 3) -> bus_pb2.Task:
-    return bus_pb2.Task(task_id=task_id, run_id="r1", environment="addition@v1", prompt_text="2+2=",
-                        group_size=group_size, metadata={"answer": "4"})
+    return bus_pb2.Task(task_id=task_id, run_id="r1", environment="addition@v1", prompt_text="12+34=",
+                        group_size=group_size, metadata={"answer": "46", "scorer": "exact_answer"},
+                        sampling=bus_pb2.SamplingParams(max_new_tokens=6, temperature=1.0, seed=7))
 
 
 async def trajectory_ids(bus: Bus) -> list[str]:
@@ -35,7 +38,17 @@ async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: Ser
     await eventually(arrived)
     trajectories = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
     assert {t.rollout_replica for t in trajectories} == {rollout.instance}
-    assert all(t.metadata["answer"] == "4" and t.group_id == "t1" for t in trajectories)
+    for t in trajectories:
+        n = len(t.response_token_ids)
+        assert t.group_id == "t1" and t.metadata["answer"] == "46" and t.prompt_text == "12+34="
+        assert 1 <= n <= 6 and len(t.behaviour_logprobs) == n and all(lp <= 0 for lp in t.behaviour_logprobs)
+        assert list(t.loss_mask) == [True] * n
+        assert [(s.version, s.start, s.end) for s in t.version_spans] == [(0, 0, n)]
+        assert t.finish_reason in (bus_pb2.FINISH_REASON_STOP, bus_pb2.FINISH_REASON_LENGTH)
+        assert t.scored and {c.name for c in t.reward_breakdown} == {"format", "exact_answer"}
+        assert t.reward == sum(c.value * c.weight for c in t.reward_breakdown)
+    # Seeded sampling: sample i of the group used seed 7 + i, so the samples differ.
+    assert len({tuple(t.response_token_ids) for t in trajectories}) > 1
     assert await stored_messages(bus, "TASKS") == [] and await stored_messages(bus, "ROLLOUTS") == []
     # Health and metrics over HTTP; JSON logs carrying the service's identity.
     with urllib.request.urlopen(f"http://127.0.0.1:{reward.ports['http']}/healthz", timeout=5) as r:
@@ -57,7 +70,9 @@ async def test_undecodable_message_is_dead_lettered_and_the_service_keeps_runnin
     await services.wait_healthy(reward)
     await bus.publish_bytes(rollouts_subject("addition@v1"), b"\x08\x96\x01\xff\xff", {"Nats-Msg-Id": "bad"})
     good = bus_pb2.Trajectory(trajectory_id="t1/0", task_id="t1", group_id="t1", group_size=1,
-                              environment="addition@v1")
+                              environment="addition@v1", response_text="46",
+                              finish_reason=bus_pb2.FINISH_REASON_STOP,
+                              metadata={"scorer": "exact_answer", "answer": "46"})
     await bus.publish(rollouts_subject("addition@v1"), good, "t1/0")
 
     async def settled() -> bool:
@@ -65,6 +80,8 @@ async def test_undecodable_message_is_dead_lettered_and_the_service_keeps_runnin
 
     await eventually(settled)
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+    [scored] = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
+    assert scored.scored and scored.reward == pytest.approx(1.1)
     assert letter.service == "reward" and letter.origin_stream == "ROLLOUTS"
     assert "cannot decode" in letter.reason and letter.payload == b"\x08\x96\x01\xff\xff"
     assert reward.proc.poll() is None
@@ -169,3 +186,38 @@ async def test_service_without_nats_exits_with_a_clear_reason(services: ServiceL
     assert await asyncio.to_thread(reward.proc.wait, 30) == 1
     [failure] = [e for e in reward.log_events() if e["event"] == "service_cannot_start"]
     assert failure["error"].startswith("no NATS server at nats://127.0.0.1:")
+
+
+def engine_pids(port: str) -> list[int]:
+    from pathlib import Path
+
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"policyloop.engines.embedded" in cmd and port.encode() in cmd:
+                pids.append(int(proc.name))
+    return pids
+
+
+async def test_embedded_engine_dies_with_its_rollout_replica(bus: Bus, services: ServiceLauncher) -> None:
+    from policyloop.state import HeartbeatRegistry, connect_redis
+
+    rollout = services.start("rollout")
+    await services.wait_healthy(rollout)
+    client = await connect_redis(services.redis.url)
+    try:
+        [beat] = await HeartbeatRegistry(client, "default").alive("rollout")
+    finally:
+        await client.aclose()
+    port = str(beat.detail["engine"]).rsplit(":", 1)[1]
+    assert len(engine_pids(port)) == 1
+    rollout.kill()  # SIGKILL: the replica cannot stop its engine itself
+
+    async def gone() -> bool:
+        return engine_pids(port) == []
+
+    await eventually(gone, timeout_s=15)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections import Counter
 
-from policyloop.cluster.demo import addition_environment
 from policyloop.contracts.v1 import loop_pb2
 from policyloop.envs.feeding import nth_task, task_id, tasks_total
+from tests.helpers import addition_environment
 
 
 def run_request(**kw: object) -> loop_pb2.StartRunRequest:

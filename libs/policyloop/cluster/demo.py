@@ -1,17 +1,20 @@
-"""`policyloop demo` (what `make demo` runs): bring up the local cluster, submit an arithmetic
-environment through the gateway's gRPC API, start a run, and follow its tasks through rollout,
-reward and the learner until every group has arrived; then show the cluster's status.
+"""`policyloop demo` (what `make demo` runs): a real RL run on this machine.
 
-The learning run arrives with the loop issue; this demo shows the services and the bus doing
-their parts of it end to end.
+It bootstraps the base model if it is not cached, starts the local cluster (NATS, Redis, the
+six services), measures held-out accuracy through the rollout replica's engine (greedy, the
+same SGLang client the rollout uses), submits the arithmetic environment's train split
+through the gateway's gRPC API and starts a run, shows live progress for a fixed budget —
+learner step, mean reward, held-out accuracy at intervals, version lag, generated tokens/s —
+measures held-out accuracy again, stops everything, and writes `summary.json` and a plot.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
+import json
 import time
 from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
@@ -20,80 +23,236 @@ from rich.console import Console
 from policyloop.cluster.local import LocalCluster
 from policyloop.cluster.status import ClusterStatus, cluster_status
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.envs import arithmetic
 from policyloop.state import HeartbeatRegistry, connect_redis
 
 
-def addition_environment(count: int, seed: int = 0, group_size: int = 4) -> loop_pb2.Environment:
-    rng = random.Random(seed)
-    tasks = []
-    for _ in range(count):
-        a, b = rng.randrange(10, 100), rng.randrange(10, 100)
-        tasks.append(loop_pb2.TaskSpec(prompt_text=f"{a}+{b}=", answer=str(a + b)))
+@dataclass
+class DemoConfig:
+    run_dir: Path = Path("runs/demo")
+    out: Path | None = None              # where summary.json and the plot go (default: run_dir)
+    model_path: Path | None = None       # default: the bootstrap model (built and cached if needed)
+    budget_s: float = 420.0              # wall time of the RL phase
+    max_steps: int = 0                   # 0: no step limit, the budget decides
+    eval_problems: int = 200
+    eval_interval_s: float = 60.0
+    group_size: int = 8
+    groups_per_step: int = 32
+    lr: float = 1e-4
+    temperature: float = 1.0
+    max_new_tokens: int = 8
+    seed: int = 0
+    start_timeout_s: float = 180.0
+
+
+@dataclass
+class Progress:
+    t: float
+    step: int
+    version: int
+    mean_reward: float
+    generated_tokens: int
+    tokens_per_s: float
+
+
+@dataclass
+class Evaluation:
+    t: float
+    version: int
+    accuracy: float
+
+
+@dataclass
+class DemoResult:
+    accuracy_before: float
+    accuracy_after: float
+    steps: int
+    wall_seconds: float
+    eval_problems: int
+    version_lag_histogram: dict[str, int]
+    generated_tokens: int
+    progress: list[Progress] = field(default_factory=list)
+    evaluations: list[Evaluation] = field(default_factory=list)
+
+
+def arithmetic_environment(group_size: int, max_new_tokens: int, temperature: float) -> loop_pb2.Environment:
+    config = arithmetic.ArithmeticConfig()
+    problems, _heldout = arithmetic.split(config)
     return loop_pb2.Environment(
-        name="addition", version="demo", tasks=tasks,
+        name="arithmetic", version="v1",
+        tasks=[loop_pb2.TaskSpec(prompt_text=p.prompt, answer=p.answer) for p in problems],
         builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
         group_size=group_size,
-        sampling=bus_pb2.SamplingParams(max_new_tokens=8, temperature=1.0),
+        sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature),
     )
 
 
-async def _learner_groups(redis_url: str, namespace: str) -> int:
+async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Problem]) -> tuple[float, int]:  # type: ignore[no-untyped-def]
+    """Greedy held-out accuracy of what the engine serves now, and the version it served."""
+    eos = tokenizer.eos_token_id
+
+    async def one(problem: arithmetic.Problem):  # type: ignore[no-untyped-def]
+        ids = tokenizer(problem.prompt, add_special_tokens=False).input_ids
+        return await client.generate(GenerateRequest(
+            input_ids=ids, sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(eos,)),
+            return_logprob=False, rid=None,
+        ))
+
+    results = await asyncio.gather(*(one(p) for p in problems))
+    texts = [tokenizer.decode([t for t in r.output_ids if t != eos], skip_special_tokens=True) for r in results]
+    accuracy = arithmetic.accuracy(texts, [p.answer for p in problems], [r.finish_reason == "stop" for r in results])
+    versions = {int(r.weight_version) for r in results}
+    return accuracy, min(versions)
+
+
+async def _heartbeat_details(redis_url: str, namespace: str) -> dict[str, dict]:
     client = await connect_redis(redis_url)
     try:
-        beats = await HeartbeatRegistry(client, namespace).alive("learner")
-        return sum(int(b.detail.get("groups_complete", 0)) for b in beats)
+        return {b.service: b.detail | {"policy_version": b.policy_version}
+                for b in await HeartbeatRegistry(client, namespace).alive()}
     finally:
         await client.aclose()
 
 
-async def _drive(cluster: LocalCluster, tasks: int, group_size: int, console: Console,
-                 timeout_s: float) -> tuple[bool, ClusterStatus, loop_pb2.Run]:
+async def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
     deadline = time.monotonic() + timeout_s
     while True:
         status = await cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)
-        if status.all_healthy:
-            break
-        if time.monotonic() > deadline:
-            return False, status, loop_pb2.Run()
+        if status.all_healthy or time.monotonic() > deadline:
+            return status
         await asyncio.sleep(0.5)
+
+
+async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) -> DemoResult:
+    from transformers import AutoTokenizer
+
+    status = await _wait_healthy(cluster, config.start_timeout_s)
+    if not status.all_healthy:
+        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}, "
+                           f"unhealthy {[i.instance for i in status.instances if not i.healthy]}")
     console.print("[green]all six services are healthy[/green]")
-    gateway = cluster.process("gateway-0").ports["grpc"]
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
-        stub = loop_pb2_grpc.LoopServiceStub(channel)
-        env = addition_environment(tasks, group_size=group_size)
-        reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=10)
-        console.print(f"submitted environment {reply.environment} ({reply.num_tasks} tasks)")
-        run = await stub.StartRun(loop_pb2.StartRunRequest(
-            environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
-            num_tasks=tasks, seed=1,
-        ), timeout=10)
-        console.print(f"started {run.run_id}: {run.tasks_total} tasks × {group_size} samples")
-        started = time.monotonic()
-        groups = 0
-        while groups < tasks and time.monotonic() < deadline:
+    details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+    engine_url = str(details["rollout"]["engine"])
+    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
+    heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), config.eval_problems, seed=config.seed)
+    client = SGLangClient(engine_url, timeout_s=120)
+    result = DemoResult(0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
+    try:
+        result.accuracy_before, version = await evaluate(client, tokenizer, heldout)
+        console.print(f"held-out accuracy before RL: [bold]{result.accuracy_before:.1%}[/bold] "
+                      f"({len(heldout)} problems, version {version})")
+        result.evaluations.append(Evaluation(0.0, version, result.accuracy_before))
+        gateway = cluster.process("gateway-0").ports["grpc"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
+            stub = loop_pb2_grpc.LoopServiceStub(channel)
+            env = arithmetic_environment(config.group_size, config.max_new_tokens, config.temperature)
+            reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
+            run = await stub.StartRun(loop_pb2.StartRunRequest(
+                environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
+                num_tasks=1_000_000, seed=config.seed, model="policy",
+            ), timeout=30)
+            console.print(f"run {run.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
+                          f"{config.groups_per_step} groups per step, lr {config.lr}")
+            started = time.monotonic()
+            next_eval = config.eval_interval_s
+            last_tokens, last_t = 0, 0.0
+            while True:
+                await asyncio.sleep(2.0)
+                t = time.monotonic() - started
+                details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+                learner, rollout = details.get("learner", {}), details.get("rollout", {})
+                tokens = int(rollout.get("generated_tokens", 0))
+                rate = (tokens - last_tokens) / max(1e-6, t - last_t)
+                last_tokens, last_t = tokens, t
+                progress = Progress(round(t, 1), int(learner.get("step", 0)), int(learner.get("policy_version", 0)),
+                                    float(learner.get("mean_reward", 0.0)), tokens, round(rate, 1))
+                result.progress.append(progress)
+                lag = learner.get("lag_histogram", {})
+                line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
+                        f"lag {lag}  {rate:7.0f} tok/s")
+                if t >= next_eval:
+                    accuracy, version = await evaluate(client, tokenizer, heldout)
+                    result.evaluations.append(Evaluation(round(time.monotonic() - started, 1), version, accuracy))
+                    line += f"  held-out {accuracy:.1%} (v{version})"
+                    next_eval += config.eval_interval_s
+                console.print(line)
+                if t >= config.budget_s or (config.max_steps and progress.step >= config.max_steps):
+                    break
+            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
+            result.wall_seconds = round(time.monotonic() - started, 1)
+        details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+        learner = details.get("learner", {})
+        result.steps = int(learner.get("step", 0))
+        result.version_lag_histogram = dict(learner.get("lag_histogram", {}))
+        result.generated_tokens = int(details.get("rollout", {}).get("generated_tokens", 0))
+        # The engine loads the last published version shortly after the learner's last step.
+        deadline = time.monotonic() + 30
+        while int(details.get("rollout", {}).get("policy_version", 0)) < int(learner.get("policy_version", 0)):
+            if time.monotonic() > deadline:
+                break
             await asyncio.sleep(0.5)
-            groups = await _learner_groups(cluster.redis_url, cluster.namespace)
-        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run.run_id), timeout=10)
-        elapsed = time.monotonic() - started
-        console.print(f"the learner received {groups} of {tasks} complete groups "
-                      f"({groups * group_size} trajectories) in {elapsed:.1f}s")
-    status = await cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)
-    return groups >= tasks, status, run
+            details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+        result.accuracy_after, version = await evaluate(client, tokenizer, heldout)
+        result.evaluations.append(Evaluation(result.wall_seconds, version, result.accuracy_after))
+        console.print(f"held-out accuracy after RL: [bold]{result.accuracy_after:.1%}[/bold] (version {version})")
+    finally:
+        await client.close()
+    return result
 
 
-def run_demo(run_dir: Path, *, tasks: int, group_size: int, console: Console,
-             print_status: Callable[[ClusterStatus], None], timeout_s: float = 120.0) -> int:
-    cluster = LocalCluster(run_dir)
-    console.print(f"starting the local cluster in {run_dir} …")
+def write_plot(result: DemoResult, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([p.t for p in result.progress], [p.mean_reward for p in result.progress], label="mean reward (train)")
+    ax.plot([e.t for e in result.evaluations], [e.accuracy for e in result.evaluations], "o-",
+            label="held-out accuracy")
+    ax.set_xlabel("seconds of RL")
+    ax.set_ylim(0, 1.15)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    ax.set_title(f"policyloop demo: {result.accuracy_before:.0%} → {result.accuracy_after:.0%} held-out "
+                 f"in {result.steps} steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[ClusterStatus], None]) -> int:
+    from policyloop.models.bootstrap import BootstrapConfig, bootstrap
+
+    if config.model_path is None:
+        console.print("base model: bootstrapping (cached after the first run) …")
+        config.model_path = bootstrap(BootstrapConfig())
+    console.print(f"base model: {config.model_path}")
+    out = config.out or config.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    env = {
+        "POLICYLOOP_MODEL_PATH": str(config.model_path),
+        "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
+        "POLICYLOOP_LR": str(config.lr),
+        "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),
+    }
+    cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True)
+    console.print(f"starting the local cluster in {config.run_dir} …")
     cluster.start()
     try:
-        ok, status, _run = asyncio.run(_drive(cluster, tasks, group_size, console, timeout_s))
-        print_status(status)
-        if ok and status.all_healthy:
-            console.print("[green]demo complete[/green]: gateway → TASKS → rollout → ROLLOUTS → reward "
-                          "→ TRAJECTORIES → learner, every message acknowledged once")
-            return 0
-        console.print(f"[red]demo did not complete[/red]; logs are in {cluster.run_dir}/logs")
-        return 1
+        result = asyncio.run(_drive(cluster, config, console))
+        print_status(asyncio.run(cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)))
     finally:
+        console.print("stopping the cluster …")
         cluster.stop()
+    summary = asdict(result)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_plot(result, out / "reward_accuracy.png")
+    gain = result.accuracy_after - result.accuracy_before
+    console.print(f"[bold]summary[/bold]: held-out {result.accuracy_before:.1%} → {result.accuracy_after:.1%} "
+                  f"({gain:+.1%}) in {result.steps} steps, {result.wall_seconds:.0f}s, "
+                  f"{result.generated_tokens} generated tokens; lag {result.version_lag_histogram}")
+    console.print(f"wrote {out / 'summary.json'} and {out / 'reward_accuracy.png'}")
+    return 0 if gain > 0 else 1

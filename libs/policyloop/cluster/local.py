@@ -142,6 +142,8 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
         env["POLICYLOOP_GRPC_PORT"] = str(ports["grpc"])
     if entry.name == "publisher":
         env["POLICYLOOP_STORE_DIR"] = str(run_dir / "weights")
+    if entry.name == "rollout":
+        env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "rollout-weights")
     env.update(extra_env or {})
     return ManagedProcess(
         instance, [sys.executable, "-m", "policyloop", *service_args(entry)], env,
@@ -187,6 +189,7 @@ class LocalCluster:
         services: tuple[ServiceEntry, ...] = SERVICES,
         extra_env: dict[str, str] | None = None,
         stop_grace_s: float = 20.0,
+        fresh: bool = False,
     ) -> None:
         self.run_dir = Path(run_dir).resolve()
         self.given_nats_url = nats_url
@@ -196,6 +199,7 @@ class LocalCluster:
         self.services = services
         self.extra_env = extra_env or {}
         self.stop_grace_s = stop_grace_s
+        self.fresh = fresh
         self.nats: ManagedProcess | None = None
         self.redis: ManagedProcess | None = None
         self.processes: list[ManagedProcess] = []
@@ -203,6 +207,10 @@ class LocalCluster:
         self.redis_url = redis_url or ""
 
     def start(self) -> ClusterInfo:
+        if self.fresh:
+            # A new run: no streams, versions or weights left from an earlier one.
+            for data in ("nats", "redis", "weights", "rollout-weights", "logs"):
+                shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             if not self.given_nats_url:

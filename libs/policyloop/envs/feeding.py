@@ -15,6 +15,22 @@ DEFAULT_GROUP_SIZE = 8
 DEFAULT_MAX_NEW_TOKENS = 32
 
 
+def scorer_metadata(env: loop_pb2.Environment) -> dict[str, str]:
+    """What the reward service needs to know to score the task's samples."""
+    scorer = env.WhichOneof("scorer")
+    if scorer == "builtin":
+        b = env.builtin
+        out = {"scorer": loop_pb2.BuiltinVerifier.Kind.Name(b.kind).removeprefix("KIND_").lower()}
+        if b.pattern:
+            out["pattern"] = b.pattern
+        if b.tolerance:
+            out["tolerance"] = repr(b.tolerance)
+        if b.format_weight:
+            out["format_weight"] = repr(b.format_weight)
+        return out
+    return {"scorer": scorer or ""}
+
+
 def task_id(run_id: str, index: int) -> str:
     return f"{run_id}:{index:09d}"
 
@@ -47,6 +63,7 @@ def nth_task(
     metadata = dict(spec.metadata)
     if spec.answer:
         metadata["answer"] = spec.answer
+    metadata.update(scorer_metadata(env))
     return bus_pb2.Task(
         task_id=task_id(run_id, index),
         run_id=run_id,

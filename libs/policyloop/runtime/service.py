@@ -45,6 +45,8 @@ class ServiceContext:
     _policy_version: int = 0
     redis_ok: bool = True
     health_url: str = ""
+    # False until the body says it can do its work (engine up, consumers bound, servers listening).
+    ready: bool = False
 
     @property
     def policy_version(self) -> int:
@@ -70,7 +72,8 @@ class ServiceContext:
         nats_ok = self.bus.nc.is_connected
         checks["nats"] = "ok" if nats_ok else "disconnected"
         checks["redis"] = "ok" if self.redis_ok else "unreachable"
-        healthy = nats_ok and self.redis_ok
+        checks["ready"] = "ok" if self.ready else "starting"
+        healthy = nats_ok and self.redis_ok and self.ready
         for name, probe in self._probes.items():
             ok, reason = probe()
             checks[name] = "ok" if ok else reason
@@ -178,6 +181,7 @@ async def run_pull_workers(ctx: ServiceContext, *workers: PullWorker) -> None:  
             lambda w=worker: (w.bound, f"not bound: {w.last_error}"),
         )
     loops = [asyncio.create_task(w.run(ctx.stop)) for w in workers]
+    ctx.ready = True  # from here on, health follows the workers' probes
     try:
         await ctx.stop.wait()
     finally:

@@ -1,0 +1,223 @@
+"""The one client the rollout service uses to drive an engine: a real SGLang server or the
+embedded engine, over SGLang's native HTTP API (aiohttp).
+
+    async with SGLangClient("http://127.0.0.1:30000", timeout_s=600, retries=3) as engine:
+        result = await engine.generate(GenerateRequest(input_ids=[...], sampling_params=SamplingParams(...)))
+        await engine.update_weights_from_disk("/ckpt/v7", weight_version="7")
+
+Calls that are safe to repeat (model_info, health, the weight update, pause, continue, flush,
+abort) are retried with exponential backoff on connection errors, timeouts and 5xx answers.
+`generate` is retried only when the connection could not be opened at all (the server never saw
+the request): a request that reached the server may have started decoding, and sending it again
+would produce a second, different sample. Failures raise `EngineUnavailable` (cannot reach the
+engine, or it answered 502/503/504 after the retries), `EngineError` (any other error answer,
+with `status` and `body`), `WeightUpdateError` (the update failed or the new version is not
+served) and `EngineProtocolError` (an answer that is not what the API promises).
+
+Only fields SGLang has are sent (see `policyloop.engines.protocol`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+
+from policyloop.engines.protocol import (
+    PAUSE_MODES,
+    AbortRequest,
+    GenerateRequest,
+    GenerateResult,
+    ModelInfo,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsResult,
+)
+
+
+class EngineError(Exception):
+    """The engine answered with an error."""
+
+    def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body
+
+
+class EngineUnavailable(EngineError):
+    """The engine could not be reached (or kept answering 502/503/504)."""
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered something that is not the SGLang API's answer."""
+
+
+class WeightUpdateError(EngineError):
+    """update_weights_from_disk failed, or the engine does not report the new weight version."""
+
+
+_UNAVAILABLE_STATUSES = (502, 503, 504)
+
+
+class SGLangClient:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, retries: int = 3, *, backoff_s: float = 0.2,
+                 max_backoff_s: float = 5.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> SGLangClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            # No connection limit: the rollout's concurrency is the engine's batch.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._session
+
+    async def _call(self, method: str, path: str, payload: Any = None, *, idempotent: bool,
+                    timeout_s: float | None = None) -> tuple[int, str]:
+        """Sends one request (retrying as allowed) and returns (status, body) of a 2xx or 4xx answer."""
+        attempts = 1 + max(0, self.retries)
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        last: EngineError | None = None
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(min(self.max_backoff_s, self.backoff_s * 2 ** (attempt - 1)))
+            try:
+                async with self._client().request(method, self.base_url + path, json=payload,
+                                                  timeout=timeout) as response:
+                    body = await response.text()
+                    if response.status < 500:
+                        return response.status, body
+                    error_type = EngineUnavailable if response.status in _UNAVAILABLE_STATUSES else EngineError
+                    last = error_type(f"{method} {path}: HTTP {response.status}: {body[:500]}", response.status, body)
+                    if not idempotent:
+                        raise last
+            except aiohttp.ClientConnectorError as exc:  # never reached the server: always safe to retry
+                last = EngineUnavailable(f"{method} {path}: cannot connect to {self.base_url} ({exc})")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                kind = "timed out" if isinstance(exc, TimeoutError) else f"connection failed ({exc!r})"
+                last = EngineUnavailable(f"{method} {path}: {kind} talking to {self.base_url}")
+                if not idempotent:
+                    raise last from exc
+        assert last is not None
+        raise last
+
+    @staticmethod
+    def _json(path: str, status: int, body: str) -> Any:
+        try:
+            return json.loads(body)
+        except ValueError as exc:
+            raise EngineProtocolError(f"{path}: answer is not JSON: {body[:200]!r}", status, body) from exc
+
+    @staticmethod
+    def _raise_for_status(method: str, path: str, status: int, body: str) -> None:
+        if status >= 400:
+            message = body
+            try:
+                message = json.loads(body).get("message", body)
+            except (ValueError, AttributeError):
+                pass
+            raise EngineError(f"{method} {path}: HTTP {status}: {str(message)[:500]}", status, body)
+
+    # -- the API --------------------------------------------------------------------------------
+
+    async def generate(self, req: GenerateRequest) -> GenerateResult:
+        status, body = await self._call("POST", "/generate", req.to_json(), idempotent=False)
+        self._raise_for_status("POST", "/generate", status, body)
+        try:
+            return GenerateResult.from_json(self._json("/generate", status, body))
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise EngineProtocolError(f"/generate: unexpected answer ({exc})", status, body) from exc
+
+    async def model_info(self) -> ModelInfo:
+        status, body = await self._call("GET", "/model_info", idempotent=True)
+        if status == 404:  # SGLang before /model_info existed
+            status, body = await self._call("GET", "/get_model_info", idempotent=True)
+        self._raise_for_status("GET", "/model_info", status, body)
+        try:
+            return ModelInfo.from_json(self._json("/model_info", status, body))
+        except ValueError as exc:
+            raise EngineProtocolError(f"/model_info: unexpected answer ({exc})", status, body) from exc
+
+    async def health(self, timeout_s: float = 5.0) -> bool:
+        """True when the engine answers /health with 200 (one try, no retries)."""
+        try:
+            async with self._client().get(self.base_url + "/health",
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                await response.read()
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
+    async def wait_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.2) -> None:
+        """Waits until /health answers 200, or raises EngineUnavailable."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await self.health(timeout_s=max(0.5, min(5.0, deadline - loop.time()))):
+            if loop.time() >= deadline:
+                raise EngineUnavailable(f"{self.base_url} not healthy after {timeout_s:.0f} s")
+            await asyncio.sleep(interval_s)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str, flush_cache: bool = True, *,
+                                       abort_all_requests: bool = False,
+                                       load_format: str | None = None) -> UpdateWeightsResult:
+        """Loads the weights in `model_path` and makes `weight_version` the served version; checks
+        that the update succeeded and that /model_info then reports `weight_version`."""
+        req = UpdateWeightsFromDiskRequest(model_path=model_path, weight_version=str(weight_version),
+                                           load_format=load_format, abort_all_requests=abort_all_requests,
+                                           flush_cache=flush_cache)
+        status, body = await self._call("POST", "/update_weights_from_disk", req.to_json(), idempotent=True)
+        try:
+            result = UpdateWeightsResult.from_json(json.loads(body))
+        except ValueError:
+            self._raise_for_status("POST", "/update_weights_from_disk", status, body)
+            raise EngineProtocolError(f"/update_weights_from_disk: unexpected answer {body[:200]!r}", status,
+                                      body) from None
+        if not result.success or status >= 400:
+            raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) failed: {result.message}", status, body)
+        served = (await self.model_info()).weight_version
+        if served != str(weight_version):
+            raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) succeeded but the engine reports "
+                                    f"weight_version {served!r}, not {weight_version!r}", status, body)
+        return result
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """mode abort: in-flight requests end now (finish_reason abort); in_place: they stop
+        between two steps and resume on continue_generation; retract: SGLang frees their KV cache
+        and recomputes it on continue. New requests wait until continue_generation."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+        status, body = await self._call("POST", "/pause_generation", {"mode": mode}, idempotent=True)
+        self._raise_for_status("POST", "/pause_generation", status, body)
+
+    async def continue_generation(self) -> None:
+        status, body = await self._call("POST", "/continue_generation", {}, idempotent=True)
+        self._raise_for_status("POST", "/continue_generation", status, body)
+
+    async def flush_cache(self) -> None:
+        """Drops the prefix cache (SGLang refuses, with 400, while requests are in flight)."""
+        status, body = await self._call("POST", "/flush_cache", None, idempotent=True)
+        self._raise_for_status("POST", "/flush_cache", status, body)
+
+    async def abort_request(self, rid: str | None = None, *, abort_all: bool = False) -> None:
+        """Ends request `rid` (or every request): it answers with finish_reason abort and the
+        tokens it has. An unknown or finished rid is not an error."""
+        if rid is None and not abort_all:
+            raise ValueError("give a rid or abort_all=True")
+        payload = AbortRequest(rid=rid, abort_all=abort_all).to_json()
+        status, body = await self._call("POST", "/abort_request", payload, idempotent=True)
+        self._raise_for_status("POST", "/abort_request", status, body)

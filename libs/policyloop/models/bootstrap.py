@@ -1,0 +1,414 @@
+"""The bootstrap base policy: a tiny Qwen2 warmed up on arithmetic just enough to be improvable.
+
+RL needs a policy that sometimes gets the answer right (or every group of samples scores the
+same and there is nothing to learn from), yet leaves most of the way to go, so that a run
+visibly lifts it. `bootstrap()` trains a ~0.8M-parameter Qwen2 with a short supervised pass on
+the TRAIN split and stops at the first evaluation whose greedy accuracy on held-out problems
+reaches `target_accuracy` (default 0.20, window up to `max_accuracy`). The result is a standard
+Hugging Face directory (config.json, model.safetensors, generation_config.json, tokenizer files)
+that `AutoModelForCausalLM` / `AutoTokenizer` and SGLang load offline, plus bootstrap.json, the
+record of how it was made.
+
+It is built once and cached under `<cache_root>/<name>-<config hash>/`. The build happens in a
+temporary directory beside the final one and is renamed into place only when complete, so an
+interrupted or failed build never leaves a directory that looks usable.
+
+Determinism: the model init and every batch derive from `seed` (batch i is drawn with seed
+(seed, i)), the model has no dropout and torch runs with a fixed number of threads, so the same
+config gives the same weights on the same machine and torch build.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policyloop.envs.arithmetic import (
+    ENUMERATE_LIMIT,
+    ArithmeticConfig,
+    Problem,
+    accuracy,
+    format_ok,
+    heldout_problems,
+    split,
+    train_problems,
+)
+from policyloop.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer, save_tokenizer
+
+if TYPE_CHECKING:  # torch stays out of the import path of services that only need the config
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+# Part of the cache key: bump it when a code change makes old cached models wrong.
+BUILD_FORMAT = 1
+RECORD_FILE = "bootstrap.json"
+
+
+class BootstrapError(RuntimeError):
+    """The warm-up could not reach the target accuracy window."""
+
+
+class BootstrapConfig(BaseModel):
+    """Everything that determines the bootstrap model; its hash names the cache directory."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field("arith-qwen2-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
+                      description="Prefix of the cache directory name.")
+    seed: int = Field(0, description="Seeds the weight init, the training batches and the eval problems.")
+
+    digits: int = Field(2, ge=1, description="Operand digits of the arithmetic task.")
+    ops: tuple[str, ...] = Field(("+",), description='Operators of the task, a subset of ("+", "-").')
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of problems held out from training.")
+
+    hidden_size: int = Field(128, ge=8, description="Qwen2 hidden size.")
+    num_layers: int = Field(4, ge=1, description="Transformer layers.")
+    num_heads: int = Field(4, ge=1, description="Attention (query) heads; hidden_size must divide by it.")
+    num_kv_heads: int = Field(2, ge=1, description="Key/value heads (grouped-query attention).")
+    intermediate_size: int = Field(384, ge=8, description="MLP width.")
+    max_position_embeddings: int = Field(64, ge=16, description="Longest sequence the model supports.")
+
+    batch_size: int = Field(64, ge=1, description="Problems per training step.")
+    learning_rate: float = Field(1e-3, gt=0, description="AdamW peak learning rate (after linear warm-up).")
+    warmup_steps: int = Field(20, ge=0, description="Linear learning-rate warm-up steps.")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    max_steps: int = Field(3000, ge=1, description="Step budget: fail if the target is not reached by then.")
+    eval_every: int = Field(25, ge=1, description="Steps between held-out evaluations.")
+    eval_problems: int = Field(256, ge=1, description="Distinct held-out problems in each evaluation.")
+    report_problems: int = Field(1000, ge=1, description="Held-out problems of the final report in bootstrap.json "
+                                 "(greedy and temperature-1 accuracy), at most the whole held-out split.")
+    max_new_tokens: int = Field(6, ge=1, description="Generation limit of the evaluation (answer + eos).")
+    target_accuracy: float = Field(0.20, ge=0, le=1,
+                                   description="Stop at the first evaluation with held-out greedy accuracy >= this.")
+    max_accuracy: float = Field(0.50, ge=0, le=1,
+                                description="Upper end of the window; overshooting it replays the last "
+                                            "interval evaluating every step, and fails if that overshoots too.")
+    threads: int = Field(2, ge=1, le=2, description="torch CPU threads (at most 2: the machine has 2 cores).")
+
+    @property
+    def task(self) -> ArithmeticConfig:
+        return ArithmeticConfig(digits=self.digits, ops=self.ops, heldout_fraction=self.heldout_fraction)
+
+    def digest(self) -> str:
+        """Short stable hash of the config (and the build format): the cache key."""
+        payload = json.dumps({"format": BUILD_FORMAT, **self.model_dump(mode="json")}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class Completion:
+    token_ids: list[int]
+    """Generated ids without the eos."""
+    text: str
+    finished_by_stop: bool
+
+
+def default_cache_root() -> Path:
+    base = os.environ.get("POLICYLOOP_CACHE")
+    return Path(base) / "models" if base else Path.home() / ".cache" / "policyloop" / "models"
+
+
+def bootstrap_dir(config: BootstrapConfig, cache_root: Path | None = None) -> Path:
+    return (cache_root or default_cache_root()) / f"{config.name}-{config.digest()}"
+
+
+def is_complete(directory: Path) -> bool:
+    """bootstrap.json is written last, so its presence means the directory is whole."""
+    return (directory / RECORD_FILE).is_file()
+
+
+def read_record(directory: Path) -> dict[str, Any]:
+    return json.loads((directory / RECORD_FILE).read_text())
+
+
+def bootstrap(config: BootstrapConfig | None = None, cache_root: Path | None = None, *, force: bool = False) -> Path:
+    """The directory of the bootstrap model for config, built first unless already cached."""
+    config = config or BootstrapConfig()
+    final = bootstrap_dir(config, cache_root)
+    if is_complete(final) and not force:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
+    try:
+        build(config, staging)
+        _install(staging, final, replace=force)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+    return final
+
+
+def _install(staging: Path, final: Path, *, replace: bool) -> None:
+    """Renames the finished build into place; an old or incomplete directory is moved aside first."""
+    if final.exists():
+        if is_complete(final) and not replace:
+            return  # a concurrent build finished first: keep its result
+        trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+        os.replace(final, trash / final.name)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(staging, final)
+
+
+def build(config: BootstrapConfig, directory: Path) -> dict[str, Any]:
+    """Trains the model and writes the full model directory; returns the bootstrap.json record."""
+    import torch
+    import transformers
+
+    started = time.monotonic()
+    with _torch_threads(config.threads):
+        torch.manual_seed(config.seed)
+        model = make_model(config)
+        eval_set = heldout_problems(config.task, config.eval_problems, seed=config.seed)
+        steps, heldout_acc, history = warm_up(model, config, eval_set)
+        report = _report(model, config)
+    _save(model, directory)
+    record = {
+        "format": BUILD_FORMAT,
+        "config": config.model_dump(mode="json"),
+        "config_hash": config.digest(),
+        "seed": config.seed,
+        "steps": steps,
+        "heldout_accuracy": heldout_acc,
+        "report": report,
+        "history": [{"step": s, "heldout_accuracy": a} for s, a in history],
+        "eval_problems": [p.prompt for p in eval_set],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "seconds": round(time.monotonic() - started, 2),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    (directory / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")  # last: marks it complete
+    return record
+
+
+def _save(model: Qwen2ForCausalLM, directory: Path) -> None:
+    """config.json, generation_config.json, model.safetensors (float32) and the tokenizer files."""
+    from transformers.utils import logging as hf_logging
+
+    progress_bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar on stderr for one 3 MB file is noise
+    try:
+        model.save_pretrained(directory)
+    finally:
+        if progress_bar:
+            hf_logging.enable_progress_bar()
+    save_tokenizer(directory)
+    # mkdtemp makes the directory private; the cache is shared (other users, containers).
+    directory.chmod(0o755)
+    for file in directory.iterdir():
+        file.chmod(0o644)
+
+
+@contextmanager
+def _torch_threads(threads: int) -> Iterator[None]:
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def make_model(config: BootstrapConfig) -> Qwen2ForCausalLM:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    model_config = Qwen2Config(
+        vocab_size=len(VOCAB),
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=True,  # the vocabulary is tiny; one matrix is enough
+        pad_token_id=PAD_ID,
+        eos_token_id=EOS_ID,
+        bos_token_id=BOS_ID,
+        dtype="float32",
+    )
+    model = Qwen2ForCausalLM(model_config)
+    model.generation_config = GenerationConfig(
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID, max_new_tokens=config.max_new_tokens,
+    )
+    return model
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "big")
+
+
+def training_batch(problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), right-padded; the loss covers only answer + eos."""
+    import torch
+
+    tokenizer = build_tokenizer()
+    rows, label_rows = [], []
+    for problem in problems:
+        prompt = tokenizer.encode(problem.prompt).ids
+        answer = [*tokenizer.encode(problem.answer).ids, EOS_ID]
+        rows.append(prompt + answer)
+        label_rows.append([-100] * len(prompt) + answer)
+    width = max(len(r) for r in rows)
+    input_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
+    labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
+    attention_mask = (torch.arange(width) < torch.tensor([[len(r)] for r in rows])).long()
+    return input_ids, attention_mask, labels
+
+
+def warm_up(model: Qwen2ForCausalLM, config: BootstrapConfig,
+            eval_set: Sequence[Problem]) -> tuple[int, float, list[tuple[int, float]]]:
+    """Supervised steps until held-out accuracy enters the window: (steps, accuracy, history).
+
+    Evaluations are every `eval_every` steps. If one overshoots `max_accuracy`, the model and
+    optimizer go back to the previous evaluation and the interval is replayed with an
+    evaluation after every step (batches depend only on the step, so the replay is the same
+    trajectory seen more closely)."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, config.warmup_steps)))
+    history: list[tuple[int, float]] = []
+    snapshot = _snapshot(model, optimizer, schedule, 0)
+    step, every, replay_until = 0, config.eval_every, -1
+    while step < config.max_steps:
+        _train_step(model, optimizer, schedule, config, step)
+        step += 1
+        if step % every and step != config.max_steps:
+            continue
+        acc = evaluate(model, eval_set, config.max_new_tokens)
+        history.append((step, acc))
+        if config.target_accuracy <= acc <= config.max_accuracy:
+            return step, acc, history
+        if acc > config.max_accuracy:
+            if every == 1:
+                raise BootstrapError(f"held-out accuracy jumped past the window in one step: {history}")
+            step, replay_until, every = _restore(model, optimizer, schedule, snapshot), step, 1
+        elif every == 1 and step >= replay_until:
+            every = config.eval_every
+        if every != 1:
+            snapshot = _snapshot(model, optimizer, schedule, step)
+    raise BootstrapError(
+        f"held-out accuracy did not reach [{config.target_accuracy}, {config.max_accuracy}] "
+        f"within {config.max_steps} steps; history (step, accuracy): {history}"
+    )
+
+
+def _train_step(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
+                schedule: torch.optim.lr_scheduler.LRScheduler, config: BootstrapConfig, step: int) -> float:
+    model.train()
+    problems = train_problems(config.task, config.batch_size, seed=_step_seed(config.seed, step))
+    input_ids, attention_mask, labels = training_batch(problems)
+    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    schedule.step()
+    return float(loss.detach())
+
+
+def _snapshot(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
+              schedule: torch.optim.lr_scheduler.LRScheduler, step: int) -> dict[str, Any]:
+    return copy.deepcopy({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                          "schedule": schedule.state_dict(), "step": step})
+
+
+def _restore(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
+             schedule: torch.optim.lr_scheduler.LRScheduler, snapshot: dict[str, Any]) -> int:
+    model.load_state_dict(snapshot["model"])
+    optimizer.load_state_dict(copy.deepcopy(snapshot["optimizer"]))
+    schedule.load_state_dict(snapshot["schedule"])
+    return int(snapshot["step"])
+
+
+def generate(model: Qwen2ForCausalLM, prompts: Sequence[str], max_new_tokens: int, *,
+             temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Completion]:
+    """Batched decoding with a KV cache; greedy at temperature 0. Prompts are left-padded and
+    each row stops at its eos."""
+    import torch
+
+    tokenizer = build_tokenizer()
+    encoded = [tokenizer.encode(p).ids for p in prompts]
+    width = max(len(ids) for ids in encoded)
+    input_ids = torch.tensor([[PAD_ID] * (width - len(ids)) + ids for ids in encoded])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+    generated = torch.full((len(prompts), max_new_tokens), PAD_ID)
+    finished = torch.zeros(len(prompts), dtype=torch.bool)
+    past = None
+    step_ids = input_ids
+    model.eval()
+    with torch.inference_mode():
+        for t in range(max_new_tokens):
+            positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, -step_ids.shape[1]:]
+            out = model(input_ids=step_ids, attention_mask=attention_mask, position_ids=positions,
+                        past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            next_ids = _pick(out.logits[:, -1, :], temperature, generator)
+            next_ids = torch.where(finished, PAD_ID, next_ids)
+            generated[:, t] = next_ids
+            finished |= next_ids == EOS_ID
+            if bool(finished.all()):
+                break
+            step_ids = next_ids[:, None]
+            attention_mask = torch.cat([attention_mask, torch.ones_like(step_ids)], dim=1)
+    return [_completion(tokenizer, row.tolist()) for row in generated]
+
+
+def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
+    import torch
+
+    if temperature <= 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _completion(tokenizer: Any, row: list[int]) -> Completion:
+    stopped = EOS_ID in row
+    ids = row[: row.index(EOS_ID)] if stopped else row
+    return Completion(token_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=False), finished_by_stop=stopped)
+
+
+def _report(model: Qwen2ForCausalLM, config: BootstrapConfig) -> dict[str, float | int]:
+    """A second look on a larger, independent held-out sample: greedy accuracy, and what
+    sampling at temperature 1 (as RL does) gives — accuracy and share of well-formed answers."""
+    task = config.task
+    available = len(split(task)[1]) if task.size <= ENUMERATE_LIMIT else config.report_problems
+    count = min(config.report_problems, available)
+    problems = heldout_problems(config.task, count, seed=config.seed + 1)
+    sampled = generate(model, [p.prompt for p in problems], config.max_new_tokens, temperature=1.0,
+                       generator=_generator(config.seed))
+    return {
+        "problems": count,
+        "greedy_accuracy": evaluate(model, problems, config.max_new_tokens),
+        "sampled_accuracy_t1": accuracy([c.text for c in sampled], [p.answer for p in problems],
+                                        [c.finished_by_stop for c in sampled]),
+        "sampled_format_rate_t1": sum(format_ok(c.text, c.finished_by_stop) for c in sampled) / count,
+    }
+
+
+def _generator(seed: int) -> torch.Generator:
+    import torch
+
+    return torch.Generator().manual_seed(seed)
+
+
+def evaluate(model: Qwen2ForCausalLM, problems: Sequence[Problem], max_new_tokens: int, *,
+             temperature: float = 0.0, seed: int = 0) -> float:
+    """Accuracy under the strict verifier (greedy unless a temperature is given)."""
+    completions = generate(model, [p.prompt for p in problems], max_new_tokens,
+                           temperature=temperature, generator=_generator(seed))
+    return accuracy([c.text for c in completions], [p.answer for p in problems],
+                    [c.finished_by_stop for c in completions])

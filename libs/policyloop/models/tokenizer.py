@@ -1,0 +1,59 @@
+"""The character-level tokenizer of the bootstrap model.
+
+One token per character, so the model sees every digit on its own (no BPE merges hiding the
+carries of an addition), and a tiny vocabulary keeps the embedding small. It is a `tokenizers`
+WordLevel model behind a pre-tokenizer that isolates every character, saved as a standard
+Hugging Face tokenizer directory that `transformers.AutoTokenizer.from_pretrained(dir)` loads
+offline (as a fast tokenizer) — the same files an SGLang engine reads.
+
+No special tokens are added on encode (no BOS): the prompt "12+34=" is exactly six ids whether
+or not the caller passes `add_special_tokens`, so every component tokenizes a prompt the same
+way. Characters outside the vocabulary map to "<unk>" instead of failing.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK)
+CHARACTERS: tuple[str, ...] = (*"0123456789", "+", "-", "=", " ")
+# ids are positions: <pad> 0, <eos> 1, <bos> 2, <unk> 3, "0".."9" 4..13, "+" 14, "-" 15, "=" 16, " " 17
+VOCAB: dict[str, int] = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+PAD_ID, EOS_ID, BOS_ID, UNK_ID = (VOCAB[t] for t in SPECIAL_TOKENS)
+MODEL_MAX_LENGTH = 64
+
+
+def build_tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(models.WordLevel(vocab=VOCAB, unk_token=UNK))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()  # join characters back without spaces between them
+    tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    return tokenizer
+
+
+def _tokenizer_config() -> dict[str, object]:
+    # "PreTrainedTokenizerFast" rather than v5's "TokenizersBackend" name: transformers 4.x
+    # (what an SGLang image may pin) knows only the former, and v5 maps it to the latter.
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "pad_token": PAD,
+        "eos_token": EOS,
+        "bos_token": BOS,
+        "unk_token": UNK,
+        "model_max_length": MODEL_MAX_LENGTH,
+        "padding_side": "left",  # generation pads prompts on the left
+        "clean_up_tokenization_spaces": False,  # decoding must give back exactly the characters
+    }
+
+
+def save_tokenizer(directory: Path) -> None:
+    """Writes tokenizer.json, tokenizer_config.json and special_tokens_map.json into directory."""
+    directory.mkdir(parents=True, exist_ok=True)
+    build_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
+    special = {"pad_token": PAD, "eos_token": EOS, "bos_token": BOS, "unk_token": UNK}
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")

@@ -1,0 +1,153 @@
+"""The learner's model side: a Hugging Face causal LM sharded with FSDP2 (`fully_shard`), one
+GRPO step per batch of complete groups, and its weights exported as safetensors.
+
+The trainer knows nothing of the bus: it takes groups of trajectories and returns figures.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.advantages import group_advantages
+from policyloop.rl.logprobs import pack, response_values, token_logprobs
+from policyloop.rl.losses import clipped_policy_loss
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    max_grad_norm: float = 1.0
+    scale_advantages_by_std: bool = True
+    threads: int = 1
+
+
+@dataclass(frozen=True)
+class StepReport:
+    step: int
+    samples: int
+    groups: int
+    mean_reward: float
+    loss: float
+    clip_fraction: float
+    approx_kl: float
+    grad_norm: float
+    trained_tokens: int
+    seconds: float
+
+
+def init_distributed() -> DeviceMesh:
+    """One process group per learner: torchrun's when launched by it (RANK etc. in the
+    environment), else a single rank on a free local port (FSDP2 needs a process group even
+    at world size 1)."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (dist.get_world_size(),))
+
+
+def load_policy(model_path: Path, mesh: DeviceMesh) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    # Each decoder layer is its own FSDP unit, then the root (embeddings, head).
+    for layer in layers or []:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.train()
+    return model
+
+
+def weight_keys(model_path: Path) -> list[str]:
+    """Tensor names of the base checkpoint: what an engine expects to load (tied weights once)."""
+    keys: list[str] = []
+    for file in sorted(Path(model_path).glob("*.safetensors")):
+        with safetensors.safe_open(str(file), framework="pt") as f:
+            keys.extend(f.keys())
+    if not keys:
+        raise FileNotFoundError(f"no *.safetensors in {model_path}")
+    return keys
+
+
+class PolicyTrainer:
+    def __init__(self, model_path: Path, config: TrainerConfig, version: int = 0) -> None:
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.model_path = Path(model_path)
+        self.mesh = init_distributed()
+        self.model = load_policy(self.model_path, self.mesh)
+        self.keys = weight_keys(self.model_path)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
+                                           weight_decay=config.weight_decay)
+        self.version = version
+        self.steps = 0
+        pad = getattr(self.model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
+        """One GRPO update on complete groups; the policy version advances by one."""
+        started = time.monotonic()
+        samples = [t for group in groups for t in group]
+        group_size = len(groups[0])
+        if any(len(g) != group_size for g in groups):
+            raise ValueError("every group of a step must have the same size")
+        rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
+        advantages = group_advantages(rewards, scale_by_std=self.config.scale_advantages_by_std).reshape(-1)
+        prompts = [list(t.prompt_token_ids) for t in samples]
+        responses = [list(t.response_token_ids) for t in samples]
+        masks = [[bool(m) and t.finish_reason != bus_pb2.FINISH_REASON_ERROR for m in t.loss_mask] for t in samples]
+        batch = pack(prompts, responses, masks, pad_id=self.pad_id)
+        width = batch.input_ids.shape[1]
+        behaviour = response_values([list(t.behaviour_logprobs) for t in samples], prompts, width)
+        token_adv = advantages[:, None].expand_as(batch.response_mask)
+        logprobs = token_logprobs(self.model, batch)
+        loss, stats = clipped_policy_loss(logprobs, behaviour, token_adv, batch.response_mask,
+                                          clip_low=self.config.clip_low, clip_high=self.config.clip_high)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        self.version += 1
+        return StepReport(
+            step=self.steps, samples=len(samples), groups=len(groups), mean_reward=float(rewards.mean()),
+            loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.approx_kl,
+            grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            trained_tokens=stats.tokens, seconds=time.monotonic() - started,
+        )
+
+    def export_safetensors(self) -> bytes:
+        """The full weights, with the base checkpoint's tensor names, as safetensors bytes."""
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        missing = [k for k in self.keys if k not in state]
+        if missing:
+            raise KeyError(f"the model has no tensors named {missing[:3]}")
+        tensors = {k: state[k].detach().contiguous().clone() for k in self.keys}
+        return safetensors.torch.save(tensors, metadata={"policy_version": str(self.version)})
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,434 @@
+"""The embedded engine over real HTTP on loopback, driven by SGLangClient (and raw aiohttp where
+the exact JSON matters), on a real tiny Qwen2 model: field names and shapes, determinism, seeded
+sampling independent of the batch, stop/length/abort, logprobs against a teacher-forced forward
+pass, weight updates (good and bad), pause/continue/abort, and request validation."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from policyloop.engines.embedded import EmbeddedEngine, start_engine
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient, WeightUpdateError
+from policyloop.models.tokenizer import EOS_ID, VOCAB
+from tests.tiny_model import build_tiny_model, perturbed_copy
+
+DIGITS = [VOCAB[c] for c in "0123456789"]
+PLUS, EQUALS = VOCAB["+"], VOCAB["="]
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def perturbed_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return perturbed_copy(tiny_model, tmp_path_factory.mktemp("tiny-model-perturbed"), scale=0.05)
+
+
+@pytest.fixture(scope="session")
+def other_shape_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-model-32"), hidden_size=32)
+
+
+@pytest.fixture
+async def engine(tiny_model: Path) -> AsyncIterator[EmbeddedEngine]:
+    running = await start_engine(tiny_model, max_batch=16, threads=1, weight_version="0")
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def client(engine: EmbeddedEngine) -> AsyncIterator[SGLangClient]:
+    async with SGLangClient(engine.base_url, timeout_s=60, retries=2) as c:
+        yield c
+
+
+def prompt(i: int, length: int) -> list[int]:
+    """A digit prompt "ddd+ddd=" of about `length` tokens (at least 1)."""
+    digits = [DIGITS[(i * 7 + k * 3) % 10] for k in range(max(1, length))]
+    if length >= 4:
+        digits[length // 2] = PLUS
+        digits[-1] = EQUALS
+    return digits
+
+
+def greedy(ids: list[int], n: int, **kw: object) -> GenerateRequest:
+    return GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0,
+                                                                         ignore_eos=True, **kw))  # type: ignore[arg-type]
+
+
+def sampled(ids: list[int], n: int, seed: int, rid: str | None = None, **kw: object) -> GenerateRequest:
+    params = SamplingParams(max_new_tokens=n, temperature=1.0, sampling_seed=seed, **kw)  # type: ignore[arg-type]
+    return GenerateRequest(input_ids=ids, sampling_params=params, rid=rid)
+
+
+async def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        await asyncio.sleep(0.002)
+
+
+def teacher_logprobs(model_dir: Path, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """Log-probability of each response token under an unpadded, uncached forward pass."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids, response in pairs:
+            logits = model(input_ids=torch.tensor([ids + response])).logits[0].float()
+            logps = torch.log_softmax(logits, dim=-1)
+            out.append([float(logps[len(ids) - 1 + j, tok]) for j, tok in enumerate(response)])
+    return out
+
+
+async def post(url: str, payload: object) -> tuple[int, object]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=payload) as response:
+        text = await response.text()
+        try:
+            import json
+
+            return response.status, json.loads(text)
+        except ValueError:
+            return response.status, text
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+async def test_health_and_model_info(engine: EmbeddedEngine, client: SGLangClient, tiny_model: Path) -> None:
+    assert await client.health()
+    info = await client.model_info()
+    assert info.model_path == str(tiny_model)
+    assert info.weight_version == "0"
+    assert info.model_type == "qwen2" and info.is_generation
+    async with aiohttp.ClientSession() as session:
+        for path in ("/model_info", "/get_model_info"):
+            async with session.get(engine.base_url + path) as response:
+                assert response.status == 200
+                body = await response.json()
+            assert set(body) == {"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
+                                 "weight_version", "has_image_understanding", "has_audio_understanding",
+                                 "model_type", "architectures"}
+            assert body["weight_version"] == "0"
+
+
+async def test_generate_json_shape_and_client_result(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    ids = prompt(1, 6)
+    status, body = await post(engine.base_url + "/generate", {
+        "input_ids": ids, "rid": "shape-1", "return_logprob": True,
+        "sampling_params": {"max_new_tokens": 5, "temperature": 0.0, "ignore_eos": True}})
+    assert status == 200, body
+    assert isinstance(body, dict) and set(body) == {"text", "output_ids", "meta_info"}
+    meta = body["meta_info"]
+    assert meta["id"] == "shape-1"
+    assert meta["finish_reason"] == {"type": "length", "length": 5}
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 5
+    assert meta["weight_version"] == "0"
+    assert meta["weight_versions"] == [{"version": "0", "start": 0, "end": 5}]
+    triples = meta["output_token_logprobs"]
+    assert len(triples) == 5 and [t[1] for t in triples] == body["output_ids"]
+    assert all(isinstance(lp, float) and lp <= 0 and txt is None for lp, _, txt in triples)
+    assert isinstance(body["text"], str) and len(body["text"]) <= 5  # one character per non-special token
+
+    result = await client.generate(greedy(ids, 5))
+    assert isinstance(result, GenerateResult)
+    assert result.output_ids == body["output_ids"]  # greedy: the same tokens
+    assert result.output_logprobs == pytest.approx([t[0] for t in triples], abs=1e-6)
+    assert result.finish_reason == "length" and result.prompt_tokens == len(ids) and result.completion_tokens == 5
+    assert result.weight_version == "0" and result.rid
+
+    no_logprobs = await client.generate(GenerateRequest(
+        input_ids=ids, return_logprob=False,
+        sampling_params=SamplingParams(max_new_tokens=3, temperature=0.0, ignore_eos=True)))
+    assert no_logprobs.output_logprobs is None and len(no_logprobs.output_ids) == 3
+
+
+async def test_greedy_is_deterministic(client: SGLangClient) -> None:
+    ids = prompt(2, 7)
+    alone = await client.generate(greedy(ids, 20))
+    crowd = await asyncio.gather(client.generate(greedy(ids, 20)),
+                                 *(client.generate(greedy(prompt(i, 3 + i), 20)) for i in range(5)))
+    assert crowd[0].output_ids == alone.output_ids
+    assert crowd[0].output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+
+
+async def test_seeded_sampling_is_independent_of_the_batch(client: SGLangClient) -> None:
+    ids = prompt(3, 5)
+    params = dict(top_p=0.9, top_k=12, ignore_eos=True)
+    alone = await client.generate(sampled(ids, 24, seed=1234, **params))
+    others = [client.generate(sampled(prompt(i, 2 + 2 * i), 10 + 3 * i, seed=i, **params)) for i in range(7)]
+    together = await asyncio.gather(client.generate(sampled(ids, 24, seed=1234, **params)), *others)
+    assert together[0].output_ids == alone.output_ids
+    assert together[0].output_logprobs == pytest.approx(alone.output_logprobs, abs=1e-5)
+    other_seed = await client.generate(sampled(ids, 24, seed=4321, **params))
+    assert other_seed.output_ids != alone.output_ids
+
+
+async def test_stop_tokens_eos_and_max_new_tokens(client: SGLangClient) -> None:
+    ids = prompt(4, 6)
+    full = await client.generate(greedy(ids, 12))
+    assert full.finish_reason == "length" and len(full.output_ids) == 12
+    assert full.finish_detail is not None and full.finish_detail.length == 12
+
+    stop_at = full.output_ids[5]
+    first = full.output_ids.index(stop_at)
+    stopped = await client.generate(greedy(ids, 12, stop_token_ids=(stop_at,)))
+    assert stopped.finish_reason == "stop" and stopped.finish_detail.matched == stop_at  # type: ignore[union-attr]
+    assert stopped.output_ids == full.output_ids[: first + 1]  # the stop token is returned, with its logprob
+    assert len(stopped.output_logprobs or []) == first + 1
+
+    # EOS ends a request unless ignore_eos: find a seeded sample that draws EOS, then replay it.
+    for seed in range(50):
+        free = await client.generate(sampled(ids, 40, seed=seed, ignore_eos=True))
+        if EOS_ID in free.output_ids:
+            break
+    else:
+        pytest.fail("no sample drew EOS")
+    cut = free.output_ids.index(EOS_ID)
+    ended = await client.generate(sampled(ids, 40, seed=seed))
+    assert ended.output_ids == free.output_ids[: cut + 1]
+    assert ended.finish_reason == "stop" and ended.finish_detail.matched == EOS_ID  # type: ignore[union-attr]
+
+    nothing = await client.generate(greedy(ids, 0))
+    assert nothing.output_ids == [] and nothing.finish_reason == "length" and nothing.completion_tokens == 0
+
+
+async def test_logprobs_match_a_teacher_forced_forward(client: SGLangClient, tiny_model: Path) -> None:
+    prompts = [prompt(i, n) for i, n in enumerate([1, 3, 6, 9, 12, 17])]
+    requests = [sampled(p, 8 + 3 * i, seed=100 + i, ignore_eos=True) for i, p in enumerate(prompts)]
+    requests.append(greedy(prompts[2], 15))
+    results = await asyncio.gather(*(client.generate(r) for r in requests))
+    pairs = [(r.input_ids or [], res.output_ids) for r, res in zip(requests, results, strict=True)]
+    reference = teacher_logprobs(tiny_model, pairs)
+    for res, ref in zip(results, reference, strict=True):
+        assert len(res.output_logprobs or []) == len(ref) > 0
+        worst = max(abs(a - b) for a, b in zip(res.output_logprobs or [], ref, strict=True))
+        assert worst < 1e-4, worst
+
+
+async def test_update_weights_from_disk(engine: EmbeddedEngine, client: SGLangClient, tiny_model: Path,
+                                        perturbed_model: Path, other_shape_model: Path, tmp_path: Path) -> None:
+    ids = prompt(5, 8)
+    before = await client.generate(greedy(ids, 16))
+
+    result = await client.update_weights_from_disk(str(perturbed_model), weight_version="1")
+    assert result.success and "1" in result.message
+    assert (await client.model_info()).weight_version == "1"
+    after = await client.generate(greedy(ids, 16))
+    assert after.weight_version == "1" and after.output_logprobs != before.output_logprobs
+    assert after.output_ids != before.output_ids
+    # The new weights really serve: logprobs match a forward pass of the perturbed model.
+    ref = teacher_logprobs(perturbed_model, [(ids, after.output_ids)])[0]
+    assert max(abs(a - b) for a, b in zip(after.output_logprobs or [], ref, strict=True)) < 1e-4
+
+    # Failures are clear, and the old weights and version keep serving.
+    with pytest.raises(WeightUpdateError, match="not a directory"):
+        await client.update_weights_from_disk(str(tmp_path / "missing"), weight_version="2")
+    with pytest.raises(WeightUpdateError, match="shape mismatch"):
+        await client.update_weights_from_disk(str(other_shape_model), weight_version="2")
+    status, body = await post(engine.base_url + "/update_weights_from_disk",
+                              {"model_path": str(other_shape_model), "weight_version": "2"})
+    assert status == 400 and isinstance(body, dict) and body["success"] is False and "shape" in body["message"]
+    assert (await client.model_info()).weight_version == "1"
+    still = await client.generate(greedy(ids, 16))
+    assert still.output_ids == after.output_ids and still.weight_version == "1"
+
+    # Back to the original weights under a new version: the original outputs come back.
+    await client.update_weights_from_disk(str(tiny_model), weight_version="2")
+    again = await client.generate(greedy(ids, 16))
+    assert again.output_ids == before.output_ids and again.weight_version == "2"
+
+
+async def test_update_during_generation_splits_versions_or_aborts(engine: EmbeddedEngine, client: SGLangClient,
+                                                                  perturbed_model: Path, tiny_model: Path) -> None:
+    ids = prompt(6, 4)
+    running = asyncio.create_task(client.generate(GenerateRequest(
+        input_ids=ids, rid="long-1", sampling_params=SamplingParams(max_new_tokens=240, temperature=0.0,
+                                                                     ignore_eos=True))))
+    await wait_for(lambda: (engine.progress("long-1") or 0) >= 3, what="long-1 decoding")
+    await client.pause_generation("in_place")
+    await client.update_weights_from_disk(str(perturbed_model), weight_version="1")
+    await client.continue_generation()
+    result = await running
+    assert result.finish_reason == "length" and len(result.output_ids) == 240
+    spans = result.weight_versions or []
+    assert [s.version for s in spans] == ["0", "1"]
+    assert spans[0].start == 0 and 0 < spans[0].end == spans[1].start and spans[1].end == 240
+    assert result.weight_version == "1"
+
+    running = asyncio.create_task(client.generate(GenerateRequest(
+        input_ids=ids, rid="long-2", sampling_params=SamplingParams(max_new_tokens=240, temperature=0.0,
+                                                                     ignore_eos=True))))
+    await wait_for(lambda: (engine.progress("long-2") or 0) >= 3, what="long-2 decoding")
+    await client.update_weights_from_disk(str(tiny_model), weight_version="2", abort_all_requests=True)
+    aborted = await running
+    assert aborted.finish_reason == "abort" and 3 <= len(aborted.output_ids) < 240
+    assert len(aborted.output_logprobs or []) == len(aborted.output_ids)
+
+
+async def test_pause_abort_then_continue(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    long = SamplingParams(max_new_tokens=240, temperature=0.0, ignore_eos=True)
+    tasks = [asyncio.create_task(client.generate(GenerateRequest(input_ids=prompt(i, 3 + i), rid=f"p{i}",
+                                                                 sampling_params=long))) for i in range(3)]
+    await wait_for(lambda: all((engine.progress(f"p{i}") or 0) >= 2 for i in range(3)), what="decoding")
+    await client.pause_generation("abort")
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 10)
+    for res in results:
+        assert res.finish_reason == "abort" and 2 <= len(res.output_ids) < 240
+        assert res.finish_detail is not None and res.finish_detail.message
+
+    # While paused, new requests wait; continue lets them run.
+    waiting = asyncio.create_task(client.generate(greedy(prompt(9, 5), 6)))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await client.continue_generation()
+    done = await asyncio.wait_for(waiting, 10)
+    assert done.finish_reason == "length" and len(done.output_ids) == 6
+
+
+async def test_pause_in_place_keeps_state(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    ids = prompt(7, 5)
+    reference = await client.generate(greedy(ids, 200))
+    task = asyncio.create_task(client.generate(GenerateRequest(
+        input_ids=ids, rid="inplace", sampling_params=SamplingParams(max_new_tokens=200, temperature=0.0,
+                                                                      ignore_eos=True))))
+    await wait_for(lambda: (engine.progress("inplace") or 0) >= 3, what="decoding")
+    await client.pause_generation("in_place")
+    held = engine.progress("inplace")
+    await asyncio.sleep(0.2)
+    assert engine.progress("inplace") == held and not task.done()
+    await client.continue_generation()
+    result = await asyncio.wait_for(task, 20)
+    assert result.finish_reason == "length"
+    assert result.output_ids == reference.output_ids
+    assert result.output_logprobs == pytest.approx(reference.output_logprobs, abs=1e-5)
+
+
+async def test_abort_request(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    victim = asyncio.create_task(client.generate(GenerateRequest(
+        input_ids=prompt(8, 4), rid="victim", sampling_params=SamplingParams(max_new_tokens=240, temperature=0.0,
+                                                                              ignore_eos=True))))
+    bystander = asyncio.create_task(client.generate(greedy(prompt(8, 6), 60)))
+    await wait_for(lambda: (engine.progress("victim") or 0) >= 2, what="decoding")
+    await client.abort_request("victim")
+    aborted = await asyncio.wait_for(victim, 10)
+    assert aborted.rid == "victim" and aborted.finish_reason == "abort" and 2 <= len(aborted.output_ids) < 240
+    finished = await asyncio.wait_for(bystander, 20)
+    assert finished.finish_reason == "length" and len(finished.output_ids) == 60
+    await client.abort_request("no-such-request")  # not an error, as in SGLang
+
+    # A request still waiting (engine paused) is aborted with no tokens.
+    await client.pause_generation("in_place")
+    queued = asyncio.create_task(client.generate(GenerateRequest(input_ids=prompt(1, 3), rid="queued",
+                                                                 sampling_params=SamplingParams(max_new_tokens=5))))
+    await wait_for(lambda: engine.progress("queued") is not None, what="queued")
+    await client.abort_request(abort_all=True)
+    empty = await asyncio.wait_for(queued, 10)
+    assert empty.finish_reason == "abort" and empty.output_ids == [] and empty.weight_version == "0"
+    await client.continue_generation()
+
+
+@pytest.mark.parametrize(("payload", "field"), [
+    ({"input_ids": [4, 5], "frobnicate": 1}, "frobnicate"),
+    ({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2, "temprature": 0.5}}, "sampling_params.temprature"),
+    ({"input_ids": "12+3"}, "input_ids"),
+    ({"input_ids": [4, 999]}, "input_ids"),
+    ({"input_ids": []}, "input_ids"),
+    ({"input_ids": [4], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
+    ({"input_ids": [4], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [4], "sampling_params": {"max_new_tokens": 10_000}}, "sampling_params.max_new_tokens"),
+    ({"input_ids": [4], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+    ({"input_ids": [4], "sampling_params": {"stop_token_ids": [1, "x"]}}, "sampling_params.stop_token_ids"),
+    ({"input_ids": [4], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
+    ({"input_ids": [4], "stream": True}, "stream"),
+    ({"input_ids": [4], "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [4], "rid": 7}, "rid"),
+])
+async def test_invalid_generate_requests_get_400_naming_the_field(engine: EmbeddedEngine, payload: dict,
+                                                                  field: str) -> None:
+    status, body = await post(engine.base_url + "/generate", payload)
+    assert status == 400, body
+    assert isinstance(body, dict) and body["object"] == "error" and body["code"] == 400
+    assert body["message"].startswith(field + ":"), body["message"]
+
+
+async def test_invalid_control_requests_and_client_errors(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    status, body = await post(engine.base_url + "/pause_generation", {"mode": "sideways"})
+    assert status == 400 and body["message"].startswith("mode:")  # type: ignore[index]
+    status, body = await post(engine.base_url + "/update_weights_from_disk", {"weight_version": "3"})
+    assert status == 400 and body["message"].startswith("model_path:")  # type: ignore[index]
+    status, body = await post(engine.base_url + "/abort_request", {"rid": "x", "everything": True})
+    assert status == 400 and body["message"].startswith("everything:")  # type: ignore[index]
+    async with aiohttp.ClientSession() as session, session.post(engine.base_url + "/generate", data=b"{nope") as r:
+        assert r.status == 400 and (await r.json())["message"].startswith("body:")
+
+    with pytest.raises(EngineError) as bad:
+        await client.generate(GenerateRequest(input_ids=[4, 999]))
+    assert bad.value.status == 400 and "input_ids" in str(bad.value)
+    await client.flush_cache()
+    await client.pause_generation("retract")
+    await client.continue_generation()
+
+
+async def test_client_reports_an_unreachable_engine(engine: EmbeddedEngine) -> None:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with SGLangClient(f"http://127.0.0.1:{port}", timeout_s=2, retries=1, backoff_s=0.01) as dead:
+        assert not await dead.health()
+        with pytest.raises(EngineUnavailable):
+            await dead.model_info()
+        with pytest.raises(EngineUnavailable):
+            await dead.generate(greedy([4], 2))
+
+
+async def test_a_client_that_gives_up_aborts_its_request(engine: EmbeddedEngine) -> None:
+    async with SGLangClient(engine.base_url, timeout_s=0.3, retries=0) as impatient:
+        await impatient.pause_generation("in_place")  # the request cannot finish in time
+        with pytest.raises(EngineUnavailable, match="timed out"):
+            await impatient.generate(GenerateRequest(input_ids=[4, 5], rid="impatient",
+                                                     sampling_params=SamplingParams(max_new_tokens=8)))
+        await wait_for(lambda: engine.progress("impatient") is None, what="the request dropped")
+        await impatient.continue_generation()
+
+
+async def test_module_entry_point_serves_and_stops_on_sigterm(tiny_model: Path) -> None:
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "policyloop.engines.embedded", "--model-path", str(tiny_model),
+                             "--host", "127.0.0.1", "--port", str(port), "--max-batch", "8", "--threads", "1",
+                             "--weight-version", "7"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        async with SGLangClient(f"http://127.0.0.1:{port}", timeout_s=30) as remote:
+            await remote.wait_healthy(timeout_s=60)
+            assert (await remote.model_info()).weight_version == "7"
+            result = await remote.generate(greedy(prompt(1, 4), 3))
+            assert len(result.output_ids) == 3 and result.weight_version == "7"
+        proc.send_signal(signal.SIGTERM)
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
