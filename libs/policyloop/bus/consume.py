@@ -149,7 +149,7 @@ class PullWorker(Generic[M]):
                     continue
                 try:
                     msgs = await self._sub.fetch(free, timeout=self.fetch_timeout_s)  # type: ignore[union-attr]
-                except (nats.errors.TimeoutError, asyncio.TimeoutError):
+                except (TimeoutError, nats.errors.TimeoutError):
                     # Nothing to take (nats-py raises either kind, depending on the batch size).
                     continue
                 for msg in msgs:
