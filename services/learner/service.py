@@ -13,6 +13,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import grpc
+import xxhash
 from pydantic import Field
 
 from policyloop.bus import Delivery, PermanentError, PullWorker
@@ -39,6 +41,31 @@ class LearnerSettings(ServiceSettings):
     clip_high: float = Field(0.2, description="PPO clip range above 1 (clip-higher when larger than clip_low).")
     max_grad_norm: float = Field(1.0, description="Gradient norm clipping threshold.")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
+
+
+async def push_version(publisher: WeightClient, settings: LearnerSettings, version: int, payload: bytes,
+                       step: int, attempts: int = 8) -> None:
+    """Pushes until the publisher holds `version` durably. A push whose reply was lost is
+    recognised afterwards (the publisher already holds the version with the same hash)."""
+    digest = xxhash.xxh3_128_hexdigest(payload)
+    delay = 0.5
+    for attempt in range(1, attempts + 1):
+        try:
+            await publisher.push(settings.model, version, payload, codec="safetensors", step=step,
+                                 run_id=settings.run_id)
+            return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                held = {v.version: v.payload_xxh3_128 for v in await publisher.list_versions(settings.model)}
+                if held.get(version) == digest:
+                    return
+                raise
+            transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            if not transient or attempt == attempts:
+                raise
+            log.warning("push_retry", version=version, attempt=attempt, error=exc.code().name)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -96,8 +123,7 @@ async def body(ctx: ServiceContext) -> None:
             started = time.monotonic()
             report = await asyncio.to_thread(trainer.step, groups)
             payload = await asyncio.to_thread(trainer.export_safetensors)
-            await publisher.push(settings.model, trainer.version, payload, codec="safetensors",
-                                 step=report.step, run_id=settings.run_id)
+            await push_version(publisher, settings, trainer.version, payload, report.step)
             await ctx.versions.compare_and_set(settings.model, trainer.version - 1, trainer.version)
             ctx.policy_version = trainer.version
             for group in groups:

@@ -34,6 +34,7 @@ from policyloop.contracts.validate import validate_task
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.state.pacing import Pacer
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import GENERATED_TOKENS
 from policyloop.trajectories import group_members, now_ms
@@ -64,6 +65,11 @@ class RolloutSettings(ServiceSettings):
         description="Where fetched versions are written for the engine to load (one directory per version).",
     )
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    groups_per_step: int = Field(32, description="The learner's groups per step (pacing needs it; cluster-wide).")
+    max_lag: int = Field(
+        1, description="Versions a group may lag when trained; groups beyond it are not started (-1: no pacing)."
+    )
+    pacing_poll_s: float = Field(0.05, description="How often a paced replica asks again for a slot.")
 
 
 def _die_with_parent() -> None:
@@ -233,8 +239,17 @@ async def body(ctx: ServiceContext) -> None:
             traj.prompt_text = task.prompt_text
             traj.timings.generation_finished_unix_ms = now_ms()
 
+        pacer = None if settings.max_lag < 0 else Pacer(
+            ctx.redis, settings.namespace, settings.model, groups_per_step=settings.groups_per_step,
+            max_lag=settings.max_lag,
+        )
+
         async def handle(delivery: Delivery[bus_pb2.Task]) -> None:
             task = delivery.message
+            while pacer is not None and not await pacer.try_admit(task.task_id, ctx.policy_version):
+                ctx.detail["paced"] = True  # the learner is behind: wait rather than sample stale
+                await asyncio.sleep(settings.pacing_poll_s)
+            ctx.detail["paced"] = False
             prompt_ids = list(task.prompt_token_ids) or tokenizer(task.prompt_text, add_special_tokens=False).input_ids
             group = group_members(task, settings.instance_id)
             for traj in group:

@@ -221,10 +221,14 @@ class LocalCluster:
                 self.redis_url = f"redis://127.0.0.1:{self.redis.ports['client']}/0"
             for entry in self.services:
                 for index in range(self.replicas.get(entry.name, 1)):
-                    proc = service_process(entry, index, self.run_dir, self.nats_url, self.redis_url,
-                                           self.namespace, self.extra_env)
-                    proc.start()
-                    self.processes.append(proc)
+                    self.processes.append(service_process(entry, index, self.run_dir, self.nats_url,
+                                                          self.redis_url, self.namespace, self.extra_env))
+            publishers = [p for p in self.processes if p.name.startswith("publisher-")]
+            for proc in self.processes:
+                if publishers and "POLICYLOOP_PUBLISHER_ENDPOINT" not in self.extra_env:
+                    # The learner pushes versions to the (single) publisher.
+                    proc.env["POLICYLOOP_PUBLISHER_ENDPOINT"] = f"127.0.0.1:{publishers[0].ports['grpc']}"
+                proc.start()
         except BaseException:
             self.stop()
             raise
