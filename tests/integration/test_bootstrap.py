@@ -137,3 +137,14 @@ def test_cli_prints_json(tmp_path: Path) -> None:
     printed = json.loads(result.stdout)
     assert printed == {"path": str(fake.resolve()), "heldout_accuracy": 0.25, "steps": 7, "seconds": 1.5,
                        "cached": True}
+
+
+@pytest.mark.slow
+def test_default_bootstrap_lands_in_the_window(tmp_path: Path) -> None:
+    """The real default build (about 20 s on 2 cores): held-out accuracy low but clearly above 0."""
+    path = bootstrap(BootstrapConfig(), tmp_path)
+    record = read_record(path)
+    assert 0.20 <= record["heldout_accuracy"] <= 0.50
+    assert 0.15 <= record["report"]["greedy_accuracy"] <= 0.50
+    assert record["report"]["sampled_format_rate_t1"] > 0.9  # sampling at T=1 stays well formed
+    assert record["seconds"] < 120

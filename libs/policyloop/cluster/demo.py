@@ -209,7 +209,8 @@ def write_plot(result: DemoResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot([p.t for p in result.progress], [p.mean_reward for p in result.progress], label="mean reward (train)")
+    trained = [p for p in result.progress if p.step > 0]  # before the first step there is no reward yet
+    ax.plot([p.t for p in trained], [p.mean_reward for p in trained], label="mean reward (train)")
     ax.plot([e.t for e in result.evaluations], [e.accuracy for e in result.evaluations], "o-",
             label="held-out accuracy")
     ax.set_xlabel("seconds of RL")
