@@ -132,7 +132,8 @@ class ServiceLauncher:
         self.started: list[ServiceProcess] = []
 
     def start(self, name: str, instance: str | None = None, env: dict[str, str] | None = None,
-              limits: BusLimits | None = None) -> ServiceProcess:
+              limits: BusLimits | None = None, launcher: list[str] | None = None) -> ServiceProcess:
+        """`launcher` replaces `python` in front of `-m policyloop serve <name>` (e.g. torchrun)."""
         instance = instance or f"{name}-{len(self.started)}"
         ports = {"http": free_port()}
         full_env = dict(os.environ)
@@ -157,7 +158,7 @@ class ServiceLauncher:
         full_env.update(env or {})
         log_path = self.tmp_path / f"{instance}.log"
         with open(log_path, "ab") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "policyloop", "serve", name], env=full_env,
+            proc = subprocess.Popen([*(launcher or [sys.executable]), "-m", "policyloop", "serve", name], env=full_env,
                                     stdout=log, stderr=subprocess.STDOUT, cwd=self.tmp_path)
         service = ServiceProcess(name, instance, proc, log_path, ports)
         self.started.append(service)

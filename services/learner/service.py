@@ -1,5 +1,10 @@
 """learner service: TRAJECTORIES → GRPO steps → new policy versions, pushed to the publisher.
 
+One rank by default. For more, launch it with torchrun
+(`torchrun --nproc_per_node N -m policyloop.services.learner`): rank 0 is the service (bus,
+Redis, health, publishing) and leads every step; the other ranks hold their FSDP2 shards and
+train their share of each batch.
+
 Trajectories are held (unacknowledged, with in-progress heartbeats) until the step that trains
 on them has produced a version the publisher stored durably; then they are acked. A learner
 that dies mid-step therefore loses nothing: its trajectories are redelivered. Redeliveries of
@@ -173,5 +178,37 @@ async def body(ctx: ServiceContext) -> None:
         raise RuntimeError("the training loop failed") from trainer_task.exception()
 
 
+def follow_rank(settings: LearnerSettings) -> int:
+    """A rank other than 0 under torchrun: no bus, no Redis — it trains its share of each step
+    rank 0 leads, until rank 0 closes."""
+    import os
+    import signal
+
+    from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
+    from policyloop.telemetry.logging import configure_logging
+
+    # torchrun forwards SIGTERM to every rank; rank 0 stops gracefully and then releases the
+    # others (close() broadcasts the end), which must still be there to take part.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    configure_logging(service="learner", run_id=settings.run_id,
+                      instance=f"{settings.instance_id}-rank{os.environ['RANK']}", level=settings.log_level)
+    config = TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
+                           max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
+    trainer = PolicyTrainer(settings.model_path, config, version=0)
+    log.info("follower_ready", rank=trainer.rank, world_size=trainer.world_size)
+    steps = trainer.follow()
+    trainer.close()
+    log.info("follower_stopped", steps=steps)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and int(os.environ.get("RANK", "0")) != 0:
+        from policyloop.runtime.settings import load_settings
+
+        return follow_rank(load_settings(LearnerSettings, list(argv or [])))
     return run_main("learner", LearnerSettings, body, argv)

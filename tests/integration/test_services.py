@@ -221,3 +221,51 @@ async def test_embedded_engine_dies_with_its_rollout_replica(bus: Bus, services:
         return engine_pids(port) == []
 
     await eventually(gone, timeout_s=15)
+
+
+async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: ServiceLauncher) -> None:
+    import sys
+
+    from policyloop.bus import trajectories_subject
+    from policyloop.cluster.local import free_port
+    from policyloop.weights.client import WeightClient
+
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    learner = services.start(
+        "learner", env={"POLICYLOOP_GROUPS_PER_STEP": "2", "OMP_NUM_THREADS": "1",
+                        "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"},
+        launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+                  f"--master_port={free_port()}"],
+    )
+    await services.wait_healthy(learner, timeout_s=60)
+    for task in ("a", "b"):
+        for i in range(2):
+            traj = bus_pb2.Trajectory(
+                trajectory_id=f"{task}/{i}", task_id=task, group_id=task, sample_index=i, group_size=2,
+                environment="addition@v1", prompt_token_ids=[5, 14, 6, 16], response_token_ids=[7 + i, 1],
+                behaviour_logprobs=[-2.0, -2.0], loss_mask=[True, True], scored=True, reward=float(i),
+                finish_reason=bus_pb2.FINISH_REASON_STOP,
+                version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=2)],
+            )
+            await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
+    client = WeightClient(f"127.0.0.1:{publisher.ports['grpc']}")
+    try:
+        async def published() -> bool:
+            return [v.version for v in await client.list_versions("policy")] == [1]
+
+        await eventually(published, timeout_s=60)
+    finally:
+        await client.close()
+
+    async def acked() -> bool:
+        b = await bus.backlog("learner")
+        return b.pending == 0 and b.ack_pending == 0
+
+    await eventually(acked)
+    # torchrun turns SIGTERM into its own failure exit; what matters is that rank 0 stopped
+    # gracefully (handing back what it held) and released the other rank.
+    learner.terminate(timeout_s=60)
+    events = learner.log_events()
+    assert any(e["event"] == "service_stopped" and e["exit_code"] == 0 for e in events)
+    assert any(e["event"] == "follower_stopped" and e["steps"] == 1 for e in events)

@@ -82,3 +82,30 @@ def test_groups_of_a_step_must_share_a_size(model_dir: Path) -> None:
             trainer.step([one, two])
     finally:
         trainer.close()
+
+
+def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from policyloop.cluster.local import free_port
+
+    two_ranks = tmp_path / "two.safetensors"
+    env_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
+               f"--master_port={free_port()}", "-m", "tests.distributed_steps", str(model_dir), str(two_ranks)]
+    result = subprocess.run(env_cmd, capture_output=True, text=True, timeout=240,
+                            env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    one_rank = tmp_path / "one.safetensors"
+    single = subprocess.run([sys.executable, "-m", "tests.distributed_steps", str(model_dir), str(one_rank)],
+                            capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = safetensors.torch.load_file(str(two_ranks)), safetensors.torch.load_file(str(one_rank))
+    base = safetensors.torch.load_file(str(model_dir / "model.safetensors"))
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-5), name
+    assert any(not torch.equal(a[n], base[n]) for n in a)  # the steps did change the weights
+    norms_two = [float(x) for x in two_ranks.with_suffix(".norms").read_text().split()]
+    norms_one = [float(x) for x in one_rank.with_suffix(".norms").read_text().split()]
+    assert norms_two == pytest.approx(norms_one, rel=1e-4)

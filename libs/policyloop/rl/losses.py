@@ -25,10 +25,12 @@ def clipped_policy_loss(
     *,
     clip_low: float = 0.2,
     clip_high: float = 0.2,
+    token_count: float | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """PPO-clip objective with token-level normalisation (DAPO/Dr.GRPO style): the sum over
     every trained token of the batch divided by their count, so long and short responses weigh
-    by their tokens. `advantages` is per token (a sequence's advantage broadcast over it)."""
+    by their tokens. `advantages` is per token (a sequence's advantage broadcast over it).
+    `token_count` overrides the count when this batch is one rank's shard of a larger one."""
     if not (logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape):
         raise ValueError("logprobs, old_logprobs, advantages and mask must have one shape")
     mask = mask.to(logprobs.dtype)
@@ -37,7 +39,7 @@ def clipped_policy_loss(
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    tokens = mask.sum().clamp(min=1.0)
+    tokens = mask.sum().clamp(min=1.0) if token_count is None else torch.tensor(max(token_count, 1.0))
     loss = (per_token * mask).sum() / tokens
     with torch.no_grad():
         was_clipped = ((unclipped > clipped) & (mask > 0)).to(logprobs.dtype)

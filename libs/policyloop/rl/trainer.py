@@ -107,26 +107,65 @@ class PolicyTrainer:
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
 
+    @property
+    def rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def world_size(self) -> int:
+        return dist.get_world_size()
+
     def step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
-        """One GRPO update on complete groups; the policy version advances by one."""
+        """One GRPO update on complete groups; the policy version advances by one.
+
+        With several ranks (torchrun), rank 0 calls this and the others run `follow`: the
+        groups are broadcast, every rank trains on its share of the samples, and FSDP2 averages
+        the gradients — the loss is scaled so that the result is the single-rank update."""
+        if self.world_size > 1:
+            if self.rank != 0:
+                raise RuntimeError("only rank 0 leads steps; other ranks run follow()")
+            dist.broadcast_object_list([[[t.SerializeToString() for t in g] for g in groups]], src=0)
+        return self._step(groups)
+
+    def follow(self) -> int:
+        """Runs the steps rank 0 leads until it closes; returns the number of steps taken."""
+        while True:
+            box: list[object] = [None]
+            dist.broadcast_object_list(box, src=0)
+            if box[0] is None:
+                return self.steps
+            if box[0] == "export":
+                self.export_safetensors()
+                continue
+            groups = [[bus_pb2.Trajectory.FromString(b) for b in g] for g in box[0]]  # type: ignore[union-attr]
+            self._step(groups)
+
+    def _step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
         started = time.monotonic()
-        samples = [t for group in groups for t in group]
         group_size = len(groups[0])
         if any(len(g) != group_size for g in groups):
             raise ValueError("every group of a step must have the same size")
         rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
         advantages = group_advantages(rewards, scale_by_std=self.config.scale_advantages_by_std).reshape(-1)
-        prompts = [list(t.prompt_token_ids) for t in samples]
-        responses = [list(t.response_token_ids) for t in samples]
+        samples = [t for group in groups for t in group]
+        if len(samples) < self.world_size:
+            raise ValueError(f"{len(samples)} samples cannot be shared by {self.world_size} ranks")
         masks = [[bool(m) and t.finish_reason != bus_pb2.FINISH_REASON_ERROR for m in t.loss_mask] for t in samples]
-        batch = pack(prompts, responses, masks, pad_id=self.pad_id)
+        # Every rank knows the whole batch, so the global token count needs no collective.
+        total_tokens = float(sum(sum(m) for m in masks))
+        mine = list(range(self.rank, len(samples), self.world_size))
+        prompts = [list(samples[i].prompt_token_ids) for i in mine]
+        responses = [list(samples[i].response_token_ids) for i in mine]
+        batch = pack(prompts, responses, [masks[i] for i in mine], pad_id=self.pad_id)
         width = batch.input_ids.shape[1]
-        behaviour = response_values([list(t.behaviour_logprobs) for t in samples], prompts, width)
-        token_adv = advantages[:, None].expand_as(batch.response_mask)
+        behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width)
+        token_adv = advantages[mine][:, None].expand_as(batch.response_mask)
         logprobs = token_logprobs(self.model, batch)
         loss, stats = clipped_policy_loss(logprobs, behaviour, token_adv, batch.response_mask,
-                                          clip_low=self.config.clip_low, clip_high=self.config.clip_high)
-        loss.backward()
+                                          clip_low=self.config.clip_low, clip_high=self.config.clip_high,
+                                          token_count=total_tokens)
+        # FSDP2 averages gradients over ranks; scaling by the world size makes that the sum.
+        (loss * self.world_size).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -136,12 +175,17 @@ class PolicyTrainer:
             step=self.steps, samples=len(samples), groups=len(groups), mean_reward=float(rewards.mean()),
             loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.approx_kl,
             grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            trained_tokens=stats.tokens, seconds=time.monotonic() - started,
+            trained_tokens=int(total_tokens), seconds=time.monotonic() - started,
         )
 
     def export_safetensors(self) -> bytes:
-        """The full weights, with the base checkpoint's tensor names, as safetensors bytes."""
+        """The full weights, with the base checkpoint's tensor names, as safetensors bytes.
+        Gathering them is collective: rank 0 tells the other ranks to join."""
+        if self.world_size > 1 and self.rank == 0:
+            dist.broadcast_object_list(["export"], src=0)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank != 0:
+            return b""
         missing = [k for k in self.keys if k not in state]
         if missing:
             raise KeyError(f"the model has no tensors named {missing[:3]}")
@@ -150,4 +194,6 @@ class PolicyTrainer:
 
     def close(self) -> None:
         if dist.is_initialized():
+            if self.world_size > 1 and self.rank == 0:
+                dist.broadcast_object_list([None], src=0)  # followers return from follow()
             dist.destroy_process_group()
