@@ -179,7 +179,7 @@ def status(
 @app.command()
 def demo(
     run_dir: Annotated[Path, typer.Option(help="Where the demo cluster keeps its data.")] = Path("runs/demo"),
-    out: Annotated[Path | None, typer.Option(help="Where summary.json and the plot go (default: the run dir).")] = None,
+    out: Annotated[Path | None, typer.Option(help="Where summary.json and the plot go (default: runs/<run>).")] = None,
     budget_s: Annotated[float, typer.Option(help="Seconds of RL after the first evaluation.")] = 420.0,
     steps: Annotated[int, typer.Option(help="Stop after this many learner steps (0: the budget decides).")] = 0,
     model_path: Annotated[Path | None, typer.Option(help="Base model directory (default: bootstrap).")] = None,

@@ -17,6 +17,7 @@ import asyncio
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import xxhash
@@ -30,6 +31,9 @@ from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pu
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import LEARNER_DROPPED, LEARNER_STEP_SECONDS, LEARNER_TOKENS, VERSION_LAG
 from policyloop.weights.client import WeightClient
+
+if TYPE_CHECKING:
+    from policyloop.rl.trainer import TrainerConfig
 
 log = get_logger(__name__)
 
@@ -46,6 +50,13 @@ class LearnerSettings(ServiceSettings):
     clip_high: float = Field(0.2, description="PPO clip range above 1 (clip-higher when larger than clip_low).")
     max_grad_norm: float = Field(1.0, description="Gradient norm clipping threshold.")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
+
+
+def trainer_config(settings: LearnerSettings) -> TrainerConfig:
+    from policyloop.rl.trainer import TrainerConfig
+
+    return TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
+                         max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
 
 
 async def push_version(publisher: WeightClient, settings: LearnerSettings, version: int, payload: bytes,
@@ -75,11 +86,10 @@ async def push_version(publisher: WeightClient, settings: LearnerSettings, versi
 
 async def body(ctx: ServiceContext) -> None:
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
-    from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
+    from policyloop.rl.trainer import PolicyTrainer
 
     version = await ctx.versions.get(settings.model)
-    config = TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
-                           max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
+    config = trainer_config(settings)
     if version != 0:
         # Resuming from a checkpoint comes with the checkpoint issue; training the base weights
         # under a later version number would publish a regression.
@@ -184,7 +194,7 @@ def follow_rank(settings: LearnerSettings) -> int:
     import os
     import signal
 
-    from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
+    from policyloop.rl.trainer import PolicyTrainer
     from policyloop.telemetry.logging import configure_logging
 
     # torchrun forwards SIGTERM to every rank; rank 0 stops gracefully and then releases the
@@ -194,8 +204,7 @@ def follow_rank(settings: LearnerSettings) -> int:
 
     configure_logging(service="learner", run_id=settings.run_id,
                       instance=f"{settings.instance_id}-rank{os.environ['RANK']}", level=settings.log_level)
-    config = TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
-                           max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
+    config = trainer_config(settings)
     trainer = PolicyTrainer(settings.model_path, config, version=0)
     log.info("follower_ready", rank=trainer.rank, world_size=trainer.world_size)
     steps = trainer.follow()

@@ -40,3 +40,30 @@ def test_gateway_reward_sandbox_publisher_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False False"
+
+
+def test_every_imported_distribution_is_declared() -> None:
+    """A module the project imports must come from a distribution pyproject.toml asks for
+    (a fresh clone installs only those)."""
+    import ast
+    import importlib.metadata
+    import re
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    specs = project["dependencies"] + [d for deps in project["optional-dependencies"].values() for d in deps]
+    declared = {re.split(r"[<>=!~\[ ;]", s, maxsplit=1)[0].lower().replace("_", "-") for s in specs}
+    declared |= {"policyloop"}
+    owners = importlib.metadata.packages_distributions()
+    missing = {}
+    for path in list((REPO / "libs").rglob("*.py")) + list((REPO / "services").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+            for name in names:
+                top = name.split(".")[0]
+                if top in sys.stdlib_module_names or top == "policyloop":
+                    continue
+                dists = {d.lower().replace("_", "-") for d in owners.get(top, [top])}
+                if not dists & declared:
+                    missing[top] = str(path.relative_to(REPO))
+    assert not missing, f"imported but not declared in pyproject.toml: {missing}"

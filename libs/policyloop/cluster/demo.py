@@ -32,7 +32,7 @@ from policyloop.state import HeartbeatRegistry, connect_redis
 @dataclass
 class DemoConfig:
     run_dir: Path = Path("runs/demo")
-    out: Path | None = None              # where summary.json and the plot go (default: run_dir)
+    out: Path | None = None              # where summary.json and the plot go (default: runs/<run id>)
     model_path: Path | None = None       # default: the bootstrap model (built and cached if needed)
     budget_s: float = 420.0              # wall time of the RL phase
     max_steps: int = 0                   # 0: no step limit, the budget decides
@@ -66,6 +66,7 @@ class Evaluation:
 
 @dataclass
 class DemoResult:
+    run_id: str
     accuracy_before: float
     accuracy_after: float
     steps: int
@@ -138,7 +139,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
     tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
     heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), config.eval_problems, seed=config.seed)
     client = SGLangClient(engine_url, timeout_s=120)
-    result = DemoResult(0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
+    result = DemoResult("", 0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
     try:
         result.accuracy_before, version = await evaluate(client, tokenizer, heldout)
         console.print(f"held-out accuracy before RL: [bold]{result.accuracy_before:.1%}[/bold] "
@@ -153,6 +154,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
                 environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
                 num_tasks=1_000_000, seed=config.seed, model="policy",
             ), timeout=30)
+            result.run_id = run.run_id
             console.print(f"run {run.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
                           f"{config.groups_per_step} groups per step, lr {config.lr}")
             started = time.monotonic()
@@ -231,8 +233,6 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
         console.print("base model: bootstrapping (cached after the first run) …")
         config.model_path = bootstrap(BootstrapConfig())
     console.print(f"base model: {config.model_path}")
-    out = config.out or config.run_dir
-    out.mkdir(parents=True, exist_ok=True)
     env = {
         "POLICYLOOP_MODEL_PATH": str(config.model_path),
         "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
@@ -248,7 +248,9 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     finally:
         console.print("stopping the cluster …")
         cluster.stop()
-    summary = asdict(result)
+    out = config.out or Path("runs") / result.run_id
+    out.mkdir(parents=True, exist_ok=True)
+    summary = asdict(result) | {"config": {k: str(v) for k, v in asdict(config).items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     write_plot(result, out / "reward_accuracy.png")
     gain = result.accuracy_after - result.accuracy_before
