@@ -17,3 +17,12 @@ def group_advantages(rewards: torch.Tensor, *, scale_by_std: bool = True, eps: f
         return centred
     # Population std (unbiased=False) keeps a group of two from exploding.
     return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+
+
+def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO: each sample's reward minus the mean of the *other* samples of its group."""
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError("leave-one-out needs [groups, group_size] with group_size >= 2")
+    n = rewards.shape[1]
+    others_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
+    return rewards - others_mean
