@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 
 
 def now_ms() -> int:
@@ -38,3 +40,53 @@ def group_members(task: bus_pb2.Task, replica: str) -> list[bus_pb2.Trajectory]:
         )
         for i in range(task.group_size)
     ]
+
+
+class EngineResultError(ValueError):
+    """An engine answer a trajectory cannot be built from (the sample is not published)."""
+
+
+_FINISH = {"stop": bus_pb2.FINISH_REASON_STOP, "length": bus_pb2.FINISH_REASON_LENGTH,
+           "abort": bus_pb2.FINISH_REASON_ABORT}
+
+
+def generate_request(task: bus_pb2.Task, traj: bus_pb2.Trajectory, default_stop_ids: Sequence[int]) -> GenerateRequest:
+    """The SGLang request for one group member: sample i of a seeded task uses seed + i."""
+    sp = task.sampling
+    return GenerateRequest(
+        input_ids=list(traj.prompt_token_ids),
+        sampling_params=SamplingParams(
+            max_new_tokens=sp.max_new_tokens or 32, temperature=sp.temperature, top_p=sp.top_p or 1.0,
+            top_k=sp.top_k or -1, stop_token_ids=tuple(sp.stop_token_ids or default_stop_ids),
+            sampling_seed=(sp.seed + traj.sample_index) if sp.HasField("seed") else None,
+        ),
+        return_logprob=True, rid=traj.trajectory_id,
+    )
+
+
+def record_response(traj: bus_pb2.Trajectory, result: GenerateResult, response_text: str) -> None:
+    """Fills the response, behaviour logprobs, loss mask and version spans from the engine's
+    answer. Checks everything first, so a bad answer leaves the trajectory untouched: a
+    trajectory is never published without a logprob and a version for every token."""
+    n = len(result.output_ids)
+    if result.weight_version in (None, ""):
+        raise EngineResultError("meta_info.weight_version: the engine did not report one")
+    if result.output_logprobs is None or len(result.output_logprobs) != n:
+        got = "none" if result.output_logprobs is None else len(result.output_logprobs)
+        raise EngineResultError(f"meta_info.output_token_logprobs: {got} for {n} tokens")
+    if result.weight_versions:
+        # The request straddled a weight update: the engine says which tokens came from which.
+        spans = [bus_pb2.VersionSpan(version=int(s.version), start=s.start, end=s.end)
+                 for s in result.weight_versions]
+    else:
+        spans = [bus_pb2.VersionSpan(version=int(result.weight_version), start=0, end=n)] if n else []
+    if spans and (spans[0].start != 0 or spans[-1].end != n
+                  or any(a.end != b.start for a, b in zip(spans, spans[1:], strict=False))):
+        raise EngineResultError(f"meta_info.weight_versions: spans do not cover the {n} tokens in order")
+    traj.response_token_ids.extend(result.output_ids)
+    traj.behaviour_logprobs.extend(result.output_logprobs)
+    traj.loss_mask.extend([True] * n)
+    traj.version_spans.extend(spans)
+    traj.finish_reason = _FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
+    traj.response_text = response_text
+    traj.timings.generation_finished_unix_ms = now_ms()

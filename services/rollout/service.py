@@ -31,20 +31,15 @@ from policyloop.bus import Delivery, PullWorker, rollouts_subject, weights_subje
 from policyloop.cluster.local import free_port
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_task
-from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.state.pacing import Pacer
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import GENERATED_TOKENS
-from policyloop.trajectories import group_members, now_ms
+from policyloop.trajectories import generate_request, group_members, record_response
 from policyloop.weights.client import WeightClient
 
 log = get_logger(__name__)
-
-FINISH = {"stop": bus_pb2.FINISH_REASON_STOP, "length": bus_pb2.FINISH_REASON_LENGTH,
-          "abort": bus_pb2.FINISH_REASON_ABORT}
-
 
 class RolloutSettings(ServiceSettings):
     concurrency: int = Field(8, description="Tasks (groups) this replica samples at once.")
@@ -126,6 +121,13 @@ class WeightFollower:
         self.latest: bus_pb2.WeightsPublished | None = None
         self.announced = asyncio.Event()
         self.loaded_dir: Path | None = None
+        self._publishers: dict[str, WeightClient] = {}
+
+    def publisher(self, endpoint: str) -> WeightClient:
+        """One channel per publisher endpoint, kept across versions (one fetch per step)."""
+        if endpoint not in self._publishers:
+            self._publishers[endpoint] = WeightClient(endpoint, bearer_token=self.settings.publisher_token)
+        return self._publishers[endpoint]
 
     async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
         event = bus_pb2.WeightsPublished()
@@ -163,15 +165,13 @@ class WeightFollower:
                 await sub.unsubscribe()
             except nats.errors.Error:
                 pass
+            for client in self._publishers.values():
+                await client.close()
 
     async def load(self, event: bus_pb2.WeightsPublished) -> None:
         started = time.monotonic()
-        weights = WeightClient(event.fetch_endpoint, bearer_token=self.settings.publisher_token)
-        try:
-            fetched = await weights.fetch(event.model, have_version=self.ctx.policy_version,
-                                          want_version=event.version)
-        finally:
-            await weights.close()
+        fetched = await self.publisher(event.fetch_endpoint).fetch(
+            event.model, have_version=self.ctx.policy_version, want_version=event.version)
         directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
                                             self.settings.model_path, event.version, fetched.payload)
         await self.client.update_weights_from_disk(str(directory), weight_version=str(event.version))
@@ -206,38 +206,10 @@ async def body(ctx: ServiceContext) -> None:
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
         async def sample(task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> None:
-            prompt_ids = list(traj.prompt_token_ids)
-            sp = task.sampling
-            seed = (sp.seed + traj.sample_index) if sp.HasField("seed") else None
-            result = await client.generate(GenerateRequest(
-                input_ids=prompt_ids,
-                sampling_params=SamplingParams(
-                    max_new_tokens=sp.max_new_tokens or 32, temperature=sp.temperature,
-                    top_p=sp.top_p or 1.0, top_k=sp.top_k or -1,
-                    stop_token_ids=tuple(sp.stop_token_ids or stop_ids), sampling_seed=seed,
-                ),
-                return_logprob=True, rid=traj.trajectory_id,
-            ))
-            if result.weight_version in (None, ""):
-                raise RuntimeError("the engine did not report a weight version")
-            n = len(result.output_ids)
-            traj.response_token_ids.extend(result.output_ids)
-            if result.output_logprobs is None or len(result.output_logprobs) != n:
-                raise RuntimeError("the engine returned no logprob for some response tokens")
-            traj.behaviour_logprobs.extend(result.output_logprobs)
-            traj.loss_mask.extend([True] * n)
-            if result.weight_versions:
-                # The request straddled a weight update: the engine says which tokens came from which.
-                traj.version_spans.extend(bus_pb2.VersionSpan(version=int(s.version), start=s.start, end=s.end)
-                                          for s in result.weight_versions)
-            elif n:
-                traj.version_spans.append(bus_pb2.VersionSpan(version=int(result.weight_version), start=0, end=n))
-            traj.finish_reason = FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
-            traj.response_text = tokenizer.decode(
-                [t for t in result.output_ids if t not in stop_ids], skip_special_tokens=True
-            )
+            result = await client.generate(generate_request(task, traj, stop_ids))
+            text = tokenizer.decode([t for t in result.output_ids if t not in stop_ids], skip_special_tokens=True)
+            record_response(traj, result, text)
             traj.prompt_text = task.prompt_text
-            traj.timings.generation_finished_unix_ms = now_ms()
 
         pacer = None if settings.max_lag < 0 else Pacer(
             ctx.redis, settings.namespace, settings.model, groups_per_step=settings.groups_per_step,

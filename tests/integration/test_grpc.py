@@ -264,3 +264,18 @@ async def test_rollout_replicas_hear_of_published_versions(publisher, services: 
         await redis_client.aclose()
     heard = [e["version"] for e in rollout.log_events() if e["event"] == "weights_announced"]
     assert heard[-1] == 2 and heard == sorted(heard)
+
+
+async def test_learner_push_recognises_a_version_the_publisher_already_holds(publisher) -> None:  # type: ignore[no-untyped-def]
+    """A push whose reply was lost is retried: the same bytes count as done, other bytes do not."""
+    from policyloop.services.learner.service import LearnerSettings, push_version
+
+    _, client = publisher
+    settings = LearnerSettings(model_path="unused")
+    payload = os.urandom(50_000)
+    await push_version(client, settings, 1, payload, step=1)
+    await push_version(client, settings, 1, payload, step=1)  # the retry after a lost reply
+    with pytest.raises(grpc.aio.AioRpcError) as conflict:
+        await push_version(client, settings, 1, os.urandom(50_000), step=1)
+    assert conflict.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert [v.version for v in await client.list_versions("policy")] == [1]

@@ -108,13 +108,8 @@ async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Pr
     return accuracy, min(versions)
 
 
-async def _heartbeat_details(redis_url: str, namespace: str) -> dict[str, dict]:
-    client = await connect_redis(redis_url)
-    try:
-        return {b.service: b.detail | {"policy_version": b.policy_version}
-                for b in await HeartbeatRegistry(client, namespace).alive()}
-    finally:
-        await client.aclose()
+async def _heartbeat_details(registry: HeartbeatRegistry) -> dict[str, dict]:
+    return {b.service: b.detail | {"policy_version": b.policy_version} for b in await registry.alive()}
 
 
 async def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
@@ -134,7 +129,9 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
         raise RuntimeError(f"the cluster is not healthy: missing {status.missing}, "
                            f"unhealthy {[i.instance for i in status.instances if not i.healthy]}")
     console.print("[green]all six services are healthy[/green]")
-    details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+    redis_client = await connect_redis(cluster.redis_url)  # one connection for all the polling
+    heartbeats = HeartbeatRegistry(redis_client, cluster.namespace)
+    details = await _heartbeat_details(heartbeats)
     engine_url = str(details["rollout"]["engine"])
     tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
     heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), config.eval_problems, seed=config.seed)
@@ -163,7 +160,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
             while True:
                 await asyncio.sleep(2.0)
                 t = time.monotonic() - started
-                details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+                details = await _heartbeat_details(heartbeats)
                 learner, rollout = details.get("learner", {}), details.get("rollout", {})
                 tokens = int(rollout.get("generated_tokens", 0))
                 rate = (tokens - last_tokens) / max(1e-6, t - last_t)
@@ -184,7 +181,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
                     break
             await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
             result.wall_seconds = round(time.monotonic() - started, 1)
-        details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+        details = await _heartbeat_details(heartbeats)
         learner = details.get("learner", {})
         result.steps = int(learner.get("step", 0))
         result.version_lag_histogram = dict(learner.get("lag_histogram", {}))
@@ -195,12 +192,13 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-            details = await _heartbeat_details(cluster.redis_url, cluster.namespace)
+            details = await _heartbeat_details(heartbeats)
         result.accuracy_after, version = await evaluate(client, tokenizer, heldout)
         result.evaluations.append(Evaluation(result.wall_seconds, version, result.accuracy_after))
         console.print(f"held-out accuracy after RL: [bold]{result.accuracy_after:.1%}[/bold] (version {version})")
     finally:
         await client.close()
+        await redis_client.aclose()
     return result
 
 

@@ -8,6 +8,7 @@ once it has finished or handed back (nacked) what it holds.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import signal
 import socket
@@ -58,7 +59,7 @@ class ServiceContext:
         bind_policy_version(version)
         POLICY_VERSION.labels(self.name).set(version)
 
-    @property
+    @functools.cached_property
     def versions(self) -> VersionRegistry:
         return VersionRegistry(self.redis, self.settings.namespace)
 
