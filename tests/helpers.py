@@ -66,3 +66,33 @@ def addition_environment(count: int, seed: int = 0, group_size: int = 4) -> loop
         group_size=group_size,
         sampling=bus_pb2.SamplingParams(max_new_tokens=8, temperature=1.0),
     )
+
+
+def random_weights(version: int, seed: int = 0, *, shapes: dict[str, tuple[int, ...]] | None = None,
+                   dtype: str = "BF16"):  # type: ignore[no-untyped-def]
+    """A WeightSet of random tensors (numpy only: no torch needed)."""
+    import numpy as np
+
+    from policyloop.weights.codec import ITEMSIZE, TensorBytes, WeightSet
+
+    rng = np.random.default_rng(seed)
+    shapes = shapes or {"embed": (300, 64), "layer.0.w": (64, 64), "layer.0.b": (64,), "norm": (64,)}
+    tensors = {}
+    for name, shape in shapes.items():
+        size = int(np.prod(shape, dtype=np.int64)) * ITEMSIZE[dtype]
+        tensors[name] = TensorBytes(dtype, shape, rng.integers(0, 256, size, dtype=np.uint8))
+    return WeightSet.build(version, tensors)
+
+
+def perturbed(weights, version: int, fraction: float = 0.02, seed: int = 1):  # type: ignore[no-untyped-def]
+    """A copy of `weights` as `version` with about `fraction` of each tensor's bytes changed."""
+    import numpy as np
+
+    from policyloop.weights.codec import WeightSet
+
+    rng = np.random.default_rng(seed)
+    changed = weights.copy()
+    for tensor in changed.tensors.values():
+        hits = rng.random(tensor.data.size) < fraction
+        tensor.data[hits] ^= rng.integers(1, 256, int(hits.sum()), dtype=np.uint8)
+    return WeightSet.build(version, changed.tensors)

@@ -3,8 +3,6 @@ through real channels: health, reflection, validation errors, tokens, durability
 
 from __future__ import annotations
 
-import os
-
 import grpc
 import pytest
 import xxhash
@@ -13,9 +11,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from policyloop.bus import Bus, build_topology
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, weights_pb2, weights_pb2_grpc
-from policyloop.weights.client import WeightClient
+from policyloop.weights import codec
+from policyloop.weights.client import VersionPusher, WeightClient
 from tests.conftest import ServiceLauncher, fast_limits
-from tests.helpers import addition_environment, eventually, stored, stored_messages
+from tests.helpers import addition_environment, eventually, perturbed, random_weights, stored, stored_messages
 
 
 async def health_status(target: str) -> int:
@@ -165,9 +164,12 @@ async def _runs_feed_tasks(stub: loop_pb2_grpc.LoopServiceStub, bus: Bus) -> Non
     assert updates[-1].state == loop_pb2.RUN_STATE_STOPPED  # the stream ends with the run
 
 
+PUBLISHER_ENV = {"POLICYLOOP_RETENTION_VERSIONS": "2", "POLICYLOOP_SNAPSHOT_EVERY": "2"}
+
+
 @pytest.fixture
 async def publisher(services: ServiceLauncher):  # type: ignore[no-untyped-def]
-    process = services.start("publisher", env={"POLICYLOOP_RETENTION_VERSIONS": "2"})
+    process = services.start("publisher", env=PUBLISHER_ENV)
     await services.wait_healthy(process)
     client = WeightClient(f"127.0.0.1:{process.ports['grpc']}", deadline_s=10)
     yield process, client
@@ -179,37 +181,45 @@ async def test_publisher_stores_serves_and_announces_versions(publisher, bus: Bu
     target = f"127.0.0.1:{process.ports['grpc']}"
     assert await health_status(target) == health_pb2.HealthCheckResponse.SERVING
     assert "policyloop.v1.WeightService" in await reflected_services(target)
-    payloads = {v: os.urandom(2_500_000 + v) for v in (1, 2, 3)}  # several 1 MiB chunks each
-    for version, payload in payloads.items():
-        result = await client.push("policy", version, payload, codec="raw", step=version)
-        assert result.bytes_stored == len(payload)
+    pusher = VersionPusher(client, "policy")
+    shapes = {"embed": (1024, 768), "norm": (768,)}  # a keyframe of several 1 MiB chunks
+    versions = {1: random_weights(1, shapes=shapes)}
+    for v in (2, 3, 4):
+        versions[v] = perturbed(versions[v - 1], v, seed=v)
+    kinds = [(await pusher.push(w, step=v)).kind for v, w in versions.items()]
+    assert kinds == ["keyframe", "delta", "delta", "delta"]
     fetched = await client.fetch("policy")
-    assert fetched.header.version == 3 and fetched.payload == payloads[3]
-    assert fetched.header.kind == weights_pb2.PAYLOAD_KIND_KEYFRAME
-    assert (await client.fetch("policy", want_version=2)).payload == payloads[2]
-    # Retention 2: version 1 is gone.
-    assert [v.version for v in await client.list_versions("policy")] == [2, 3]
+    assert fetched.header.version == 4 and fetched.header.kind == weights_pb2.PAYLOAD_KIND_KEYFRAME
+    assert fetched.header.manifest_hash == versions[4].manifest_hash
+    assert codec.apply(None, fetched.payload).manifest_hash == versions[4].manifest_hash
+    delta = await client.fetch("policy", have_version=3, want_version=4)
+    assert delta.header.kind == weights_pb2.PAYLOAD_KIND_DELTA and delta.header.base_version == 3
+    assert codec.apply(versions[3].copy(), delta.payload).manifest_hash == versions[4].manifest_hash
+    # Retention 2, snapshots every 2 deltas (v3): versions 1 and 2 are gone.
+    assert [v.version for v in await client.list_versions("policy")] == [3, 4]
     with pytest.raises(grpc.aio.AioRpcError) as gone:
         await client.fetch("policy", want_version=1)
     assert gone.value.code() == grpc.StatusCode.NOT_FOUND
     events = await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)
-    assert [e.version for e in events] == [1, 2, 3]
-    assert events[-1].manifest_hash == xxhash.xxh3_128_hexdigest(payloads[3])
+    assert [e.version for e in events] == [1, 2, 3, 4]
+    assert events[-1].manifest_hash == versions[4].manifest_hash and list(events[-1].base_versions) == [3]
+    assert events[-1].bytes_raw == versions[4].raw_bytes and 0 < events[-1].bytes_delta < events[-1].bytes_raw
     assert events[-1].fetch_endpoint.endswith(str(process.ports["grpc"]))
 
-    # A restarted publisher serves what is on disk and announces it again (stored once).
+    # A restarted publisher rebuilds what is on disk, serves it and announces it again (stored once).
     assert process.terminate() == 0
-    again = services.start("publisher", env={"POLICYLOOP_RETENTION_VERSIONS": "2",
-                                             "POLICYLOOP_GRPC_PORT": str(process.ports["grpc"])})
+    again = services.start("publisher", env=PUBLISHER_ENV | {"POLICYLOOP_GRPC_PORT": str(process.ports["grpc"])})
     await services.wait_healthy(again)
-    assert (await client.fetch("policy")).payload == payloads[3]
-    assert [e.version for e in await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)] == [1, 2, 3]
+    assert codec.apply(None, (await client.fetch("policy")).payload).manifest_hash == versions[4].manifest_hash
+    assert [e.version for e in await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)] == [1, 2, 3, 4]
+    versions[5] = perturbed(versions[4], 5, seed=5)
+    assert (await pusher.push(versions[5], step=5)).kind == "delta"
 
 
 async def test_publisher_rejects_bad_pushes_and_keeps_what_it_has(publisher) -> None:  # type: ignore[no-untyped-def]
     process, client = publisher
-    good = os.urandom(100_000)
-    await client.push("policy", 5, good, codec="raw")
+    good = random_weights(5)
+    await VersionPusher(client, "policy").push(good, step=5)
     stub = weights_pb2_grpc.WeightServiceStub(client.channel)
 
     async def push(header: weights_pb2.PushHeader, *chunks: bytes) -> grpc.aio.AioRpcError:
@@ -222,22 +232,25 @@ async def test_publisher_rejects_bad_pushes_and_keeps_what_it_has(publisher) -> 
             await stub.Push(stream(), timeout=10)
         return err.value
 
-    data = os.urandom(10_000)
+    data = codec.encode(perturbed(good, 6), good).payload
     digest = xxhash.xxh3_128_hexdigest(data)
-    header = dict(model="policy", version=6, codec="raw", total_bytes=len(data), payload_xxh3_128=digest)
+    header = dict(model="policy", version=6, codec=codec.CODEC, total_bytes=len(data), payload_xxh3_128=digest)
     corrupted = await push(weights_pb2.PushHeader(**header), data[:-1] + bytes([data[-1] ^ 1]))
     assert corrupted.code() == grpc.StatusCode.INVALID_ARGUMENT and "xxh3-128" in corrupted.details()
-    truncated = await push(weights_pb2.PushHeader(**header), data[:5000])
-    assert truncated.code() == grpc.StatusCode.INVALID_ARGUMENT and "5000 bytes" in truncated.details()
+    truncated = await push(weights_pb2.PushHeader(**header), data[:500])
+    assert truncated.code() == grpc.StatusCode.INVALID_ARGUMENT and "500 bytes" in truncated.details()
     stale = await push(weights_pb2.PushHeader(**(header | {"version": 5})), data)
     assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION and stale.details().startswith("header.version:")
     bad_model = await push(weights_pb2.PushHeader(**(header | {"model": "../etc"})), data)
     assert bad_model.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_model.details().startswith("header.model:")
     bad_hash = await push(weights_pb2.PushHeader(**(header | {"payload_xxh3_128": "xyz"})), data)
     assert bad_hash.details().startswith("header.payload_xxh3_128:")
+    other_version = await push(weights_pb2.PushHeader(**(header | {"version": 7})), data)
+    assert other_version.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "header.version says 7" in other_version.details()
     # None of it replaced or added a version; no temporary file is left behind.
     assert [v.version for v in await client.list_versions()] == [5]
-    assert (await client.fetch("policy")).payload == good
+    assert (await client.fetch("policy")).header.manifest_hash == good.manifest_hash
     weights_dir = process.log_path.parent / "weights" / "policy"
     assert sorted(p.name for p in weights_dir.iterdir()) == ["000000000005.bin", "000000000005.json"]
     with pytest.raises(grpc.aio.AioRpcError) as unknown:
@@ -249,10 +262,11 @@ async def test_rollout_replicas_hear_of_published_versions(publisher, services: 
     from policyloop.state import HeartbeatRegistry, connect_redis
 
     _, client = publisher
-    await client.push("policy", 1, b"weights v1", codec="raw")
+    pusher = VersionPusher(client, "policy")
+    await pusher.push(random_weights(1), step=1)
     rollout = services.start("rollout")  # joins late: reads the last announcement
     await services.wait_healthy(rollout)
-    await client.push("policy", 2, b"weights v2", codec="raw")
+    await pusher.push(random_weights(2, seed=2), step=2)
     redis_client = await connect_redis(services.redis.url)
     try:
         async def heard() -> bool:
@@ -264,18 +278,3 @@ async def test_rollout_replicas_hear_of_published_versions(publisher, services: 
         await redis_client.aclose()
     heard = [e["version"] for e in rollout.log_events() if e["event"] == "weights_announced"]
     assert heard[-1] == 2 and heard == sorted(heard)
-
-
-async def test_learner_push_recognises_a_version_the_publisher_already_holds(publisher) -> None:  # type: ignore[no-untyped-def]
-    """A push whose reply was lost is retried: the same bytes count as done, other bytes do not."""
-    from policyloop.services.learner.service import LearnerSettings, push_version
-
-    _, client = publisher
-    settings = LearnerSettings(model_path="unused")
-    payload = os.urandom(50_000)
-    await push_version(client, settings, 1, payload, step=1)
-    await push_version(client, settings, 1, payload, step=1)  # the retry after a lost reply
-    with pytest.raises(grpc.aio.AioRpcError) as conflict:
-        await push_version(client, settings, 1, os.urandom(50_000), step=1)
-    assert conflict.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert [v.version for v in await client.list_versions("policy")] == [1]

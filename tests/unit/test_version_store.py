@@ -82,3 +82,36 @@ def test_model_names_cannot_escape_the_store(tmp_path: Path) -> None:
     store = VersionStore(tmp_path)
     with pytest.raises(ValueError):
         store.begin(meta(1, b"x", model="../x"))
+
+
+def put_kind(store: VersionStore, version: int, kind: str) -> StoredVersion:
+    payload = f"payload {version}".encode()
+    record = StoredVersion("m", version, version, "c", len(payload), payload_digest(payload), 0, kind=kind,
+                           base_version=version - 1 if kind == "delta" else 0)
+    writer = store.begin(record)
+    writer.write(payload)
+    return writer.commit()
+
+
+def test_pruning_keeps_what_rebuilding_the_oldest_kept_version_needs(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path, retention=2)
+    put_kind(store, 1, "keyframe")
+    for v in (2, 3, 4):
+        put_kind(store, v, "delta")
+    # 3 and 4 are kept; 3 is a delta, so the chain back to keyframe 1 stays.
+    assert [v.version for v in store.versions("m")] == [1, 2, 3, 4]
+    store.write_snapshot("m", 3, b"snapshot of 3")
+    put_kind(store, 5, "delta")
+    # 4 and 5 kept; 4 needs 3, which has a snapshot: 1 and 2 go.
+    assert [v.version for v in store.versions("m")] == [3, 4, 5]
+    assert store.read_snapshot("m", 3) == b"snapshot of 3"
+    put_kind(store, 6, "keyframe")
+    put_kind(store, 7, "delta")
+    assert [v.version for v in store.versions("m")] == [6, 7]
+    assert not store.snapshot_path("m", 3).exists()
+    # A snapshot left half-written by a crash, or orphaned, is cleaned at start.
+    (tmp_path / "m" / ".000000000007.snapshot.1.2.tmp").write_bytes(b"partial")
+    (tmp_path / "m" / "000000000009.snapshot").write_bytes(b"orphan")
+    VersionStore(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "m").iterdir()) == [
+        "000000000006.bin", "000000000006.json", "000000000007.bin", "000000000007.json"]

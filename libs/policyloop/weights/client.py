@@ -1,7 +1,10 @@
-"""A WeightService client: push a version, fetch one back verified."""
+"""A WeightService client: push a version, fetch one back verified, and bring held weights to a
+new version (a delta when possible, a keyframe when the delta cannot be applied)."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -9,7 +12,12 @@ import grpc
 import xxhash
 
 from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
+from policyloop.telemetry.logging import get_logger
+from policyloop.weights import codec
+from policyloop.weights.link import LinkLimit
 from policyloop.weights.store import CHUNK_BYTES
+
+log = get_logger(__name__)
 
 
 class FetchError(Exception):
@@ -23,8 +31,11 @@ class FetchedVersion:
 
 
 class WeightClient:
-    def __init__(self, target: str, *, bearer_token: str = "", deadline_s: float = 60.0) -> None:
+    def __init__(self, target: str, *, bearer_token: str = "", deadline_s: float = 60.0,
+                 link: LinkLimit | None = None) -> None:
+        # Payloads are streamed in 1 MiB chunks, so the default 4 MiB message limit is enough.
         self.channel = grpc.aio.insecure_channel(target)
+        self.link = link or LinkLimit(0)
         self.stub = weights_pb2_grpc.WeightServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {bearer_token}"),) if bearer_token else ()
         self.deadline_s = deadline_s
@@ -32,15 +43,17 @@ class WeightClient:
     async def close(self) -> None:
         await self.channel.close()
 
-    async def push(self, model: str, version: int, payload: bytes, *, codec: str, step: int = 0,
-                   run_id: str = "") -> weights_pb2.PushResult:
+    async def push(self, model: str, version: int, payload: bytes, *, codec_name: str = codec.CODEC,
+                   step: int = 0, run_id: str = "") -> weights_pb2.PushResult:
         async def chunks() -> AsyncIterator[weights_pb2.PushChunk]:
             yield weights_pb2.PushChunk(header=weights_pb2.PushHeader(
-                model=model, version=version, step=step, codec=codec, total_bytes=len(payload),
+                model=model, version=version, step=step, codec=codec_name, total_bytes=len(payload),
                 payload_xxh3_128=xxhash.xxh3_128_hexdigest(payload), run_id=run_id,
             ))
             for start in range(0, len(payload), CHUNK_BYTES):
-                yield weights_pb2.PushChunk(data=payload[start:start + CHUNK_BYTES])
+                piece = payload[start:start + CHUNK_BYTES]
+                await self.link.take(len(piece))
+                yield weights_pb2.PushChunk(data=piece)
 
         return await self.stub.Push(chunks(), timeout=self.deadline_s, metadata=self.metadata)
 
@@ -75,3 +88,114 @@ class WeightClient:
             weights_pb2.ListVersionsRequest(model=model), timeout=self.deadline_s, metadata=self.metadata
         )
         return list(reply.versions)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """How one update went: what came over the wire and where the time went."""
+
+    version: int
+    kind: str               # "delta" or "keyframe"
+    payload_bytes: int
+    raw_bytes: int
+    transfer_s: float
+    apply_s: float
+    fallback_reason: str    # why a delta was refused and a keyframe fetched instead ("" if not)
+
+
+async def sync_weights(client: WeightClient, model: str, held: codec.WeightSet | None, want_version: int
+                       ) -> tuple[codec.WeightSet, SyncReport]:
+    """Brings `held` (None: nothing yet) to `want_version` (0: newest) and verifies every tensor.
+
+    A delta that cannot be applied — wrong base, hash mismatch, damaged or truncated payload,
+    unknown tensor, changed shape — leaves `held` untouched (codec.apply is all or nothing); the
+    error is logged with its reason and a keyframe is fetched instead. A keyframe that fails the
+    same checks raises: there is nothing better to fall back to, and the caller keeps serving."""
+    fallback = ""
+    have = held.version if held is not None else 0
+    while True:
+        started = time.monotonic()
+        try:
+            fetched = await client.fetch(model, have_version=have, want_version=want_version)
+        except FetchError as exc:
+            if have == 0:
+                raise
+            fallback, have = f"transfer: {exc}", 0
+            log.warning("weights_delta_refused", model=model, reason=fallback)
+            continue
+        transfer_s = time.monotonic() - started
+        started = time.monotonic()
+        try:
+            weights = await asyncio.to_thread(codec.apply, held if have else None, fetched.payload)
+        except codec.CodecError as exc:
+            if have == 0:
+                raise
+            fallback, have = f"{type(exc).__name__}: {exc}", 0
+            log.warning("weights_delta_refused", model=model, reason=fallback)
+            continue
+        kind = "delta" if fetched.header.kind == weights_pb2.PAYLOAD_KIND_DELTA else "keyframe"
+        return weights, SyncReport(weights.version, kind, len(fetched.payload), weights.raw_bytes, transfer_s,
+                                   time.monotonic() - started, fallback)
+
+
+@dataclass(frozen=True)
+class PushReport:
+    version: int
+    kind: str               # what the publisher stored: "delta" or "keyframe"
+    payload_bytes: int
+    raw_bytes: int
+    changed_fraction: float
+    encode_s: float
+    push_s: float
+
+
+class VersionPusher:
+    """The learner's side: each new version goes to the publisher as a delta from the last
+    version the publisher confirmed, or as a keyframe when there is none or the publisher's
+    newest version is another one (a fresh or restored publisher)."""
+
+    def __init__(self, client: WeightClient, model: str, *, run_id: str = "", attempts: int = 8) -> None:
+        self.client, self.model, self.run_id, self.attempts = client, model, run_id, attempts
+        self.confirmed: codec.WeightSet | None = None
+
+    async def push(self, weights: codec.WeightSet, step: int) -> PushReport:
+        started = time.monotonic()
+        encoded = await asyncio.to_thread(codec.encode, weights, self.confirmed)
+        encode_s = time.monotonic() - started
+        started = time.monotonic()
+        try:
+            await self._push_until_held(weights, encoded.payload, step)
+        except grpc.aio.AioRpcError as exc:
+            refused_base = exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "base_version" in (exc.details() or "")
+            if encoded.stats.kind != "delta" or not refused_base:
+                raise
+            log.warning("push_keyframe_instead", version=weights.version, reason=exc.details())
+            started_keyframe = time.monotonic()
+            encoded = await asyncio.to_thread(codec.encode, weights, None)
+            encode_s += time.monotonic() - started_keyframe
+            await self._push_until_held(weights, encoded.payload, step)
+        self.confirmed = weights
+        stats = encoded.stats
+        return PushReport(weights.version, stats.kind, stats.payload_bytes, stats.raw_bytes,
+                          stats.changed_fraction, encode_s, time.monotonic() - started)
+
+    async def _push_until_held(self, weights: codec.WeightSet, payload: bytes, step: int) -> None:
+        """Pushes until the publisher holds the version. A push whose reply was lost is
+        recognised afterwards: the publisher holds the version with the same manifest hash."""
+        delay = 0.5
+        for attempt in range(1, self.attempts + 1):
+            try:
+                await self.client.push(self.model, weights.version, payload, step=step, run_id=self.run_id)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    held = {v.version: v.manifest_hash for v in await self.client.list_versions(self.model)}
+                    if held.get(weights.version) == weights.manifest_hash:
+                        return
+                    raise
+                transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                if not transient or attempt == self.attempts:
+                    raise
+                log.warning("push_retry", version=weights.version, attempt=attempt, error=exc.code().name)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)

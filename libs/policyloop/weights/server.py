@@ -1,4 +1,4 @@
-"""The WeightService servicer over a VersionStore. `on_stored` is called once a pushed version
+"""The WeightService servicer over a WeightLibrary. `on_stored` is called once a pushed version
 is durable (the publisher announces it on WEIGHTS from there)."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
+from policyloop.weights.codec import CODEC
+from policyloop.weights.library import BaseUnavailable, PushRejected, WeightLibrary
+from policyloop.weights.link import LinkLimit
 from policyloop.weights.store import (
     CHUNK_BYTES,
-    PayloadMismatch,
     StaleVersion,
     StoredVersion,
     UnknownVersion,
-    VersionStore,
     validate_model_name,
 )
 
@@ -29,6 +30,8 @@ def version_info(v: StoredVersion) -> weights_pb2.VersionInfo:
     return weights_pb2.VersionInfo(
         model=v.model, version=v.version, step=v.step, codec=v.codec, bytes=v.bytes,
         payload_xxh3_128=v.payload_xxh3_128, created_unix_ms=v.created_unix_ms,
+        kind=weights_pb2.PAYLOAD_KIND_DELTA if v.kind == "delta" else weights_pb2.PAYLOAD_KIND_KEYFRAME,
+        base_version=v.base_version, manifest_hash=v.manifest_hash,
     )
 
 
@@ -44,16 +47,22 @@ def check_push_header(header: weights_pb2.PushHeader) -> str | None:
         return "header.total_bytes: must be at least 1"
     if not _HEX128.match(header.payload_xxh3_128):
         return "header.payload_xxh3_128: must be 32 lower-case hex digits"
-    if not header.codec:
-        return "header.codec: is empty"
+    if header.codec != CODEC:
+        return f"header.codec: must be {CODEC!r} (payloads are made by policyloop.weights.codec)"
     return None
 
 
 class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
-    def __init__(self, store: VersionStore, on_stored: OnStored, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.store = store
+    """Push verifies and stores (see WeightLibrary.accept); Fetch streams the payload from the
+    client's version to the wanted one in chunks of at most 1 MiB, through the egress limit."""
+
+    def __init__(self, library: WeightLibrary, on_stored: OnStored, chunk_bytes: int = CHUNK_BYTES,
+                 egress: LinkLimit | None = None) -> None:
+        self.library = library
+        self.store = library.store
         self.on_stored = on_stored
         self.chunk_bytes = min(chunk_bytes, CHUNK_BYTES)
+        self.egress = egress or LinkLimit(0)
         self._push_lock = asyncio.Lock()  # one writer at a time keeps versions increasing
 
     async def Push(self, request_iterator: AsyncIterator[weights_pb2.PushChunk],
@@ -70,25 +79,28 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             bytes=header.total_bytes, payload_xxh3_128=header.payload_xxh3_128,
             created_unix_ms=int(time.time() * 1000), run_id=header.run_id,
         )
+        latest = self.store.latest(header.model)
+        if latest is not None and latest.version >= header.version:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"header.version: version {header.version} of {header.model} is not newer "
+                                f"than {latest.version}")
+        payload = bytearray()
+        async for chunk in request_iterator:
+            if chunk.WhichOneof("part") != "data":
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "data: a second header arrived mid-stream")
+            payload += chunk.data
+            if len(payload) > header.total_bytes:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"data: payload longer than header.total_bytes ({header.total_bytes})")
         async with self._push_lock:
             try:
-                writer = self.store.begin(meta)
+                stored = await self.library.accept(meta, bytes(payload))
+            except BaseUnavailable as exc:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+            except PushRejected as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except StaleVersion as exc:
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"header.version: {exc}")
-            try:
-                async for chunk in request_iterator:
-                    if chunk.WhichOneof("part") != "data":
-                        raise PayloadMismatch("data: a second header arrived mid-stream")
-                    writer.write(chunk.data)
-                stored = await asyncio.to_thread(writer.commit)
-            except PayloadMismatch as exc:
-                writer.abort()
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"data: {exc}")
-            except StaleVersion as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"header.version: {exc}")
-            except BaseException:
-                writer.abort()
-                raise
         await self.on_stored(stored)
         return weights_pb2.PushResult(model=stored.model, version=stored.version, bytes_stored=stored.bytes)
 
@@ -98,29 +110,28 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             validate_model_name(request.model)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {exc}")
-        if request.want_version < 0 or request.have_version < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "want_version/have_version: must not be negative")
+        if request.want_version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "want_version: must not be negative")
+        if request.have_version < 0:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_version: must not be negative")
         try:
-            if request.want_version == 0:
-                target = self.store.latest(request.model)
-                if target is None:
-                    raise UnknownVersion(f"no version of {request.model} is stored")
-            else:
-                target = self.store.get(request.model, request.want_version)
+            served = await self.library.payload_for(request.model, request.have_version, request.want_version)
         except UnknownVersion as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"want_version: {exc}")
-        # Deltas come with the weight-sync work; until then every fetch is a keyframe.
+        if request.have_version and request.have_version == served.version:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                f"have_version: the client already holds version {served.version}")
         yield weights_pb2.WeightChunk(header=weights_pb2.FetchHeader(
-            model=target.model, version=target.version, base_version=0,
-            kind=weights_pb2.PAYLOAD_KIND_KEYFRAME, codec=target.codec,
-            total_bytes=target.bytes, payload_xxh3_128=target.payload_xxh3_128,
+            model=served.model, version=served.version, base_version=served.base_version,
+            kind=weights_pb2.PAYLOAD_KIND_DELTA if served.kind == "delta" else weights_pb2.PAYLOAD_KIND_KEYFRAME,
+            codec=CODEC, total_bytes=len(served.payload), payload_xxh3_128=served.payload_xxh3_128,
+            manifest_hash=served.manifest_hash,
         ))
-        try:
-            for chunk in self.store.read_chunks(target.model, target.version, self.chunk_bytes):
-                yield weights_pb2.WeightChunk(data=chunk)
-        except (UnknownVersion, FileNotFoundError) as exc:
-            # Pruned while streaming: the client sees the stream end with an error, never short data.
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"want_version: {target.version} was pruned: {exc}")
+        view = memoryview(served.payload)
+        for start in range(0, len(view), self.chunk_bytes):
+            piece = view[start:start + self.chunk_bytes]
+            await self.egress.take(len(piece))
+            yield weights_pb2.WeightChunk(data=bytes(piece))
 
     async def ListVersions(self, request: weights_pb2.ListVersionsRequest,
                            context: grpc.aio.ServicerContext) -> weights_pb2.ListVersionsResponse:
@@ -132,3 +143,16 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {exc}")
         return weights_pb2.ListVersionsResponse(versions=versions)
+
+
+async def start_weight_server(servicer: WeightServicer, *, host: str, port: int, bearer_token: str = ""
+                              ) -> tuple[grpc.aio.Server, int]:
+    """The WeightService with health and reflection on a gRPC server; returns it and its port."""
+    from policyloop.runtime.grpc_server import start_grpc_server
+
+    server, _health, bound = await start_grpc_server(
+        [lambda s: weights_pb2_grpc.add_WeightServiceServicer_to_server(servicer, s)],
+        [weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name],
+        host=host, port=port, bearer_token=bearer_token,
+    )
+    return server, bound

@@ -1,8 +1,11 @@
-"""Policy versions on disk, one file per version plus a small JSON record.
+"""Policy versions on disk, one payload file per version plus a small JSON record.
 
 A version exists once its record exists; both are written to a temporary name, fsynced and
 renamed into place, so a crash while storing leaves no half version behind. Versions of a
-model only increase, and the newest `retention` are kept.
+model only increase. A payload is a keyframe (self-contained) or a delta from the previous
+version; a version may also have a snapshot (a keyframe written beside it) so that
+reconstructing it never needs a long chain of deltas. The newest `retention` versions are kept,
+together with what reconstructing the oldest of them needs (back to a keyframe or snapshot).
 """
 
 from __future__ import annotations
@@ -47,6 +50,10 @@ class StoredVersion:
     payload_xxh3_128: str
     created_unix_ms: int
     run_id: str = ""
+    kind: str = "keyframe"        # "keyframe" (self-contained) or "delta" (from base_version)
+    base_version: int = 0
+    manifest_hash: str = ""       # hash of the version's weights (names, dtypes, shapes, tensor hashes)
+    raw_bytes: int = 0            # size of the version's weights, uncompressed
 
 
 def validate_model_name(model: str) -> None:
@@ -133,13 +140,42 @@ class VersionStore:
     def record_path(self, model: str, version: int) -> Path:
         return self.model_dir(model) / f"{version:012d}.json"
 
+    def snapshot_path(self, model: str, version: int) -> Path:
+        return self.model_dir(model) / f"{version:012d}.snapshot"
+
+    def write_snapshot(self, model: str, version: int, payload: bytes) -> None:
+        """A keyframe of a stored version, written atomically beside it."""
+        self.get(model, version)
+        path = self.snapshot_path(model, version)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    def has_snapshot(self, model: str, version: int) -> bool:
+        return self.snapshot_path(model, version).exists()
+
+    def read_snapshot(self, model: str, version: int) -> bytes:
+        return self.snapshot_path(model, version).read_bytes()
+
+    def read_payload(self, model: str, version: int) -> bytes:
+        self.get(model, version)
+        return self.payload_path(model, version).read_bytes()
+
+    def is_base_point(self, stored: StoredVersion) -> bool:
+        """Whether the version can be rebuilt from its own files alone."""
+        return stored.kind != "delta" or self.has_snapshot(stored.model, stored.version)
+
     def _clean_partial(self) -> None:
         """Removes what a crash mid-write left: temporaries and payloads without a record."""
-        for tmp in self.root.glob("*/.*.tmp"):
+        for tmp in self.root.glob("*/.*.tmp"):  # payloads and snapshots being written
             tmp.unlink(missing_ok=True)
         for tmp in self.root.glob("*/*.json.tmp"):
             tmp.unlink(missing_ok=True)
-        for payload in self.root.glob("*/*.bin"):
+        for payload in [*self.root.glob("*/*.bin"), *self.root.glob("*/*.snapshot")]:
             if not payload.with_suffix(".json").exists():
                 payload.unlink(missing_ok=True)
 
@@ -181,12 +217,18 @@ class VersionStore:
                 yield chunk
 
     def prune(self, model: str) -> list[int]:
+        """Deletes versions older than the newest `retention`, except those needed to rebuild
+        the oldest kept one (back to the newest keyframe or snapshot at or before it)."""
         versions = self.versions(model)
-        dropped = [v.version for v in versions[: max(0, len(versions) - self.retention)]]
+        keep_from = max(0, len(versions) - self.retention)
+        while keep_from > 0 and not self.is_base_point(versions[keep_from]):
+            keep_from -= 1
+        dropped = [v.version for v in versions[:keep_from]]
         for version in dropped:
             # Record first: a version without its record is treated as never written.
             self.record_path(model, version).unlink(missing_ok=True)
             self.payload_path(model, version).unlink(missing_ok=True)
+            self.snapshot_path(model, version).unlink(missing_ok=True)
         return dropped
 
 

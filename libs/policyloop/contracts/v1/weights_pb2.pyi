@@ -97,7 +97,7 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms")
+    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms", "kind", "base_version", "manifest_hash")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -105,6 +105,9 @@ class VersionInfo(_message.Message):
     BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_XXH3_128_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     step: int
@@ -112,7 +115,10 @@ class VersionInfo(_message.Message):
     bytes: int
     payload_xxh3_128: str
     created_unix_ms: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+    kind: PayloadKind
+    base_version: int
+    manifest_hash: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., base_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("versions",)

@@ -55,8 +55,11 @@ class WeightServiceServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Push(self, request_iterator, context):
-        """The learner pushes one new version: a PushHeader, then the bytes in chunks.
-        The version is durable (fsynced, renamed into place) before the reply.
+        """The learner pushes one new version: a PushHeader, then the bytes in chunks — a delta from
+        the publisher's newest version, or a keyframe. The publisher applies it and checks every
+        tensor hash before storing; the version is durable (fsynced, renamed) before the reply.
+        FAILED_PRECONDITION: the version is not newer, or a delta's base is not the newest version
+        (send a keyframe). INVALID_ARGUMENT: the payload is malformed or does not verify.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,44 @@
+"""Between torch tensors and the codec's raw bytes (torch-side services only: the publisher
+never imports torch)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+
+from policyloop.weights.codec import TensorBytes, WeightSet
+
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
+    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
+def to_bytes(tensor: torch.Tensor) -> TensorBytes:
+    """A CPU copy of the tensor's bytes (the learner keeps training its own)."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    data = flat.view(torch.uint8).numpy().copy() if flat.numel() else np.empty(0, dtype=np.uint8)
+    return TensorBytes(DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), data)
+
+
+def to_tensor(tensor: TensorBytes) -> torch.Tensor:
+    """A torch view of the bytes (no copy)."""
+    if tensor.data.size == 0:
+        return torch.empty(tensor.shape, dtype=TORCH_DTYPES[tensor.dtype])
+    return torch.from_numpy(tensor.data).view(TORCH_DTYPES[tensor.dtype]).reshape(tensor.shape)
+
+
+def weight_set(version: int, tensors: Mapping[str, torch.Tensor]) -> WeightSet:
+    return WeightSet.build(version, {name: to_bytes(t) for name, t in tensors.items()})
+
+
+def save_safetensors(weights: WeightSet, path: Path) -> None:
+    """Writes the weights as a plain safetensors file (e.g. model.safetensors of an HF directory)."""
+    safetensors.torch.save_file({name: to_tensor(t) for name, t in weights.tensors.items()}, str(path),
+                                metadata={"format": "pt", "policy_version": str(weights.version)})
