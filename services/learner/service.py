@@ -19,8 +19,6 @@ from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
-import xxhash
 from pydantic import Field
 
 from policyloop.bus import Delivery, PermanentError, PullWorker
@@ -29,8 +27,15 @@ from policyloop.contracts.validate import validate_trajectory
 from policyloop.rl.batching import Admission, GroupCollector, sample_lag
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import LEARNER_DROPPED, LEARNER_STEP_SECONDS, LEARNER_TOKENS, VERSION_LAG
-from policyloop.weights.client import WeightClient
+from policyloop.telemetry.metrics import (
+    LEARNER_DROPPED,
+    LEARNER_STEP_SECONDS,
+    LEARNER_TOKENS,
+    VERSION_LAG,
+    WEIGHT_PAYLOAD_BYTES,
+    WEIGHT_SYNC_SECONDS,
+)
+from policyloop.weights.client import PushReport, VersionPusher, WeightClient
 
 if TYPE_CHECKING:
     from policyloop.rl.trainer import TrainerConfig
@@ -59,34 +64,10 @@ def trainer_config(settings: LearnerSettings) -> TrainerConfig:
                          max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
 
 
-async def push_version(publisher: WeightClient, settings: LearnerSettings, version: int, payload: bytes,
-                       step: int, attempts: int = 8) -> None:
-    """Pushes until the publisher holds `version` durably. A push whose reply was lost is
-    recognised afterwards (the publisher already holds the version with the same hash)."""
-    digest = xxhash.xxh3_128_hexdigest(payload)
-    delay = 0.5
-    for attempt in range(1, attempts + 1):
-        try:
-            await publisher.push(settings.model, version, payload, codec="safetensors", step=step,
-                                 run_id=settings.run_id)
-            return
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
-                held = {v.version: v.payload_xxh3_128 for v in await publisher.list_versions(settings.model)}
-                if held.get(version) == digest:
-                    return
-                raise
-            transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-            if not transient or attempt == attempts:
-                raise
-            log.warning("push_retry", version=version, attempt=attempt, error=exc.code().name)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 10.0)
-
-
 async def body(ctx: ServiceContext) -> None:
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
     from policyloop.rl.trainer import PolicyTrainer
+    from policyloop.weights.torch_io import weight_set
 
     version = await ctx.versions.get(settings.model)
     config = trainer_config(settings)
@@ -99,6 +80,23 @@ async def body(ctx: ServiceContext) -> None:
     ctx.policy_version = trainer.version
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
+    pusher = VersionPusher(publisher, settings.model, run_id=settings.run_id)
+    weight_bytes: Counter[str] = Counter()
+
+    def record_push(pushed: PushReport) -> None:
+        WEIGHT_SYNC_SECONDS.labels("encode").observe(pushed.encode_s)
+        WEIGHT_SYNC_SECONDS.labels("push").observe(pushed.push_s)
+        WEIGHT_PAYLOAD_BYTES.labels(pushed.kind).inc(pushed.payload_bytes)
+        weight_bytes["raw"] += pushed.raw_bytes
+        weight_bytes[pushed.kind] += pushed.payload_bytes
+        weight_bytes[f"{pushed.kind}_versions"] += 1
+        # What a replica that follows every version fetches, against the full weights each time.
+        ctx.detail["weights"] = {
+            "versions_pushed": weight_bytes["delta_versions"] + weight_bytes["keyframe_versions"],
+            "keyframes": weight_bytes["keyframe_versions"], "full_bytes": weight_bytes["raw"],
+            "pushed_bytes": weight_bytes["delta"] + weight_bytes["keyframe"], "delta_bytes": weight_bytes["delta"],
+            "last_changed_fraction": round(pushed.changed_fraction, 4),
+        }
     collector = GroupCollector()
     waiting: dict[str, asyncio.Future[None]] = {}
     enough = asyncio.Event()
@@ -137,8 +135,9 @@ async def body(ctx: ServiceContext) -> None:
             groups = collector.take(settings.groups_per_step)
             started = time.monotonic()
             report = await asyncio.to_thread(trainer.step, groups)
-            payload = await asyncio.to_thread(trainer.export_safetensors)
-            await push_version(publisher, settings, trainer.version, payload, report.step)
+            weights = await asyncio.to_thread(lambda: weight_set(trainer.version, trainer.export_tensors()))
+            pushed = await pusher.push(weights, report.step)
+            record_push(pushed)
             await ctx.versions.compare_and_set(settings.model, trainer.version - 1, trainer.version)
             ctx.policy_version = trainer.version
             for group in groups:

@@ -12,11 +12,12 @@ from pathlib import Path
 from pydantic import Field
 
 from policyloop.bus import weights_subject
-from policyloop.contracts.v1 import bus_pb2, weights_pb2, weights_pb2_grpc
+from policyloop.contracts.v1 import bus_pb2
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main
-from policyloop.runtime.grpc_server import start_grpc_server
 from policyloop.telemetry.logging import get_logger
-from policyloop.weights.server import WeightServicer
+from policyloop.weights.library import WeightLibrary
+from policyloop.weights.link import LinkLimit
+from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import StoredVersion, VersionStore
 
 log = get_logger(__name__)
@@ -28,12 +29,19 @@ class PublisherSettings(ServiceSettings):
     store_dir: Path = Field(Path("runs/local/weights"), description="Where versions are kept on disk.")
     retention_versions: int = Field(8, description="Newest versions kept per model; older ones are deleted.")
     bearer_token: str = Field("", description="If set, every call must carry 'authorization: Bearer <token>'.")
+    snapshot_every: int = Field(
+        16, description="Write a keyframe snapshot after this many chained deltas, so rebuilding any kept "
+                        "version (restart, a lagging client) applies at most this many deltas.")
+    payload_cache_entries: int = Field(4, description="Payloads kept in memory for fetches (each built once).")
+    egress_gbps: float = Field(0.0, description="Cap on the bytes all fetches send, in Gbit/s (0: no cap).")
 
 
 def announcement(stored: StoredVersion, endpoint: str) -> bus_pb2.WeightsPublished:
     return bus_pb2.WeightsPublished(
-        model=stored.model, version=stored.version, manifest_hash=stored.payload_xxh3_128,
-        bytes_raw=stored.bytes, codec=stored.codec, fetch_endpoint=endpoint, step=stored.step,
+        model=stored.model, version=stored.version, manifest_hash=stored.manifest_hash,
+        base_versions=[stored.base_version] if stored.kind == "delta" else [],
+        bytes_raw=stored.raw_bytes, bytes_delta=stored.bytes if stored.kind == "delta" else 0,
+        codec=stored.codec, fetch_endpoint=endpoint, step=stored.step,
         published_unix_ms=stored.created_unix_ms, run_id=stored.run_id,
     )
 
@@ -41,6 +49,8 @@ def announcement(stored: StoredVersion, endpoint: str) -> bus_pb2.WeightsPublish
 async def body(ctx: ServiceContext) -> None:
     settings: PublisherSettings = ctx.settings  # type: ignore[assignment]
     store = VersionStore(settings.store_dir, retention=settings.retention_versions)
+    library = WeightLibrary(store, snapshot_every=settings.snapshot_every,
+                            cache_entries=settings.payload_cache_entries)
     endpoint = ""
 
     async def announce(stored: StoredVersion) -> None:
@@ -49,12 +59,9 @@ async def body(ctx: ServiceContext) -> None:
         ctx.policy_version = max(ctx.policy_version, stored.version)
         log.info("version_published", model=stored.model, version=stored.version, bytes=stored.bytes)
 
-    servicer = WeightServicer(store, on_stored=announce)
-    server, _health, port = await start_grpc_server(
-        [lambda s: weights_pb2_grpc.add_WeightServiceServicer_to_server(servicer, s)],
-        [weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name],
-        host=settings.grpc_host, port=settings.grpc_port, bearer_token=settings.bearer_token,
-    )
+    servicer = WeightServicer(library, on_stored=announce, egress=LinkLimit(settings.egress_gbps))
+    server, port = await start_weight_server(servicer, host=settings.grpc_host, port=settings.grpc_port,
+                                             bearer_token=settings.bearer_token)
     endpoint = f"{settings.advertise_host}:{port}"
     ctx.detail["grpc"] = endpoint
     ctx.ready = True
@@ -67,6 +74,7 @@ async def body(ctx: ServiceContext) -> None:
     finally:
         # Lets running pushes and fetches finish within the grace period.
         await server.stop(ctx.settings.shutdown_grace_s)
+        await library.drain()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,10 @@ generate requests sent together (the engine batches them); each response becomes
 stamped with the engine's weight version over its tokens and the behaviour logprob of every
 token. The Task is acked only when every Rollout of its group is stored in ROLLOUTS.
 
-New versions: on a WeightsPublished event the replica fetches the version from the publisher
-(verified by hash), writes it as a Hugging Face directory and asks the engine to load it with
-`update_weights_from_disk`, then reports the version it serves. Only the newest announced
+New versions: on a WeightsPublished event the replica fetches from the publisher the delta from
+the version it holds (a keyframe the first time, or when a delta cannot be applied), rebuilds
+the new version and checks every tensor's hash, writes it as a Hugging Face directory and asks
+the engine to load it with `update_weights_from_disk`, then reports the version it serves. Only the newest announced
 version is loaded; versions announced meanwhile are skipped, never applied out of order.
 """
 
@@ -35,9 +36,15 @@ from policyloop.engines.sglang_client import SGLangClient
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.state.pacing import Pacer
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import GENERATED_TOKENS
+from policyloop.telemetry.metrics import (
+    GENERATED_TOKENS,
+    WEIGHT_PAYLOAD_BYTES,
+    WEIGHT_SYNC_FALLBACKS,
+    WEIGHT_SYNC_SECONDS,
+)
 from policyloop.trajectories import generate_request, group_members, record_response
-from policyloop.weights.client import WeightClient
+from policyloop.weights.client import WeightClient, sync_weights
+from policyloop.weights.codec import WeightSet
 
 log = get_logger(__name__)
 
@@ -98,16 +105,18 @@ async def wait_for_engine(client: SGLangClient, proc: subprocess.Popen | None, t
         await asyncio.sleep(0.25)
 
 
-def write_version_dir(root: Path, base: Path, version: int, payload: bytes) -> Path:
-    """A Hugging Face directory for `version`: the base config plus the fetched weights."""
-    target = root / f"v{version:09d}"
-    tmp = root / f".v{version:09d}.tmp"
+def write_version_dir(root: Path, base: Path, weights: WeightSet) -> Path:
+    """A Hugging Face directory for the held weights: the base config plus model.safetensors."""
+    from policyloop.weights.torch_io import save_safetensors
+
+    target = root / f"v{weights.version:09d}"
+    tmp = root / f".v{weights.version:09d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     for name in ("config.json", "generation_config.json"):
         if (base / name).exists():
             shutil.copy2(base / name, tmp / name)
-    (tmp / "model.safetensors").write_bytes(payload)
+    save_safetensors(weights, tmp / "model.safetensors")
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
@@ -121,6 +130,7 @@ class WeightFollower:
         self.latest: bus_pb2.WeightsPublished | None = None
         self.announced = asyncio.Event()
         self.loaded_dir: Path | None = None
+        self.held: WeightSet | None = None  # the served version's bytes: the base of the next delta
         self._publishers: dict[str, WeightClient] = {}
 
     def publisher(self, endpoint: str) -> WeightClient:
@@ -169,17 +179,29 @@ class WeightFollower:
                 await client.close()
 
     async def load(self, event: bus_pb2.WeightsPublished) -> None:
+        """Fetch (a delta from the held version when possible), verify every tensor, load into
+        the engine. Until the engine confirms the new version, the old one keeps serving."""
         started = time.monotonic()
-        fetched = await self.publisher(event.fetch_endpoint).fetch(
-            event.model, have_version=self.ctx.policy_version, want_version=event.version)
+        client = self.publisher(event.fetch_endpoint)
+        weights, report = await sync_weights(client, event.model, self.held, event.version)
+        self.held = weights  # verified: the next delta applies to these bytes
+        if report.fallback_reason:
+            WEIGHT_SYNC_FALLBACKS.inc()
+        loading = time.monotonic()
         directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
-                                            self.settings.model_path, event.version, fetched.payload)
-        await self.client.update_weights_from_disk(str(directory), weight_version=str(event.version))
+                                            self.settings.model_path, weights)
+        await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version))
         previous, self.loaded_dir = self.loaded_dir, directory
-        self.ctx.policy_version = event.version
+        self.ctx.policy_version = weights.version
         if previous is not None:
             shutil.rmtree(previous, ignore_errors=True)
-        log.info("weights_loaded", version=event.version, seconds=round(time.monotonic() - started, 3))
+        WEIGHT_SYNC_SECONDS.labels("fetch").observe(report.transfer_s)
+        WEIGHT_SYNC_SECONDS.labels("apply").observe(report.apply_s + time.monotonic() - loading)
+        WEIGHT_PAYLOAD_BYTES.labels(report.kind).inc(report.payload_bytes)
+        self.ctx.detail["weights_fetched"] = {"kind": report.kind, "bytes": report.payload_bytes,
+                                              "raw_bytes": report.raw_bytes}
+        log.info("weights_loaded", version=weights.version, kind=report.kind, bytes=report.payload_bytes,
+                 fallback=report.fallback_reason or None, seconds=round(time.monotonic() - started, 3))
 
 
 async def body(ctx: ServiceContext) -> None:

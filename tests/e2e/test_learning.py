@@ -30,5 +30,9 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
     assert gain >= MIN_GAIN, summary
     assert summary["steps"] > 0 and summary["generated_tokens"] > 0
     assert sum(summary["version_lag_histogram"].values()) > 0
+    # Weights went as one keyframe and then deltas, verified by every replica.
+    sync = summary["weight_sync"]
+    assert sync["versions"] == summary["steps"] and sync["keyframes"] == 1
+    assert 0 < sync["delta_bytes"] < sync["full_bytes"] and sync["full_over_sent"] > 1
     assert (out / "reward_accuracy.png").stat().st_size > 1000
     assert "held-out accuracy after RL" in result.stdout

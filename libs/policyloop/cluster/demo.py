@@ -74,6 +74,9 @@ class DemoResult:
     eval_problems: int
     version_lag_histogram: dict[str, int]
     generated_tokens: int
+    # Weight sync, from the learner: versions pushed, bytes of the full weights they amount to,
+    # bytes actually pushed (deltas after the first keyframe) and the ratio of the two.
+    weight_sync: dict[str, float] = field(default_factory=dict)
     progress: list[Progress] = field(default_factory=list)
     evaluations: list[Evaluation] = field(default_factory=list)
 
@@ -106,6 +109,17 @@ async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Pr
     accuracy = arithmetic.accuracy(texts, [p.answer for p in problems], [r.finish_reason == "stop" for r in results])
     versions = {int(r.weight_version) for r in results}
     return accuracy, min(versions)
+
+
+def weight_sync_summary(pushed: dict) -> dict[str, float]:
+    """The learner's push totals as delta vs full bytes."""
+    if not pushed:
+        return {}
+    full, sent = int(pushed.get("full_bytes", 0)), int(pushed.get("pushed_bytes", 0))
+    return {"versions": int(pushed.get("versions_pushed", 0)), "keyframes": int(pushed.get("keyframes", 0)),
+            "full_bytes": full, "delta_bytes": int(pushed.get("delta_bytes", 0)), "sent_bytes": sent,
+            "full_over_sent": round(full / sent, 2) if sent else 0.0,
+            "last_changed_fraction": float(pushed.get("last_changed_fraction", 0.0))}
 
 
 async def _heartbeat_details(registry: HeartbeatRegistry) -> dict[str, dict]:
@@ -186,6 +200,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
         result.steps = int(learner.get("step", 0))
         result.version_lag_histogram = dict(learner.get("lag_histogram", {}))
         result.generated_tokens = int(details.get("rollout", {}).get("generated_tokens", 0))
+        result.weight_sync = weight_sync_summary(learner.get("weights", {}))
         # The engine loads the last published version shortly after the learner's last step.
         deadline = time.monotonic() + 30
         while int(details.get("rollout", {}).get("policy_version", 0)) < int(learner.get("policy_version", 0)):
@@ -255,5 +270,10 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     console.print(f"[bold]summary[/bold]: held-out {result.accuracy_before:.1%} → {result.accuracy_after:.1%} "
                   f"({gain:+.1%}) in {result.steps} steps, {result.wall_seconds:.0f}s, "
                   f"{result.generated_tokens} generated tokens; lag {result.version_lag_histogram}")
+    if result.weight_sync:
+        sync = result.weight_sync
+        console.print(f"weight sync: {sync['versions']} versions, {sync['sent_bytes'] / 1e6:.1f} MB sent "
+                      f"({sync['keyframes']} keyframe(s) + deltas) for {sync['full_bytes'] / 1e6:.1f} MB of full "
+                      f"weights: {sync['full_over_sent']}x less")
     console.print(f"wrote {out / 'summary.json'} and {out / 'reward_accuracy.png'}")
     return 0 if gain > 0 else 1

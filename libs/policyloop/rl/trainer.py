@@ -135,7 +135,7 @@ class PolicyTrainer:
             if box[0] is None:
                 return self.steps
             if box[0] == "export":
-                self.export_safetensors()
+                self.export_tensors()
                 continue
             groups = [[bus_pb2.Trajectory.FromString(b) for b in g] for g in box[0]]  # type: ignore[union-attr]
             self._step(groups)
@@ -178,18 +178,24 @@ class PolicyTrainer:
             trained_tokens=int(total_tokens), seconds=time.monotonic() - started,
         )
 
-    def export_safetensors(self) -> bytes:
-        """The full weights, with the base checkpoint's tensor names, as safetensors bytes.
-        Gathering them is collective: rank 0 tells the other ranks to join."""
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        """The full weights, with the base checkpoint's tensor names (empty on ranks other
+        than 0). Gathering them is collective: rank 0 tells the other ranks to join."""
         if self.world_size > 1 and self.rank == 0:
             dist.broadcast_object_list(["export"], src=0)
         state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank != 0:
-            return b""
+            return {}
         missing = [k for k in self.keys if k not in state]
         if missing:
             raise KeyError(f"the model has no tensors named {missing[:3]}")
-        tensors = {k: state[k].detach().contiguous().clone() for k in self.keys}
+        return {k: state[k].detach().contiguous().clone() for k in self.keys}
+
+    def export_safetensors(self) -> bytes:
+        """`export_tensors` as safetensors bytes (b"" on ranks other than 0)."""
+        tensors = self.export_tensors()
+        if not tensors:
+            return b""
         return safetensors.torch.save(tensors, metadata={"policy_version": str(self.version)})
 
     def close(self) -> None:

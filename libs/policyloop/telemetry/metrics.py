@@ -61,3 +61,17 @@ LEARNER_DROPPED = Counter("policyloop_learner_dropped_total", "Samples the learn
                           ["reason"])
 REWARD = Histogram("policyloop_reward", "Reward of scored trajectories.", ["environment"],
                    buckets=(-1, 0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.1, 2))
+WEIGHT_SYNC_SECONDS = Histogram(
+    "policyloop_weight_sync_seconds",
+    "Time a new version spends in each phase of weight sync: encode and push (learner), fetch and "
+    "apply (rollout, apply = decode + verify + load into the engine).",
+    ["phase"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+)
+WEIGHT_PAYLOAD_BYTES = Counter(
+    "policyloop_weight_payload_bytes_total", "Weight payload bytes sent (learner) or received (rollout), by kind.",
+    ["kind"],
+)
+WEIGHT_SYNC_FALLBACKS = Counter(
+    "policyloop_weight_sync_fallbacks_total",
+    "Deltas a replica could not apply (wrong base, hash mismatch, corrupt payload …) and replaced by a keyframe.",
+)
