@@ -10,7 +10,9 @@ real SGLang server alike.
 
 Routes: POST/PUT /generate, GET /model_info and /get_model_info, GET /health (and
 /health_generate), POST /update_weights_from_disk, POST /pause_generation, POST
-/continue_generation, GET/POST /flush_cache, POST /abort_request.
+/continue_generation, GET/POST /flush_cache, POST /abort_request, and for the colocated weight
+sync POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed,
+/end_weight_update, /destroy_weights_update_group.
 
 Batching (static batching per wave). A scheduler task waits a few milliseconds
 (`batch_window_s`) after the first waiting request to gather concurrent ones, takes up to
@@ -39,6 +41,18 @@ waits for the current step; requests in flight continue with the new weights (th
 tokens is kept, as SGLang does for in-place updates), unless `abort_all_requests` ends them with
 finish_reason abort. There is no prefix cache, so `flush_cache` has nothing to drop.
 
+Distributed weights (the colocated path, `policyloop.weights.distributed`). The engine joins a
+weight-update group as rank `rank_offset` (it is one TP rank), over gloo (nccl only where CUDA
+is: the model itself stays on the CPU). Each /update_weights_from_distributed, inside a
+/begin_weight_update … /end_weight_update session as SGLang 0.5.23 requires, receives its tensors
+(one flattened uint8 buffer for load_format "flattened_bucket", else one broadcast per tensor) on
+a daemon thread, then checks every name, shape and dtype against the served parameters and
+copies them in place on the compute thread, between two decode steps. A request that fails
+those checks still receives its tensors (the sender's broadcast must complete, and the group
+stays in step for the next bucket) and answers success=false naming the tensor: the whole bucket
+is dropped and the old weights keep serving. Requests refused before receiving (malformed, no
+session, unknown group) leave the sender's broadcast waiting, as SGLang's do.
+
 Pause. mode abort ends every request (running or waiting) with finish_reason abort and the
 tokens so far; mode in_place stops between two steps and keeps the wave until
 /continue_generation; mode retract behaves as in_place here (SGLang would free the KV cache and
@@ -66,20 +80,38 @@ from aiohttp import web
 
 from policyloop.engines.protocol import (
     AbortRequest,
+    BeginWeightUpdateRequest,
+    ControlResult,
+    DestroyWeightsUpdateGroupRequest,
     FinishReason,
     GenerateRequest,
     GenerateResult,
+    InitWeightsUpdateGroupRequest,
     ModelInfo,
     RequestError,
     SamplingParams,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
     WeightVersionSpan,
     error_body,
     parse_continue,
+    parse_end_weight_update,
     parse_pause,
 )
 from policyloop.telemetry.logging import get_logger
+from policyloop.weights.distributed import (
+    FLATTENED_BUCKET,
+    Bucket,
+    TensorSpec,
+    WeightGroupError,
+    WeightUpdateGroup,
+    check_backend,
+    in_daemon_thread,
+    join_weight_update_group,
+    parse_dtype,
+    receive_named_tensors,
+)
 
 log = get_logger("policyloop.engines.embedded")
 
@@ -140,7 +172,8 @@ class EmbeddedEngine:
     closes. Usable in-process (tests, perf) or through `python -m policyloop.engines.embedded`."""
 
     def __init__(self, model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
-                 threads: int = 1, weight_version: str = "0", batch_window_s: float = 0.005) -> None:
+                 threads: int = 1, weight_version: str = "0", batch_window_s: float = 0.005,
+                 weights_group_timeout_s: float = 600.0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
         self.model_path = str(model_path)
@@ -163,6 +196,12 @@ class EmbeddedEngine:
         self._kick = asyncio.Event()
         self._parked = asyncio.Event()
         self._update_lock = asyncio.Lock()
+        # The colocated weight sync: joined groups by name, the lock that keeps their collectives
+        # (join, receive, destroy) in request order, and whether a weight-update session is open.
+        self.weights_group_timeout_s = weights_group_timeout_s
+        self._weight_groups: dict[str, WeightUpdateGroup] = {}
+        self._group_lock = asyncio.Lock()
+        self._weight_session = False
         self._executor: ThreadPoolExecutor | None = None
         self._scheduler: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
@@ -213,6 +252,9 @@ class EmbeddedEngine:
                 self._scheduler.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        for group in self._weight_groups.values():
+            group.close()
+        self._weight_groups.clear()
         if self._executor is not None:
             self._executor.shutdown(wait=True)
 
@@ -269,6 +311,11 @@ class EmbeddedEngine:
         app.router.add_get("/flush_cache", self._handle_flush_cache)
         app.router.add_post("/flush_cache", self._handle_flush_cache)
         app.router.add_post("/abort_request", self._handle_abort)
+        app.router.add_post("/init_weights_update_group", self._handle_init_weights_group)
+        app.router.add_post("/begin_weight_update", self._handle_begin_weight_update)
+        app.router.add_post("/update_weights_from_distributed", self._handle_update_distributed)
+        app.router.add_post("/end_weight_update", self._handle_end_weight_update)
+        app.router.add_post("/destroy_weights_update_group", self._handle_destroy_weights_group)
         return app
 
     @staticmethod
@@ -434,6 +481,134 @@ class EmbeddedEngine:
         elif parsed.rid is not None and parsed.rid in self._requests:
             self._abort(self._requests[parsed.rid], message)
         return web.Response(status=200)
+
+    # -- the colocated weight sync (HTTP) -------------------------------------------------------
+
+    @staticmethod
+    def _control(result: ControlResult) -> web.Response:
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    async def _handle_init_weights_group(self, request: web.Request) -> web.Response:
+        try:
+            parsed = InitWeightsUpdateGroupRequest.from_json(await self._json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return self._error(str(exc))
+        try:
+            check_backend(parsed.backend)  # nccl without CUDA: refused before waiting for anyone
+        except WeightGroupError as exc:
+            return self._control(ControlResult(False, f"Failed to initialize custom process group: {exc}."))
+        # Shielded: a client that gives up must not leave a joined group untracked.
+        result = await asyncio.shield(asyncio.ensure_future(self._join_group(parsed)))
+        log.info("engine_weights_group_init", group=parsed.group_name, backend=parsed.backend,
+                 rank=parsed.rank_offset, world_size=parsed.world_size, success=result.success,
+                 message=result.message)
+        return self._control(result)
+
+    async def _join_group(self, parsed: InitWeightsUpdateGroupRequest) -> ControlResult:
+        async with self._group_lock:
+            if parsed.group_name in self._weight_groups:
+                return ControlResult(False, f"Failed to initialize custom process group: the group "
+                                            f"{parsed.group_name!r} already exists.")
+            try:
+                group = await in_daemon_thread(lambda: join_weight_update_group(
+                    master_address=parsed.master_address, master_port=parsed.master_port,
+                    rank=parsed.rank_offset, world_size=parsed.world_size, group_name=parsed.group_name,
+                    backend=parsed.backend, timeout_s=self.weights_group_timeout_s), "engine-weights-join")
+            except Exception as exc:  # no store, a member missing at the timeout, …
+                return ControlResult(False, f"Failed to initialize custom process group: {exc}.")
+            self._weight_groups[parsed.group_name] = group
+            return ControlResult(True, "Succeeded to initialize custom process group.")
+
+    async def _handle_begin_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            BeginWeightUpdateRequest.from_json(await self._json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return self._error(str(exc))
+        if self._weight_session:
+            return self._control(ControlResult(False, "a weight-update session is already open; call "
+                                                      "end_weight_update() first"))
+        self._weight_session = True
+        return self._control(ControlResult(True, "Success"))
+
+    async def _handle_end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            parse_end_weight_update(await self._json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return self._error(str(exc))
+        if not self._weight_session:
+            return self._control(ControlResult(False, "no weight-update session is open; call "
+                                                      "begin_weight_update() first"))
+        self._weight_session = False
+        return self._control(ControlResult(True, "Success"))
+
+    async def _handle_update_distributed(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UpdateWeightsFromDistributedRequest.from_json(await self._json_body(request, empty_ok=False))
+            specs = self._receive_specs(parsed)
+        except RequestError as exc:
+            return self._error(str(exc))
+        # Refusals that happen before receiving, as in SGLang (the sender's broadcast then waits).
+        if not self._weight_session:
+            return self._control(ControlResult(False, "update_weights_from_distributed must run between "
+                                                      "begin_weight_update() and end_weight_update()"))
+        if parsed.group_name not in self._weight_groups:
+            return self._control(ControlResult(False, f"Failed to receive weights: the group {parsed.group_name!r} "
+                                                      f"is not initialized (call init_weights_update_group first)"))
+        # Shielded: once receiving, the engine finishes the collective even if the client left.
+        result = await asyncio.shield(asyncio.ensure_future(self._receive_and_load(parsed, specs)))
+        log.info("engine_weights_distributed", group=parsed.group_name, tensors=len(specs), success=result.success,
+                 message=result.message, weight_version=self._weight_version)
+        return self._control(result)
+
+    @staticmethod
+    def _receive_specs(parsed: UpdateWeightsFromDistributedRequest) -> list[TensorSpec]:
+        """What to allocate for the receive; RequestError when it cannot be received at all."""
+        if parsed.load_format not in (None, FLATTENED_BUCKET):
+            raise RequestError("load_format", f"expected null or {FLATTENED_BUCKET!r}, got {parsed.load_format!r}")
+        specs = []
+        for i, (name, dtype, shape) in enumerate(zip(parsed.names, parsed.dtypes, parsed.shapes, strict=True)):
+            try:
+                specs.append(TensorSpec(name, parse_dtype(dtype), shape))
+            except ValueError as exc:  # a name this torch build does not have
+                raise RequestError(f"dtypes[{i}]", str(exc)) from None
+        if parsed.load_format == FLATTENED_BUCKET:
+            try:
+                Bucket.layout(specs)
+            except ValueError as exc:
+                raise RequestError("dtypes", f"cannot lay out the flattened bucket: {exc}") from None
+        return specs
+
+    async def _receive_and_load(self, parsed: UpdateWeightsFromDistributedRequest, specs: list[TensorSpec]
+                                ) -> ControlResult:
+        async with self._group_lock:
+            group = self._weight_groups.get(parsed.group_name)
+            if group is None:  # destroyed while this request waited for the lock
+                return ControlResult(False, f"Failed to receive weights: the group {parsed.group_name!r} is not "
+                                            f"initialized")
+            if parsed.abort_all_requests:
+                self._abort_all("aborted for a weight update")
+            try:
+                received = await in_daemon_thread(lambda: receive_named_tensors(group, specs, parsed.load_format),
+                                                  "engine-weights-receive")
+            except Exception as exc:  # a member failed or timed out: this group is out of step
+                return ControlResult(False, f"Failed to receive weights: {exc}")
+            async with self._update_lock:
+                loop = asyncio.get_running_loop()
+                return await loop.run_in_executor(self._executor, self._load_received, received, parsed)
+
+    async def _handle_destroy_weights_group(self, request: web.Request) -> web.Response:
+        try:
+            parsed = DestroyWeightsUpdateGroupRequest.from_json(await self._json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return self._error(str(exc))
+        async with self._group_lock:  # after the collectives already queued on it
+            group = self._weight_groups.pop(parsed.group_name, None)
+            if group is not None:
+                group.close()
+        log.info("engine_weights_group_destroy", group=parsed.group_name, existed=group is not None)
+        if group is None:
+            return self._control(ControlResult(False, "The group to be destroyed does not exist."))
+        return self._control(ControlResult(True, "Succeeded to destroy custom process group."))
 
     # -- scheduling (event loop) ----------------------------------------------------------------
 
@@ -660,12 +835,45 @@ class EmbeddedEngine:
             message += f" Weight version updated to {req.weight_version}."
         return UpdateWeightsResult(True, message)
 
+    def _load_received(self, received: list[tuple[str, torch.Tensor]], req: UpdateWeightsFromDistributedRequest
+                       ) -> ControlResult:
+        """Copies received tensors into the served parameters after checking all of them (the
+        compute thread, between two steps): one bad tensor drops the whole bucket."""
+
+        def fail(message: str) -> ControlResult:
+            return ControlResult(False, f"Failed to update parameter online: {message}. The old weights of these "
+                                        f"tensors (version {self._weight_version}) keep serving.")
+
+        if req.selector == "draft":
+            return fail("the embedded engine has no draft model (selector 'draft')")
+        params = self._model.state_dict()
+        for name, tensor in received:
+            target = params.get(name)
+            if target is None:
+                return fail(f"{name!r} is not a parameter of the served model")
+            if tuple(tensor.shape) != tuple(target.shape):
+                return fail(f"shape mismatch for {name!r}: received {list(tensor.shape)}, the served model has "
+                            f"{list(target.shape)}")
+            if tensor.is_floating_point() != target.is_floating_point():
+                return fail(f"dtype mismatch for {name!r}: received {tensor.dtype}, the served model has "
+                            f"{target.dtype}")
+        with torch.no_grad():
+            for name, tensor in received:
+                params[name].copy_(tensor)  # casts to the parameter's dtype, as a disk load does
+        message = "Succeeded to update parameter online."
+        if req.weight_version is not None:
+            self._weight_version = req.weight_version
+            message += f" Weight version updated to {req.weight_version}."
+        return ControlResult(True, message)
+
 
 async def start_engine(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
-                       threads: int = 1, weight_version: str = "0", batch_window_s: float = 0.005) -> EmbeddedEngine:
+                       threads: int = 1, weight_version: str = "0", batch_window_s: float = 0.005,
+                       weights_group_timeout_s: float = 600.0) -> EmbeddedEngine:
     """Loads the model, starts the server and returns the running engine (stop it with `stop()`)."""
     engine = EmbeddedEngine(model_path, host=host, port=port, max_batch=max_batch, threads=threads,
-                            weight_version=weight_version, batch_window_s=batch_window_s)
+                            weight_version=weight_version, batch_window_s=batch_window_s,
+                            weights_group_timeout_s=weights_group_timeout_s)
     await engine.start()
     return engine
 

@@ -3,7 +3,11 @@
 Field names, types and defaults come from SGLang 0.5.23's own source
 (`/work/shared/reference/sglang-0.5.23-api.json`: `GenerateReqInput`, the sampling params,
 `UpdateWeightFromDiskReqInput`, `PauseGenerationReqInput`, `ContinueGenerationReqInput`,
-`AbortReq`). Response shapes that the reference does not list follow SGLang's behaviour:
+`AbortReq`, and for the colocated weight sync `InitWeightsUpdateGroupReqInput`,
+`UpdateWeightsFromDistributedReqInput`, `DestroyWeightsUpdateGroupReqInput`,
+`BeginWeightUpdateReqInput`, `EndWeightUpdateReqInput`, whose routes answer `{"success",
+"message"}` with 200 or 400). Response shapes that the reference does not list follow SGLang's
+behaviour:
 
 /generate (one request, not streamed) answers
 
@@ -550,3 +554,203 @@ class AbortRequest:
         return cls(rid=_str(body, "rid", None, optional=True) or None,
                    abort_all=_bool(body, "abort_all", False),
                    abort_message=_str(body, "abort_message", None, optional=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The colocated weight-sync routes (torch.distributed broadcast driven over HTTP).
+
+DEFAULT_WEIGHT_GROUP = "weight_update_group"
+WEIGHT_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl")
+# Names SGLang's receiver resolves with getattr(torch, name) to a dtype (torch's own spelling).
+TORCH_DTYPE_NAMES: frozenset[str] = frozenset({
+    "float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn", "float8_e4m3fnuz",
+    "float8_e5m2", "float8_e5m2fnuz", "uint8", "int8", "int16", "short", "int32", "int", "int64", "long", "bool",
+})
+WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
+
+
+def _name_list(body: Mapping[str, Any], name: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
+    value = body.get(name)
+    if not isinstance(value, list):
+        raise RequestError(name, f"expected a list of strings, got {value!r}")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or not item:
+            raise RequestError(f"{name}[{i}]", f"expected a non-empty string, got {item!r}")
+        if allowed is not None and item not in allowed:
+            raise RequestError(f"{name}[{i}]", f"{item!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
+    return tuple(value)
+
+
+def _shape_list(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], ...]:
+    value = body.get(name)
+    if not isinstance(value, list):
+        raise RequestError(name, f"expected a list of shapes (lists of integers), got {value!r}")
+    shapes = []
+    for i, shape in enumerate(value):
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise RequestError(f"{name}[{i}]", f"expected a list of non-negative integers, got {shape!r}")
+        shapes.append(tuple(shape))
+    return tuple(shapes)
+
+
+@dataclass(frozen=True)
+class InitWeightsUpdateGroupRequest:
+    """InitWeightsUpdateGroupReqInput: join the process group whose store rank 0 (the learner)
+    hosts at master_address:master_port, as ranks rank_offset + tp_rank of world_size."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_WEIGHT_GROUP
+    backend: str = "nccl"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"master_address": self.master_address, "master_port": self.master_port,
+                "rank_offset": self.rank_offset, "world_size": self.world_size, "group_name": self.group_name,
+                "backend": self.backend}
+
+    @classmethod
+    def from_json(cls, body: Any) -> InitWeightsUpdateGroupRequest:
+        body = _check_object(body, "body")
+        _check_fields(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
+                      {}, _BASE_REQ_IGNORED, struct="InitWeightsUpdateGroupReqInput")
+        for required in ("master_address", "master_port", "rank_offset", "world_size"):
+            if required not in body:
+                raise RequestError(required, "required")
+        master_address = _str(body, "master_address", None)
+        if not master_address:
+            raise RequestError("master_address", "must not be empty")
+        master_port = _int(body, "master_port", None, minimum=1)
+        if master_port > 65535:
+            raise RequestError("master_port", f"must be <= 65535, got {master_port}")
+        world_size = _int(body, "world_size", None, minimum=2)
+        rank_offset = _int(body, "rank_offset", None, minimum=1)  # rank 0 is the sender
+        if rank_offset >= world_size:
+            raise RequestError("rank_offset", f"must be < world_size ({world_size}), got {rank_offset}")
+        group_name = _str(body, "group_name", DEFAULT_WEIGHT_GROUP)
+        if not group_name:
+            raise RequestError("group_name", "must not be empty")
+        backend = _str(body, "backend", "nccl")
+        if backend not in WEIGHT_GROUP_BACKENDS:
+            raise RequestError("backend", f"expected one of {', '.join(WEIGHT_GROUP_BACKENDS)}, got {backend!r}")
+        return cls(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                   world_size=world_size, group_name=group_name, backend=backend)
+
+
+@dataclass(frozen=True)
+class UpdateWeightsFromDistributedRequest:
+    """UpdateWeightsFromDistributedReqInput: receive the tensors `names` (with `dtypes`, torch's
+    names, and `shapes`) broadcast from rank 0 of `group_name` and load them; with
+    load_format "flattened_bucket" they come as one uint8 buffer (see policyloop.weights.distributed),
+    otherwise one broadcast per tensor in order. `weight_version` (when given) becomes the
+    engine's version once they are loaded."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    group_name: str = DEFAULT_WEIGHT_GROUP
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: str = "all"
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"names": list(self.names), "dtypes": list(self.dtypes),
+                               "shapes": [list(s) for s in self.shapes], "group_name": self.group_name,
+                               "flush_cache": self.flush_cache, "abort_all_requests": self.abort_all_requests}
+        if self.weight_version is not None:
+            out["weight_version"] = self.weight_version
+        if self.load_format is not None:
+            out["load_format"] = self.load_format
+        if self.selector != "all":
+            out["selector"] = self.selector
+        return out
+
+    @classmethod
+    def from_json(cls, body: Any) -> UpdateWeightsFromDistributedRequest:
+        body = _check_object(body, "body")
+        _check_fields(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
+                             "weight_version", "load_format", "selector"},
+                      {}, _BASE_REQ_IGNORED | {"torch_empty_cache"},  # GPU only: no-op
+                      struct="UpdateWeightsFromDistributedReqInput")
+        names = _name_list(body, "names")
+        dtypes = _name_list(body, "dtypes", TORCH_DTYPE_NAMES)
+        shapes = _shape_list(body, "shapes")
+        if not names:
+            raise RequestError("names", "at least one tensor is required")
+        for field_name, values in (("dtypes", dtypes), ("shapes", shapes)):
+            if len(values) != len(names):
+                raise RequestError(field_name, f"expected {len(names)} entries (one per name), got {len(values)}")
+        selector = _str(body, "selector", "all")
+        if selector not in WEIGHT_SELECTORS:
+            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}")
+        _bool(body, "torch_empty_cache", False)
+        return cls(names=names, dtypes=dtypes, shapes=shapes,
+                   group_name=_str(body, "group_name", DEFAULT_WEIGHT_GROUP),
+                   flush_cache=_bool(body, "flush_cache", True),
+                   abort_all_requests=_bool(body, "abort_all_requests", False),
+                   weight_version=_str(body, "weight_version", None, optional=True),
+                   load_format=_str(body, "load_format", None, optional=True),
+                   selector=selector)
+
+
+@dataclass(frozen=True)
+class DestroyWeightsUpdateGroupRequest:
+    """DestroyWeightsUpdateGroupReqInput: leave and release the group `group_name`."""
+
+    group_name: str = DEFAULT_WEIGHT_GROUP
+
+    def to_json(self) -> dict[str, Any]:
+        return {"group_name": self.group_name}
+
+    @classmethod
+    def from_json(cls, body: Any) -> DestroyWeightsUpdateGroupRequest:
+        body = _check_object(body if body is not None else {}, "body")
+        _check_fields(body, {"group_name"}, {}, _BASE_REQ_IGNORED, struct="DestroyWeightsUpdateGroupReqInput")
+        return cls(group_name=_str(body, "group_name", DEFAULT_WEIGHT_GROUP))
+
+
+@dataclass(frozen=True)
+class BeginWeightUpdateRequest:
+    """BeginWeightUpdateReqInput: open a weight-update session. SGLang 0.5.23 refuses
+    update_weights_from_distributed outside one (without joining the broadcast)."""
+
+    selector: str = "all"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"selector": self.selector}
+
+    @classmethod
+    def from_json(cls, body: Any) -> BeginWeightUpdateRequest:
+        body = _check_object(body if body is not None else {}, "body")
+        _check_fields(body, {"selector"}, {}, _BASE_REQ_IGNORED, struct="BeginWeightUpdateReqInput")
+        selector = _str(body, "selector", "all")
+        if selector not in WEIGHT_SELECTORS:
+            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}")
+        return cls(selector=selector)
+
+
+def parse_end_weight_update(body: Any) -> None:
+    """EndWeightUpdateReqInput: close the session (it has no fields of its own)."""
+    body = _check_object(body if body is not None else {}, "body")
+    _check_fields(body, set(), {}, _BASE_REQ_IGNORED, struct="EndWeightUpdateReqInput")
+
+
+@dataclass(frozen=True)
+class ControlResult:
+    """The `{"success", "message"}` answer of the weight-sync routes (200 on success, 400 not)."""
+
+    success: bool
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"success": self.success, "message": self.message}
+
+    @classmethod
+    def from_json(cls, body: Any) -> ControlResult:
+        if not isinstance(body, Mapping) or not isinstance(body.get("success"), bool):
+            raise ValueError("not a {success, message} answer")
+        return cls(body["success"], str(body.get("message", "")))

@@ -5,14 +5,18 @@ embedded engine, over SGLang's native HTTP API (aiohttp).
         result = await engine.generate(GenerateRequest(input_ids=[...], sampling_params=SamplingParams(...)))
         await engine.update_weights_from_disk("/ckpt/v7", weight_version="7")
 
-Calls that are safe to repeat (model_info, health, the weight update, pause, continue, flush,
-abort) are retried with exponential backoff on connection errors, timeouts and 5xx answers.
+Calls that are safe to repeat (model_info, health, the weight update from disk, pause, continue,
+flush, abort) are retried with exponential backoff on connection errors, timeouts and 5xx answers.
 `generate` is retried only when the connection could not be opened at all (the server never saw
 the request): a request that reached the server may have started decoding, and sending it again
-would produce a second, different sample. Failures raise `EngineUnavailable` (cannot reach the
-engine, or it answered 502/503/504 after the retries), `EngineError` (any other error answer,
-with `status` and `body`), `WeightUpdateError` (the update failed or the new version is not
-served) and `EngineProtocolError` (an answer that is not what the API promises).
+would produce a second, different sample. The colocated weight-sync calls (init/destroy of the
+weight-update group, begin/end of the update session, update_weights_from_distributed) are not
+retried either (beyond a connection that never opened), for the same reason: an engine that saw
+the first request has joined a rendezvous or is waiting for a broadcast that the sender will not
+repeat. Failures raise `EngineUnavailable` (cannot reach the engine, or it answered 502/503/504
+after the retries), `EngineError` (any other error answer, with `status` and `body`),
+`WeightUpdateError` (the update failed or the new version is not served) and
+`EngineProtocolError` (an answer that is not what the API promises).
 
 Only fields SGLang has are sent (see `policyloop.engines.protocol`).
 """
@@ -26,12 +30,18 @@ from typing import Any
 import aiohttp
 
 from policyloop.engines.protocol import (
+    DEFAULT_WEIGHT_GROUP,
     PAUSE_MODES,
     AbortRequest,
+    BeginWeightUpdateRequest,
+    ControlResult,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     GenerateResult,
+    InitWeightsUpdateGroupRequest,
     ModelInfo,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
 )
 
@@ -54,7 +64,8 @@ class EngineProtocolError(EngineError):
 
 
 class WeightUpdateError(EngineError):
-    """update_weights_from_disk failed, or the engine does not report the new weight version."""
+    """A weight update failed (from disk or distributed, or a step of the distributed path: the
+    group, the session), or the engine does not report the new weight version."""
 
 
 _UNAVAILABLE_STATUSES = (502, 503, 504)
@@ -221,3 +232,65 @@ class SGLangClient:
         payload = AbortRequest(rid=rid, abort_all=abort_all).to_json()
         status, body = await self._call("POST", "/abort_request", payload, idempotent=True)
         self._raise_for_status("POST", "/abort_request", status, body)
+
+    # -- the colocated weight sync (see policyloop.weights.distributed) --------------------------
+
+    async def _control(self, path: str, payload: dict[str, Any], what: str) -> ControlResult:
+        """Sends one weight-sync request (never resent once it may have reached the engine) and
+        returns its successful `{success, message}` answer; raises WeightUpdateError otherwise."""
+        status, body = await self._call("POST", path, payload, idempotent=False)
+        try:
+            result = ControlResult.from_json(json.loads(body))
+        except ValueError:
+            self._raise_for_status("POST", path, status, body)  # SGLang's ErrorResponse (validation)
+            raise EngineProtocolError(f"{path}: unexpected answer {body[:200]!r}", status, body) from None
+        if not result.success or status >= 400:
+            raise WeightUpdateError(f"{what} failed: {result.message}", status, body)
+        return result
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = DEFAULT_WEIGHT_GROUP,
+                                        backend: str = "nccl") -> ControlResult:
+        """Asks the engine to join the weight-update group hosted by rank 0 at
+        master_address:master_port as ranks rank_offset.. (one per TP rank). The answer comes once
+        every member joined, so the sender must be joining at the same time."""
+        req = InitWeightsUpdateGroupRequest(master_address=master_address, master_port=master_port,
+                                            rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                            backend=backend)
+        return await self._control("/init_weights_update_group", req.to_json(),
+                                   f"init_weights_update_group({group_name!r}, rank_offset={rank_offset})")
+
+    async def begin_weight_update(self, selector: str = "all") -> ControlResult:
+        """Opens the weight-update session SGLang requires around update_weights_from_distributed."""
+        return await self._control("/begin_weight_update", BeginWeightUpdateRequest(selector).to_json(),
+                                   "begin_weight_update")
+
+    async def end_weight_update(self) -> ControlResult:
+        """Closes the weight-update session (SGLang finalises the loaded weights)."""
+        return await self._control("/end_weight_update", {}, "end_weight_update")
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = DEFAULT_WEIGHT_GROUP, load_format: str | None = None,
+                                              weight_version: str | None = None, flush_cache: bool = True,
+                                              abort_all_requests: bool = False) -> ControlResult:
+        """Has the engine receive these tensors from the group's broadcast and load them; the
+        answer comes once they arrived, so the sender broadcasts while this call is pending. With
+        `weight_version`, checks that /model_info then reports it."""
+        req = UpdateWeightsFromDistributedRequest(
+            names=tuple(names), dtypes=tuple(dtypes), shapes=tuple(tuple(s) for s in shapes), group_name=group_name,
+            flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+            weight_version=None if weight_version is None else str(weight_version), load_format=load_format)
+        what = f"update_weights_from_distributed({len(names)} tensors, group {group_name!r})"
+        result = await self._control("/update_weights_from_distributed", req.to_json(), what)
+        if weight_version is not None:
+            served = (await self.model_info()).weight_version
+            if served != str(weight_version):
+                raise WeightUpdateError(f"{what} succeeded but the engine reports weight_version {served!r}, "
+                                        f"not {weight_version!r}")
+        return result
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_WEIGHT_GROUP) -> ControlResult:
+        """Has the engine leave and release the group."""
+        return await self._control("/destroy_weights_update_group",
+                                   DestroyWeightsUpdateGroupRequest(group_name).to_json(),
+                                   f"destroy_weights_update_group({group_name!r})")
