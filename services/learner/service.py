@@ -17,13 +17,14 @@ import asyncio
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from policyloop.bus import Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
+from policyloop.engines.sglang_client import EngineError, SGLangClient
 from policyloop.rl.batching import Admission, GroupCollector, sample_lag
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.telemetry.logging import get_logger
@@ -38,7 +39,12 @@ from policyloop.telemetry.metrics import (
 from policyloop.weights.client import PushReport, VersionPusher, WeightClient
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
     from policyloop.rl.trainer import TrainerConfig
+    from policyloop.weights.distributed import DistributedWeightSender
 
 log = get_logger(__name__)
 
@@ -55,6 +61,17 @@ class LearnerSettings(ServiceSettings):
     clip_high: float = Field(0.2, description="PPO clip range above 1 (clip-higher when larger than clip_low).")
     max_grad_norm: float = Field(1.0, description="Gradient norm clipping threshold.")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
+    colocated_engines: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of engines on this node that take every version straight from the learner by "
+                    "broadcast (SGLang init_weights_update_group / update_weights_from_distributed), as a JSON "
+                    "list; their replicas run with weight_source=colocated. Versions still go to the publisher.")
+    colocated_backend: Literal["nccl", "gloo"] = Field(
+        "nccl", description="torch.distributed backend of the colocated broadcast (gloo: CPU engines).")
+    colocated_master_address: str = Field(
+        "127.0.0.1", description="Address the colocated engines reach this learner at (it hosts the group).")
+    colocated_tp_size: int = Field(1, description="Tensor-parallel ranks of each colocated engine.")
+    colocated_bucket_mb: int = Field(512, description="Most bytes per broadcast bucket, in MiB.")
 
 
 def trainer_config(settings: LearnerSettings) -> TrainerConfig:
@@ -62,6 +79,65 @@ def trainer_config(settings: LearnerSettings) -> TrainerConfig:
 
     return TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
                          max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
+
+
+class ColocatedEngines:
+    """The engines that take each version by broadcast. A failed broadcast is logged and the
+    group rebuilt at the next version; meanwhile the replicas load the version from the
+    publisher (they wait for the broadcast only so long), so a version is never lost."""
+
+    def __init__(self, settings: LearnerSettings) -> None:
+        self.settings = settings
+        self.sender: DistributedWeightSender | None = None  # formed at the first version
+        self.clients: list[SGLangClient] = []
+
+    async def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
+        if not self.settings.colocated_engines:
+            return
+        from policyloop.weights.distributed import WeightGroupError
+
+        try:
+            if self.sender is None:
+                await self._connect()
+            assert self.sender is not None
+            stats = await self.sender.send(tensors, weight_version=str(version))
+        except (EngineError, WeightGroupError, OSError) as exc:
+            log.error("weights_broadcast_failed", version=version, error=str(exc))
+            await self.close()
+            return
+        WEIGHT_SYNC_SECONDS.labels("broadcast").observe(stats.seconds)
+        log.info("weights_broadcast", version=version, engines=len(self.clients), buckets=stats.buckets,
+                 bytes=stats.nbytes, seconds=round(stats.seconds, 3))
+
+    async def _connect(self) -> None:
+        from policyloop.weights.distributed import DistributedWeightSender, EngineTarget
+
+        self.clients = [SGLangClient(url, timeout_s=600) for url in self.settings.colocated_engines]
+        sender = DistributedWeightSender(backend=self.settings.colocated_backend,
+                                         master_address=self.settings.colocated_master_address,
+                                         bucket_bytes=self.settings.colocated_bucket_mb * 1024 * 1024)
+        try:
+            await sender.init([EngineTarget(c, self.settings.colocated_tp_size) for c in self.clients])
+        except BaseException:
+            await self._close_clients()
+            raise
+        self.sender = sender
+
+    async def close(self) -> None:
+        from policyloop.weights.distributed import WeightGroupError
+
+        sender, self.sender = self.sender, None
+        if sender is not None:
+            try:
+                await sender.close()
+            except (EngineError, WeightGroupError) as exc:
+                log.warning("weights_group_close_failed", error=str(exc))
+        await self._close_clients()
+
+    async def _close_clients(self) -> None:
+        for client in self.clients:
+            await client.close()
+        self.clients = []
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -81,6 +157,7 @@ async def body(ctx: ServiceContext) -> None:
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
     pusher = VersionPusher(publisher, settings.model, run_id=settings.run_id)
+    colocated = ColocatedEngines(settings)
     weight_bytes: Counter[str] = Counter()
 
     def record_push(pushed: PushReport) -> None:
@@ -135,7 +212,9 @@ async def body(ctx: ServiceContext) -> None:
             groups = collector.take(settings.groups_per_step)
             started = time.monotonic()
             report = await asyncio.to_thread(trainer.step, groups)
-            weights = await asyncio.to_thread(lambda: weight_set(trainer.version, trainer.export_tensors()))
+            tensors = await asyncio.to_thread(trainer.export_tensors)
+            await colocated.send(tensors, trainer.version)
+            weights = await asyncio.to_thread(weight_set, trainer.version, tensors)
             pushed = await pusher.push(weights, report.step)
             record_push(pushed)
             await ctx.versions.compare_and_set(settings.model, trainer.version - 1, trainer.version)
@@ -182,6 +261,7 @@ async def body(ctx: ServiceContext) -> None:
         trainer_task.cancel()
         await asyncio.gather(trainer_task, return_exceptions=True)
         await publisher.close()
+        await colocated.close()
         trainer.close()
     if not trainer_task.cancelled() and trainer_task.exception() is not None:
         raise RuntimeError("the training loop failed") from trainer_task.exception()

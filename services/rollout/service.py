@@ -32,6 +32,7 @@ from policyloop.bus import Delivery, PullWorker, rollouts_subject, weights_subje
 from policyloop.cluster.local import free_port
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_task
+from policyloop.engines.protocol import ModelInfo
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.state.pacing import Pacer
@@ -67,6 +68,12 @@ class RolloutSettings(ServiceSettings):
         description="Where fetched versions are written for the engine to load (one directory per version).",
     )
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    weight_source: Literal["publisher", "colocated"] = Field(
+        "publisher", description="publisher: fetch each version (a delta) and load it into the engine. colocated: "
+                                 "the learner broadcasts it into the engine (its colocated_engines lists engine_url); "
+                                 "the replica waits for the engine to report it, and fetches from the publisher "
+                                 "only if that takes longer than colocated_wait_s.")
+    colocated_wait_s: float = Field(30.0, description="How long a colocated replica waits for the broadcast.")
     groups_per_step: int = Field(32, description="The learner's groups per step (pacing needs it; cluster-wide).")
     max_lag: int = Field(
         1, description="Versions a group may lag when trained; groups beyond it are not started (-1: no pacing)."
@@ -179,6 +186,30 @@ class WeightFollower:
                 await client.close()
 
     async def load(self, event: bus_pb2.WeightsPublished) -> None:
+        if self.settings.weight_source == "colocated":
+            if await self.wait_for_broadcast(event.version):
+                return
+            log.warning("weights_broadcast_missing", version=event.version, waited_s=self.settings.colocated_wait_s)
+            await self.fetch_and_load(event)
+            await self.client.continue_generation()  # a failed broadcast leaves the engine paused
+            return
+        await self.fetch_and_load(event)
+
+    async def wait_for_broadcast(self, version: int) -> bool:
+        """Whether the engine reports `version` (or a later one) within colocated_wait_s."""
+        started = time.monotonic()
+        while time.monotonic() - started < self.settings.colocated_wait_s and not self.ctx.stop.is_set():
+            served = engine_version(await self.client.model_info())
+            if served >= version:
+                self.held = None  # the engine's bytes came by broadcast: a later fetch starts from a keyframe
+                self.ctx.policy_version = served
+                log.info("weights_loaded", version=served, kind="colocated",
+                         seconds=round(time.monotonic() - started, 3))
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def fetch_and_load(self, event: bus_pb2.WeightsPublished) -> None:
         """Fetch (a delta from the held version when possible), verify every tensor, load into
         the engine. Until the engine confirms the new version, the old one keeps serving."""
         started = time.monotonic()
@@ -204,6 +235,14 @@ class WeightFollower:
                  fallback=report.fallback_reason or None, seconds=round(time.monotonic() - started, 3))
 
 
+def engine_version(info: ModelInfo) -> int:
+    """The engine's weight version as a policy version (0 for SGLang's "default" and the like)."""
+    try:
+        return int(info.weight_version or 0)
+    except ValueError:
+        return 0
+
+
 async def body(ctx: ServiceContext) -> None:
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
     from transformers import AutoTokenizer
@@ -211,6 +250,8 @@ async def body(ctx: ServiceContext) -> None:
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
     engine_proc = None
     url = settings.engine_url
+    if settings.weight_source == "colocated" and not url:
+        raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
     if not url:
         if settings.engine != "embedded":
             raise ValueError("engine_url is required with engine=sglang")
@@ -220,8 +261,7 @@ async def body(ctx: ServiceContext) -> None:
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     try:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
-        info = await client.model_info()
-        ctx.policy_version = int(info.weight_version or 0)
+        ctx.policy_version = engine_version(await client.model_info())
         if engine_proc is not None:
             ctx.add_health_probe("engine", lambda: (engine_proc.poll() is None, "the embedded engine exited"))
         ctx.detail.update(tasks_done=0, generated_tokens=0, engine=url)

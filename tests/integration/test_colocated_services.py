@@ -1,0 +1,100 @@
+"""The colocated path through the services: the learner broadcasts each new version straight
+into the engine its rollout replica uses (gloo on CPU, as NCCL would on GPUs), the replica
+takes it from the engine without fetching, and what the engine serves is exactly the version
+the publisher stored."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from policyloop.bus import Bus, trajectories_subject
+from policyloop.cluster.local import free_port
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.engines.embedded import start_engine
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.models.tokenizer import VOCAB
+from policyloop.weights.client import WeightClient, sync_weights
+from tests.conftest import ServiceLauncher
+from tests.helpers import eventually
+
+PROMPTS = [[VOCAB[c] for c in text] for text in ("12+7=", "40+45=", "3+9=", "77+11=")]
+
+
+async def greedy(client: SGLangClient) -> list[tuple[list[int], list[float] | None]]:
+    results = []
+    for prompt in PROMPTS:  # one at a time: the same batch shapes on both engines
+        result = await client.generate(GenerateRequest(
+            input_ids=prompt, sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True),
+            return_logprob=True))
+        results.append((result.output_ids, result.output_logprobs))
+    return results
+
+
+async def test_learner_broadcasts_versions_into_a_colocated_engine(
+        bus: Bus, services: ServiceLauncher, tiny_model_dir: Path, tmp_path: Path) -> None:
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, "-m", "policyloop.engines.embedded", "--model-path",
+                               str(tiny_model_dir), "--port", str(port), "--threads", "1"],
+                              stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = SGLangClient(url, timeout_s=60)
+    reference = None
+    try:
+        await client.wait_healthy(timeout_s=60)
+        publisher = services.start("publisher")
+        await services.wait_healthy(publisher)
+        endpoint = f"127.0.0.1:{publisher.ports['grpc']}"
+        learner = services.start("learner", env={
+            "POLICYLOOP_GROUPS_PER_STEP": "2", "POLICYLOOP_PUBLISHER_ENDPOINT": endpoint,
+            "POLICYLOOP_COLOCATED_ENGINES": json.dumps([url]), "POLICYLOOP_COLOCATED_BACKEND": "gloo"})
+        rollout = services.start("rollout", env={"POLICYLOOP_ENGINE_URL": url,
+                                                 "POLICYLOOP_WEIGHT_SOURCE": "colocated"})
+        await services.wait_healthy(learner, rollout, timeout_s=60)
+        for task in ("a", "b"):
+            for i in range(2):
+                traj = bus_pb2.Trajectory(
+                    trajectory_id=f"{task}/{i}", task_id=task, group_id=task, sample_index=i, group_size=2,
+                    environment="addition@v1", prompt_token_ids=PROMPTS[0], response_token_ids=[7 + i, 1],
+                    behaviour_logprobs=[-2.0, -2.0], loss_mask=[True, True], scored=True, reward=float(i),
+                    finish_reason=bus_pb2.FINISH_REASON_STOP,
+                    version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=2)],
+                )
+                await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
+
+        async def rollout_serves_version_1() -> bool:
+            return any(e["event"] == "weights_loaded" and e.get("version") == 1 for e in rollout.log_events())
+
+        await eventually(rollout_serves_version_1, timeout_s=60)
+        loaded = [e for e in rollout.log_events() if e["event"] == "weights_loaded"]
+        assert loaded[-1]["kind"] == "colocated"  # taken from the engine, nothing fetched
+        assert not any(e["event"] == "weights_broadcast_missing" for e in rollout.log_events())
+        assert (await client.model_info()).weight_version == "1"
+        assert any(e["event"] == "weights_broadcast" and e["version"] == 1 for e in learner.log_events())
+
+        # The engine serves exactly the version the publisher stored: an engine loading that
+        # version from disk generates the same tokens with the same logprobs, bit for bit.
+        from policyloop.services.rollout.service import write_version_dir
+
+        weights_client = WeightClient(endpoint)
+        try:
+            version_1, _ = await sync_weights(weights_client, "policy", None, 1)
+        finally:
+            await weights_client.close()
+        directory = write_version_dir(tmp_path / "check", tiny_model_dir, version_1)
+        reference = await start_engine(tiny_model_dir, threads=1)
+        async with SGLangClient(reference.base_url, timeout_s=60) as ref_client:
+            before = await greedy(ref_client)
+            await ref_client.update_weights_from_disk(str(directory), weight_version="1")
+            expected = await greedy(ref_client)
+        served = await greedy(client)
+        assert served == expected and served != before
+    finally:
+        await client.close()
+        if reference is not None:
+            await reference.stop()
+        engine.terminate()
+        engine.wait(15)
