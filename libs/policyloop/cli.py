@@ -188,6 +188,15 @@ def demo(
     groups_per_step: Annotated[int, typer.Option(help="Prompts per learner step.")] = 32,
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
     lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
+    loss: Annotated[str, typer.Option(help="Policy loss: ppo, gspo or cispo.")] = "ppo",
+    normalization: Annotated[str, typer.Option(
+        help="token (DAPO), sequence (GRPO) or constant (Dr.GRPO).")] = "token",
+    advantages: Annotated[str, typer.Option(help="group, group_no_std, leave_one_out or none.")] = "group",
+    off_policy: Annotated[str, typer.Option(help="none, tis (truncated IS) or decoupled.")] = "none",
+    tis_cap: Annotated[float, typer.Option(help="Cap of the IS weight.")] = 2.0,
+    kl_coef: Annotated[float, typer.Option(help="KL penalty to the base policy (0: none).")] = 0.0,
+    clip_high: Annotated[float, typer.Option(help="Upper clip range (clip-higher when > 0.2).")] = 0.2,
+    max_lag: Annotated[int, typer.Option(help="Most versions a trained sample may lag (0: synchronous).")] = 1,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
@@ -196,7 +205,17 @@ def demo(
 
     config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
-                        groups_per_step=groups_per_step, group_size=group_size, lr=lr)
+                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
+                        normalization=normalization, advantages=advantages, off_policy=off_policy, tis_cap=tis_cap,
+                        kl_coef=kl_coef, clip_high=clip_high, max_lag=max_lag)
+    try:
+        from policyloop.rl.objective import LossConfig
+
+        LossConfig(kind=loss, normalization=normalization, advantages=advantages,  # type: ignore[arg-type]
+                   off_policy=off_policy, tis_cap=tis_cap, kl_coef=kl_coef, clip_high=clip_high)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 

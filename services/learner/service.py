@@ -25,12 +25,13 @@ from policyloop.bus import Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.engines.sglang_client import EngineError, SGLangClient
-from policyloop.rl.batching import Admission, GroupCollector, sample_lag
+from policyloop.rl.batching import Admission, GroupCollector, sample_lag, split_stale
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
     LEARNER_DROPPED,
     LEARNER_STEP_SECONDS,
+    LEARNER_STEP_STAT,
     LEARNER_TOKENS,
     VERSION_LAG,
     WEIGHT_PAYLOAD_BYTES,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:
 
     import torch
 
+    from policyloop.rl.objective import LossConfig
     from policyloop.rl.trainer import TrainerConfig
     from policyloop.weights.distributed import DistributedWeightSender
 
@@ -57,8 +59,28 @@ class LearnerSettings(ServiceSettings):
     publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")
     groups_per_step: int = Field(32, description="Complete groups (prompts) per optimizer step.")
     lr: float = Field(1e-4, description="AdamW learning rate.")
+    loss: Literal["ppo", "gspo", "cispo"] = Field(
+        "ppo", description="Policy loss: ppo (PPO-clip, GRPO/DAPO/Dr.GRPO by normalization and advantages), "
+                           "gspo (sequence-level ratio) or cispo (clipped, detached IS weight).")
+    normalization: Literal["token", "sequence", "constant"] = Field(
+        "token", description="Loss normalisation: token (DAPO), sequence (GRPO), constant (Dr.GRPO).")
+    loss_constant: float = Field(0.0, description="Normaliser of normalization=constant (0: the batch's width).")
+    advantages: Literal["group", "group_no_std", "leave_one_out", "none"] = Field(
+        "group", description="Advantages: group mean/std (GRPO), group mean only (Dr.GRPO), leave-one-out, none.")
     clip_low: float = Field(0.2, description="PPO clip range below 1 for the importance ratio.")
-    clip_high: float = Field(0.2, description="PPO clip range above 1 (clip-higher when larger than clip_low).")
+    clip_high: float = Field(0.2, description="PPO clip range above 1 (clip-higher when larger than clip_low); "
+                                              "CISPO's upper bound on its IS weight.")
+    gspo_clip_low: float = Field(3e-4, description="GSPO clip range below 1 of the sequence ratio.")
+    gspo_clip_high: float = Field(4e-4, description="GSPO clip range above 1 of the sequence ratio.")
+    off_policy: Literal["none", "tis", "decoupled"] = Field(
+        "none", description="Off-policy correction: none (ratio to behaviour), tis (truncated IS weight "
+                            "proximal/behaviour), decoupled (trust region at the proximal policy).")
+    tis_cap: float = Field(2.0, description="Cap of the IS weight (tis; decoupled when > 0).")
+    kl_coef: float = Field(0.0, description="Weight of the KL penalty to the base (reference) policy; 0: none.")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k3", description="Estimator of the KL penalty.")
+    max_lag: int = Field(
+        1, description="Samples whose oldest token is more than max_lag versions behind the version being "
+                       "trained are dropped with their group (counted as stale); -1: no bound.")
     max_grad_norm: float = Field(1.0, description="Gradient norm clipping threshold.")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
     colocated_engines: list[str] = Field(
@@ -74,10 +96,21 @@ class LearnerSettings(ServiceSettings):
     colocated_bucket_mb: int = Field(512, description="Most bytes per broadcast bucket, in MiB.")
 
 
+def loss_config(settings: LearnerSettings) -> LossConfig:
+    from policyloop.rl.objective import LossConfig
+
+    return LossConfig(
+        kind=settings.loss, normalization=settings.normalization, constant=settings.loss_constant,
+        clip_low=settings.clip_low, clip_high=settings.clip_high, gspo_clip_low=settings.gspo_clip_low,
+        gspo_clip_high=settings.gspo_clip_high, advantages=settings.advantages, off_policy=settings.off_policy,
+        tis_cap=settings.tis_cap, kl_coef=settings.kl_coef, kl_estimator=settings.kl_estimator,
+    )
+
+
 def trainer_config(settings: LearnerSettings) -> TrainerConfig:
     from policyloop.rl.trainer import TrainerConfig
 
-    return TrainerConfig(lr=settings.lr, clip_low=settings.clip_low, clip_high=settings.clip_high,
+    return TrainerConfig(lr=settings.lr, loss=loss_config(settings),
                          max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
 
 
@@ -178,8 +211,18 @@ async def body(ctx: ServiceContext) -> None:
     waiting: dict[str, asyncio.Future[None]] = {}
     enough = asyncio.Event()
     lag_histogram: Counter[int] = Counter()
+    dropped: Counter[str] = Counter()
     ctx.detail.update(step=0, mean_reward=0.0, trajectories_seen=0, groups_complete=0,
-                      dropped=0, lag_histogram={}, trained_samples=0)
+                      dropped={}, lag_histogram={}, trained_samples=0)
+
+    def drop(reason: str, count: int = 1) -> None:
+        LEARNER_DROPPED.labels(reason).inc(count)
+        dropped[reason] += count
+        # Invalid trajectories are dead-lettered by the worker (failed validation, unscored).
+        invalid = worker.dead_lettered["invalid"]
+        LEARNER_DROPPED.labels("invalid").inc(invalid - dropped["invalid"])
+        dropped["invalid"] = invalid
+        ctx.detail["dropped"] = {k: v for k, v in dropped.items() if v}
 
     async def handle(delivery: Delivery[bus_pb2.Trajectory]) -> None:
         traj = delivery.message
@@ -188,8 +231,7 @@ async def body(ctx: ServiceContext) -> None:
         admission = collector.add(traj)
         ctx.detail["trajectories_seen"] = int(ctx.detail["trajectories_seen"]) + 1
         if admission is Admission.DUPLICATE:
-            LEARNER_DROPPED.labels("duplicate").inc()
-            ctx.detail["dropped"] = int(ctx.detail["dropped"]) + 1
+            drop("duplicate")
             return
         future = asyncio.get_running_loop().create_future()
         waiting[traj.trajectory_id] = future
@@ -198,6 +240,12 @@ async def body(ctx: ServiceContext) -> None:
             if collector.complete_groups >= settings.groups_per_step:
                 enough.set()
         await future  # resolved once a published version contains this sample
+
+    def release(trajectory_id: str) -> None:
+        """Lets the handler holding this trajectory return (and the worker ack it)."""
+        future = waiting.pop(trajectory_id, None)
+        if future is not None and not future.done():
+            future.set_result(None)
 
     async def train_loop() -> None:
         while not ctx.stop.is_set():
@@ -209,7 +257,15 @@ async def body(ctx: ServiceContext) -> None:
             if ctx.stop.is_set():
                 return
             enough.clear()
-            groups = collector.take(settings.groups_per_step)
+            groups, stale = split_stale(collector.take(settings.groups_per_step), trainer.version, settings.max_lag)
+            for group in stale:  # beyond the bound: never trained, acked so they are not redelivered
+                drop("stale", len(group))
+                for traj in group:
+                    release(traj.trajectory_id)
+            if not groups:
+                if collector.complete_groups >= settings.groups_per_step:
+                    enough.set()
+                continue
             started = time.monotonic()
             report = await asyncio.to_thread(trainer.step, groups)
             tensors = await asyncio.to_thread(trainer.export_tensors)
@@ -224,15 +280,22 @@ async def body(ctx: ServiceContext) -> None:
                     lag = sample_lag(traj, trainer.version - 1)
                     lag_histogram[lag] += 1
                     VERSION_LAG.observe(lag)
-                    future = waiting.pop(traj.trajectory_id, None)
-                    if future is not None and not future.done():
-                        future.set_result(None)
+                    release(traj.trajectory_id)
             LEARNER_TOKENS.inc(report.trained_tokens)
             LEARNER_STEP_SECONDS.observe(time.monotonic() - started)
             ctx.detail.update(step=report.step, mean_reward=round(report.mean_reward, 4),
                               lag_histogram={str(k): v for k, v in sorted(lag_histogram.items())},
                               trained_samples=int(ctx.detail["trained_samples"]) + report.samples,
-                              clip_fraction=round(report.clip_fraction, 4), approx_kl=round(report.approx_kl, 6))
+                              clip_fraction=round(report.clip_fraction, 4), approx_kl=round(report.approx_kl, 6),
+                              entropy=round(report.entropy, 4), kl_reference=round(report.kl_reference, 6),
+                              is_weight_mean=round(report.is_weight_mean, 4),
+                              is_weight_max=round(report.is_weight_max, 4),
+                              is_truncated_fraction=round(report.is_truncated_fraction, 4))
+            drop("stale", 0)  # refreshes the counts (invalid ones are counted by the worker)
+            for stat in ("entropy", "clip_fraction", "kl_reference", "ratio_mean", "is_weight_mean", "is_weight_max",
+                         "is_truncated_fraction", "loss", "grad_norm"):
+                LEARNER_STEP_STAT.labels(stat).set(getattr(report, stat))
+            LEARNER_STEP_STAT.labels("kl_behaviour").set(report.approx_kl)
             log.info("step", step=report.step, version=trainer.version, mean_reward=round(report.mean_reward, 4),
                      loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
                      step_s=round(time.monotonic() - started, 3))

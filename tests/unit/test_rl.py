@@ -90,3 +90,18 @@ def test_group_collector_completes_groups_in_order_and_refuses_duplicates() -> N
 def test_sample_lag_uses_the_oldest_token() -> None:
     assert sample_lag(traj("a", 0, versions=(4, 5, 5)), trained_version=6) == 2
     assert sample_lag(bus_pb2.Trajectory(), trained_version=6) == 0
+
+
+def test_split_stale_drops_whole_groups_beyond_the_bound() -> None:
+    from policyloop.contracts.v1 import bus_pb2
+    from policyloop.rl.batching import split_stale
+
+    def sample(version: int) -> bus_pb2.Trajectory:
+        return bus_pb2.Trajectory(version_spans=[bus_pb2.VersionSpan(version=version, start=0, end=1),
+                                                 bus_pb2.VersionSpan(version=version + 1, start=1, end=2)])
+
+    fresh_group, mixed_group = [sample(3), sample(3)], [sample(3), sample(1)]
+    fresh, stale = split_stale([fresh_group, mixed_group], training_version=4, max_lag=1)
+    assert fresh == [fresh_group] and stale == [mixed_group]  # the oldest token decides
+    assert split_stale([mixed_group], 4, -1) == ([mixed_group], [])
+    assert split_stale([fresh_group], 3, 0) == ([fresh_group], [])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -97,6 +98,7 @@ class PullWorker(Generic[M]):
         self.service = service
         self.concurrency = max(1, concurrency)
         self.validator = validator
+        self.dead_lettered: Counter[str] = Counter()  # by kind: invalid, max_deliveries
         self.fetch_timeout_s = fetch_timeout_s
         self.retry_delays_s = tuple(retry_delays_s)
         self.heartbeat_s = max(0.5, consumer.ack_wait_s / 3)
@@ -261,6 +263,7 @@ class PullWorker(Generic[M]):
     async def _dead_letter(self, msg: Msg, reason: str, kind: str) -> None:
         try:
             await dead_letter_delivered(self.bus, msg, reason=reason, kind=kind, service=self.service)
+            self.dead_lettered[kind] += 1
             BUS_CONSUMED.labels(self.consumer.stream, self.consumer.durable, "dead_lettered").inc()
         except Exception as exc:  # noqa: BLE001 - keep the message: nak it for a later attempt
             log.error("dead_letter_failed", error=repr(exc))

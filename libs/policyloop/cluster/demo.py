@@ -45,6 +45,15 @@ class DemoConfig:
     max_new_tokens: int = 8
     seed: int = 0
     start_timeout_s: float = 180.0
+    # The objective and the staleness bound (learner and rollout settings of the same names).
+    loss: str = "ppo"
+    normalization: str = "token"
+    advantages: str = "group"
+    off_policy: str = "none"
+    tis_cap: float = 2.0
+    kl_coef: float = 0.0
+    clip_high: float = 0.2
+    max_lag: int = 1
 
 
 @dataclass
@@ -77,6 +86,9 @@ class DemoResult:
     # Weight sync, from the learner: versions pushed, bytes of the full weights they amount to,
     # bytes actually pushed (deltas after the first keyframe) and the ratio of the two.
     weight_sync: dict[str, float] = field(default_factory=dict)
+    # The learner's last-step statistics and its dropped samples by reason.
+    learner_stats: dict[str, float] = field(default_factory=dict)
+    dropped: dict[str, int] = field(default_factory=dict)
     progress: list[Progress] = field(default_factory=list)
     evaluations: list[Evaluation] = field(default_factory=list)
 
@@ -109,6 +121,10 @@ async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Pr
     accuracy = arithmetic.accuracy(texts, [p.answer for p in problems], [r.finish_reason == "stop" for r in results])
     versions = {int(r.weight_version) for r in results}
     return accuracy, min(versions)
+
+
+LEARNER_STATS = ("entropy", "approx_kl", "kl_reference", "clip_fraction", "is_weight_mean", "is_weight_max",
+                 "is_truncated_fraction")
 
 
 def weight_sync_summary(pushed: dict) -> dict[str, float]:
@@ -201,6 +217,8 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
         result.version_lag_histogram = dict(learner.get("lag_histogram", {}))
         result.generated_tokens = int(details.get("rollout", {}).get("generated_tokens", 0))
         result.weight_sync = weight_sync_summary(learner.get("weights", {}))
+        result.learner_stats = {k: float(learner[k]) for k in LEARNER_STATS if k in learner}
+        result.dropped = {k: int(v) for k, v in dict(learner.get("dropped", {})).items()}
         # The engine loads the last published version shortly after the learner's last step.
         deadline = time.monotonic() + 30
         while int(details.get("rollout", {}).get("policy_version", 0)) < int(learner.get("policy_version", 0)):
@@ -250,6 +268,14 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
         "POLICYLOOP_MODEL_PATH": str(config.model_path),
         "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
         "POLICYLOOP_LR": str(config.lr),
+        "POLICYLOOP_LOSS": config.loss,
+        "POLICYLOOP_NORMALIZATION": config.normalization,
+        "POLICYLOOP_ADVANTAGES": config.advantages,
+        "POLICYLOOP_OFF_POLICY": config.off_policy,
+        "POLICYLOOP_TIS_CAP": str(config.tis_cap),
+        "POLICYLOOP_KL_COEF": str(config.kl_coef),
+        "POLICYLOOP_CLIP_HIGH": str(config.clip_high),
+        "POLICYLOOP_MAX_LAG": str(config.max_lag),
         "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),
     }
     cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True)
@@ -269,7 +295,8 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     gain = result.accuracy_after - result.accuracy_before
     console.print(f"[bold]summary[/bold]: held-out {result.accuracy_before:.1%} → {result.accuracy_after:.1%} "
                   f"({gain:+.1%}) in {result.steps} steps, {result.wall_seconds:.0f}s, "
-                  f"{result.generated_tokens} generated tokens; lag {result.version_lag_histogram}")
+                  f"{result.generated_tokens} generated tokens; lag {result.version_lag_histogram}; "
+                  f"dropped {result.dropped or 'none'}")
     if result.weight_sync:
         sync = result.weight_sync
         console.print(f"weight sync: {sync['versions']} versions, {sync['sent_bytes'] / 1e6:.1f} MB sent "

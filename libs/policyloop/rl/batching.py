@@ -59,3 +59,15 @@ def sample_lag(traj: bus_pb2.Trajectory, trained_version: int) -> int:
     if not traj.version_spans:
         return 0
     return trained_version - min(span.version for span in traj.version_spans)
+
+
+def split_stale(groups: list[list[bus_pb2.Trajectory]], training_version: int, max_lag: int
+                ) -> tuple[list[list[bus_pb2.Trajectory]], list[list[bus_pb2.Trajectory]]]:
+    """(fresh, stale) groups: a group is stale when any of its samples lags the training version
+    by more than `max_lag` (its advantages need the whole group, so it goes whole). -1: no bound."""
+    if max_lag < 0:
+        return groups, []
+    fresh, stale = [], []
+    for group in groups:
+        (stale if any(sample_lag(t, training_version) > max_lag for t in group) else fresh).append(group)
+    return fresh, stale

@@ -49,6 +49,16 @@ def token_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     return torch.gather(logps, 2, batch.targets.unsqueeze(-1)).squeeze(-1)
 
 
+def token_logprobs_and_entropy(model: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` plus each position's entropy of the next-token distribution (no
+    gradient: it is reported, not optimised)."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    with torch.no_grad():
+        entropy = -(logps.exp() * logps).sum(dim=-1)
+    return torch.gather(logps, 2, batch.targets.unsqueeze(-1)).squeeze(-1), entropy
+
+
 def response_values(values: Sequence[Sequence[float]], prompts: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     """Places per-response-token values (e.g. behaviour logprobs) at their [B, T-1] positions."""
     out = torch.zeros((len(values), width - 1), dtype=torch.float32)

@@ -1,5 +1,6 @@
 """The learner's model side: a Hugging Face causal LM sharded with FSDP2 (`fully_shard`), one
-GRPO step per batch of complete groups, and its weights exported as safetensors.
+policy-gradient step per batch of complete groups (the objective chosen by LossConfig), and
+its weights exported as safetensors.
 
 The trainer knows nothing of the bus: it takes groups of trajectories and returns figures.
 """
@@ -10,7 +11,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import safetensors.torch
@@ -21,19 +22,16 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.rl.advantages import group_advantages
-from policyloop.rl.logprobs import pack, response_values, token_logprobs
-from policyloop.rl.losses import clipped_policy_loss
+from policyloop.rl.logprobs import pack, response_values, token_logprobs, token_logprobs_and_entropy
+from policyloop.rl.objective import BatchCounts, LossConfig, compute_advantages, policy_objective
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
-    clip_low: float = 0.2
-    clip_high: float = 0.2
     max_grad_norm: float = 1.0
-    scale_advantages_by_std: bool = True
+    loss: LossConfig = field(default_factory=LossConfig)
     threads: int = 1
 
 
@@ -45,10 +43,16 @@ class StepReport:
     mean_reward: float
     loss: float
     clip_fraction: float
-    approx_kl: float
+    approx_kl: float          # KL(behaviour || current), k3, per token
     grad_norm: float
     trained_tokens: int
     seconds: float
+    entropy: float = 0.0
+    kl_reference: float = 0.0
+    ratio_mean: float = 1.0
+    is_weight_mean: float = 1.0
+    is_weight_max: float = 1.0
+    is_truncated_fraction: float = 0.0
 
 
 def init_distributed() -> DeviceMesh:
@@ -81,6 +85,14 @@ def load_policy(model_path: Path, mesh: DeviceMesh) -> torch.nn.Module:
     return model
 
 
+def load_reference(model_path: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model.requires_grad_(False)
+    return model.eval()
+
+
 def weight_keys(model_path: Path) -> list[str]:
     """Tensor names of the base checkpoint: what an engine expects to load (tied weights once)."""
     keys: list[str] = []
@@ -100,6 +112,8 @@ class PolicyTrainer:
         self.mesh = init_distributed()
         self.model = load_policy(self.model_path, self.mesh)
         self.keys = weight_keys(self.model_path)
+        # The KL penalty's reference: the base weights, frozen (only when the penalty is on).
+        self.reference = load_reference(self.model_path) if config.loss.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
         self.version = version
@@ -146,7 +160,7 @@ class PolicyTrainer:
         if any(len(g) != group_size for g in groups):
             raise ValueError("every group of a step must have the same size")
         rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
-        advantages = group_advantages(rewards, scale_by_std=self.config.scale_advantages_by_std).reshape(-1)
+        advantages = compute_advantages(rewards, self.config.loss.advantages).reshape(-1)
         samples = [t for group in groups for t in group]
         if len(samples) < self.world_size:
             raise ValueError(f"{len(samples)} samples cannot be shared by {self.world_size} ranks")
@@ -160,10 +174,16 @@ class PolicyTrainer:
         width = batch.input_ids.shape[1]
         behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width)
         token_adv = advantages[mine][:, None].expand_as(batch.response_mask)
-        logprobs = token_logprobs(self.model, batch)
-        loss, stats = clipped_policy_loss(logprobs, behaviour, token_adv, batch.response_mask,
-                                          clip_low=self.config.clip_low, clip_high=self.config.clip_high,
-                                          token_count=total_tokens)
+        logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
+        reference = None
+        if self.reference is not None:
+            with torch.no_grad():
+                reference = token_logprobs(self.reference, batch)
+        # Every rank knows the whole batch: the global counts need no collective either.
+        counts = BatchCounts(tokens=total_tokens, sequences=len(samples),
+                             width=max(len(t.response_token_ids) for t in samples))
+        loss, stats = policy_objective(logprobs, behaviour, token_adv, batch.response_mask, self.config.loss,
+                                       counts, ref_logprobs=reference, entropy=entropy)
         # FSDP2 averages gradients over ranks; scaling by the world size makes that the sum.
         (loss * self.world_size).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
@@ -173,9 +193,11 @@ class PolicyTrainer:
         self.version += 1
         return StepReport(
             step=self.steps, samples=len(samples), groups=len(groups), mean_reward=float(rewards.mean()),
-            loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.approx_kl,
+            loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.kl_behaviour,
             grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            trained_tokens=int(total_tokens), seconds=time.monotonic() - started,
+            trained_tokens=int(total_tokens), seconds=time.monotonic() - started, entropy=stats.entropy,
+            kl_reference=stats.kl_reference, ratio_mean=stats.ratio_mean, is_weight_mean=stats.is_weight_mean,
+            is_weight_max=stats.is_weight_max, is_truncated_fraction=stats.is_truncated_fraction,
         )
 
     def export_tensors(self) -> dict[str, torch.Tensor]:

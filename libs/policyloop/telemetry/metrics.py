@@ -75,3 +75,9 @@ WEIGHT_SYNC_FALLBACKS = Counter(
     "policyloop_weight_sync_fallbacks_total",
     "Deltas a replica could not apply (wrong base, hash mismatch, corrupt payload …) and replaced by a keyframe.",
 )
+LEARNER_STEP_STAT = Gauge(
+    "policyloop_learner_step_stat",
+    "The last step's statistics: entropy, kl_behaviour, kl_reference, clip_fraction, ratio_mean, "
+    "is_weight_mean, is_weight_max, is_truncated_fraction, loss, grad_norm.",
+    ["stat"],
+)
