@@ -10,7 +10,14 @@ from functools import partial
 import pytest
 import torch
 
-from policyloop.rl.objective import BatchCounts, LossConfig, aggregate, compute_advantages, policy_objective
+from policyloop.rl.objective import (
+    BatchCounts,
+    LossConfig,
+    aggregate,
+    compute_advantages,
+    kl_penalty,
+    policy_objective,
+)
 
 close = partial(math.isclose, rel_tol=1e-5, abs_tol=1e-7)
 MASK = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
@@ -163,3 +170,14 @@ def test_configuration_is_checked() -> None:
         LossConfig(normalization="batch")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="tis_cap"):
         LossConfig(off_policy="tis", tis_cap=0)
+
+
+def test_kl_estimators_against_their_formulas() -> None:
+    logp, ref = torch.tensor([-1.0]), torch.tensor([-1.5])
+    d = float(ref - logp)  # log(p_ref / p) = -0.5
+    assert close(float(kl_penalty(logp, ref, "k1")), -d)
+    assert close(float(kl_penalty(logp, ref, "k2")), 0.5 * d * d)
+    assert close(float(kl_penalty(logp, ref, "k3")), math.exp(d) - 1 - d)
+    assert float(kl_penalty(logp, logp, "k3")) == 0.0
+    with pytest.raises(ValueError, match="k1, k2 or k3"):
+        kl_penalty(logp, ref, "k4")  # type: ignore[arg-type]

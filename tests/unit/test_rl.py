@@ -11,7 +11,6 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.advantages import group_advantages
 from policyloop.rl.batching import Admission, GroupCollector, sample_lag
 from policyloop.rl.logprobs import pack, response_values
-from policyloop.rl.losses import clipped_policy_loss
 
 
 def test_group_advantages() -> None:
@@ -24,22 +23,14 @@ def test_group_advantages() -> None:
         group_advantages(torch.zeros(4))
 
 
-def test_ratio_one_gives_the_plain_policy_gradient() -> None:
-    logp = torch.tensor([[-1.0, -2.0, -0.5]], requires_grad=True)
-    adv = torch.tensor([[2.0, 2.0, 2.0]])
-    mask = torch.tensor([[1.0, 1.0, 0.0]])
-    loss, stats = clipped_policy_loss(logp, logp.detach(), adv, mask)
-    loss.backward()
-    # d/dlogp of -(ratio*A) at ratio 1 is -A, normalised by the 2 trained tokens; masked token: 0.
-    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0, 0.0]]))
-    assert math.isclose(stats.loss, -2.0, rel_tol=1e-6) and stats.tokens == 2 and stats.clip_fraction == 0
+def test_clipping_boundaries_and_the_clipped_loss_value() -> None:
+    from policyloop.rl.objective import BatchCounts, LossConfig, policy_objective
 
-
-def test_clipping_boundaries() -> None:
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 1.5, 0.5, 0.5]])).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
-    loss, stats = clipped_policy_loss(logp, old, adv, torch.ones(1, 4), clip_low=0.2, clip_high=0.3)
+    loss, stats = policy_objective(logp, old, adv, torch.ones(1, 4), LossConfig(clip_low=0.2, clip_high=0.3),
+                                   BatchCounts(tokens=4, sequences=1, width=4))
     loss.backward()
     # ratio 1.5 > 1.3 with A>0 and ratio 0.5 < 0.8 with A<0 are clipped (no gradient);
     # the other two are not (the pessimistic min keeps the unclipped term).
@@ -48,14 +39,6 @@ def test_clipping_boundaries() -> None:
     assert stats.clip_fraction == 0.5
     expected = -(1.3 * 1 + 1.5 * -1 + 0.5 * 1 + 0.8 * -1) / 4
     assert math.isclose(stats.loss, expected, rel_tol=1e-5)
-
-
-def test_token_level_normalisation_counts_every_trained_token() -> None:
-    logp = torch.zeros(2, 3)
-    adv = torch.tensor([[1.0] * 3, [1.0] * 3])
-    mask = torch.tensor([[1.0, 0, 0], [1.0, 1.0, 1.0]])
-    loss, stats = clipped_policy_loss(logp, logp, adv, mask)
-    assert stats.tokens == 4 and math.isclose(float(loss), -1.0)
 
 
 def test_pack_places_responses_after_prompts() -> None:

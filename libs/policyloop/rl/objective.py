@@ -25,7 +25,6 @@ from typing import Literal
 import torch
 
 from policyloop.rl.advantages import group_advantages, leave_one_out_advantages
-from policyloop.rl.losses import kl_penalty
 
 LossKind = Literal["ppo", "gspo", "cispo"]
 Normalization = Literal["token", "sequence", "constant"]
@@ -106,6 +105,19 @@ def compute_advantages(rewards: torch.Tensor, kind: AdvantageKind) -> torch.Tens
     if kind == "none":
         return rewards.clone()
     raise ValueError(f"advantages must be one of {', '.join(ADVANTAGE_KINDS)}, not {kind!r}")
+
+
+def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator) -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from samples of the policy (Schulman's
+    k1, k2, k3): k1 = −log r, k2 = ½ (log r)², k3 = r − 1 − log r with r = p_ref / p."""
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.exp(log_ratio) - 1 - log_ratio
+    raise ValueError(f"estimator must be k1, k2 or k3, not {estimator!r}")
 
 
 def aggregate(per_token: torch.Tensor, mask: torch.Tensor, normalization: Normalization, counts: BatchCounts,
