@@ -212,8 +212,11 @@ async def body(ctx: ServiceContext) -> None:
     enough = asyncio.Event()
     lag_histogram: Counter[int] = Counter()
     dropped: Counter[str] = Counter()
+    # For the idle fraction: wall time from the first trajectory to the last step, against the
+    # time spent stepping and publishing (busy_s). Unix seconds, so harnesses can read them.
     ctx.detail.update(step=0, mean_reward=0.0, trajectories_seen=0, groups_complete=0,
-                      dropped={}, lag_histogram={}, trained_samples=0)
+                      dropped={}, lag_histogram={}, trained_samples=0, trained_tokens=0, busy_s=0.0,
+                      first_trajectory_at=0.0, last_step_at=0.0)
 
     def drop(reason: str, count: int = 1) -> None:
         LEARNER_DROPPED.labels(reason).inc(count)
@@ -229,6 +232,8 @@ async def body(ctx: ServiceContext) -> None:
         if not traj.scored:
             raise PermanentError("trajectory was not scored by the reward service")
         admission = collector.add(traj)
+        if not ctx.detail["first_trajectory_at"]:
+            ctx.detail["first_trajectory_at"] = time.time()
         ctx.detail["trajectories_seen"] = int(ctx.detail["trajectories_seen"]) + 1
         if admission is Admission.DUPLICATE:
             drop("duplicate")
@@ -283,6 +288,9 @@ async def body(ctx: ServiceContext) -> None:
                     release(traj.trajectory_id)
             LEARNER_TOKENS.inc(report.trained_tokens)
             LEARNER_STEP_SECONDS.observe(time.monotonic() - started)
+            ctx.detail.update(busy_s=round(float(ctx.detail["busy_s"]) + time.monotonic() - started, 3),
+                              last_step_at=time.time(),
+                              trained_tokens=int(ctx.detail["trained_tokens"]) + report.trained_tokens)
             ctx.detail.update(step=report.step, mean_reward=round(report.mean_reward, 4),
                               lag_histogram={str(k): v for k, v in sorted(lag_histogram.items())},
                               trained_samples=int(ctx.detail["trained_samples"]) + report.samples,

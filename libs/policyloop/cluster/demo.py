@@ -138,11 +138,24 @@ def weight_sync_summary(pushed: dict) -> dict[str, float]:
             "last_changed_fraction": float(pushed.get("last_changed_fraction", 0.0))}
 
 
+async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: int, max_new_tokens: int,
+                               temperature: float, seed: int
+                               ) -> tuple[loop_pb2.SubmitEnvironmentResponse, loop_pb2.Run]:
+    """Submits the arithmetic environment's train split through the gateway and starts a run."""
+    env = arithmetic_environment(group_size, max_new_tokens, temperature)
+    reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
+    run = await stub.StartRun(loop_pb2.StartRunRequest(
+        environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
+        num_tasks=1_000_000, seed=seed, model="policy",
+    ), timeout=30)
+    return reply, run
+
+
 async def _heartbeat_details(registry: HeartbeatRegistry) -> dict[str, dict]:
     return {b.service: b.detail | {"policy_version": b.policy_version} for b in await registry.alive()}
 
 
-async def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
+async def wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
     deadline = time.monotonic() + timeout_s
     while True:
         status = await cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)
@@ -154,7 +167,7 @@ async def _wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatu
 async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) -> DemoResult:
     from transformers import AutoTokenizer
 
-    status = await _wait_healthy(cluster, config.start_timeout_s)
+    status = await wait_healthy(cluster, config.start_timeout_s)
     if not status.all_healthy:
         raise RuntimeError(f"the cluster is not healthy: missing {status.missing}, "
                            f"unhealthy {[i.instance for i in status.instances if not i.healthy]}")
@@ -175,12 +188,8 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
         gateway = cluster.process("gateway-0").ports["grpc"]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
             stub = loop_pb2_grpc.LoopServiceStub(channel)
-            env = arithmetic_environment(config.group_size, config.max_new_tokens, config.temperature)
-            reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
-            run = await stub.StartRun(loop_pb2.StartRunRequest(
-                environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
-                num_tasks=1_000_000, seed=config.seed, model="policy",
-            ), timeout=30)
+            reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens,
+                                                    config.temperature, config.seed)
             result.run_id = run.run_id
             console.print(f"run {run.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
                           f"{config.groups_per_step} groups per step, lr {config.lr}")
