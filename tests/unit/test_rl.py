@@ -88,3 +88,18 @@ def test_split_stale_drops_whole_groups_beyond_the_bound() -> None:
     assert fresh == [fresh_group] and stale == [mixed_group]  # the oldest token decides
     assert split_stale([mixed_group], 4, -1) == ([mixed_group], [])
     assert split_stale([fresh_group], 3, 0) == ([fresh_group], [])
+
+
+def test_groups_from_older_versions_are_taken_first() -> None:
+    from policyloop.rl.batching import GroupCollector
+
+    def member(group: str, index: int, version: int) -> bus_pb2.Trajectory:
+        return bus_pb2.Trajectory(trajectory_id=f"{group}/{index}", group_id=group, sample_index=index, group_size=1,
+                                  version_spans=[bus_pb2.VersionSpan(version=version, start=0, end=1)])
+
+    collector = GroupCollector()
+    for group, version in (("new", 5), ("late-old", 3), ("newer", 6), ("also-5", 5)):
+        collector.add(member(group, 0, version))
+    taken = collector.take(3)
+    assert [g[0].group_id for g in taken] == ["late-old", "new", "also-5"]  # ties keep completion order
+    assert [g[0].group_id for g in collector.take(3)] == ["newer"]
