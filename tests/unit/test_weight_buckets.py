@@ -29,7 +29,9 @@ from policyloop.weights.distributed import (
     unflatten_bucket,
 )
 
-REFERENCE = Path("/work/shared/reference/sglang-0.5.23-api.json")
+# Field names of SGLang 0.5.23's request structs, extracted from its source (a copy of the
+# team's shared reference, kept with the tests so a clone checks the same contract).
+REFERENCE = Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-api.json"
 
 
 def spec(name: str, dtype: torch.dtype, *shape: int) -> TensorSpec:
