@@ -220,6 +220,22 @@ class PolicyTrainer:
             return b""
         return safetensors.torch.save(tensors, metadata={"policy_version": str(self.version)})
 
+    def save(self, root: Path, trained_ids: Sequence[str] = ()) -> Path:
+        """Checkpoints this trainer at its version (see policyloop.rl.checkpoint; single-rank
+        or, collectively, every rank)."""
+        from policyloop.rl.checkpoint import TrainerState, save_checkpoint
+
+        return save_checkpoint(root, self.model, self.optimizer,
+                               TrainerState(self.version, self.steps, list(trained_ids)))
+
+    def restore(self, directory: Path) -> list[str]:
+        """Loads a checkpoint into this trainer; returns the ids of the samples it had trained."""
+        from policyloop.rl.checkpoint import load_checkpoint
+
+        state = load_checkpoint(directory, self.model, self.optimizer)
+        self.version, self.steps = state.version, state.steps
+        return state.trained_ids
+
     def close(self) -> None:
         if dist.is_initialized():
             if self.world_size > 1 and self.rank == 0:

@@ -1,0 +1,114 @@
+"""Learner checkpoints with torch.distributed.checkpoint (first slice of the checkpoint work).
+
+A checkpoint is a directory `<root>/version-<v>/` holding the model and optimizer state as a
+DCP checkpoint (sharded: every rank writes its own part, and a run can load it on another
+number of ranks) plus `trainer.json` (policy version, steps taken, the ids of samples already
+trained, and anything the caller adds). It is written to a temporary directory and renamed into
+place, then `<root>/latest` is replaced atomically, so a crash while writing leaves the previous
+checkpoint the one that is loaded. RNG states are saved per rank (`rng-<rank>.pt`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+LATEST = "latest"
+
+
+@dataclass
+class TrainerState:
+    """What a learner must restore besides tensors."""
+
+    version: int
+    steps: int
+    trained_ids: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _is_leader() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
+                    ) -> Path:
+    """Writes the checkpoint of `state.version` (collective: every rank calls it)."""
+    root = Path(root)
+    final = root / f"version-{state.version:09d}"
+    tmp = root / f".version-{state.version:09d}.tmp"
+    if _is_leader():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.save({"cpu": torch.get_rng_state()}, tmp / f"rng-{rank}.pt")
+    _barrier()
+    if _is_leader():
+        record = {"version": state.version, "steps": state.steps, "trained_ids": state.trained_ids,
+                  "extra": state.extra, "written_unix": time.time(),
+                  "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+        with open(tmp / "trainer.json", "w") as f:
+            json.dump(record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        for item in tmp.iterdir():  # DCP's files are closed by now; make them durable too
+            with open(item, "rb") as f:
+                os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / LATEST)
+        _fsync_dir(root)
+    _barrier()
+    return final
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The directory `latest` names, if it is complete."""
+    pointer = Path(root) / LATEST
+    if not pointer.exists():
+        return None
+    directory = Path(root) / pointer.read_text().strip()
+    return directory if (directory / "trainer.json").exists() else None
+
+
+def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
+    """Restores model, optimizer and this rank's RNG from `directory` (collective)."""
+    directory = Path(directory)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    loaded = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(loaded, checkpoint_id=str(directory))
+    set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rng = directory / f"rng-{rank}.pt"
+    if rng.exists():  # a run resumed on more ranks than it was saved with starts their RNG fresh
+        torch.set_rng_state(torch.load(rng)["cpu"])
+    record = json.loads((directory / "trainer.json").read_text())
+    return TrainerState(version=int(record["version"]), steps=int(record["steps"]),
+                        trained_ids=list(record["trained_ids"]), extra=dict(record.get("extra", {})))
