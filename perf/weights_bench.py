@@ -163,11 +163,7 @@ async def publish_case(learner: SyntheticLearner, mode: str, link_gbps: float, c
     exact = True
     try:
         async def publish(weights: codec.WeightSet) -> None:
-            if mode == "full":
-                encoded = await asyncio.to_thread(codec.encode, weights, raw=True)
-                await pusher._push_until_held(weights, encoded.payload, weights.version)
-            else:
-                await pusher.push(weights, weights.version)
+            await pusher.push(weights, weights.version, full=mode == "full")
 
         async def follow(i: int, version: int) -> None:
             await announced.setdefault(version, asyncio.Event()).wait()

@@ -94,6 +94,9 @@ class LearnerSettings(ServiceSettings):
         "127.0.0.1", description="Address the colocated engines reach this learner at (it hosts the group).")
     colocated_tp_size: int = Field(1, description="Tensor-parallel ranks of each colocated engine.")
     colocated_bucket_mb: int = Field(512, description="Most bytes per broadcast bucket, in MiB.")
+    colocated_retry_s: float = Field(
+        60.0, description="After a failed broadcast, versions go by the publisher only for this long before the "
+                          "weight-update group is formed again.")
 
 
 def loss_config(settings: LearnerSettings) -> LossConfig:
@@ -123,9 +126,10 @@ class ColocatedEngines:
         self.settings = settings
         self.sender: DistributedWeightSender | None = None  # formed at the first version
         self.clients: list[SGLangClient] = []
+        self.retry_at = 0.0  # monotonic time before which no new group is formed
 
     async def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
-        if not self.settings.colocated_engines:
+        if not self.settings.colocated_engines or (self.sender is None and time.monotonic() < self.retry_at):
             return
         from policyloop.weights.distributed import WeightGroupError
 
@@ -135,8 +139,12 @@ class ColocatedEngines:
             assert self.sender is not None
             stats = await self.sender.send(tensors, weight_version=str(version))
         except (EngineError, WeightGroupError, OSError) as exc:
-            log.error("weights_broadcast_failed", version=version, error=str(exc))
+            log.error("weights_broadcast_failed", version=version, error=str(exc),
+                      retry_in_s=self.settings.colocated_retry_s)
             await self.close()
+            # A group that could not form leaves its rendezvous waiting in a thread until its
+            # timeout: forming one at every version would pile them up.
+            self.retry_at = time.monotonic() + self.settings.colocated_retry_s
             return
         WEIGHT_SYNC_SECONDS.labels("broadcast").observe(stats.seconds)
         log.info("weights_broadcast", version=version, engines=len(self.clients), buckets=stats.buckets,
@@ -221,6 +229,9 @@ async def body(ctx: ServiceContext) -> None:
     def drop(reason: str, count: int = 1) -> None:
         LEARNER_DROPPED.labels(reason).inc(count)
         dropped[reason] += count
+        report_dropped()
+
+    def report_dropped() -> None:
         # Invalid trajectories are dead-lettered by the worker (failed validation, unscored).
         invalid = worker.dead_lettered["invalid"]
         LEARNER_DROPPED.labels("invalid").inc(invalid - dropped["invalid"])
@@ -299,7 +310,7 @@ async def body(ctx: ServiceContext) -> None:
                               is_weight_mean=round(report.is_weight_mean, 4),
                               is_weight_max=round(report.is_weight_max, 4),
                               is_truncated_fraction=round(report.is_truncated_fraction, 4))
-            drop("stale", 0)  # refreshes the counts (invalid ones are counted by the worker)
+            report_dropped()
             for stat in ("entropy", "clip_fraction", "kl_reference", "ratio_mean", "is_weight_mean", "is_weight_max",
                          "is_truncated_fraction", "loss", "grad_norm"):
                 LEARNER_STEP_STAT.labels(stat).set(getattr(report, stat))

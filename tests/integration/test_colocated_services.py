@@ -98,3 +98,61 @@ async def test_learner_broadcasts_versions_into_a_colocated_engine(
             await reference.stop()
         engine.terminate()
         engine.wait(15)
+
+
+async def test_without_the_broadcast_the_replica_loads_from_the_publisher(
+        bus: Bus, services: ServiceLauncher, tiny_model_dir: Path) -> None:
+    """The learner's colocated engine is unreachable: it logs the failed broadcast, still
+    publishes, and does not retry at every version; the colocated replica waits
+    colocated_wait_s, then fetches the version from the publisher and loads it."""
+    port = free_port()
+    engine = subprocess.Popen([sys.executable, "-m", "policyloop.engines.embedded", "--model-path",
+                               str(tiny_model_dir), "--port", str(port), "--threads", "1"],
+                              stdin=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    client = SGLangClient(url, timeout_s=60)
+    try:
+        await client.wait_healthy(timeout_s=60)
+        publisher = services.start("publisher")
+        await services.wait_healthy(publisher)
+        learner = services.start("learner", env={
+            "POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}",
+            "POLICYLOOP_COLOCATED_ENGINES": json.dumps([f"http://127.0.0.1:{free_port()}"]),
+            "POLICYLOOP_COLOCATED_BACKEND": "gloo", "POLICYLOOP_MAX_LAG": "-1"})
+        rollout = services.start("rollout", env={"POLICYLOOP_ENGINE_URL": url, "POLICYLOOP_WEIGHT_SOURCE": "colocated",
+                                                 "POLICYLOOP_COLOCATED_WAIT_S": "1"})
+        await services.wait_healthy(learner, rollout, timeout_s=60)
+        for task in ("a", "b"):
+            for i in range(2):
+                traj = bus_pb2.Trajectory(
+                    trajectory_id=f"{task}/{i}", task_id=task, group_id=task, sample_index=i, group_size=2,
+                    environment="addition@v1", prompt_token_ids=PROMPTS[0], response_token_ids=[7 + i, 1],
+                    behaviour_logprobs=[-2.0, -2.0], loss_mask=[True, True], scored=True, reward=float(i),
+                    finish_reason=bus_pb2.FINISH_REASON_STOP,
+                    version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=2)],
+                )
+                await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
+
+        async def loaded_version_2() -> bool:
+            return (await client.model_info()).weight_version == "2"
+
+        await eventually(loaded_version_2, timeout_s=90)
+        events = rollout.log_events()
+        assert [e["version"] for e in events if e["event"] == "weights_broadcast_missing"][:1] == [1]
+        loaded = [e for e in events if e["event"] == "weights_loaded"]
+        assert loaded[0]["version"] == 1 and loaded[0]["kind"] == "keyframe"
+        failures = [e for e in learner.log_events() if e["event"] == "weights_broadcast_failed"]
+        assert len(failures) == 1  # version 2 went by the publisher only: no second group formed
+    finally:
+        await client.close()
+        engine.terminate()
+        engine.wait(15)
+
+
+async def test_a_colocated_replica_needs_the_engine_url(services: ServiceLauncher) -> None:
+    import asyncio
+
+    rollout = services.start("rollout", env={"POLICYLOOP_WEIGHT_SOURCE": "colocated"})
+    assert await asyncio.to_thread(rollout.proc.wait, 60) == 1
+    [failure] = [e for e in rollout.log_events() if e["event"] == "service_failed"]
+    assert "needs engine_url" in failure["error"]

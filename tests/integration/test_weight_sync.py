@@ -220,3 +220,22 @@ async def test_replica_recovers_from_each_corruption_with_a_keyframe(publisher, 
     assert reasons["truncated"].startswith("CorruptPayload")
     assert reasons["stream"].startswith("transfer: payload xxh3-128")
     assert reasons["wrong_base"].startswith("WrongBase") and "other weights" in reasons["wrong_base"]
+
+
+async def test_fetch_names_the_bad_field(publisher) -> None:  # type: ignore[no-untyped-def]
+    _, client = publisher
+    await VersionPusher(client, "policy").push(random_weights(1), step=1)
+    stub = client.stub
+    cases = [
+        (weights_pb2.FetchRequest(model="policy", have_version=-1), grpc.StatusCode.INVALID_ARGUMENT, "have_version:"),
+        (weights_pb2.FetchRequest(model="policy", want_version=-2), grpc.StatusCode.INVALID_ARGUMENT, "want_version:"),
+        (weights_pb2.FetchRequest(model="../x"), grpc.StatusCode.INVALID_ARGUMENT, "model:"),
+        (weights_pb2.FetchRequest(model="policy", want_version=9), grpc.StatusCode.NOT_FOUND, "want_version:"),
+        (weights_pb2.FetchRequest(model="policy", have_version=1, want_version=1), grpc.StatusCode.FAILED_PRECONDITION,
+         "have_version:"),
+    ]
+    for request, code, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Fetch(request, timeout=10):
+                pass
+        assert err.value.code() == code and err.value.details().startswith(field), request

@@ -34,7 +34,7 @@ def test_put_read_and_prune(tmp_path: Path) -> None:
     for v, p in payloads.items():
         put(store, v, p)
     assert [v.version for v in store.versions("m")] == [2, 3]
-    assert b"".join(store.read_chunks("m", 3, chunk_bytes=999)) == payloads[3]
+    assert store.read_payload("m", 3) == payloads[3]
     with pytest.raises(UnknownVersion):
         store.get("m", 1)
     assert store.models() == ["m"]

@@ -184,3 +184,12 @@ def test_chained_deltas_stay_exact() -> None:
         held = codec.apply(held, codec.encode(nxt, weights).payload)
         weights = nxt
     assert same_bytes(held, weights) and held.version == 59
+
+
+def test_tensor_bytes_refuse_what_they_cannot_hold() -> None:
+    with pytest.raises(ValueError, match="dtype 'Q8'"):
+        TensorBytes("Q8", (2,), np.zeros(2, dtype=np.uint8))
+    with pytest.raises(ValueError, match="do not hold a F32 tensor of shape"):
+        TensorBytes("F32", (3,), np.zeros(8, dtype=np.uint8))
+    with pytest.raises(ValueError, match="1-D C-contiguous uint8"):
+        TensorBytes("F32", (2,), np.zeros(2, dtype=np.float32))

@@ -23,6 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from policyloop.weights.store import fsync_dir
+
 LATEST = "latest"
 
 
@@ -34,14 +36,6 @@ class TrainerState:
     steps: int
     trained_ids: list[str] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _is_leader() -> bool:
@@ -84,7 +78,7 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
         pointer = root / f".{LATEST}.tmp"
         pointer.write_text(final.name)
         os.replace(pointer, root / LATEST)
-        _fsync_dir(root)
+        fsync_dir(root)
     _barrier()
     return final
 

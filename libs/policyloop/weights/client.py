@@ -158,9 +158,13 @@ class VersionPusher:
         self.client, self.model, self.run_id, self.attempts = client, model, run_id, attempts
         self.confirmed: codec.WeightSet | None = None
 
-    async def push(self, weights: codec.WeightSet, step: int) -> PushReport:
+    async def push(self, weights: codec.WeightSet, step: int, *, full: bool = False) -> PushReport:
+        """`full=True` sends the raw weights every time (the no-delta baseline of the benchmark)."""
         started = time.monotonic()
-        encoded = await asyncio.to_thread(codec.encode, weights, self.confirmed)
+        if full:
+            encoded = await asyncio.to_thread(codec.encode, weights, raw=True)
+        else:
+            encoded = await asyncio.to_thread(codec.encode, weights, self.confirmed)
         encode_s = time.monotonic() - started
         started = time.monotonic()
         try:

@@ -492,7 +492,6 @@ def apply(held: WeightSet | None, payload: bytes, *, pool: Executor | None = Non
             blobs = [_frame(frames, f"{name}/plane{p}/frame{f}") for p in range(tensor.itemsize)]
             jobs.append(_ApplyJob(name, encoding, tensor.itemsize, start, end, blobs, target))
 
-    in_place = [job for job in jobs if job.encoding == "xor"]
     applied: list[_ApplyJob] = []
     futures = [(job, executor.submit(_decode_frame, job)) for job in jobs]
     error: CodecError | None = None
@@ -512,7 +511,6 @@ def apply(held: WeightSet | None, payload: bytes, *, pool: Executor | None = Non
                 break
     if error is not None:
         list(executor.map(_decode_frame, applied))  # undo: XOR the same frames again
-        assert len(applied) <= len(in_place)
         raise error
     new = WeightSet(header.version, result, digests)
     if new.manifest_hash != header.manifest_hash:
@@ -531,17 +529,3 @@ def _frame(frames: Mapping[str, np.ndarray], key: str) -> np.ndarray:
         return frames[key]
     except KeyError:
         raise CorruptPayload(f"payload: frame {key!r} is missing") from None
-
-
-# ---------------------------------------------------------------- conversions
-
-
-def from_safetensors(payload: bytes, version: int, pool: Executor | None = None) -> WeightSet:
-    """A plain safetensors file (e.g. a Hugging Face checkpoint) as a WeightSet, any dtype."""
-    from safetensors import deserialize
-
-    tensors = {}
-    for name, spec in deserialize(payload):
-        data = np.frombuffer(bytearray(spec["data"]), dtype=np.uint8)
-        tensors[name] = TensorBytes(spec["dtype"], tuple(spec["shape"]), data)
-    return WeightSet.build(version, tensors, pool)

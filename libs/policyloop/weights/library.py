@@ -200,11 +200,13 @@ class WeightLibrary:
     async def payload_for(self, model: str, have_version: int, want_version: int) -> Served:
         """What a client holding `have_version` (0: nothing) needs for `want_version` (0: newest).
         Raises UnknownVersion when the wanted version is not stored."""
-        target = self.store.latest(model) if want_version == 0 else self.store.get(model, want_version)
-        if target is None:
+        stored = {v.version: v for v in self.store.versions(model)}  # one listing of the records
+        if not stored:
             raise UnknownVersion(f"no version of {model} is stored")
-        versions = {v.version for v in self.store.versions(model)}
-        base = have_version if 0 < have_version < target.version and have_version in versions else 0
+        target = stored.get(want_version or max(stored))
+        if target is None:
+            raise UnknownVersion(f"version {want_version} of {model} is not stored")
+        base = have_version if 0 < have_version < target.version and have_version in stored else 0
         key = (model, base, target.version)
         if key in self._cache:
             self._cache.move_to_end(key)

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -61,7 +60,8 @@ def validate_model_name(model: str) -> None:
         raise ValueError(f"model name {model!r} must match {_MODEL_RE.pattern}")
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a rename inside `path` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -111,7 +111,7 @@ class VersionWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp_record, record)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         self.store.prune(self.meta.model)
         return self.meta
 
@@ -153,7 +153,7 @@ class VersionStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def has_snapshot(self, model: str, version: int) -> bool:
         return self.snapshot_path(model, version).exists()
@@ -209,12 +209,6 @@ class VersionStore:
         if not record.exists():
             raise UnknownVersion(f"version {version} of {model} is not stored")
         return StoredVersion(**json.loads(record.read_text()))
-
-    def read_chunks(self, model: str, version: int, chunk_bytes: int = CHUNK_BYTES) -> Iterator[bytes]:
-        self.get(model, version)
-        with open(self.payload_path(model, version), "rb") as f:
-            while chunk := f.read(chunk_bytes):
-                yield chunk
 
     def prune(self, model: str) -> list[int]:
         """Deletes versions older than the newest `retention`, except those needed to rebuild

@@ -1,0 +1,20 @@
+"""`policyloop demo` checks its objective flags before it starts anything."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--loss", "dpo"], "kind must be one of ppo, gspo, cispo"),
+    (["--off-policy", "sometimes"], "off_policy must be one of"),
+    (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
+])
+def test_demo_refuses_an_unknown_objective(flags: list[str], named: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    result = subprocess.run([sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"), *flags],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and named in result.stdout + result.stderr
+    assert not (tmp_path / "run").exists()  # no cluster was started
