@@ -23,19 +23,22 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# nats-server and redis-server must be on this machine: the tests and `policyloop up` start
-# their own. Installed with apt where missing and possible.
+# What the tests and `policyloop up` need from the system: nats-server and redis-server (they
+# start their own), bubblewrap (the sandbox isolates jobs with bwrap) and docker-compose (to
+# validate compose.yaml). Installed with apt where missing and possible.
+SYSTEM_TOOLS := nats-server:nats-server redis-server:redis-server bwrap:bubblewrap docker-compose:docker-compose
 servers:
 	@missing=""; \
-	for bin in nats-server redis-server; do \
-		command -v $$bin >/dev/null 2>&1 || test -x /usr/sbin/$$bin || missing="$$missing $$bin"; \
+	for pair in $(SYSTEM_TOOLS); do \
+		bin=$${pair%%:*}; pkg=$${pair##*:}; \
+		command -v $$bin >/dev/null 2>&1 || test -x /usr/sbin/$$bin || missing="$$missing $$pkg"; \
 	done; \
 	if [ -n "$$missing" ]; then \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 			echo "installing$$missing with apt-get"; \
 			apt-get install -y -q $$missing >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; \
 		else \
-			echo "policyloop needs$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing; macOS: brew install nats-server redis)"; \
+			echo "policyloop needs$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing)"; \
 			exit 1; \
 		fi; \
 	fi

@@ -7,7 +7,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import nats.js.errors
 from google.protobuf.message import Message
 
 from policyloop.bus import Bus
@@ -18,17 +17,7 @@ M = TypeVar("M", bound=Message)
 
 async def stored_messages(bus: Bus, stream: str) -> list[tuple[str, bytes, dict]]:
     """Every message currently stored in `stream`, as (subject, payload, headers)."""
-    info = await bus.js.stream_info(stream)
-    out = []
-    if info.state.messages == 0:
-        return out
-    for seq in range(info.state.first_seq, info.state.last_seq + 1):
-        try:
-            msg = await bus.js.get_msg(stream, seq)
-        except nats.js.errors.NotFoundError:
-            continue
-        out.append((msg.subject or "", msg.data or b"", dict(msg.headers or {})))
-    return out
+    return [(msg.subject or "", msg.data or b"", dict(msg.headers or {})) async for _, msg in bus.stored(stream)]
 
 
 async def stored(bus: Bus, stream: str, message_type: type[M]) -> list[M]:
@@ -49,6 +38,19 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s}s")
         await asyncio.sleep(interval_s)
+
+
+def scored_group(task: str, size: int = 2, response_len: int = 2, version: int = 0, *, environment: str = "e",
+                 prompt: list[int] | None = None) -> list[bus_pb2.Trajectory]:
+    """A scored group as reward stores it: sample i answers `response_len` tokens ending in EOS,
+    reward i % 2, every token from `version`."""
+    return [bus_pb2.Trajectory(
+        trajectory_id=f"{task}/{i}", task_id=task, group_id=task, sample_index=i, group_size=size, run_id="r",
+        environment=environment, prompt_token_ids=prompt or [5, 14, 6, 16],
+        response_token_ids=[7 + (i % 5)] * (response_len - 1) + [1], behaviour_logprobs=[-2.0] * response_len,
+        loss_mask=[True] * response_len, scored=True, reward=float(i % 2), finish_reason=bus_pb2.FINISH_REASON_STOP,
+        version_spans=[bus_pb2.VersionSpan(version=version, start=0, end=response_len)],
+    ) for i in range(size)]
 
 
 def addition_environment(count: int, seed: int = 0, group_size: int = 4) -> loop_pb2.Environment:

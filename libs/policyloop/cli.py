@@ -1,5 +1,5 @@
 """The `policyloop` command: serve one service, bring up a local cluster, show its status,
-run the demo."""
+run the demo, and submit environments and drive runs through a gateway (`env`, `run`)."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def demo(
     budget_s: Annotated[float, typer.Option(help="Seconds of RL after the first evaluation.")] = 420.0,
     steps: Annotated[int, typer.Option(help="Stop after this many learner steps (0: the budget decides).")] = 0,
     model_path: Annotated[Path | None, typer.Option(help="Base model directory (default: bootstrap).")] = None,
-    eval_problems: Annotated[int, typer.Option(help="Held-out problems per evaluation.")] = 200,
+    eval_problems: Annotated[int, typer.Option(help="Held-out problems per evaluation.")] = 600,
     eval_interval_s: Annotated[float, typer.Option(help="Seconds between held-out evaluations.")] = 60.0,
     groups_per_step: Annotated[int, typer.Option(help="Prompts per learner step.")] = 32,
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
@@ -197,17 +197,27 @@ def demo(
     kl_coef: Annotated[float, typer.Option(help="KL penalty to the base policy (0: none).")] = 0.0,
     clip_high: Annotated[float, typer.Option(help="Upper clip range (clip-higher when > 0.2).")] = 0.2,
     max_lag: Annotated[int, typer.Option(help="Most versions a trained sample may lag (0: synchronous).")] = 1,
+    weight_update_mode: Annotated[str, typer.Option(
+        help="How new versions reach requests in flight: in_place, retract, or abort (partial rollouts).")]
+        = "in_place",
+    tools: Annotated[bool, typer.Option(
+        help="Multi-turn: the policy may call a python tool (run in the sandbox) before it answers.")] = False,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
-    before and after (summary.json and a plot)."""
+    before and after (summary.json and a plot). --tools: the multi-turn environment."""
     from policyloop.cluster.demo import DemoConfig, run_demo
+    from policyloop.engines.protocol import PAUSE_MODES
 
     config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         normalization=normalization, advantages=advantages, off_policy=off_policy, tis_cap=tis_cap,
-                        kl_coef=kl_coef, clip_high=clip_high, max_lag=max_lag)
+                        kl_coef=kl_coef, clip_high=clip_high, max_lag=max_lag,
+                        weight_update_mode=weight_update_mode, tools=tools)
+    if weight_update_mode not in PAUSE_MODES:
+        console.print(f"[red]--weight-update-mode must be one of {', '.join(PAUSE_MODES)}[/red]")
+        raise typer.Exit(2)
     try:
         from policyloop.rl.objective import LossConfig
 
@@ -225,12 +235,20 @@ def bootstrap(
         help="Cache root: the model goes into OUT/<name>-<config hash>/ "
              "(default $POLICYLOOP_CACHE/models or ~/.cache/policyloop/models).")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even when a complete cached model exists.")] = False,
+    tools: Annotated[bool, typer.Option(help="The multi-turn demo's model (it knows the python tool).")] = False,
 ) -> None:
     """Build (or find cached) the small base model warmed up on arithmetic; prints JSON."""
-    from policyloop.models.bootstrap import BootstrapConfig, BootstrapError, bootstrap_dir, is_complete, read_record
+    from policyloop.models.bootstrap import (
+        TOOLS_BOOTSTRAP,
+        BootstrapConfig,
+        BootstrapError,
+        bootstrap_dir,
+        is_complete,
+        read_record,
+    )
     from policyloop.models.bootstrap import bootstrap as build_bootstrap
 
-    config = BootstrapConfig()
+    config = TOOLS_BOOTSTRAP if tools else BootstrapConfig()
     cached = is_complete(bootstrap_dir(config, out)) and not force
     try:
         path = build_bootstrap(config, out, force=force)
@@ -240,6 +258,138 @@ def bootstrap(
     record = read_record(path)
     print(json.dumps({"path": str(path.resolve()), "heldout_accuracy": record["heldout_accuracy"],
                       "steps": record["steps"], "seconds": record["seconds"], "cached": cached}, indent=2))
+
+
+# -- environments and runs through the gateway's LoopService ----------------------------------
+
+env_app = typer.Typer(no_args_is_help=True, help="Environments on a running cluster (LoopService).")
+run_app = typer.Typer(no_args_is_help=True, help="Runs on a running cluster (LoopService).")
+app.add_typer(env_app, name="env")
+app.add_typer(run_app, name="run")
+
+GatewayOption = Annotated[str | None, typer.Option(
+    help="host:port of a gateway (default: the `policyloop up` cluster in --run-dir).")]
+RunDirOption = Annotated[Path, typer.Option(help="Run directory of `policyloop up` (finds its gateway).")]
+TokenOption = Annotated[str, typer.Option(envvar="POLICYLOOP_TOKEN", help="Bearer token, if the gateway wants one.")]
+
+
+def _loop_client(gateway: str | None, run_dir: Path, token: str):  # type: ignore[no-untyped-def]
+    from policyloop.cluster.client import LoopClient, gateway_address
+    from policyloop.cluster.local import ClusterError
+
+    try:
+        return LoopClient(gateway_address(gateway, run_dir), token)
+    except ClusterError as exc:
+        console.print(f"[red]{exc}[/red] (or give --gateway host:port)")
+        raise typer.Exit(2) from exc
+
+
+def _with_gateway(gateway: str | None, run_dir: Path, token: str, call):  # type: ignore[no-untyped-def]
+    """`call(client)` on a LoopService client; a refused call prints the gateway's status and
+    reason and exits 1."""
+    import grpc
+
+    client = _loop_client(gateway, run_dir, token)
+    try:
+        return call(client)
+    except KeyboardInterrupt:
+        return None
+    except grpc.RpcError as exc:
+        console.print(f"[red]{exc.code().name}[/red]: {exc.details()}")  # type: ignore[attr-defined]
+        raise typer.Exit(1) from exc
+    finally:
+        client.close()
+
+
+@env_app.command("submit")
+def env_submit(
+    tasks: Annotated[Path, typer.Argument(help="JSONL, one task per line: {prompt, answer?, prompt_token_ids?, "
+                                               "metadata?} (unit tests: metadata.tests, metadata.solution_prefix).")],
+    name: Annotated[str, typer.Option(help="Environment name.")],
+    version: Annotated[str, typer.Option(help="Environment version (name@version is its key).")] = "v1",
+    scorer: Annotated[str, typer.Option(help="exact_answer, numeric_tolerance, regex, unit_tests or reward_code.")]
+    = "exact_answer",
+    pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match.")] = "",
+    tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
+    code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
+                                                   "defining reward(prompt, completion, metadata).")] = None,
+    timeout_s: Annotated[float, typer.Option(help="Sandbox time limit of one scoring job.")] = 10.0,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
+    max_new_tokens: Annotated[int, typer.Option(help="Token budget of one sample.")] = 32,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    max_turns: Annotated[int, typer.Option(help="Multi-turn: most model turns, with tool turns between them.")] = 0,
+    tool: Annotated[list[str] | None, typer.Option(help="A tool the policy may call (python), once per tool.")]
+    = None,
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Submit an environment: tasks from a JSONL file, the scorer from the flags."""
+    from policyloop.cluster.client import TaskFileError, build_environment, read_tasks
+
+    try:
+        env = build_environment(name, version, read_tasks(tasks), scorer, pattern=pattern, tolerance=tolerance,
+                                code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
+                                max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
+                                tools=tool)
+    except (TaskFileError, ValueError, OSError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    reply = _with_gateway(gateway, run_dir, token, lambda client: client.submit(env))
+    print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "created": reply.created}))
+
+
+@run_app.command("start")
+def run_start(
+    env: Annotated[list[str], typer.Option(help="name@version[=weight], once per environment of the mix.")],
+    run_id: Annotated[str, typer.Option(help="Run id (default: the gateway makes one).")] = "",
+    model: Annotated[str, typer.Option(help="Model the run trains.")] = "policy",
+    num_tasks: Annotated[int, typer.Option(help="Tasks to feed in total (0: as many as the environments hold).")]
+    = 0,
+    max_lag: Annotated[int, typer.Option(help="Most versions a trained sample may lag (-1: unbounded).")] = 1,
+    seed: Annotated[int, typer.Option(help="Seed of the task order.")] = 0,
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Start a run over a mix of submitted environments; prints the run."""
+    from google.protobuf.json_format import MessageToDict
+
+    from policyloop.cluster.client import parse_mix
+    from policyloop.contracts.v1 import loop_pb2
+
+    try:
+        mixes = parse_mix(env)
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    request = loop_pb2.StartRunRequest(run_id=run_id, environments=mixes, model=model, num_tasks=num_tasks,
+                                       max_lag=max_lag, seed=seed)
+    run = _with_gateway(gateway, run_dir, token, lambda client: client.start(request))
+    print(json.dumps(MessageToDict(run)))
+
+
+@run_app.command("watch")
+def run_watch(
+    run_id: Annotated[str, typer.Argument(help="The run to follow.")],
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Follow a run's progress (step, reward by environment, lag, throughput) until it ends."""
+    from policyloop.cluster.client import progress_line
+
+    def follow(client) -> None:  # type: ignore[no-untyped-def]
+        for run in client.watch(run_id):
+            console.print(progress_line(run), highlight=False)
+
+    _with_gateway(gateway, run_dir, token, follow)
+
+
+@run_app.command("stop")
+def run_stop(
+    run_id: Annotated[str, typer.Argument(help="The run to stop.")],
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Stop a run: no more of its tasks are fed."""
+    from policyloop.cluster.client import progress_line
+
+    run = _with_gateway(gateway, run_dir, token, lambda client: client.stop(run_id))
+    console.print(progress_line(run), highlight=False)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Sequence
 
@@ -59,16 +60,23 @@ def generate_request(task: bus_pb2.Task, traj: bus_pb2.Trajectory, default_stop_
             max_new_tokens=sp.max_new_tokens or 32, temperature=sp.temperature, top_p=sp.top_p or 1.0,
             top_k=sp.top_k or -1, stop_token_ids=tuple(sp.stop_token_ids or default_stop_ids),
             sampling_seed=(sp.seed + traj.sample_index) if sp.HasField("seed") else None,
+            ignore_eos=sp.ignore_eos,
         ),
-        return_logprob=True, rid=traj.trajectory_id,
+        # The trajectory id plus a per-attempt suffix: a redelivered task sampled again must not
+        # collide with an attempt an engine shared by replicas may still hold (duplicate rid).
+        return_logprob=True, rid=f"{traj.trajectory_id}#{secrets.token_hex(4)}",
     )
 
 
-def record_response(traj: bus_pb2.Trajectory, result: GenerateResult, response_text: str) -> None:
-    """Fills the response, behaviour logprobs, loss mask and version spans from the engine's
-    answer. Checks everything first, so a bad answer leaves the trajectory untouched: a
-    trajectory is never published without a logprob and a version for every token."""
+def record_response(traj: bus_pb2.Trajectory, result: GenerateResult, response_text: str,
+                    loss_mask: Sequence[bool] | None = None) -> None:
+    """Fills the response, behaviour logprobs, loss mask (all True unless given: a multi-turn
+    episode masks its tool tokens) and version spans from the engine's answer. Checks everything
+    first, so a bad answer leaves the trajectory untouched: a trajectory is never published
+    without a logprob and a version for every token."""
     n = len(result.output_ids)
+    if loss_mask is not None and len(loss_mask) != n:
+        raise EngineResultError(f"loss_mask: {len(loss_mask)} values for {n} tokens")
     if result.weight_version in (None, ""):
         raise EngineResultError("meta_info.weight_version: the engine did not report one")
     if result.output_logprobs is None or len(result.output_logprobs) != n:
@@ -85,8 +93,15 @@ def record_response(traj: bus_pb2.Trajectory, result: GenerateResult, response_t
         raise EngineResultError(f"meta_info.weight_versions: spans do not cover the {n} tokens in order")
     traj.response_token_ids.extend(result.output_ids)
     traj.behaviour_logprobs.extend(result.output_logprobs)
-    traj.loss_mask.extend([True] * n)
+    traj.loss_mask.extend([True] * n if loss_mask is None else loss_mask)
     traj.version_spans.extend(spans)
     traj.finish_reason = _FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
     traj.response_text = response_text
     traj.timings.generation_finished_unix_ms = now_ms()
+
+
+def answer_text(traj: bus_pb2.Trajectory) -> str:
+    """What a verifier judges: the model's last turn in a multi-turn trajectory (the transcript
+    before it holds the tools' output, which is not the model's answer), else the response."""
+    model_turns = [t for t in traj.turns if t.role == bus_pb2.Turn.ROLE_MODEL]
+    return model_turns[-1].text if model_turns else traj.response_text

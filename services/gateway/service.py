@@ -37,6 +37,7 @@ from policyloop.state.catalog import (
     RunConflict,
     RunRegistry,
 )
+from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -64,6 +65,7 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         self.versions = versions
         self.wake_feeder = wake_feeder
         self.watch_poll_s = watch_poll_s
+        self.progress = RunProgressStore(ctx.redis, ctx.settings.namespace)
 
     async def SubmitEnvironment(self, request: loop_pb2.SubmitEnvironmentRequest,
                                 context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
@@ -146,6 +148,7 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         version = await self.versions.get(definition.model) if definition else 0
         run = await self.runs.get(run_id, policy_version=version)
         assert run is not None
+        run.progress.CopyFrom(await self.progress.get(run_id))
         return run
 
     async def _run_or_abort(self, run_id: str, context: grpc.aio.ServicerContext) -> loop_pb2.Run:

@@ -6,9 +6,14 @@ Redis, health, publishing) and leads every step; the other ranks hold their FSDP
 train their share of each batch.
 
 Trajectories are held (unacknowledged, with in-progress heartbeats) until the step that trains
-on them has produced a version the publisher stored durably; then they are acked. A learner
-that dies mid-step therefore loses nothing: its trajectories are redelivered. Redeliveries of
-what is already held or trained are recognised by trajectory id and acked without training.
+on them has produced a version the publisher stored durably; then they are acked. Each step is
+recorded in LEDGER before its version is published, and checkpoints are written every
+`checkpoint_every` steps and on SIGTERM; a learner that starts again loads the newest checkpoint
+and replays the recorded steps after it (policyloop.rl.recovery), so the version sequence goes
+on with no gap and no reuse. A learner that dies mid-step loses nothing: the step was either
+recorded (and is replayed) or not (and its trajectories, never acked, are redelivered).
+Redeliveries of what is already held or trained are recognised by trajectory id and acked
+without training. The rules are in docs/recovery.md.
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
+from redis.exceptions import RedisError
 
 from policyloop.bus import Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.engines.sglang_client import EngineError, SGLangClient
-from policyloop.rl.batching import Admission, GroupCollector, sample_lag, split_stale
+from policyloop.ledger import StepRecord, record_dropped, record_trained
+from policyloop.rl.batching import Admission, GroupCollector, RecentSteps, sample_lag, split_stale
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
     LEARNER_DROPPED,
@@ -40,12 +48,13 @@ from policyloop.telemetry.metrics import (
 from policyloop.weights.client import PushReport, VersionPusher, WeightClient
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
+    from collections.abc import Awaitable, Mapping
 
     import torch
 
     from policyloop.rl.objective import LossConfig
-    from policyloop.rl.trainer import TrainerConfig
+    from policyloop.rl.recovery import Resumed
+    from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
     from policyloop.weights.distributed import DistributedWeightSender
 
 log = get_logger(__name__)
@@ -82,6 +91,21 @@ class LearnerSettings(ServiceSettings):
         1, description="Samples whose oldest token is more than max_lag versions behind the version being "
                        "trained are dropped with their group (counted as stale); -1: no bound.")
     max_grad_norm: float = Field(1.0, description="Gradient norm clipping threshold.")
+    checkpoint_dir: Path = Field(
+        Path("runs/local/checkpoints"), description="Where checkpoints (model, optimizer, RNG, version, LEDGER "
+                                                    "position, recently trained ids) are written.")
+    checkpoint_every: int = Field(
+        50, description="Steps between checkpoints (one is also written on SIGTERM); 0: only on SIGTERM. Steps "
+                        "after the newest checkpoint are replayed from the ledger on resume, so this trades "
+                        "checkpoint time against replay time, never data.")
+    checkpoints_kept: int = Field(2, description="Newest checkpoints kept on disk.")
+    resume: bool = Field(
+        True, description="Start from the newest checkpoint and replay the steps LEDGER recorded after it, "
+                          "continuing the version sequence. --no-resume: start from the base weights, refused "
+                          "unless the model's version is 0.")
+    dedupe_steps: int = Field(
+        1000, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later ones "
+                          "exceed max_lag and are dropped as stale).")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
     colocated_engines: list[str] = Field(
         default_factory=list,
@@ -181,25 +205,50 @@ class ColocatedEngines:
         self.clients = []
 
 
+async def start_version(ctx: ServiceContext, settings: LearnerSettings, trainer: PolicyTrainer) -> Resumed:
+    """Brings the fresh trainer to the loop's version: resumed from checkpoint and ledger, or
+    the base weights at version 0. The registry follows the learner (it may be behind after a
+    Redis restart); a registry ahead of what can be resumed means the learner must not train."""
+    from policyloop.rl.recovery import Resumed, resume
+
+    registered = await ctx.versions.get(settings.model)
+    if settings.resume:
+        resumed = await resume(trainer, ctx.bus, settings.model, settings.checkpoint_dir)
+    else:
+        resumed = Resumed(checkpoint=None, checkpoint_version=0)
+    if registered > trainer.version:
+        # Training the base weights (or an old checkpoint) under a later version number would
+        # publish a regression.
+        how = "from checkpoint and ledger" if settings.resume else "with --no-resume (the base weights)"
+        raise RuntimeError(f"{settings.model} is at version {registered} but this learner reaches only version "
+                           f"{trainer.version} {how}; is another learner running, or were checkpoints lost?")
+    if trainer.version > registered:
+        await ctx.versions.advance(settings.model, trainer.version)
+    log.info("learner_resumed", version=trainer.version, checkpoint=str(resumed.checkpoint or ""),
+             checkpoint_version=resumed.checkpoint_version, replayed=len(resumed.replayed))
+    return resumed
+
+
 async def body(ctx: ServiceContext) -> None:
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
     from policyloop.rl.trainer import PolicyTrainer
     from policyloop.weights.torch_io import weight_set
 
-    version = await ctx.versions.get(settings.model)
     config = trainer_config(settings)
-    if version != 0:
-        # Resuming from a checkpoint comes with the checkpoint issue; training the base weights
-        # under a later version number would publish a regression.
-        raise RuntimeError(f"{settings.model} is at version {version} but this learner starts from the base "
-                           "weights; clear the version (new namespace) until checkpoints exist")
-    trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, config, version)
+    trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, config, 0)
+    try:
+        resumed = await start_version(ctx, settings, trainer)
+    except BaseException:
+        trainer.close()
+        raise
     ctx.policy_version = trainer.version
+    ctx.detail["resumed"] = {"checkpoint_version": resumed.checkpoint_version, "replayed": len(resumed.replayed)}
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
     pusher = VersionPusher(publisher, settings.model, run_id=settings.run_id)
     colocated = ColocatedEngines(settings)
     weight_bytes: Counter[str] = Counter()
+    progress = RunProgressStore(ctx.redis, settings.namespace)
 
     def record_push(pushed: PushReport) -> None:
         WEIGHT_SYNC_SECONDS.labels("encode").observe(pushed.encode_s)
@@ -215,16 +264,27 @@ async def body(ctx: ServiceContext) -> None:
             "pushed_bytes": weight_bytes["delta"] + weight_bytes["keyframe"], "delta_bytes": weight_bytes["delta"],
             "last_changed_fraction": round(pushed.changed_fraction, 4),
         }
-    collector = GroupCollector()
+
+    if resumed.weights is not None:
+        if resumed.replayed:
+            # The newest replayed version may not have reached the publisher before the crash
+            # (the ledger is written first); a push it already holds is recognised.
+            pusher.confirmed = None
+            record_push(await pusher.push(resumed.weights, trainer.steps))
+        pusher.confirmed = resumed.weights  # the next version goes as a delta from it
+    collector = GroupCollector(trained=RecentSteps(settings.dedupe_steps, resumed.recent_steps))
+    ledger_seq = resumed.ledger_seq          # LEDGER position of the newest recorded step
+    checkpointed = resumed.checkpoint_version
+    sequences: dict[str, int] = {}           # trajectory id -> TRAJECTORIES sequence, while held
     waiting: dict[str, asyncio.Future[None]] = {}
     enough = asyncio.Event()
     lag_histogram: Counter[int] = Counter()
     dropped: Counter[str] = Counter()
     # For the idle fraction: wall time from the first trajectory to the last step, against the
     # time spent stepping and publishing (busy_s). Unix seconds, so harnesses can read them.
-    ctx.detail.update(step=0, mean_reward=0.0, trajectories_seen=0, groups_complete=0,
+    ctx.detail.update(step=trainer.steps, mean_reward=0.0, trajectories_seen=0, groups_complete=0,
                       dropped={}, lag_histogram={}, trained_samples=0, trained_tokens=0, busy_s=0.0,
-                      first_trajectory_at=0.0, last_step_at=0.0)
+                      first_trajectory_at=0.0, last_step_at=0.0, checkpoint_version=checkpointed)
 
     def drop(reason: str, count: int = 1) -> None:
         LEARNER_DROPPED.labels(reason).inc(count)
@@ -249,6 +309,7 @@ async def body(ctx: ServiceContext) -> None:
         if admission is Admission.DUPLICATE:
             drop("duplicate")
             return
+        sequences[traj.trajectory_id] = delivery.stream_seq
         future = asyncio.get_running_loop().create_future()
         waiting[traj.trajectory_id] = future
         if admission is Admission.COMPLETE:
@@ -259,9 +320,86 @@ async def body(ctx: ServiceContext) -> None:
 
     def release(trajectory_id: str) -> None:
         """Lets the handler holding this trajectory return (and the worker ack it)."""
+        sequences.pop(trajectory_id, None)
         future = waiting.pop(trajectory_id, None)
         if future is not None and not future.done():
             future.set_result(None)
+
+    async def drop_stale(stale: list[list[bus_pb2.Trajectory]]) -> None:
+        """Beyond the lag bound: recorded and acked (never trained)."""
+        for group in stale:
+            await record_dropped(ctx.bus, settings.model, settings.run_id, settings.instance_id, "stale",
+                                 [(t.trajectory_id, sequences.get(t.trajectory_id, 0)) for t in group])
+            drop("stale", len(group))
+            await record_progress(progress.record_dropped(group))
+            for traj in group:
+                release(traj.trajectory_id)
+
+    async def record_progress(update: Awaitable[None]) -> None:
+        # Figures for GetRun/WatchRun: never worth stopping training for.
+        try:
+            await update
+        except RedisError as exc:
+            log.warning("progress_not_recorded", error=repr(exc))
+
+    async def checkpoint() -> None:
+        nonlocal checkpointed
+        if trainer.version == checkpointed:
+            return
+        started = time.monotonic()
+        directory = await asyncio.to_thread(trainer.save, settings.checkpoint_dir, list(collector.trained.steps),
+                                            {"ledger_seq": ledger_seq}, settings.checkpoints_kept)
+        checkpointed = trainer.version
+        ctx.detail["checkpoint_version"] = checkpointed
+        log.info("checkpoint_written", version=checkpointed, path=str(directory),
+                 seconds=round(time.monotonic() - started, 3))
+
+    async def train_step(groups: list[list[bus_pb2.Trajectory]]) -> None:
+        nonlocal ledger_seq
+        started = time.monotonic()
+        samples = [t for group in groups for t in group]
+        report = await asyncio.to_thread(trainer.step, groups)
+        tensors = await asyncio.to_thread(trainer.export_tensors)
+        weights = await asyncio.to_thread(weight_set, trainer.version, tensors)
+        # Write-ahead: the step is in the ledger before anyone can see its version.
+        ledger_seq = await record_trained(ctx.bus, settings.model, settings.run_id, settings.instance_id, StepRecord(
+            step=report.step, version=trainer.version, manifest_hash=weights.manifest_hash,
+            trajectory_ids=tuple(t.trajectory_id for t in samples),
+            stream_sequences=tuple(sequences[t.trajectory_id] for t in samples)))
+        await colocated.send(tensors, trainer.version)
+        pushed = await pusher.push(weights, report.step)
+        record_push(pushed)
+        await ctx.versions.advance(settings.model, trainer.version)
+        ctx.policy_version = trainer.version
+        for traj in samples:
+            lag = sample_lag(traj, trainer.version - 1)
+            lag_histogram[lag] += 1
+            VERSION_LAG.observe(lag)
+            release(traj.trajectory_id)
+        await record_progress(progress.record_step(report.step, trainer.version - 1, samples))
+        if settings.checkpoint_every and trainer.version % settings.checkpoint_every == 0:
+            await checkpoint()
+        LEARNER_TOKENS.inc(report.trained_tokens)
+        LEARNER_STEP_SECONDS.observe(time.monotonic() - started)
+        ctx.detail.update(busy_s=round(float(ctx.detail["busy_s"]) + time.monotonic() - started, 3),
+                          last_step_at=time.time(),
+                          trained_tokens=int(ctx.detail["trained_tokens"]) + report.trained_tokens)
+        ctx.detail.update(step=report.step, mean_reward=round(report.mean_reward, 4),
+                          lag_histogram={str(k): v for k, v in sorted(lag_histogram.items())},
+                          trained_samples=int(ctx.detail["trained_samples"]) + report.samples,
+                          clip_fraction=round(report.clip_fraction, 4), approx_kl=round(report.approx_kl, 6),
+                          entropy=round(report.entropy, 4), kl_reference=round(report.kl_reference, 6),
+                          is_weight_mean=round(report.is_weight_mean, 4),
+                          is_weight_max=round(report.is_weight_max, 4),
+                          is_truncated_fraction=round(report.is_truncated_fraction, 4))
+        report_dropped()
+        for stat in ("entropy", "clip_fraction", "kl_reference", "ratio_mean", "is_weight_mean", "is_weight_max",
+                     "is_truncated_fraction", "loss", "grad_norm"):
+            LEARNER_STEP_STAT.labels(stat).set(getattr(report, stat))
+        LEARNER_STEP_STAT.labels("kl_behaviour").set(report.approx_kl)
+        log.info("step", step=report.step, version=trainer.version, mean_reward=round(report.mean_reward, 4),
+                 loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
+                 step_s=round(time.monotonic() - started, 3))
 
     async def train_loop() -> None:
         while not ctx.stop.is_set():
@@ -271,55 +409,19 @@ async def body(ctx: ServiceContext) -> None:
             waiter.cancel()
             stopper.cancel()
             if ctx.stop.is_set():
-                return
+                break
             enough.clear()
             groups, stale = split_stale(collector.take(settings.groups_per_step), trainer.version, settings.max_lag)
-            for group in stale:  # beyond the bound: never trained, acked so they are not redelivered
-                drop("stale", len(group))
-                for traj in group:
-                    release(traj.trajectory_id)
-            if not groups:
-                if collector.complete_groups >= settings.groups_per_step:
-                    enough.set()
-                continue
-            started = time.monotonic()
-            report = await asyncio.to_thread(trainer.step, groups)
-            tensors = await asyncio.to_thread(trainer.export_tensors)
-            await colocated.send(tensors, trainer.version)
-            weights = await asyncio.to_thread(weight_set, trainer.version, tensors)
-            pushed = await pusher.push(weights, report.step)
-            record_push(pushed)
-            await ctx.versions.compare_and_set(settings.model, trainer.version - 1, trainer.version)
-            ctx.policy_version = trainer.version
-            for group in groups:
-                for traj in group:
-                    lag = sample_lag(traj, trainer.version - 1)
-                    lag_histogram[lag] += 1
-                    VERSION_LAG.observe(lag)
-                    release(traj.trajectory_id)
-            LEARNER_TOKENS.inc(report.trained_tokens)
-            LEARNER_STEP_SECONDS.observe(time.monotonic() - started)
-            ctx.detail.update(busy_s=round(float(ctx.detail["busy_s"]) + time.monotonic() - started, 3),
-                              last_step_at=time.time(),
-                              trained_tokens=int(ctx.detail["trained_tokens"]) + report.trained_tokens)
-            ctx.detail.update(step=report.step, mean_reward=round(report.mean_reward, 4),
-                              lag_histogram={str(k): v for k, v in sorted(lag_histogram.items())},
-                              trained_samples=int(ctx.detail["trained_samples"]) + report.samples,
-                              clip_fraction=round(report.clip_fraction, 4), approx_kl=round(report.approx_kl, 6),
-                              entropy=round(report.entropy, 4), kl_reference=round(report.kl_reference, 6),
-                              is_weight_mean=round(report.is_weight_mean, 4),
-                              is_weight_max=round(report.is_weight_max, 4),
-                              is_truncated_fraction=round(report.is_truncated_fraction, 4))
-            report_dropped()
-            for stat in ("entropy", "clip_fraction", "kl_reference", "ratio_mean", "is_weight_mean", "is_weight_max",
-                         "is_truncated_fraction", "loss", "grad_norm"):
-                LEARNER_STEP_STAT.labels(stat).set(getattr(report, stat))
-            LEARNER_STEP_STAT.labels("kl_behaviour").set(report.approx_kl)
-            log.info("step", step=report.step, version=trainer.version, mean_reward=round(report.mean_reward, 4),
-                     loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
-                     step_s=round(time.monotonic() - started, 3))
+            # Remembered at once: a redelivery arriving during the step is a duplicate.
+            collector.trained.add_step(t.trajectory_id for group in groups for t in group)
+            await drop_stale(stale)
+            if groups:
+                await train_step(groups)
             if collector.complete_groups >= settings.groups_per_step:
                 enough.set()
+        # Stopping (SIGTERM): the step under way was finished above; checkpoint it, so the
+        # next learner replays nothing.
+        await checkpoint()
 
     # The worker must hold a whole step's samples (unacked) plus the groups still filling.
     worker = PullWorker(
@@ -340,8 +442,12 @@ async def body(ctx: ServiceContext) -> None:
     try:
         await run_pull_workers(ctx, worker)
     finally:
-        trainer_task.cancel()
-        await asyncio.gather(trainer_task, return_exceptions=True)
+        # The training loop finished its step and checkpointed while the workers drained; one
+        # cut short is safe too (a step is recorded before it is published, and replayed).
+        done, _ = await asyncio.wait({trainer_task}, timeout=5)
+        if not done:
+            trainer_task.cancel()
+            await asyncio.gather(trainer_task, return_exceptions=True)
         await publisher.close()
         await colocated.close()
         trainer.close()

@@ -5,7 +5,14 @@ real SGLang server at `engine_url`, or the embedded engine, which this service s
 child process when `engine = embedded` and no URL is given. Each Task becomes `group_size`
 generate requests sent together (the engine batches them); each response becomes a Rollout
 stamped with the engine's weight version over its tokens and the behaviour logprob of every
-token. The Task is acked only when every Rollout of its group is stored in ROLLOUTS.
+token. The Task is acked only when every Rollout of its group is stored in ROLLOUTS and the
+group is recorded as generated in LEDGER. A replica that dies mid-generation leaves its Task
+unacked: it is redelivered and sampled again under the same trajectory ids, so what it had
+already stored is deduplicated.
+
+Multi-turn tasks (`max_turns` > 1 with tools): each sample is an episode of model turns and
+tool turns (envs/multiturn.py); a tool call runs as a job on the SANDBOX stream, never in this
+process, and its result's tokens are in the response with loss_mask false.
 
 New versions: on a WeightsPublished event the replica fetches from the publisher the delta from
 the version it holds (a keyframe the first time, or when a delta cannot be applied), rebuilds
@@ -27,18 +34,26 @@ from typing import Literal
 import nats.errors
 from nats.js import api
 from pydantic import Field
+from redis.exceptions import RedisError
 
-from policyloop.bus import Delivery, PullWorker, rollouts_subject, weights_subject
+from policyloop.bus import Delivery, PermanentError, PullWorker, rollouts_subject, weights_subject
 from policyloop.cluster.local import free_port
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_task
-from policyloop.engines.protocol import ModelInfo
-from policyloop.engines.sglang_client import SGLangClient
+from policyloop.engines.partial import Completion, generate_resumable
+from policyloop.engines.protocol import GenerateRequest, ModelInfo
+from policyloop.engines.sglang_client import EngineError, SGLangClient
+from policyloop.envs.multiturn import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
+from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
+from policyloop.ledger import record_generated
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.state.pacing import Pacer
+from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
     GENERATED_TOKENS,
+    RESUBMITTED,
+    TOOL_CALLS,
     WEIGHT_PAYLOAD_BYTES,
     WEIGHT_SYNC_FALLBACKS,
     WEIGHT_SYNC_SECONDS,
@@ -74,11 +89,27 @@ class RolloutSettings(ServiceSettings):
                                  "the replica waits for the engine to report it, and fetches from the publisher "
                                  "only if that takes longer than colocated_wait_s.")
     colocated_wait_s: float = Field(30.0, description="How long a colocated replica waits for the broadcast.")
+    weight_update_mode: Literal["in_place", "retract", "abort"] = Field(
+        "in_place", description="How a new version reaches requests in flight (SGLang's pause modes around "
+                                "update_weights_from_disk): in_place — paused between two steps, they go on with the "
+                                "new weights and keep their KV cache; retract — the same, their cache recomputed with "
+                                "the new weights; abort — they end, and the replica resubmits prompt + tokens so far "
+                                "with the rest of the budget (partial rollouts). The cache is flushed only with abort "
+                                "(SGLang cannot flush while requests are held).")
+    max_resubmits: int = Field(8, description="Most resubmissions of one sample cut short by weight updates.")
+    engine_health_interval_s: float = Field(
+        2.0, description="How often the engine's /health is checked; the replica reports unhealthy while it fails.")
     groups_per_step: int = Field(32, description="The learner's groups per step (pacing needs it; cluster-wide).")
     max_lag: int = Field(
         1, description="Versions a group may lag when trained; groups beyond it are not started (-1: no pacing)."
     )
     pacing_poll_s: float = Field(0.05, description="How often a paced replica asks again for a slot.")
+    tool_timeout_s: float = Field(10.0, description="Wall and CPU seconds of one tool call's sandbox job.")
+    tool_reply_timeout_s: float = Field(
+        120.0, description="How long a tool call waits for a sandbox's result (queueing included) before the task "
+                           "is given back to be sampled again.")
+    max_tool_tokens: int = Field(64, ge=3, description="Most tokens of one tool turn (its result is cut to fit).")
+    max_tool_chars: int = Field(2000, description="Most characters of a tool's result kept before tokenizing.")
 
 
 def _die_with_parent() -> None:
@@ -221,7 +252,14 @@ class WeightFollower:
         loading = time.monotonic()
         directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
                                             self.settings.model_path, weights)
-        await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version))
+        # pause → update → continue, as SGLang wants it; the update checks /model_info afterwards.
+        mode = self.settings.weight_update_mode
+        await self.client.pause_generation(mode)
+        try:
+            await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version),
+                                                       flush_cache=mode == "abort")
+        finally:
+            await self.client.continue_generation()
         previous, self.loaded_dir = self.loaded_dir, directory
         self.ctx.policy_version = weights.version
         if previous is not None:
@@ -233,6 +271,32 @@ class WeightFollower:
                                               "raw_bytes": report.raw_bytes}
         log.info("weights_loaded", version=weights.version, kind=report.kind, bytes=report.payload_bytes,
                  fallback=report.fallback_reason or None, seconds=round(time.monotonic() - started, 3))
+
+
+class EngineHealth:
+    """Whether the engine answers /health (and, when this replica started it, still runs). An
+    engine that stops answering makes the replica unhealthy; generate calls that fail meanwhile
+    nak their Task, which comes back with growing delays."""
+
+    def __init__(self, client: SGLangClient, interval_s: float, proc: subprocess.Popen | None) -> None:
+        self.client, self.interval_s, self.proc = client, interval_s, proc
+        self.answering = True
+
+    def probe(self) -> tuple[bool, str]:
+        if self.proc is not None and self.proc.poll() is not None:
+            return False, f"the embedded engine exited with {self.proc.returncode}"
+        return self.answering, f"the engine at {self.client.base_url} does not answer /health"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            answering = await self.client.health(timeout_s=max(1.0, self.interval_s))
+            if answering != self.answering:
+                log.warning("engine_health_changed", healthy=answering, engine=self.client.base_url)
+            self.answering = answering
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+            except TimeoutError:
+                pass
 
 
 def engine_version(info: ModelInfo) -> int:
@@ -262,17 +326,54 @@ async def body(ctx: ServiceContext) -> None:
     try:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
         ctx.policy_version = engine_version(await client.model_info())
-        if engine_proc is not None:
-            ctx.add_health_probe("engine", lambda: (engine_proc.poll() is None, "the embedded engine exited"))
+        engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc)
+        ctx.add_health_probe("engine", engine_health.probe)
+        watch_engine = asyncio.create_task(engine_health.run(ctx.stop))
         ctx.detail.update(tasks_done=0, generated_tokens=0, engine=url)
         stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
 
+        episode_tokenizer = from_hf(tokenizer)
+
+        async def generate(request: GenerateRequest) -> Completion:
+            try:
+                completion = await generate_resumable(client, request, max_resubmits=settings.max_resubmits)
+            except EngineError as exc:
+                if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
+                    raise PermanentError(f"the engine refused the task's request: {exc}") from exc
+                raise
+            if completion.resubmits:
+                RESUBMITTED.inc(completion.resubmits)
+                ctx.detail["resubmitted"] = int(ctx.detail.get("resubmitted", 0)) + completion.resubmits
+            return completion
+
+        def count_tool_call(call: ToolCall, status: str) -> None:
+            TOOL_CALLS.labels(call.tool.name, status).inc()
+            ctx.detail["tool_calls"] = int(ctx.detail.get("tool_calls", 0)) + 1
+
         async def sample(task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> None:
-            result = await client.generate(generate_request(task, traj, stop_ids))
-            text = tokenizer.decode([t for t in result.output_ids if t not in stop_ids], skip_special_tokens=True)
-            record_response(traj, result, text)
+            request = generate_request(task, traj, stop_ids)
+            if task.max_turns > 1:
+                try:
+                    formats = tool_formats(list(task.tools))
+                    episode = await run_episode(
+                        request, generate=generate,
+                        run_tool=sandbox_tools(ctx.bus, job_id=f"tool:{traj.trajectory_id}", run_id=task.run_id,
+                                               timeout_s=settings.tool_timeout_s,
+                                               reply_timeout_s=settings.tool_reply_timeout_s,
+                                               max_chars=settings.max_tool_chars, on_result=count_tool_call),
+                        tokenizer=episode_tokenizer, formats=formats, max_turns=task.max_turns,
+                        max_tool_tokens=settings.max_tool_tokens)
+                except (UnknownTool, ToolSetupError) as exc:
+                    raise PermanentError(str(exc)) from exc
+                record_response(traj, episode.result, transcript(episode.turns, formats), episode.loss_mask)
+                traj.turns.extend(episode.turns)
+            else:
+                result = (await generate(request)).result
+                text = episode_tokenizer.decode([t for t in result.output_ids if t not in stop_ids])
+                record_response(traj, result, text)
             traj.prompt_text = task.prompt_text
 
+        progress = RunProgressStore(ctx.redis, settings.namespace)
         pacer = None if settings.max_lag < 0 else Pacer(
             ctx.redis, settings.namespace, settings.model, groups_per_step=settings.groups_per_step,
             max_lag=settings.max_lag,
@@ -285,13 +386,21 @@ async def body(ctx: ServiceContext) -> None:
                 await asyncio.sleep(settings.pacing_poll_s)
             ctx.detail["paced"] = False
             prompt_ids = list(task.prompt_token_ids) or tokenizer(task.prompt_text, add_special_tokens=False).input_ids
+            if not prompt_ids:
+                raise PermanentError("prompt_text: the model's tokenizer gives no tokens for it "
+                                     "(give prompt_token_ids)")
             group = group_members(task, settings.instance_id)
             for traj in group:
                 traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
             await asyncio.gather(*(sample(task, traj) for traj in group))
             for traj in group:
                 await ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
+            await record_generated(ctx.bus, group, settings.instance_id)
             generated = sum(len(t.response_token_ids) for t in group)
+            try:
+                await progress.record_generated(task.run_id, generated)
+            except RedisError as exc:  # figures only: the group is stored and recorded already
+                log.warning("progress_not_recorded", error=repr(exc))
             GENERATED_TOKENS.labels(task.environment).inc(generated)
             ctx.detail["tasks_done"] = int(ctx.detail["tasks_done"]) + 1
             ctx.detail["generated_tokens"] = int(ctx.detail["generated_tokens"]) + generated
@@ -305,7 +414,7 @@ async def body(ctx: ServiceContext) -> None:
         try:
             await run_pull_workers(ctx, worker)
         finally:
-            await asyncio.gather(follow, return_exceptions=True)
+            await asyncio.gather(follow, watch_engine, return_exceptions=True)
     finally:
         await client.close()
         if engine_proc is not None:

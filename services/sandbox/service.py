@@ -1,8 +1,10 @@
 """sandbox service: SANDBOX jobs in, results out to each job's reply subject.
 
 A job is acked only after its result was sent; a replica that dies mid-job leaves the job
-unacked and it is redelivered to another replica. The sandbox refuses to start on a machine
-where it cannot isolate jobs (policyloop.sandbox.runner.check_isolation).
+unacked and it is redelivered to another replica. With `per_run_concurrency`, the jobs of one
+run share that many slots across all replicas (Redis leases); a job over quota waits for one.
+The sandbox refuses to start on a machine where it cannot isolate jobs
+(policyloop.sandbox.runner.check_isolation).
 """
 
 from __future__ import annotations
@@ -18,11 +20,13 @@ from policyloop.contracts.validate import validate_sandbox_job
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.sandbox.runner import (
     JobLimits,
+    JobUids,
     check_isolation,
     check_scratch_root,
     effective_limits,
     run_job,
 )
+from policyloop.state.quota import RunQuota
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -30,6 +34,10 @@ log = get_logger(__name__)
 
 class SandboxSettings(ServiceSettings):
     concurrency: int = Field(1, description="Jobs run at once by this replica.")
+    job_uid_base: int = Field(200_000, gt=0, description="First uid jobs run as (when the sandbox runs as root): each "
+                                                        "job gets the next uid of the range, so its process limit is "
+                                                        "its own. Replicas sharing a kernel: disjoint ranges.")
+    job_uid_count: int = Field(4096, gt=0, description="How many uids the range holds.")
     scratch_dir: Path = Field(
         Path("/tmp/policyloop-sandbox"),
         description="Where each job's private scratch directory is made; others need o+x on every parent.",
@@ -40,6 +48,9 @@ class SandboxSettings(ServiceSettings):
     max_wall_seconds: float = Field(120.0, description="Wall-clock ceiling no job can exceed.")
     max_cpu_seconds: float = Field(60.0, description="CPU-time ceiling no job can exceed.")
     max_memory_bytes: int = Field(2 * 1024**3, description="Address-space ceiling no job can exceed.")
+    per_run_concurrency: int = Field(
+        0, description="Most jobs of one run that run at once across all sandbox replicas (0: no quota). A job "
+                       "over its run's quota waits here for a slot; slots are leases, so a dead replica's return.")
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -52,11 +63,20 @@ async def body(ctx: ServiceContext) -> None:
                         memory_bytes=settings.max_memory_bytes, max_processes=256,
                         max_file_bytes=256 * 1024**2, max_open_files=1024, max_output_bytes=4 * 1024**2)
     ctx.detail["jobs_done"] = 0
+    uids = JobUids(settings.job_uid_base, settings.job_uid_count)
+
+    quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
+        if settings.per_run_concurrency > 0 else None
 
     async def handle(delivery: Delivery[bus_pb2.SandboxJob]) -> None:
         job = delivery.message
         limits = effective_limits(job.limits, defaults, ceiling)
-        result = await run_job(job, limits, settings.scratch_dir, settings.instance_id)
+        if quota is not None and job.run_id:
+            # The lease outlives the job's wall clock: it is given back when the job ends.
+            async with quota.slot(job.run_id, f"{settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
+                result = await run_job(job, limits, settings.scratch_dir, settings.instance_id, uids)
+        else:
+            result = await run_job(job, limits, settings.scratch_dir, settings.instance_id, uids)
         if job.reply_subject:
             await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
             await ctx.bus.nc.flush(timeout=5)

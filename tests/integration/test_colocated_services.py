@@ -12,14 +12,13 @@ from pathlib import Path
 
 from policyloop.bus import Bus, trajectories_subject
 from policyloop.cluster.local import free_port
-from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.embedded import start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.models.tokenizer import VOCAB
 from policyloop.weights.client import WeightClient, sync_weights
 from tests.conftest import ServiceLauncher
-from tests.helpers import eventually
+from tests.helpers import eventually, scored_group
 
 PROMPTS = [[VOCAB[c] for c in text] for text in ("12+7=", "40+45=", "3+9=", "77+11=")]
 
@@ -55,14 +54,7 @@ async def test_learner_broadcasts_versions_into_a_colocated_engine(
                                                  "POLICYLOOP_WEIGHT_SOURCE": "colocated"})
         await services.wait_healthy(learner, rollout, timeout_s=60)
         for task in ("a", "b"):
-            for i in range(2):
-                traj = bus_pb2.Trajectory(
-                    trajectory_id=f"{task}/{i}", task_id=task, group_id=task, sample_index=i, group_size=2,
-                    environment="addition@v1", prompt_token_ids=PROMPTS[0], response_token_ids=[7 + i, 1],
-                    behaviour_logprobs=[-2.0, -2.0], loss_mask=[True, True], scored=True, reward=float(i),
-                    finish_reason=bus_pb2.FINISH_REASON_STOP,
-                    version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=2)],
-                )
+            for traj in scored_group(task, environment="addition@v1", prompt=PROMPTS[0]):
                 await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
 
         async def rollout_serves_version_1() -> bool:
@@ -123,14 +115,7 @@ async def test_without_the_broadcast_the_replica_loads_from_the_publisher(
                                                  "POLICYLOOP_COLOCATED_WAIT_S": "1"})
         await services.wait_healthy(learner, rollout, timeout_s=60)
         for task in ("a", "b"):
-            for i in range(2):
-                traj = bus_pb2.Trajectory(
-                    trajectory_id=f"{task}/{i}", task_id=task, group_id=task, sample_index=i, group_size=2,
-                    environment="addition@v1", prompt_token_ids=PROMPTS[0], response_token_ids=[7 + i, 1],
-                    behaviour_logprobs=[-2.0, -2.0], loss_mask=[True, True], scored=True, reward=float(i),
-                    finish_reason=bus_pb2.FINISH_REASON_STOP,
-                    version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=2)],
-                )
+            for traj in scored_group(task, environment="addition@v1", prompt=PROMPTS[0]):
                 await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
 
         async def loaded_version_2() -> bool:

@@ -6,6 +6,7 @@ pass, weight updates (good and bad), pause/continue/abort, and request validatio
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -15,9 +16,9 @@ import pytest
 import torch
 
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
-from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams, error_message
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient, WeightUpdateError
-from policyloop.models.tokenizer import EOS_ID, VOCAB
+from policyloop.models.tokenizer import EOS_ID, VOCAB, build_tokenizer
 from tests.tiny_model import build_tiny_model, perturbed_copy
 
 DIGITS = [VOCAB[c] for c in "0123456789"]
@@ -62,13 +63,24 @@ def prompt(i: int, length: int) -> list[int]:
 
 
 def greedy(ids: list[int], n: int, **kw: object) -> GenerateRequest:
+    kw.setdefault("ignore_eos", True)
     return GenerateRequest(input_ids=ids, sampling_params=SamplingParams(max_new_tokens=n, temperature=0.0,
-                                                                         ignore_eos=True, **kw))  # type: ignore[arg-type]
+                                                                         **kw))  # type: ignore[arg-type]
 
 
 def sampled(ids: list[int], n: int, seed: int, rid: str | None = None, **kw: object) -> GenerateRequest:
     params = SamplingParams(max_new_tokens=n, temperature=1.0, sampling_seed=seed, **kw)  # type: ignore[arg-type]
     return GenerateRequest(input_ids=ids, sampling_params=params, rid=rid)
+
+async def decoding(engine: EmbeddedEngine, client: SGLangClient, rid: str, ids: list[int], max_new_tokens: int
+                   ) -> asyncio.Task[GenerateResult]:
+    """A greedy request that ignores EOS, once it has decoded a few tokens."""
+    task = asyncio.create_task(client.generate(GenerateRequest(
+        input_ids=ids, rid=rid, sampling_params=SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0,
+                                                                ignore_eos=True))))
+    await wait_for(lambda: (engine.progress(rid) or 0) >= 3, what=f"{rid} decoding")
+    return task
+
 
 
 async def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -140,7 +152,8 @@ async def test_generate_json_shape_and_client_result(engine: EmbeddedEngine, cli
     triples = meta["output_token_logprobs"]
     assert len(triples) == 5 and [t[1] for t in triples] == body["output_ids"]
     assert all(isinstance(lp, float) and lp <= 0 and txt is None for lp, _, txt in triples)
-    assert isinstance(body["text"], str) and len(body["text"]) <= 5  # one character per non-special token
+    # The text decodes the tokens (special ones skipped; tool markers are tokens of several characters).
+    assert body["text"] == build_tokenizer().decode(body["output_ids"], skip_special_tokens=True)
 
     result = await client.generate(greedy(ids, 5))
     assert isinstance(result, GenerateResult)
@@ -177,17 +190,26 @@ async def test_seeded_sampling_is_independent_of_the_batch(client: SGLangClient)
 
 
 async def test_stop_tokens_eos_and_max_new_tokens(client: SGLangClient) -> None:
-    ids = prompt(4, 6)
-    full = await client.generate(greedy(ids, 12))
+    for i in range(4, 40):  # a prompt whose greedy continuation has a few tokens before any EOS
+        ids = prompt(i, 6)
+        full = await client.generate(greedy(ids, 12))
+        before_eos = list(itertools.takewhile(lambda token: token != EOS_ID, full.output_ids))
+        if len(before_eos) >= 3:
+            break
+    else:
+        pytest.fail("every greedy continuation begins with EOS")
     assert full.finish_reason == "length" and len(full.output_ids) == 12
     assert full.finish_detail is not None and full.finish_detail.length == 12
 
-    stop_at = full.output_ids[5]
+    stop_at = before_eos[min(5, len(before_eos) - 1)]
     first = full.output_ids.index(stop_at)
-    stopped = await client.generate(greedy(ids, 12, stop_token_ids=(stop_at,)))
+    stopped = await client.generate(greedy(ids, 12, stop_token_ids=(stop_at,), ignore_eos=False))
     assert stopped.finish_reason == "stop" and stopped.finish_detail.matched == stop_at  # type: ignore[union-attr]
     assert stopped.output_ids == full.output_ids[: first + 1]  # the stop token is returned, with its logprob
     assert len(stopped.output_logprobs or []) == first + 1
+    # As in SGLang, ignore_eos turns off the request's stop tokens too.
+    ignored = await client.generate(greedy(ids, 12, stop_token_ids=(stop_at,)))
+    assert ignored.output_ids == full.output_ids and ignored.finish_reason == "length"
 
     # EOS ends a request unless ignore_eos: find a seeded sample that draws EOS, then replay it.
     for seed in range(50):
@@ -254,12 +276,15 @@ async def test_update_weights_from_disk(engine: EmbeddedEngine, client: SGLangCl
 async def test_update_during_generation_splits_versions_or_aborts(engine: EmbeddedEngine, client: SGLangClient,
                                                                   perturbed_model: Path, tiny_model: Path) -> None:
     ids = prompt(6, 4)
-    running = asyncio.create_task(client.generate(GenerateRequest(
-        input_ids=ids, rid="long-1", sampling_params=SamplingParams(max_new_tokens=240, temperature=0.0,
-                                                                     ignore_eos=True))))
-    await wait_for(lambda: (engine.progress("long-1") or 0) >= 3, what="long-1 decoding")
+    running = await decoding(engine, client, "long-1", ids, 240)
     await client.pause_generation("in_place")
-    await client.update_weights_from_disk(str(perturbed_model), weight_version="1")
+    # Paused in place, the request keeps its KV cache: SGLang cannot flush it.
+    status, text = await post(engine.base_url + "/flush_cache", None)
+    assert status == 400 and "running or waiting requests" in str(text)
+    with pytest.raises(EngineError, match="flush_cache: Cache not flushed"):
+        await client.update_weights_from_disk(str(perturbed_model), weight_version="1")
+    assert (await client.model_info()).weight_version == "0"
+    await client.update_weights_from_disk(str(perturbed_model), weight_version="1", flush_cache=False)
     await client.continue_generation()
     result = await running
     assert result.finish_reason == "length" and len(result.output_ids) == 240
@@ -268,14 +293,70 @@ async def test_update_during_generation_splits_versions_or_aborts(engine: Embedd
     assert spans[0].start == 0 and 0 < spans[0].end == spans[1].start and spans[1].end == 240
     assert result.weight_version == "1"
 
-    running = asyncio.create_task(client.generate(GenerateRequest(
-        input_ids=ids, rid="long-2", sampling_params=SamplingParams(max_new_tokens=240, temperature=0.0,
-                                                                     ignore_eos=True))))
-    await wait_for(lambda: (engine.progress("long-2") or 0) >= 3, what="long-2 decoding")
+    running = await decoding(engine, client, "long-2", ids, 240)
     await client.update_weights_from_disk(str(tiny_model), weight_version="2", abort_all_requests=True)
     aborted = await running
     assert aborted.finish_reason == "abort" and 3 <= len(aborted.output_ids) < 240
     assert len(aborted.output_logprobs or []) == len(aborted.output_ids)
+
+
+async def test_update_while_generating_waits_for_the_requests_in_flight(
+        engine: EmbeddedEngine, client: SGLangClient, perturbed_model: Path) -> None:
+    """Not paused, an update takes SGLang's writer lock: it waits for the running request (all of
+    whose tokens stay on the old version), and a request sent meanwhile runs after it."""
+    ids = prompt(6, 4)
+    running = await decoding(engine, client, "first", ids, 120)
+    update = asyncio.create_task(client.update_weights_from_disk(str(perturbed_model), weight_version="1"))
+    await wait_for(lambda: engine._writers == 1, what="the update waiting")
+    later = asyncio.create_task(client.generate(greedy(prompt(9, 5), 6)))
+    first = await running
+    assert [s.version for s in first.weight_versions or []] == ["0"] and len(first.output_ids) == 120
+    assert (await update).success
+    assert (await later).weight_version == "1"
+    assert (await post(engine.base_url + "/flush_cache", None))[0] == 200  # idle: flushable
+
+
+async def test_retract_recomputes_the_cache_with_the_new_weights(
+        engine: EmbeddedEngine, client: SGLangClient, perturbed_model: Path) -> None:
+    """Paused in mode retract, a request's cache is recomputed on continue: what follows the
+    update is exactly what the new weights give for prompt + the tokens so far."""
+    ids = prompt(6, 4)
+    running = await decoding(engine, client, "retracted", ids, 60)
+    await client.pause_generation("retract")
+    await client.update_weights_from_disk(str(perturbed_model), weight_version="1", flush_cache=False)
+    await client.continue_generation()
+    result = await running
+    [old, new] = result.weight_versions or []
+    assert (old.version, new.version) == ("0", "1") and old.end == new.start
+    head = result.output_ids[:old.end]
+    tail = await client.generate(greedy(ids + head, 60 - len(head)))
+    assert result.output_ids[old.end:] == tail.output_ids
+    assert result.output_logprobs[old.end:] == pytest.approx(tail.output_logprobs, abs=1e-5)
+
+
+async def test_a_request_aborted_by_an_update_is_resumed_as_a_partial_rollout(
+        engine: EmbeddedEngine, client: SGLangClient, perturbed_model: Path) -> None:
+    """pause(abort) → update → continue: the client resubmits prompt + tokens so far with the rest
+    of the budget, and the joined sample says which version made each token."""
+    from policyloop.engines.partial import generate_resumable
+
+    ids = prompt(6, 4)
+    request = GenerateRequest(input_ids=ids, rid="partial", sampling_params=SamplingParams(
+        max_new_tokens=80, temperature=0.0, ignore_eos=True))
+    running = asyncio.create_task(generate_resumable(client, request))
+    await wait_for(lambda: (engine.progress("partial") or 0) >= 3, what="decoding")
+    await client.pause_generation("abort")
+    await client.update_weights_from_disk(str(perturbed_model), weight_version="1", flush_cache=True)
+    await client.continue_generation()
+    completion = await asyncio.wait_for(running, 30)
+    result = completion.result
+    assert completion.resubmits == 1 and result.finish_reason == "length" and len(result.output_ids) == 80
+    [old, new] = result.weight_versions or []
+    assert (old.version, new.version, old.start, new.end) == ("0", "1", 0, 80) and old.end == new.start
+    assert len(result.output_logprobs or []) == 80
+    head = result.output_ids[:old.end]
+    tail = await client.generate(greedy(ids + head, 80 - len(head)))
+    assert result.output_ids[old.end:] == tail.output_ids
 
 
 async def test_pause_abort_then_continue(engine: EmbeddedEngine, client: SGLangClient) -> None:
@@ -301,10 +382,7 @@ async def test_pause_abort_then_continue(engine: EmbeddedEngine, client: SGLangC
 async def test_pause_in_place_keeps_state(engine: EmbeddedEngine, client: SGLangClient) -> None:
     ids = prompt(7, 5)
     reference = await client.generate(greedy(ids, 200))
-    task = asyncio.create_task(client.generate(GenerateRequest(
-        input_ids=ids, rid="inplace", sampling_params=SamplingParams(max_new_tokens=200, temperature=0.0,
-                                                                      ignore_eos=True))))
-    await wait_for(lambda: (engine.progress("inplace") or 0) >= 3, what="decoding")
+    task = await decoding(engine, client, "inplace", ids, 200)
     await client.pause_generation("in_place")
     held = engine.progress("inplace")
     await asyncio.sleep(0.2)
@@ -340,43 +418,50 @@ async def test_abort_request(engine: EmbeddedEngine, client: SGLangClient) -> No
     await client.continue_generation()
 
 
-@pytest.mark.parametrize(("payload", "field"), [
-    ({"input_ids": [4, 5], "frobnicate": 1}, "frobnicate"),
-    ({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2, "temprature": 0.5}}, "sampling_params.temprature"),
-    ({"input_ids": "12+3"}, "input_ids"),
-    ({"input_ids": [4, 999]}, "input_ids"),
-    ({"input_ids": []}, "input_ids"),
-    ({"input_ids": [4], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature"),
-    ({"input_ids": [4], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens"),
-    ({"input_ids": [4], "sampling_params": {"max_new_tokens": 10_000}}, "sampling_params.max_new_tokens"),
-    ({"input_ids": [4], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
-    ({"input_ids": [4], "sampling_params": {"stop_token_ids": [1, "x"]}}, "sampling_params.stop_token_ids"),
-    ({"input_ids": [4], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty"),
-    ({"input_ids": [4], "stream": True}, "stream"),
-    ({"input_ids": [4], "return_logprob": "yes"}, "return_logprob"),
-    ({"input_ids": [4], "rid": 7}, "rid"),
+@pytest.mark.parametrize(("payload", "field", "status"), [
+    # 422: FastAPI's validation of GenerateReqInput fails (a type SGLang's struct does not take).
+    ({"input_ids": "12+3"}, "input_ids", 422),
+    ({"input_ids": [4], "return_logprob": [1]}, "return_logprob", 422),
+    ({"input_ids": [4], "rid": 7}, "rid", 422),
+    # 400: SGLang refuses the values itself ({"error": {"message"}}), or the embedded engine does.
+    ({"input_ids": [4, 5], "frobnicate": 1}, "frobnicate", 400),
+    ({"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 2, "temprature": 0.5}},
+     "sampling_params.temprature", 400),
+    ({"input_ids": [4, 999]}, "input_ids", 400),
+    ({"input_ids": []}, "input_ids", 400),
+    ({"input_ids": [[4], [5]]}, "input_ids", 400),
+    ({"input_ids": [4], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", 400),
+    ({"input_ids": [4], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens", 400),
+    ({"input_ids": [4], "sampling_params": {"max_new_tokens": 10_000}}, "sampling_params.max_new_tokens", 400),
+    ({"input_ids": [4], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", 400),
+    ({"input_ids": [4], "sampling_params": {"stop_token_ids": [1, "x"]}}, "sampling_params.stop_token_ids", 400),
+    ({"input_ids": [4], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty", 400),
+    ({"input_ids": [4], "stream": True}, "stream", 400),
 ])
-async def test_invalid_generate_requests_get_400_naming_the_field(engine: EmbeddedEngine, payload: dict,
-                                                                  field: str) -> None:
-    status, body = await post(engine.base_url + "/generate", payload)
-    assert status == 400, body
-    assert isinstance(body, dict) and body["object"] == "error" and body["code"] == 400
-    assert body["message"].startswith(field + ":"), body["message"]
+async def test_invalid_generate_requests_get_sglangs_refusal_naming_the_field(
+        engine: EmbeddedEngine, payload: dict, field: str, status: int) -> None:
+    got, body = await post(engine.base_url + "/generate", payload)
+    assert got == status, body
+    assert (error_message(body) or "").startswith(field + ":"), body
+    if status == 422:  # FastAPI's shape: where in the body, and why
+        assert body["detail"][0]["loc"] == ["body", *field.split(".")]  # type: ignore[index]
+    else:  # SGLang's _create_error_response
+        assert set(body) == {"error"}  # type: ignore[arg-type]
 
 
 async def test_invalid_control_requests_and_client_errors(engine: EmbeddedEngine, client: SGLangClient) -> None:
     status, body = await post(engine.base_url + "/pause_generation", {"mode": "sideways"})
-    assert status == 400 and body["message"].startswith("mode:")  # type: ignore[index]
+    assert status == 422 and body["detail"][0]["loc"] == ["body", "mode"]  # type: ignore[index]
     status, body = await post(engine.base_url + "/update_weights_from_disk", {"weight_version": "3"})
-    assert status == 400 and body["message"].startswith("model_path:")  # type: ignore[index]
+    assert status == 422 and (error_message(body) or "").startswith("model_path:")
     status, body = await post(engine.base_url + "/abort_request", {"rid": "x", "everything": True})
-    assert status == 400 and body["message"].startswith("everything:")  # type: ignore[index]
+    assert status == 400 and (error_message(body) or "").startswith("everything:")
     async with aiohttp.ClientSession() as session, session.post(engine.base_url + "/generate", data=b"{nope") as r:
-        assert r.status == 400 and (await r.json())["message"].startswith("body:")
+        assert r.status == 422 and (error_message(await r.json()) or "").startswith("body:")
 
     with pytest.raises(EngineError) as bad:
         await client.generate(GenerateRequest(input_ids=[4, 999]))
-    assert bad.value.status == 400 and "input_ids" in str(bad.value)
+    assert bad.value.status == 400 and "input_ids: token ids [999]" in str(bad.value)
     await client.flush_cache()
     await client.pause_generation("retract")
     await client.continue_generation()

@@ -73,6 +73,12 @@ async def test_gateway_health_reflection_and_token(gateway) -> None:  # type: ig
         (lambda e: e.ClearField("builtin"), "environment.scorer"),
         (lambda e: setattr(e.sampling, "top_p", 1.5), "environment.sampling.top_p"),
         (lambda e: setattr(e.builtin, "pattern", "(unclosed"), "environment.builtin.pattern"),
+        (lambda e: (setattr(e, "max_turns", 3), e.tools.append("shell")), "environment.tools[0]"),
+        (lambda e: e.tools.append("python"), "environment.max_turns"),
+        (lambda e: setattr(e, "max_turns", 2), "environment.tools"),
+        (lambda e: (setattr(e, "max_turns", 99), e.tools.append("python")), "environment.max_turns"),
+        (lambda e: (setattr(e, "max_turns", 3), e.tools.append("python"), setattr(e.sampling, "ignore_eos", True)),
+         "environment.sampling.ignore_eos"),
     ],
 )
 async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway, mutate, field) -> None:  # type: ignore[no-untyped-def]

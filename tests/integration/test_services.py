@@ -269,3 +269,49 @@ async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: Ser
     events = learner.log_events()
     assert any(e["event"] == "service_stopped" and e["exit_code"] == 0 for e in events)
     assert any(e["event"] == "follower_stopped" and e["steps"] == 1 for e in events)
+    # SIGTERM wrote a checkpoint (both ranks their shards); one rank resumes from it.
+    assert any(e["event"] == "checkpoint_written" and e["version"] == 1 for e in events)
+    single = services.start("learner", env={"POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
+    await services.wait_healthy(single, timeout_s=60)
+    [resumed] = [e for e in single.log_events() if e["event"] == "learner_resumed"]
+    assert resumed["checkpoint_version"] == 1 and resumed["version"] == 1 and resumed["replayed"] == 0
+
+
+async def test_a_runs_sandbox_jobs_share_its_quota(bus: Bus, services: ServiceLauncher) -> None:
+    """per_run_concurrency 1: two jobs of one run never overlap, while a job of another run is
+    not held back by them."""
+    results, _sub = await sandbox_results(bus, "test.quota")
+    sandbox = services.start("sandbox", env={"POLICYLOOP_CONCURRENCY": "3", "POLICYLOOP_PER_RUN_CONCURRENCY": "1"})
+    await services.wait_healthy(sandbox)
+    timed = ["sh", "-c", "date +%s.%N; sleep 1; date +%s.%N"]
+    for job_id, run_id in (("r1", "r"), ("r2", "r"), ("s1", "s")):
+        await bus.publish(sandbox_subject("shell"), bus_pb2.SandboxJob(
+            job_id=job_id, run_id=run_id, command=timed, reply_subject="test.quota",
+            limits=bus_pb2.SandboxLimits(wall_seconds=10)), job_id)
+
+    async def finished() -> bool:
+        return len(results) == 3
+
+    await eventually(finished, timeout_s=30)
+    spans = {r.job_id: tuple(float(t) for t in r.stdout.split()) for r in results}
+    (a_start, a_end), (b_start, b_end) = spans["r1"], spans["r2"]
+    assert a_end <= b_start or b_end <= a_start, spans  # run r: one at a time
+    s_start, s_end = spans["s1"]
+    assert any(s_start < end and start < s_end for start, end in (spans["r1"], spans["r2"])), spans
+
+
+async def test_a_task_whose_prompt_gives_no_tokens_is_dead_lettered(bus: Bus, services: ServiceLauncher) -> None:
+    rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1"})
+    await services.wait_healthy(rollout, timeout_s=60)
+    # The test model's character tokenizer knows no letters: this prompt has no tokens at all.
+    await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
+        task_id="letters", run_id="r", environment="addition@v1", prompt_text="abc", group_size=2,
+        sampling=bus_pb2.SamplingParams(max_new_tokens=4)), "letters")
+
+    async def dead() -> bool:
+        return len(await stored_messages(bus, "DLQ")) == 1
+
+    await eventually(dead, timeout_s=30)
+    [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+    assert letter.service == "rollout" and "prompt_text" in letter.reason and letter.delivery_count == 1
+    assert await stored_messages(bus, "ROLLOUTS") == []

@@ -35,6 +35,18 @@ async def test_version_compare_and_set(redis_client) -> None:  # type: ignore[no
     assert await VersionRegistry(redis_client, "other").get("policy") == 0
 
 
+async def test_version_advances_forward_only(redis_client) -> None:  # type: ignore[no-untyped-def]
+    versions = VersionRegistry(redis_client, "ns")
+    assert await versions.advance("policy", 3) == 0  # from nothing (a Redis that lost its data)
+    assert await versions.advance("policy", 5) == 3
+    with pytest.raises(VersionConflict) as conflict:
+        await versions.advance("policy", 5)
+    assert conflict.value.actual == 5
+    with pytest.raises(VersionConflict):
+        await versions.advance("policy", 4)
+    assert await versions.get("policy") == 5
+
+
 async def test_only_one_of_racing_writers_wins(redis_client) -> None:  # type: ignore[no-untyped-def]
     versions = VersionRegistry(redis_client, "ns")
 
@@ -98,3 +110,45 @@ async def test_client_survives_a_redis_restart(redis_server: Server) -> None:
         assert await versions.get("m") == 1
     finally:
         await client.aclose()
+
+
+async def test_run_progress_adds_up_by_run_and_environment(redis_client) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.contracts.v1 import bus_pb2
+    from policyloop.state.progress import RunProgressStore
+
+    def sample(run: str, env: str, reward: float, version: int) -> bus_pb2.Trajectory:
+        return bus_pb2.Trajectory(run_id=run, environment=env, reward=reward, loss_mask=[True, True, False],
+                                  version_spans=[bus_pb2.VersionSpan(version=version, start=0, end=3)])
+
+    store = RunProgressStore(redis_client, "ns")
+    await store.record_step(1, 0, [sample("a", "add@v1", 1.0, 0), sample("a", "code@v1", 0.0, 0),
+                                   sample("b", "add@v1", 0.5, 0)])
+    await store.record_step(2, 1, [sample("a", "add@v1", 0.0, 0), sample("a", "add@v1", 0.5, 1)])
+    await store.record_dropped([sample("a", "add@v1", 0.0, 0)])
+    await store.record_generated("a", 40)
+    a = await store.get("a")
+    assert a.learner_step == 2 and a.trained_samples == 4 and a.dropped_samples == 1 and a.trained_tokens == 8
+    assert a.environments["add@v1"].trained_samples == 3
+    assert a.environments["add@v1"].mean_reward == pytest.approx(0.5)
+    assert a.environments["add@v1"].last_step_reward == pytest.approx(0.25)
+    assert a.environments["code@v1"].mean_reward == 0.0 and dict(a.lag_histogram) == {0: 3, 1: 1}
+    assert a.generated_tokens == 40
+    b = await store.get("b")
+    assert b.trained_samples == 1 and set(b.environments) == {"add@v1"} and b.learner_step == 1
+    assert (await store.get("nothing")).trained_samples == 0
+
+
+async def test_run_quota_leases(redis_client) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.state.quota import RunQuota
+
+    quota = RunQuota(redis_client, "ns", limit=2)
+    assert await quota.acquire("r", "a", lease_s=30) and await quota.acquire("r", "b", lease_s=30)
+    assert not await quota.acquire("r", "c", lease_s=30)
+    assert await quota.acquire("s", "c", lease_s=30)  # another run has its own slots
+    assert await quota.acquire("r", "a", lease_s=30)  # a holder renews its own lease
+    await quota.release("r", "a")
+    assert await quota.acquire("r", "c", lease_s=0.2) and await quota.holders("r") == 2
+    await asyncio.sleep(0.3)  # c's lease lapsed (its replica died): the slot comes back
+    assert await quota.holders("r") == 1 and await quota.acquire("r", "d", lease_s=30)
+    with pytest.raises(ValueError):
+        RunQuota(redis_client, "ns", limit=0)

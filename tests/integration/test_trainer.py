@@ -163,7 +163,7 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
     try:
         for batch in batches[:2]:
             first.step(batch)
-        saved = first.save(tmp_path / "ckpt", trained_ids=["t0/0", "t1/0"])
+        saved = first.save(tmp_path / "ckpt", trained_ids=[["t0/0"], ["t1/0"]], extra={"ledger_seq": 7})
         # A crash while writing the next checkpoint leaves this one the latest.
         (tmp_path / "ckpt" / ".version-000000003.tmp").mkdir()
         assert latest_checkpoint(tmp_path / "ckpt") == saved
@@ -173,7 +173,9 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         first.close()
     second = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3), version=0)
     try:
-        assert second.restore(saved) == ["t0/0", "t1/0"] and second.version == 2 and second.steps == 2
+        state = second.restore(saved)
+        assert state.trained_ids == [["t0/0"], ["t1/0"]] and state.extra == {"ledger_seq": 7}
+        assert second.version == 2 and second.steps == 2
         second.step(batches[2])
         assert second.version == 3
         resumed = second.export_tensors()
@@ -186,3 +188,36 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         assert not all(torch.equal(expected[k], t) for k, t in fresh.export_tensors().items())
     finally:
         fresh.close()
+
+
+def test_tool_tokens_of_a_multi_turn_episode_are_not_trained_on(model_dir: Path) -> None:
+    """Tool tokens stay in the context of the model's later tokens but carry no loss: what their
+    behaviour logprobs say changes nothing, and only the model's tokens are counted."""
+    prompt = [22, 5, 14, 6, 16]  # <tools>1+2=
+    call, shown, answer = [18, 5, 14, 6, 19], [20, 7, 21], [7, 1]  # <python>1+2</python> <output>3</output> 3 eos
+    response = call + shown + answer
+    mask = [True] * len(call) + [False] * len(shown) + [True] * len(answer)
+
+    def episodes(tool_logprob: float, masked: bool) -> list[bus_pb2.Trajectory]:
+        samples = group("t", prompt, [response, answer + [1]], [1.0, 0.0],
+                        [[-1.0] * len(call) + [tool_logprob] * len(shown) + [-1.0] * len(answer), [-1.0] * 3])
+        samples[0].ClearField("loss_mask")
+        samples[0].loss_mask.extend(mask if masked else [True] * len(response))
+        return samples
+
+    def trained(tool_logprob: float, masked: bool = True) -> tuple[int, dict[str, torch.Tensor]]:
+        trainer = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3), version=0)
+        try:
+            report = trainer.step([episodes(tool_logprob, masked)] * 2)
+            return report.trained_tokens, safetensors.torch.load(trainer.export_safetensors())
+        finally:
+            trainer.close()
+
+    tokens, weights = trained(0.0)
+    assert tokens == 2 * (len(call) + len(answer) + 3)
+    _, other = trained(-30.0)
+    assert all(torch.equal(weights[name], other[name]) for name in weights)
+    # The same tokens trained on would have moved the weights differently.
+    tokens_unmasked, unmasked = trained(-30.0, masked=False)
+    assert tokens_unmasked == tokens + 2 * len(shown)
+    assert any(not torch.equal(weights[name], unmasked[name]) for name in weights)

@@ -12,6 +12,7 @@ import pytest
     (["--loss", "dpo"], "kind must be one of ppo, gspo, cispo"),
     (["--off-policy", "sometimes"], "off_policy must be one of"),
     (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
+    (["--weight-update-mode", "sideways"], "--weight-update-mode must be one of"),
 ])
 def test_demo_refuses_an_unknown_objective(flags: list[str], named: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     result = subprocess.run([sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"), *flags],

@@ -68,8 +68,33 @@ def test_compose_config_is_valid() -> None:
     assert result.returncode == 0, result.stderr
 
 
+GPU_PROFILE = {"sglang", "rollout-sglang"}
+
+
 def test_services_are_the_catalogue_plus_nats_and_redis(config: dict[str, Any]) -> None:
-    assert set(config["services"]) == {"nats", "redis", *SERVICE_NAMES}
+    default = {name for name, service in config["services"].items() if not service.get("profiles")}
+    assert default == {"nats", "redis", *SERVICE_NAMES}
+    assert set(config["services"]) - default == GPU_PROFILE
+
+
+def test_gpu_profile_drives_sglang_through_a_shared_weights_volume(config: dict[str, Any]) -> None:
+    sglang, rollout = config["services"]["sglang"], config["services"]["rollout-sglang"]
+    assert all(s["profiles"] == ["gpu"] for s in (sglang, rollout))
+    assert "sglang.launch_server" in sglang["command"]
+    [device] = sglang["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in device["capabilities"]
+    env = _environment(rollout)
+    assert env["POLICYLOOP_ENGINE"] == "sglang" and env["POLICYLOOP_ENGINE_URL"] == "http://sglang:30000"
+    assert rollout["command"] == config["services"]["rollout"]["command"]
+    # SGLang loads each version from the directory the replica writes it to: the same path in both.
+    weights_dir = env["POLICYLOOP_WEIGHTS_DIR"]
+
+    def mounted(service: dict[str, Any]) -> set[str]:
+        return {(v if isinstance(v, str) else f"{v.get('source')}:{v.get('target')}").split(":")[1]
+                for v in service["volumes"]}
+
+    assert weights_dir in mounted(sglang) and weights_dir in mounted(rollout)
+    assert {"nats", "redis", "sglang"} <= set(rollout["depends_on"])
 
 
 @pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
@@ -125,6 +150,13 @@ def test_redis_keeps_its_data_on_a_volume(config: dict[str, Any]) -> None:
     redis = config["services"]["redis"]
     assert redis.get("volumes")
     assert redis.get("healthcheck")
+
+
+def test_learner_checkpoints_on_a_volume(config: dict[str, Any]) -> None:
+    learner = config["services"]["learner"]
+    target = learner["environment"]["POLICYLOOP_CHECKPOINT_DIR"]
+    mounts = [v if isinstance(v, str) else f"{v.get('source')}:{v.get('target')}" for v in learner["volumes"]]
+    assert any(m.split(":")[1] == target for m in mounts), mounts
 
 
 def test_dockerfile_defines_base_and_torch_targets() -> None:

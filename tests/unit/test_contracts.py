@@ -60,6 +60,9 @@ def test_task_and_job_checks() -> None:
     validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_token_ids=[1], group_size=1))
     with pytest.raises(InvalidMessage, match="group_size"):
         validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x"))
+    with pytest.raises(InvalidMessage, match="sampling.ignore_eos"):
+        validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x", group_size=1, max_turns=3,
+                                   tools=["python"], sampling=bus_pb2.SamplingParams(ignore_eos=True)))
     with pytest.raises(InvalidMessage, match="leaves the scratch"):
         validate_sandbox_job(bus_pb2.SandboxJob(job_id="j", command=["true"], files={"../x": b""}))
     with pytest.raises(InvalidMessage, match="command"):

@@ -66,8 +66,19 @@ def test_group_collector_completes_groups_in_order_and_refuses_duplicates() -> N
     assert collector.add(traj("a", 1)) is Admission.DUPLICATE
     [first] = collector.take(1)
     assert [t.trajectory_id for t in first] == ["b/0", "b/1"]
+    collector.trained.add_step(t.trajectory_id for t in first)
     assert collector.add(traj("b", 0)) is Admission.DUPLICATE  # trained already
     assert collector.complete_groups == 1
+
+
+def test_recent_steps_remember_a_bounded_window() -> None:
+    from policyloop.rl.batching import RecentSteps
+
+    recent = RecentSteps(window=2, steps=[["a/0", "a/1"], ["b/0"]])
+    assert "a/0" in recent and "b/0" in recent and len(recent) == 3
+    recent.add_step(["c/0"])
+    assert "a/0" not in recent and "a/1" not in recent and "c/0" in recent
+    assert list(recent.steps) == [["b/0"], ["c/0"]]
 
 
 def test_sample_lag_uses_the_oldest_token() -> None:

@@ -11,6 +11,7 @@ import pytest
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.runner import (
     JobLimits,
+    JobUids,
     SandboxUnavailable,
     check_isolation,
     check_scratch_root,
@@ -64,7 +65,7 @@ async def test_no_network_and_own_pid_namespace(tmp_path: Path) -> None:
             b"except OSError as e:\n print('refused', e.errno)\n")
     result = await run_job(job("python3", "n.py", files={"n.py": code}), JobLimits(), tmp_path)
     pid, outcome = result.stdout.decode().split("\n")[:2]
-    assert pid == "1"  # first process of its own pid namespace (after unshare's fork)
+    assert pid == "2"  # its own pid namespace: bwrap is its init (pid 1), the job comes next
     assert outcome.startswith("refused")
 
 
@@ -89,3 +90,24 @@ def test_requested_limits_are_capped() -> None:
     limits = effective_limits(bus_pb2.SandboxLimits(wall_seconds=999, cpu_seconds=2),
                               JobLimits(), JobLimits(wall_seconds=60, cpu_seconds=30))
     assert (limits.wall_seconds, limits.cpu_seconds, limits.memory_bytes) == (60, 2, JobLimits().memory_bytes)
+
+
+async def test_every_job_has_its_own_process_budget(tmp_path: Path) -> None:
+    """Each job forks up to its limit; back to back (what bwrap leaves behind may wait for init to
+    reap it) and side by side (concurrent jobs), no job is charged for another's processes."""
+    forks = "for i in 1 2 3 4 5 6; do sleep 0.05 & done; wait; echo done"
+    limits = JobLimits(max_processes=12, wall_seconds=10)
+    uids = JobUids(base=300_000, count=64)
+    results = [await run_job(job("sh", "-c", forks), limits, tmp_path, uids=uids) for _ in range(30)]
+    results += await asyncio.gather(*(run_job(job("sh", "-c", forks), limits, tmp_path, uids=uids) for _ in range(6)))
+    assert [(r.exit_code, r.stdout, r.limit_hit) for r in results] == [(0, b"done\n", 0)] * 36
+    # A job that forks past its own limit is still stopped by it.
+    bomb = await run_job(job("sh", "-c", "for i in $(seq 40); do sleep 1 & done; wait"), limits, tmp_path, uids=uids)
+    assert bomb.limit_hit == bus_pb2.SANDBOX_LIMIT_PROCESSES
+
+
+def test_job_uids_go_round_a_range() -> None:
+    uids = JobUids(base=500, count=3)
+    assert [uids.next() for _ in range(7)] == [500, 501, 502, 500, 501, 502, 500]
+    with pytest.raises(ValueError, match="positive"):
+        JobUids(base=0)

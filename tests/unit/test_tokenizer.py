@@ -30,14 +30,23 @@ def test_files_written(tmp_path: Path) -> None:
 def test_vocab_ids() -> None:
     assert (PAD_ID, EOS_ID, BOS_ID, UNK_ID) == (0, 1, 2, 3)
     assert [VOCAB[c] for c in "0123456789+-= "] == list(range(4, 18))
-    assert build_tokenizer().get_vocab_size() == len(VOCAB) == 18
+    assert [VOCAB[t] for t in ("<python>", "</python>", "<output>", "</output>", "<tools>")] == list(range(18, 23))
+    assert build_tokenizer().get_vocab_size() == len(VOCAB) == 23
 
 
 def test_special_tokens(hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
     assert hf_tokenizer.pad_token == "<pad>" and hf_tokenizer.pad_token_id == 0
     assert hf_tokenizer.eos_token == "<eos>" and hf_tokenizer.eos_token_id == 1
     assert hf_tokenizer.bos_token_id == 2
-    assert len(hf_tokenizer) == 18
+    assert len(hf_tokenizer) == 23
+
+
+def test_tool_markers_are_single_tokens_kept_by_decoding(hf_tokenizer) -> None:  # type: ignore[no-untyped-def]
+    text = "<tools>1+2=<python>1+2</python><output>3</output>3"
+    ids = hf_tokenizer(text, add_special_tokens=False).input_ids
+    assert ids[0] == VOCAB["<tools>"] and ids[5] == VOCAB["<python>"] and ids.count(VOCAB["</output>"]) == 1
+    assert len(ids) == 14  # five markers, nine characters
+    assert hf_tokenizer.decode(ids + [EOS_ID], skip_special_tokens=True) == text
 
 
 def test_one_id_per_character(hf_tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -50,6 +50,17 @@ def test_subject_helpers_land_in_their_stream(subject: str, stream: str) -> None
     assert subject.count(".") == 2  # one token after the prefix, whatever the name held
 
 
+def test_ledger_subjects_name_the_kind_and_scope() -> None:
+    from policyloop.bus import ledger_subject
+    from policyloop.contracts.v1 import bus_pb2
+
+    subject = ledger_subject(bus_pb2.LedgerEvent.KIND_TRAINED, "qwen2.5")
+    assert subject == "pl.ledger.trained.qwen2_5"
+    assert build_topology().stream_for_subject(subject).name == "LEDGER"
+    with pytest.raises(KeyError):
+        ledger_subject(bus_pb2.LedgerEvent.KIND_UNSPECIFIED, "m")
+
+
 def test_subject_token() -> None:
     assert subject_token("addition@v1.2") == "addition@v1_2"
     assert subject_token("a b*c>d") == "a_b_c_d"

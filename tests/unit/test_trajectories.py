@@ -29,7 +29,8 @@ def test_request_seeds_each_member() -> None:
     members = group_members(task, "r")
     requests = [generate_request(task, m, [1]) for m in members]
     assert [r.sampling_params.sampling_seed for r in requests] == [10, 11]
-    assert requests[1].rid == "t/1" and requests[0].sampling_params.stop_token_ids == (1,)
+    assert (requests[1].rid or "").startswith("t/1#") and requests[0].rid != requests[1].rid
+    assert requests[0].sampling_params.stop_token_ids == (1,)
 
 
 def test_a_good_answer_fills_every_token() -> None:

@@ -16,6 +16,7 @@ from policyloop.bus.topology import (
     Topology,
     build_topology,
     dlq_subject,
+    ledger_subject,
     rollouts_subject,
     sandbox_subject,
     tasks_subject,
@@ -26,6 +27,6 @@ from policyloop.bus.topology import (
 __all__ = [
     "Backlog", "Bus", "BusError", "BusLimits", "BusUnavailable", "ConsumerSpec", "Delivery",
     "PermanentError", "PublishFailed", "PullWorker", "StreamFull", "StreamSpec", "Topology",
-    "build_topology", "decode_message", "dlq_subject", "rollouts_subject", "sandbox_subject",
+    "build_topology", "decode_message", "dlq_subject", "ledger_subject", "rollouts_subject", "sandbox_subject",
     "tasks_subject", "trajectories_subject", "weights_subject",
 ]

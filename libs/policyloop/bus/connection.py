@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats
@@ -12,7 +13,9 @@ import nats.errors
 import nats.js.errors
 from google.protobuf.message import Message
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 from nats.js import api
+from nats.js.api import RawStreamMsg
 
 from policyloop.bus.topology import ConsumerSpec, StreamSpec, Topology, build_topology
 from policyloop.telemetry.logging import get_logger
@@ -209,6 +212,39 @@ class Bus:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 2.0)
         raise PublishFailed(f"publish to {subject} not acknowledged after {attempts} attempts: {last_error!r}")
+
+    # -- reading back ------------------------------------------------------------------------
+
+    async def read(self, stream: str, subject: str, start_seq: int = 1, *, timeout_s: float = 10.0
+                   ) -> AsyncIterator[tuple[int, Msg]]:
+        """The messages of `stream` on `subject` (wildcards allowed) from stream sequence
+        `start_seq` to the last stored now, in order, as (sequence, message). An ordered
+        consumer: ephemeral, no acks, nothing left behind."""
+        config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                    opt_start_seq=max(1, start_seq))
+        sub = await self.js.subscribe(subject, stream=stream, ordered_consumer=True, config=config)
+        try:
+            # Messages may already be on their way: what is to be read is what was delivered
+            # plus what is pending, in one snapshot.
+            info = await sub.consumer_info()
+            remaining = info.delivered.consumer_seq + (info.num_pending or 0)
+            for _ in range(remaining):
+                msg = await sub.next_msg(timeout=timeout_s)
+                yield msg.metadata.sequence.stream, msg
+        finally:
+            await sub.unsubscribe()
+
+    async def stored(self, stream: str) -> AsyncIterator[tuple[int, RawStreamMsg]]:
+        """Every message `stream` holds now, fetched one by one by sequence: for work queues,
+        which take no second consumer (`read` is faster on the others)."""
+        info = await self.js.stream_info(stream)
+        if not info.state.messages:
+            return
+        for seq in range(info.state.first_seq, info.state.last_seq + 1):
+            try:
+                yield seq, await self.js.get_msg(stream, seq)
+            except nats.js.errors.NotFoundError:  # acked (removed) or deleted meanwhile
+                continue
 
     # -- backlog ----------------------------------------------------------------------------
 

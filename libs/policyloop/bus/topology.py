@@ -35,7 +35,8 @@ class BusLimits(BaseModel):
     )
     reward_ack_wait_s: float = Field(60.0, description="Same for a reward replica and a Rollout.")
     learner_ack_wait_s: float = Field(
-        300.0, description="How long the learner may hold a Trajectory before it is redelivered."
+        60.0, description="How long a Trajectory held by a learner that stopped answering (it sends "
+                          "heartbeats while it holds one) waits before it is redelivered."
     )
     sandbox_ack_wait_s: float = Field(120.0, description="Same for a sandbox replica and a job.")
     max_deliver: int = Field(
@@ -50,6 +51,9 @@ class BusLimits(BaseModel):
     weights_history: int = Field(
         16, description="WeightsPublished events kept per model subject."
     )
+    ledger_max_age_s: float = Field(
+        7 * DAY_SECONDS, description="How long LEDGER keeps the record of trajectories' fates (at least as long "
+                                     "as TRAJECTORIES: the learner replays steps from both).")
     dlq_max_age_s: float = Field(7 * DAY_SECONDS, description="How long DLQ keeps dead letters.")
     duplicate_window_s: float = Field(
         600.0, description="Window in which a repeated Nats-Msg-Id is recognised as a duplicate."
@@ -155,6 +159,11 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
             description="WeightsPublished events; replicas read the last per model subject.",
         ),
         StreamSpec(
+            "LEDGER", (f"{p}.ledger.>",), bus_pb2.LedgerEvent, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.ledger_max_age_s, duplicate_window_s=lim.duplicate_window_s,
+            description="What became of every trajectory: generated, trained in which step, dropped why.",
+        ),
+        StreamSpec(
             "DLQ", (f"{p}.dlq.>",), bus_pb2.DeadLetter, api.RetentionPolicy.LIMITS,
             max_age_s=lim.dlq_max_age_s, duplicate_window_s=lim.duplicate_window_s,
             description="Messages no service could handle, with the reason.",
@@ -206,6 +215,18 @@ def sandbox_subject(kind: str) -> str:
 
 def weights_subject(model: str) -> str:
     return f"{SUBJECT_PREFIX}.weights.{subject_token(model)}"
+
+
+LEDGER_KINDS = {
+    bus_pb2.LedgerEvent.KIND_GENERATED: "generated",
+    bus_pb2.LedgerEvent.KIND_TRAINED: "trained",
+    bus_pb2.LedgerEvent.KIND_DROPPED: "dropped",
+}
+
+
+def ledger_subject(kind: bus_pb2.LedgerEvent.Kind.ValueType, scope: str) -> str:
+    """pl.ledger.<kind>.<scope>: scope is the environment (generated) or the model."""
+    return f"{SUBJECT_PREFIX}.ledger.{LEDGER_KINDS[kind]}.{subject_token(scope)}"
 
 
 def dlq_subject(origin_stream: str) -> str:

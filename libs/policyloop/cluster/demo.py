@@ -6,6 +6,11 @@ same SGLang client the rollout uses), submits the arithmetic environment's train
 through the gateway's gRPC API and starts a run, shows live progress for a fixed budget —
 learner step, mean reward, held-out accuracy at intervals, version lag, generated tokens/s —
 measures held-out accuracy again, stops everything, and writes `summary.json` and a plot.
+
+With `tools`, the environment is multi-turn: the same problems after the `<tools>` prompt token,
+up to three model turns with the python tool between them (each call a sandbox job). Held-out
+episodes run greedily through the same episode code and sandbox, and report how often the
+policy called the tool besides whether its final answer was right.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ from pathlib import Path
 import grpc
 from rich.console import Console
 
+from policyloop.bus import Bus
 from policyloop.cluster.local import LocalCluster
 from policyloop.cluster.status import ClusterStatus, cluster_status
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
-from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.partial import Completion, generate_resumable
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs import arithmetic
+from policyloop.envs.multiturn import from_hf, run_episode, sandbox_tools
+from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
 from policyloop.state import HeartbeatRegistry, connect_redis
 
 
@@ -36,7 +45,7 @@ class DemoConfig:
     model_path: Path | None = None       # default: the bootstrap model (built and cached if needed)
     budget_s: float = 420.0              # wall time of the RL phase
     max_steps: int = 0                   # 0: no step limit, the budget decides
-    eval_problems: int = 200
+    eval_problems: int = 600
     eval_interval_s: float = 60.0
     group_size: int = 8
     groups_per_step: int = 32
@@ -54,6 +63,8 @@ class DemoConfig:
     kl_coef: float = 0.0
     clip_high: float = 0.2
     max_lag: int = 1
+    weight_update_mode: str = "in_place"  # how versions reach requests in flight (rollout setting)
+    tools: bool = False                  # the multi-turn environment (python tool in the sandbox)
 
 
 @dataclass
@@ -71,6 +82,7 @@ class Evaluation:
     t: float
     version: int
     accuracy: float
+    tool_use: float = 0.0                # tools: share of episodes with a tool call that ran
 
 
 @dataclass
@@ -89,38 +101,78 @@ class DemoResult:
     # The learner's last-step statistics and its dropped samples by reason.
     learner_stats: dict[str, float] = field(default_factory=dict)
     dropped: dict[str, int] = field(default_factory=dict)
+    resubmitted: int = 0                 # samples resumed after an update aborted them (mode abort)
+    tool_use_before: float = 0.0         # tools: share of held-out episodes with a tool call that ran
+    tool_use_after: float = 0.0
     progress: list[Progress] = field(default_factory=list)
     evaluations: list[Evaluation] = field(default_factory=list)
 
 
-def arithmetic_environment(group_size: int, max_new_tokens: int, temperature: float) -> loop_pb2.Environment:
+TOOL_MAX_TURNS = 3          # model turns of a tools episode: call, call, answer at most
+TOOL_MAX_NEW_TOKENS = 24    # model tokens over all turns (a call is 7, an answer 3)
+TOOL_MAX_TOOL_TOKENS = 12   # the tiny model's context is 64 tokens: results are cut to fit
+
+
+def arithmetic_environment(group_size: int, max_new_tokens: int, temperature: float, tools: bool = False
+                           ) -> loop_pb2.Environment:
     config = arithmetic.ArithmeticConfig()
     problems, _heldout = arithmetic.split(config)
-    return loop_pb2.Environment(
-        name="arithmetic", version="v1",
-        tasks=[loop_pb2.TaskSpec(prompt_text=p.prompt, answer=p.answer) for p in problems],
+    prefix = TOOLS_PROMPT_TOKEN if tools else ""
+    env = loop_pb2.Environment(
+        name="arithmetic-tools" if tools else "arithmetic", version="v1",
+        tasks=[loop_pb2.TaskSpec(prompt_text=prefix + p.prompt, answer=p.answer) for p in problems],
         builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
         group_size=group_size,
-        sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature),
+        sampling=bus_pb2.SamplingParams(max_new_tokens=TOOL_MAX_NEW_TOKENS if tools else max_new_tokens,
+                                        temperature=temperature),
     )
+    if tools:
+        env.max_turns = TOOL_MAX_TURNS
+        env.tools.append(PYTHON)
+    return env
 
 
-async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Problem]) -> tuple[float, int]:  # type: ignore[no-untyped-def]
-    """Greedy held-out accuracy of what the engine serves now, and the version it served."""
+@dataclass(frozen=True)
+class Evaluated:
+    accuracy: float
+    version: int        # the oldest version that answered
+    tool_use: float     # share of episodes with a tool call that ran (tools only)
+
+
+async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Problem],  # type: ignore[no-untyped-def]
+                   tools_bus: Bus | None = None) -> Evaluated:
+    """Greedy held-out accuracy of what the engine serves now. With `tools_bus`, each problem is a
+    tools episode whose calls run in the cluster's sandbox, judged on the last model turn."""
     eos = tokenizer.eos_token_id
+    episode_tokenizer = from_hf(tokenizer)
 
-    async def one(problem: arithmetic.Problem):  # type: ignore[no-untyped-def]
-        ids = tokenizer(problem.prompt, add_special_tokens=False).input_ids
-        return await client.generate(GenerateRequest(
-            input_ids=ids, sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(eos,)),
-            return_logprob=False, rid=None,
-        ))
+    async def one(i: int, problem: arithmetic.Problem) -> tuple[GenerateResult, str, bool]:
+        prompt = (TOOLS_PROMPT_TOKEN if tools_bus else "") + problem.prompt
+        request = GenerateRequest(
+            input_ids=tokenizer(prompt, add_special_tokens=False).input_ids, rid=f"eval-{i}", return_logprob=False,
+            sampling_params=SamplingParams(max_new_tokens=TOOL_MAX_NEW_TOKENS if tools_bus else 8, temperature=0.0,
+                                           stop_token_ids=(eos,)))
+        if tools_bus is None:
+            result = await client.generate(request)
+            return result, episode_tokenizer.decode([t for t in result.output_ids if t != eos]), False
 
-    results = await asyncio.gather(*(one(p) for p in problems))
-    texts = [tokenizer.decode([t for t in r.output_ids if t != eos], skip_special_tokens=True) for r in results]
-    accuracy = arithmetic.accuracy(texts, [p.answer for p in problems], [r.finish_reason == "stop" for r in results])
-    versions = {int(r.weight_version) for r in results}
-    return accuracy, min(versions)
+        async def generate(req: GenerateRequest) -> Completion:
+            return await generate_resumable(client, req)
+
+        run_tool = sandbox_tools(tools_bus, job_id=f"eval:{i}", run_id="demo-eval", timeout_s=10.0,
+                                 reply_timeout_s=120.0, max_chars=2000)
+        episode = await run_episode(request, generate=generate, run_tool=run_tool, tokenizer=episode_tokenizer,
+                                    formats=tool_formats([PYTHON]), max_turns=TOOL_MAX_TURNS,
+                                    max_tool_tokens=TOOL_MAX_TOOL_TOKENS)
+        last = [t for t in episode.turns if t.role == bus_pb2.Turn.ROLE_MODEL][-1]
+        ran = any(t.role == bus_pb2.Turn.ROLE_TOOL and t.status == "ok" for t in episode.turns)
+        return episode.result, last.text, ran
+
+    answered = await asyncio.gather(*(one(i, p) for i, p in enumerate(problems)))
+    accuracy = arithmetic.accuracy([text for _, text, _ in answered], [p.answer for p in problems],
+                                   [r.finish_reason == "stop" for r, _, _ in answered])
+    return Evaluated(accuracy, min(int(r.weight_version) for r, _, _ in answered),
+                     sum(ran for _, _, ran in answered) / len(problems))
 
 
 LEARNER_STATS = ("entropy", "approx_kl", "kl_reference", "clip_fraction", "is_weight_mean", "is_weight_max",
@@ -139,10 +191,10 @@ def weight_sync_summary(pushed: dict) -> dict[str, float]:
 
 
 async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: int, max_new_tokens: int,
-                               temperature: float, seed: int
+                               temperature: float, seed: int, tools: bool = False
                                ) -> tuple[loop_pb2.SubmitEnvironmentResponse, loop_pb2.Run]:
     """Submits the arithmetic environment's train split through the gateway and starts a run."""
-    env = arithmetic_environment(group_size, max_new_tokens, temperature)
+    env = arithmetic_environment(group_size, max_new_tokens, temperature, tools)
     reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
     run = await stub.StartRun(loop_pb2.StartRunRequest(
         environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
@@ -179,17 +231,29 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
     tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
     heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), config.eval_problems, seed=config.seed)
     client = SGLangClient(engine_url, timeout_s=120)
+    # Tools episodes in the evaluation run their calls in the cluster's sandbox, over the bus.
+    tools_bus = await Bus.connect(cluster.nats_url, name="demo-eval") if config.tools else None
     result = DemoResult("", 0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
+
+    async def held_out(t: float) -> Evaluation:
+        measured = await evaluate(client, tokenizer, heldout, tools_bus)
+        evaluation = Evaluation(round(t, 1), measured.version, measured.accuracy, measured.tool_use)
+        result.evaluations.append(evaluation)
+        return evaluation
+
+    def described(e: Evaluation) -> str:
+        return f"{e.accuracy:.1%}" + (f", tool used in {e.tool_use:.0%}" if config.tools else "")
+
     try:
-        result.accuracy_before, version = await evaluate(client, tokenizer, heldout)
-        console.print(f"held-out accuracy before RL: [bold]{result.accuracy_before:.1%}[/bold] "
-                      f"({len(heldout)} problems, version {version})")
-        result.evaluations.append(Evaluation(0.0, version, result.accuracy_before))
+        before = await held_out(0.0)
+        result.accuracy_before, result.tool_use_before = before.accuracy, before.tool_use
+        console.print(f"held-out accuracy before RL: [bold]{described(before)}[/bold] "
+                      f"({len(heldout)} problems, version {before.version})")
         gateway = cluster.process("gateway-0").ports["grpc"]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
             stub = loop_pb2_grpc.LoopServiceStub(channel)
             reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens,
-                                                    config.temperature, config.seed)
+                                                    config.temperature, config.seed, config.tools)
             result.run_id = run.run_id
             console.print(f"run {run.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
                           f"{config.groups_per_step} groups per step, lr {config.lr}")
@@ -211,9 +275,8 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
                 line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
                         f"lag {lag}  {rate:7.0f} tok/s")
                 if t >= next_eval:
-                    accuracy, version = await evaluate(client, tokenizer, heldout)
-                    result.evaluations.append(Evaluation(round(time.monotonic() - started, 1), version, accuracy))
-                    line += f"  held-out {accuracy:.1%} (v{version})"
+                    evaluation = await held_out(time.monotonic() - started)
+                    line += f"  held-out {described(evaluation)} (v{evaluation.version})"
                     next_eval += config.eval_interval_s
                 console.print(line)
                 if t >= config.budget_s or (config.max_steps and progress.step >= config.max_steps):
@@ -225,6 +288,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
         result.steps = int(learner.get("step", 0))
         result.version_lag_histogram = dict(learner.get("lag_histogram", {}))
         result.generated_tokens = int(details.get("rollout", {}).get("generated_tokens", 0))
+        result.resubmitted = int(details.get("rollout", {}).get("resubmitted", 0))
         result.weight_sync = weight_sync_summary(learner.get("weights", {}))
         result.learner_stats = {k: float(learner[k]) for k in LEARNER_STATS if k in learner}
         result.dropped = {k: int(v) for k, v in dict(learner.get("dropped", {})).items()}
@@ -235,11 +299,13 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
                 break
             await asyncio.sleep(0.5)
             details = await _heartbeat_details(heartbeats)
-        result.accuracy_after, version = await evaluate(client, tokenizer, heldout)
-        result.evaluations.append(Evaluation(result.wall_seconds, version, result.accuracy_after))
-        console.print(f"held-out accuracy after RL: [bold]{result.accuracy_after:.1%}[/bold] (version {version})")
+        after = await held_out(result.wall_seconds)
+        result.accuracy_after, result.tool_use_after = after.accuracy, after.tool_use
+        console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version})")
     finally:
         await client.close()
+        if tools_bus is not None:
+            await tools_bus.close()
         await redis_client.aclose()
     return result
 
@@ -255,6 +321,9 @@ def write_plot(result: DemoResult, path: Path) -> None:
     ax.plot([p.t for p in trained], [p.mean_reward for p in trained], label="mean reward (train)")
     ax.plot([e.t for e in result.evaluations], [e.accuracy for e in result.evaluations], "o-",
             label="held-out accuracy")
+    if any(e.tool_use for e in result.evaluations):
+        ax.plot([e.t for e in result.evaluations], [e.tool_use for e in result.evaluations], "s--",
+                label="held-out episodes that ran the tool")
     ax.set_xlabel("seconds of RL")
     ax.set_ylim(0, 1.15)
     ax.grid(alpha=0.3)
@@ -267,11 +336,11 @@ def write_plot(result: DemoResult, path: Path) -> None:
 
 
 def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[ClusterStatus], None]) -> int:
-    from policyloop.models.bootstrap import BootstrapConfig, bootstrap
+    from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, BootstrapConfig, bootstrap
 
     if config.model_path is None:
         console.print("base model: bootstrapping (cached after the first run) …")
-        config.model_path = bootstrap(BootstrapConfig())
+        config.model_path = bootstrap(TOOLS_BOOTSTRAP if config.tools else BootstrapConfig())
     console.print(f"base model: {config.model_path}")
     env = {
         "POLICYLOOP_MODEL_PATH": str(config.model_path),
@@ -285,7 +354,9 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
         "POLICYLOOP_KL_COEF": str(config.kl_coef),
         "POLICYLOOP_CLIP_HIGH": str(config.clip_high),
         "POLICYLOOP_MAX_LAG": str(config.max_lag),
+        "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
         "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),
+        "POLICYLOOP_MAX_TOOL_TOKENS": str(TOOL_MAX_TOOL_TOKENS),
     }
     cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True)
     console.print(f"starting the local cluster in {config.run_dir} …")
@@ -306,6 +377,9 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
                   f"({gain:+.1%}) in {result.steps} steps, {result.wall_seconds:.0f}s, "
                   f"{result.generated_tokens} generated tokens; lag {result.version_lag_histogram}; "
                   f"dropped {result.dropped or 'none'}")
+    if config.tools:
+        console.print(f"tool use (held-out episodes whose python call ran): {result.tool_use_before:.0%} → "
+                      f"{result.tool_use_after:.0%}")
     if result.weight_sync:
         sync = result.weight_sync
         console.print(f"weight sync: {sync['versions']} versions, {sync['sent_bytes'] / 1e6:.1f} MB sent "

@@ -144,6 +144,8 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
         env["POLICYLOOP_STORE_DIR"] = str(run_dir / "weights")
     if entry.name == "rollout":
         env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "rollout-weights")
+    if entry.name == "learner":
+        env["POLICYLOOP_CHECKPOINT_DIR"] = str(run_dir / "checkpoints")
     env.update(extra_env or {})
     return ManagedProcess(
         instance, [sys.executable, "-m", "policyloop", *service_args(entry)], env,
@@ -209,7 +211,7 @@ class LocalCluster:
     def start(self) -> ClusterInfo:
         if self.fresh:
             # A new run: no streams, versions or weights left from an earlier one.
-            for data in ("nats", "redis", "weights", "rollout-weights", "logs"):
+            for data in ("nats", "redis", "weights", "rollout-weights", "checkpoints", "logs"):
                 shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:

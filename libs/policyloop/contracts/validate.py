@@ -21,6 +21,8 @@ def validate_task(task: bus_pb2.Task) -> None:
         raise InvalidMessage("prompt_token_ids", "and prompt_text are both empty")
     if task.group_size < 1:
         raise InvalidMessage("group_size", "must be at least 1")
+    if task.tools and task.sampling.ignore_eos:
+        raise InvalidMessage("sampling.ignore_eos", "cannot be combined with tools (a tool call ends at a stop token)")
 
 
 def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
@@ -42,6 +44,24 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
         position = span.end
     if traj.version_spans and position != n:
         raise InvalidMessage("version_spans", f"cover {position} of {n} response tokens")
+    _validate_turns(traj)
+
+
+def _validate_turns(traj: bus_pb2.Trajectory) -> None:
+    """Turns cover the response in order; tool tokens are never trained on."""
+    if not traj.turns:
+        return
+    position = 0
+    for i, turn in enumerate(traj.turns):
+        if turn.start != position or turn.end < turn.start or turn.end > len(traj.response_token_ids):
+            raise InvalidMessage(f"turns[{i}]", f"[{turn.start}, {turn.end}) does not continue at {position}")
+        if turn.role == bus_pb2.Turn.ROLE_TOOL and any(traj.loss_mask[turn.start:turn.end]):
+            raise InvalidMessage(f"turns[{i}]", "a tool turn's tokens must have loss_mask false")
+        if turn.role not in (bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_TOOL):
+            raise InvalidMessage(f"turns[{i}].role", "is unspecified")
+        position = turn.end
+    if position != len(traj.response_token_ids):
+        raise InvalidMessage("turns", f"cover {position} of {len(traj.response_token_ids)} response tokens")
 
 
 def validate_sandbox_job(job: bus_pb2.SandboxJob) -> None:

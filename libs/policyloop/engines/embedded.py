@@ -35,11 +35,15 @@ model's plain log-probability, equal to a teacher-forced forward pass over promp
 
 Weights. `/update_weights_from_disk` copies the safetensors tensors of a directory into the
 served model in place after checking that every name and shape matches (same architecture);
-any failure leaves the old weights and version serving and answers success=false. The load
-waits for the current step; requests in flight continue with the new weights (their
-`weight_versions` spans say which tokens came from which version; the KV cache of earlier
-tokens is kept, as SGLang does for in-place updates), unless `abort_all_requests` ends them with
-finish_reason abort. There is no prefix cache, so `flush_cache` has nothing to drop.
+any failure leaves the old weights and version serving and answers success=false. As in SGLang,
+an update while generation runs takes the model's writer lock: new requests wait and the update
+waits until the requests in flight have finished (`abort_all_requests` ends them first, with
+finish_reason abort). An update while generation is paused applies at once: requests paused
+in place continue with the new weights (their `weight_versions` spans say which tokens came from
+which version; the KV cache of earlier tokens is kept), retracted ones recompute their cache
+with them. `flush_cache` follows SGLang's rule: the cache cannot be flushed while any request is
+queued or running (paused ones included) — SGLang's update then fails its flush assertion, so
+this engine refuses the update (400 naming flush_cache), and /flush_cache answers 400.
 
 Distributed weights (the colocated path, `policyloop.weights.distributed`). The engine joins a
 weight-update group as rank `rank_offset` (it is one TP rank), over gloo (nccl only where CUDA
@@ -55,21 +59,25 @@ session, unknown group) leave the sender's broadcast waiting, as SGLang's do.
 
 Pause. mode abort ends every request (running or waiting) with finish_reason abort and the
 tokens so far; mode in_place stops between two steps and keeps the wave until
-/continue_generation; mode retract behaves as in_place here (SGLang would free the KV cache and
-recompute it on continue). While paused, new requests wait. /pause_generation answers once the
-engine is actually between steps, so a weight update that follows cannot race a step.
+/continue_generation; mode retract also stops between two steps and, on continue, recomputes the
+wave's cache from prompt + tokens so far (SGLang frees the KV cache of retracted requests). In
+every mode new requests are held until /continue_generation, as SGLang holds them at its
+tokenizer manager. /pause_generation answers once the engine is actually between steps, so a
+weight update that follows cannot race a step.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import secrets
 import signal
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +87,7 @@ import torch
 from aiohttp import web
 
 from policyloop.engines.protocol import (
+    SCHEMA,
     AbortRequest,
     BeginWeightUpdateRequest,
     ControlResult,
@@ -189,9 +198,13 @@ class EmbeddedEngine:
         self._pad_id = 0
         self._vocab_size = 0
         self._max_context: int | None = None
-        self._waiting: deque[_Request] = deque()
+        self._waiting: deque[_Request] = deque()   # admitted to the scheduler, not yet running
+        self._held: deque[_Request] = deque()      # arrived while paused or while an update waits
         self._requests: dict[str, _Request] = {}
         self._paused = False
+        self._pause_mode = ""
+        self._retractions = 0   # bumped by each pause in mode retract: waves recompute their cache
+        self._writers = 0       # weight updates waiting for the requests in flight (SGLang's writer lock)
         self._closing = False
         self._kick = asyncio.Event()
         self._parked = asyncio.Event()
@@ -225,6 +238,10 @@ class EmbeddedEngine:
         """How many output tokens request `rid` has so far (None when it is not in flight)."""
         req = self._requests.get(rid)
         return None if req is None else len(req.output_ids)
+
+    def in_flight(self) -> dict[str, int]:
+        """Output tokens so far of every request the engine holds, by rid."""
+        return {rid: len(req.output_ids) for rid, req in self._requests.items()}
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -319,7 +336,11 @@ class EmbeddedEngine:
         return app
 
     @staticmethod
-    def _error(message: str, status: int = 400) -> web.Response:
+    def _error(message: str | RequestError, status: int = 400) -> web.Response:
+        """SGLang's answer to a refused request (a RequestError carries its kind and field)."""
+        if isinstance(message, RequestError):
+            text = message.message if message.status == SCHEMA else str(message)  # 422 says where apart
+            return web.json_response(error_body(text, message.status, message.field), status=message.status)
         return web.json_response(error_body(message, status), status=status)
 
     @staticmethod
@@ -328,11 +349,11 @@ class EmbeddedEngine:
         if not raw.strip():
             if empty_ok:
                 return {}
-            raise RequestError("body", "a JSON object is required")
+            raise RequestError("body", "a JSON object is required", SCHEMA)
         try:
             return json.loads(raw)
         except ValueError as exc:
-            raise RequestError("body", f"invalid JSON ({exc})") from None
+            raise RequestError("body", f"invalid JSON ({exc})", SCHEMA) from None
 
     async def _handle_generate(self, request: web.Request) -> web.Response:
         if self._closing:
@@ -343,7 +364,7 @@ class EmbeddedEngine:
             prompt = self._prompt_ids(parsed)
             max_new_tokens = self._max_new_tokens(parsed.sampling_params, len(prompt))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         rid = parsed.rid or uuid.uuid4().hex
         if rid in self._requests:
             return self._error(f"rid: a request with id {rid!r} is already in flight")
@@ -361,6 +382,10 @@ class EmbeddedEngine:
             if max_new_tokens == 0:  # nothing to decode: SGLang answers after prefill alone
                 req.finish = FinishReason("length", length=0)
                 self._complete(req)
+            elif self._paused or self._writers:
+                # SGLang holds a request at its tokenizer manager while paused or while a weight
+                # update waits for the requests in flight; it reaches the scheduler afterwards.
+                self._held.append(req)
             else:
                 self._waiting.append(req)
                 self._kick.set()
@@ -435,10 +460,10 @@ class EmbeddedEngine:
         try:
             parsed = UpdateWeightsFromDiskRequest.from_json(await self._json_body(request, empty_ok=False))
         except RequestError as exc:
-            return self._error(str(exc))
-        async with self._update_lock:
-            if parsed.abort_all_requests:
-                self._abort_all("aborted for a weight update")
+            return self._error(exc)
+        async with self._update_lock, self._weight_update(parsed.abort_all_requests):
+            if parsed.flush_cache and self._pending():
+                return self._error(self._flush_refusal("flush_cache"))
             loop = asyncio.get_running_loop()
             result = await loop.run_in_executor(self._executor, self._load_weights, parsed)
         log.info("engine_weights_update", model_path=parsed.model_path, success=result.success,
@@ -449,10 +474,12 @@ class EmbeddedEngine:
         try:
             mode = parse_pause(await self._json_body(request, empty_ok=True))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         if mode == "abort":
             self._abort_all("generation paused (mode abort)")
-        self._paused = True
+        elif mode == "retract":
+            self._retractions += 1
+        self._paused, self._pause_mode = True, mode
         await self._until_parked()
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -460,21 +487,63 @@ class EmbeddedEngine:
         try:
             parse_continue(await self._json_body(request, empty_ok=True))
         except RequestError as exc:
-            return self._error(str(exc))
-        self._paused = False
+            return self._error(exc)
+        self._paused, self._pause_mode = False, ""
+        self._release_held()
         self._kick.set()
         return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _handle_flush_cache(self, _: web.Request) -> web.Response:
-        # No prefix cache across requests here: nothing to flush. SGLang's answer, word for word.
-        return web.Response(text="Cache flushed.\nPlease check backend logs for more details. (When there are "
-                                 "running or waiting requests, the operation will not be performed.)\n")
+        # There is no prefix cache to drop here, but the answer follows SGLang's rule: refused
+        # (400) while any request is queued or running, paused ones included.
+        status = 400 if self._pending() else 200
+        return web.Response(status=status, text="Cache flushed.\nPlease check backend logs for more details. "
+                                                "(When there are running or waiting requests, the operation will "
+                                                "not be performed.)\n")
+
+    def _pending(self) -> list[_Request]:
+        """Requests the scheduler holds: queued or running (paused in place or retracted too)."""
+        return [r for r in self._requests.values() if r.state == "running" or r in self._waiting]
+
+    def _flush_refusal(self, field_name: str) -> str:
+        pending = self._pending()
+        running = sum(r.state == "running" for r in pending)
+        return (f"{field_name}: Cache not flushed because there are pending requests. #queue-req: "
+                f"{len(pending) - running}, #running-req: {running} (paused {self._pause_mode or 'no'}); SGLang "
+                f"fails 'Cache flush failed after updating weights' here: update with flush_cache=false, or "
+                f"pause in mode abort")
+
+    def _release_held(self) -> None:
+        if self._paused or self._writers:
+            return
+        while self._held:
+            self._waiting.append(self._held.popleft())
+        self._kick.set()
+
+    @contextlib.asynccontextmanager
+    async def _weight_update(self, abort_all_requests: bool) -> AsyncIterator[None]:
+        """SGLang's rule for a weight update: when generation is paused it applies at once (the
+        requests in flight keep their state); otherwise it takes the model's writer lock — new
+        requests wait, and the update waits until those in flight have finished."""
+        if abort_all_requests:
+            self._abort_all("aborted for a weight update")
+        if self._paused:
+            yield
+            return
+        self._writers += 1
+        try:
+            while self._pending():
+                await asyncio.sleep(0.005)
+            yield
+        finally:
+            self._writers -= 1
+            self._release_held()
 
     async def _handle_abort(self, request: web.Request) -> web.Response:
         try:
             parsed = AbortRequest.from_json(await self._json_body(request, empty_ok=True))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         message = parsed.abort_message or "aborted by /abort_request"
         if parsed.abort_all:
             self._abort_all(message)
@@ -492,7 +561,7 @@ class EmbeddedEngine:
         try:
             parsed = InitWeightsUpdateGroupRequest.from_json(await self._json_body(request, empty_ok=False))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         try:
             check_backend(parsed.backend)  # nccl without CUDA: refused before waiting for anyone
         except WeightGroupError as exc:
@@ -523,7 +592,7 @@ class EmbeddedEngine:
         try:
             BeginWeightUpdateRequest.from_json(await self._json_body(request, empty_ok=True))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         if self._weight_session:
             return self._control(ControlResult(False, "a weight-update session is already open; call "
                                                       "end_weight_update() first"))
@@ -534,7 +603,7 @@ class EmbeddedEngine:
         try:
             parse_end_weight_update(await self._json_body(request, empty_ok=True))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         if not self._weight_session:
             return self._control(ControlResult(False, "no weight-update session is open; call "
                                                       "begin_weight_update() first"))
@@ -546,7 +615,7 @@ class EmbeddedEngine:
             parsed = UpdateWeightsFromDistributedRequest.from_json(await self._json_body(request, empty_ok=False))
             specs = self._receive_specs(parsed)
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         # Refusals that happen before receiving, as in SGLang (the sender's broadcast then waits).
         if not self._weight_session:
             return self._control(ControlResult(False, "update_weights_from_distributed must run between "
@@ -585,22 +654,23 @@ class EmbeddedEngine:
             if group is None:  # destroyed while this request waited for the lock
                 return ControlResult(False, f"Failed to receive weights: the group {parsed.group_name!r} is not "
                                             f"initialized")
-            if parsed.abort_all_requests:
-                self._abort_all("aborted for a weight update")
-            try:
-                received = await in_daemon_thread(lambda: receive_named_tensors(group, specs, parsed.load_format),
-                                                  "engine-weights-receive")
-            except Exception as exc:  # a member failed or timed out: this group is out of step
-                return ControlResult(False, f"Failed to receive weights: {exc}")
-            async with self._update_lock:
-                loop = asyncio.get_running_loop()
-                return await loop.run_in_executor(self._executor, self._load_received, received, parsed)
+            async with self._weight_update(parsed.abort_all_requests):
+                try:
+                    received = await in_daemon_thread(
+                        lambda: receive_named_tensors(group, specs, parsed.load_format), "engine-weights-receive")
+                except Exception as exc:  # a member failed or timed out: this group is out of step
+                    return ControlResult(False, f"Failed to receive weights: {exc}")
+                if parsed.flush_cache and self._pending():
+                    return ControlResult(False, self._flush_refusal("flush_cache"))
+                async with self._update_lock:
+                    loop = asyncio.get_running_loop()
+                    return await loop.run_in_executor(self._executor, self._load_received, received, parsed)
 
     async def _handle_destroy_weights_group(self, request: web.Request) -> web.Response:
         try:
             parsed = DestroyWeightsUpdateGroupRequest.from_json(await self._json_body(request, empty_ok=True))
         except RequestError as exc:
-            return self._error(str(exc))
+            return self._error(exc)
         async with self._group_lock:  # after the collectives already queued on it
             group = self._weight_groups.pop(parsed.group_name, None)
             if group is not None:
@@ -621,10 +691,11 @@ class EmbeddedEngine:
         if req.state == "done":
             return
         if req.state == "waiting":
-            try:
-                self._waiting.remove(req)
-            except ValueError:
-                pass
+            for queue in (self._waiting, self._held):
+                try:
+                    queue.remove(req)
+                except ValueError:
+                    pass
             req.finish = FinishReason("abort", message=message)
             self._complete(req)
         else:
@@ -671,12 +742,19 @@ class EmbeddedEngine:
             for req in batch:
                 req.state = "running"
             try:
+                retractions = self._retractions  # this wave's cache was computed after these
                 wave = await loop.run_in_executor(self._executor, self._prefill, batch)
                 while wave.requests:
                     if any(r.abort_message is not None for r in wave.requests):
                         finished = await loop.run_in_executor(self._executor, self._step, wave, False)
                     elif self._paused:
                         await self._park()
+                        continue
+                    elif self._retractions != retractions:
+                        # Retracted while paused: the cache was given up; recompute prompt + tokens
+                        # so far with the weights that serve now.
+                        retractions = self._retractions
+                        wave = await loop.run_in_executor(self._executor, self._prefill, wave.requests)
                         continue
                     else:
                         finished = await loop.run_in_executor(self._executor, self._step, wave, True)
@@ -699,12 +777,14 @@ class EmbeddedEngine:
 
     def _prefill(self, batch: list[_Request]) -> _Wave:
         with torch.inference_mode():
-            width = max(len(r.input_ids) for r in batch)
+            # Prompt plus the tokens so far (none, unless the wave was retracted).
+            rows = [r.input_ids + r.output_ids for r in batch]
+            width = max(len(r) for r in rows)
             ids = torch.full((len(batch), width), self._pad_id, dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, req in enumerate(batch):
-                n = len(req.input_ids)
-                ids[i, width - n:] = torch.tensor(req.input_ids, dtype=torch.long)
+            for i, row in enumerate(rows):
+                n = len(row)
+                ids[i, width - n:] = torch.tensor(row, dtype=torch.long)
                 mask[i, width - n:] = 1
             positions = (mask.cumsum(1) - 1).clamp_(min=0)
             logits, cache = self._forward(ids, mask, positions, None)
@@ -743,10 +823,11 @@ class EmbeddedEngine:
             return finished
 
     def _check_finished(self, req: _Request, token: int) -> bool:
-        # The length check comes first, as in SGLang's Req.check_finished.
+        # As SGLang's Req.check_finished: the length check first; ignore_eos turns off every
+        # stop token, the request's stop_token_ids as well as the model's EOS.
         if len(req.output_ids) >= req.max_new_tokens:
             req.finish = FinishReason("length", length=req.max_new_tokens)
-        elif token in req.params.stop_token_ids or (not req.params.ignore_eos and token in self._eos_ids):
+        elif not req.params.ignore_eos and (token in req.params.stop_token_ids or token in self._eos_ids):
             req.finish = FinishReason("stop", matched=token)
         return req.finish is not None
 

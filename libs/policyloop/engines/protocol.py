@@ -39,6 +39,7 @@ the embedded engine validates requests with `from_json()` (unknown or wrongly ty
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -51,19 +52,46 @@ TOP_K_ALL = 1 << 30
 """SGLang's "no top-k truncation" value; -1 means the same."""
 
 
-class RequestError(ValueError):
-    """A request body that SGLang would reject: names the offending field."""
+SCHEMA = 422  # FastAPI's answer to a body that does not fit SGLang's request struct
 
-    def __init__(self, field_name: str, message: str) -> None:
+
+class RequestError(ValueError):
+    """A request body that SGLang would reject: names the offending field. `status` is the kind
+    of refusal SGLang gives: 422 when FastAPI's validation of the request struct fails (a wrong
+    type, a missing required field, a value outside a Literal), 400 when SGLang itself refuses
+    the values (its ValueError answer), and 400 too for what only the embedded engine refuses."""
+
+    def __init__(self, field_name: str, message: str, status: int = 400) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.message = message
+        self.status = status
 
 
-def error_body(message: str, status: int = 400) -> dict[str, Any]:
-    """SGLang's ErrorResponse for a rejected request."""
-    phrases = {400: "Bad Request", 404: "Not Found", 409: "Conflict", 503: "Service Unavailable"}
-    return {"object": "error", "message": message, "type": phrases.get(status, str(status)), "param": None,
-            "code": status}
+def error_body(message: str, status: int = 400, field_name: str | None = None) -> dict[str, Any]:
+    """SGLang's error answers: FastAPI's validation error for 422 (`detail`, with the field's
+    location in the body), SGLang's `{"error": {"message": ...}}` otherwise."""
+    if status == SCHEMA:
+        loc = ["body", *re.split(r"[.\[\]]+", field_name.strip("]"))] if field_name and field_name != "body" else [
+            "body"]
+        return {"detail": [{"type": "value_error", "loc": loc, "msg": message, "input": None}]}
+    return {"error": {"message": message}}
+
+
+def error_message(body: Any) -> str | None:
+    """The message of an error answer in any of SGLang's shapes (None when there is none)."""
+    if not isinstance(body, Mapping):
+        return None
+    error = body.get("error")
+    if isinstance(error, Mapping) and "message" in error:
+        return str(error["message"])
+    detail = body.get("detail")
+    if isinstance(detail, list) and detail and isinstance(detail[0], Mapping):
+        return "; ".join(f"{'.'.join(str(p) for p in d.get('loc', [])[1:]) or 'body'}: {d.get('msg', '')}"
+                         for d in detail)
+    if "message" in body:
+        return str(body["message"])
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -74,8 +102,13 @@ _MISSING = object()
 
 def _check_object(body: Any, what: str) -> Mapping[str, Any]:
     if not isinstance(body, Mapping):
-        raise RequestError(what, f"expected a JSON object, got {type(body).__name__}")
+        raise RequestError(what, f"expected a JSON object, got {type(body).__name__}", _kind(what))
     return body
+
+
+def _kind(field_name: str) -> int:
+    """A wrong type is FastAPI's 422, except inside sampling_params: SGLang checks that dict itself."""
+    return 400 if field_name.startswith("sampling_params") else SCHEMA
 
 
 def _int(body: Mapping[str, Any], name: str, default: Any, *, prefix: str = "", minimum: int | None = None,
@@ -84,7 +117,7 @@ def _int(body: Mapping[str, Any], name: str, default: Any, *, prefix: str = "", 
     if value is None and optional:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(prefix + name, f"expected an integer, got {value!r}")
+        raise RequestError(prefix + name, f"expected an integer, got {value!r}", _kind(prefix + name))
     if minimum is not None and value < minimum:
         raise RequestError(prefix + name, f"must be >= {minimum}, got {value}")
     return value
@@ -93,7 +126,7 @@ def _int(body: Mapping[str, Any], name: str, default: Any, *, prefix: str = "", 
 def _float(body: Mapping[str, Any], name: str, default: float, *, prefix: str = "") -> float:
     value = body.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(prefix + name, f"expected a number, got {value!r}")
+        raise RequestError(prefix + name, f"expected a number, got {value!r}", _kind(prefix + name))
     return float(value)
 
 
@@ -103,7 +136,7 @@ def _bool(body: Mapping[str, Any], name: str, default: bool | None, *, prefix: s
     if value is None and optional:
         return None
     if not isinstance(value, bool):
-        raise RequestError(prefix + name, f"expected true or false, got {value!r}")
+        raise RequestError(prefix + name, f"expected true or false, got {value!r}", _kind(prefix + name))
     return value
 
 
@@ -112,7 +145,7 @@ def _str(body: Mapping[str, Any], name: str, default: Any, *, prefix: str = "", 
     if value is None and optional:
         return None
     if not isinstance(value, str):
-        raise RequestError(prefix + name, f"expected a string, got {value!r}")
+        raise RequestError(prefix + name, f"expected a string, got {value!r}", _kind(prefix + name))
     return value
 
 
@@ -281,15 +314,18 @@ class GenerateRequest:
         if input_ids is not None:
             if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
                                                           for t in input_ids):
+                batch = isinstance(input_ids, list) and all(isinstance(p, list) for p in input_ids)
                 raise RequestError("input_ids", "expected one prompt as a list of integers (batches are not "
-                                                "supported by the embedded engine)")
+                                                "supported by the embedded engine)", 400 if batch else SCHEMA)
             if not input_ids:
                 raise RequestError("input_ids", "the prompt is empty")
         if text is not None and not isinstance(text, str):
-            raise RequestError("text", "expected one prompt as a string (batches are not supported)")
+            raise RequestError("text", "expected one prompt as a string (batches are not supported)",
+                               400 if isinstance(text, list) else SCHEMA)
         rid = body.get("rid")
         if rid is not None and (not isinstance(rid, str) or not rid):
-            raise RequestError("rid", f"expected a non-empty string, got {rid!r}")
+            raise RequestError("rid", f"expected a non-empty string, got {rid!r}",
+                               400 if isinstance(rid, str | list) else SCHEMA)
         if isinstance(body.get("sampling_params"), list):
             raise RequestError("sampling_params", "expected one object (batches are not supported)")
         return_logprob = _bool(body, "return_logprob", False, optional=True)
@@ -489,7 +525,7 @@ class UpdateWeightsFromDiskRequest:
                       _BASE_REQ_IGNORED | {"torch_empty_cache", "recapture_cuda_graph"},  # GPU only: no-ops
                       struct="UpdateWeightFromDiskReqInput")
         if "model_path" not in body:
-            raise RequestError("model_path", "required")
+            raise RequestError("model_path", "required", SCHEMA)
         return cls(model_path=_str(body, "model_path", None),
                    weight_version=_str(body, "weight_version", None, optional=True),
                    load_format=_str(body, "load_format", None, optional=True),
@@ -519,7 +555,7 @@ def parse_pause(body: Any) -> str:
     _check_fields(body, {"mode"}, {}, _BASE_REQ_IGNORED, struct="PauseGenerationReqInput")
     mode = _str(body, "mode", "abort")
     if mode not in PAUSE_MODES:
-        raise RequestError("mode", f"expected one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        raise RequestError("mode", f"expected one of {', '.join(PAUSE_MODES)}, got {mode!r}", SCHEMA)
     return mode
 
 
@@ -572,7 +608,7 @@ WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 def _name_list(body: Mapping[str, Any], name: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
     value = body.get(name)
     if not isinstance(value, list):
-        raise RequestError(name, f"expected a list of strings, got {value!r}")
+        raise RequestError(name, f"expected a list of strings, got {value!r}", SCHEMA)
     for i, item in enumerate(value):
         if not isinstance(item, str) or not item:
             raise RequestError(f"{name}[{i}]", f"expected a non-empty string, got {item!r}")
@@ -584,7 +620,7 @@ def _name_list(body: Mapping[str, Any], name: str, allowed: frozenset[str] | Non
 def _shape_list(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], ...]:
     value = body.get(name)
     if not isinstance(value, list):
-        raise RequestError(name, f"expected a list of shapes (lists of integers), got {value!r}")
+        raise RequestError(name, f"expected a list of shapes (lists of integers), got {value!r}", SCHEMA)
     shapes = []
     for i, shape in enumerate(value):
         if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
@@ -618,7 +654,7 @@ class InitWeightsUpdateGroupRequest:
                       {}, _BASE_REQ_IGNORED, struct="InitWeightsUpdateGroupReqInput")
         for required in ("master_address", "master_port", "rank_offset", "world_size"):
             if required not in body:
-                raise RequestError(required, "required")
+                raise RequestError(required, "required", SCHEMA)
         master_address = _str(body, "master_address", None)
         if not master_address:
             raise RequestError("master_address", "must not be empty")
@@ -686,7 +722,7 @@ class UpdateWeightsFromDistributedRequest:
                 raise RequestError(field_name, f"expected {len(names)} entries (one per name), got {len(values)}")
         selector = _str(body, "selector", "all")
         if selector not in WEIGHT_SELECTORS:
-            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}")
+            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}", SCHEMA)
         _bool(body, "torch_empty_cache", False)
         return cls(names=names, dtypes=dtypes, shapes=shapes,
                    group_name=_str(body, "group_name", DEFAULT_WEIGHT_GROUP),
@@ -729,7 +765,7 @@ class BeginWeightUpdateRequest:
         _check_fields(body, {"selector"}, {}, _BASE_REQ_IGNORED, struct="BeginWeightUpdateReqInput")
         selector = _str(body, "selector", "all")
         if selector not in WEIGHT_SELECTORS:
-            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}")
+            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}", SCHEMA)
         return cls(selector=selector)
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
@@ -43,6 +44,7 @@ from policyloop.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
+    error_message,
 )
 
 
@@ -73,8 +75,10 @@ _UNAVAILABLE_STATUSES = (502, 503, 504)
 
 class SGLangClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0, retries: int = 3, *, backoff_s: float = 0.2,
-                 max_backoff_s: float = 5.0) -> None:
+                 max_backoff_s: float = 5.0, trace_configs: Sequence[aiohttp.TraceConfig] = ()) -> None:
+        """`trace_configs`: aiohttp request tracing (what goes on the wire: logging, the contract test)."""
         self.base_url = base_url.rstrip("/")
+        self.trace_configs = list(trace_configs)
         self.timeout_s = timeout_s
         self.retries = retries
         self.backoff_s = backoff_s
@@ -95,7 +99,8 @@ class SGLangClient:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             # No connection limit: the rollout's concurrency is the engine's batch.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                                  trace_configs=self.trace_configs or None)
         return self._session
 
     async def _call(self, method: str, path: str, payload: Any = None, *, idempotent: bool,
@@ -137,11 +142,10 @@ class SGLangClient:
     @staticmethod
     def _raise_for_status(method: str, path: str, status: int, body: str) -> None:
         if status >= 400:
-            message = body
             try:
-                message = json.loads(body).get("message", body)
-            except (ValueError, AttributeError):
-                pass
+                message = error_message(json.loads(body)) or body
+            except ValueError:
+                message = body
             raise EngineError(f"{method} {path}: HTTP {status}: {str(message)[:500]}", status, body)
 
     # -- the API --------------------------------------------------------------------------------

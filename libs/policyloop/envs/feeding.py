@@ -9,6 +9,7 @@ import itertools
 import random
 
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.envs import code
 from policyloop.trajectories import now_ms
 
 DEFAULT_GROUP_SIZE = 8
@@ -28,6 +29,8 @@ def scorer_metadata(env: loop_pb2.Environment) -> dict[str, str]:
         if b.format_weight:
             out["format_weight"] = repr(b.format_weight)
         return out
+    if scorer in (code.UNIT_TESTS, code.REWARD_CODE):
+        return code.scorer_metadata(env)
     return {"scorer": scorer or ""}
 
 
@@ -74,4 +77,6 @@ def nth_task(
         sampling=sampling,
         metadata=metadata,
         created_unix_ms=now_ms(),
+        max_turns=env.max_turns,
+        tools=env.tools,
     )

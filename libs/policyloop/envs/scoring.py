@@ -8,6 +8,7 @@ import re
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs import arithmetic
+from policyloop.trajectories import answer_text
 
 
 class UnscorableTrajectory(ValueError):
@@ -26,7 +27,7 @@ def score_trajectory(traj: bus_pb2.Trajectory) -> tuple[float, list[bus_pb2.Rewa
     """(reward, breakdown) of one trajectory."""
     metadata = dict(traj.metadata)
     scorer = metadata.get("scorer", "")
-    text = traj.response_text
+    text = answer_text(traj)
     stopped = traj.finish_reason == bus_pb2.FINISH_REASON_STOP
     if scorer == "exact_answer":
         answer = _required(metadata, "answer", scorer)

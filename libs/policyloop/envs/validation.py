@@ -7,11 +7,13 @@ import math
 import re
 
 from policyloop.contracts.v1 import loop_pb2
+from policyloop.envs.tools import TOOL_FORMATS
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
 MAX_TASKS_PER_ENVIRONMENT = 1_000_000
 MAX_GROUP_SIZE = 1024
+MAX_TURNS = 16
 
 
 class InvalidField(ValueError):
@@ -71,6 +73,24 @@ def validate_environment(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.sampling.temperature", "must be a finite number >= 0")
     if not 0 <= sampling.top_p <= 1:
         raise InvalidField("environment.sampling.top_p", "must be within [0, 1] (0: engine default)")
+    _validate_turns(env)
+
+
+def _validate_turns(env: loop_pb2.Environment) -> None:
+    if env.max_turns > MAX_TURNS:
+        raise InvalidField("environment.max_turns", f"at most {MAX_TURNS}")
+    for i, tool in enumerate(env.tools):
+        if tool not in TOOL_FORMATS:
+            raise InvalidField(f"environment.tools[{i}]", f"{tool!r} is not a tool; known: {sorted(TOOL_FORMATS)}")
+    if len(set(env.tools)) != len(env.tools):
+        raise InvalidField("environment.tools", "lists a tool twice")
+    if env.tools and env.max_turns < 2:
+        raise InvalidField("environment.max_turns", "tools need at least 2 turns (a call and the answer after it)")
+    if env.max_turns > 1 and not env.tools:
+        raise InvalidField("environment.tools", f"max_turns {env.max_turns} needs a tool to run between turns")
+    if env.tools and env.sampling.ignore_eos:
+        raise InvalidField("environment.sampling.ignore_eos", "cannot be combined with tools: a tool call ends at "
+                                                              "its closing token, which ignore_eos would not stop at")
 
 
 def validate_start_run(request: loop_pb2.StartRunRequest) -> None:

@@ -24,6 +24,7 @@ import copy
 import hashlib
 import json
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -45,6 +46,7 @@ from policyloop.envs.arithmetic import (
     split,
     train_problems,
 )
+from policyloop.envs.tools import PYTHON, TOOL_FORMATS, TOOLS_PROMPT_TOKEN
 from policyloop.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, VOCAB, build_tokenizer, save_tokenizer
 
 if TYPE_CHECKING:  # torch stays out of the import path of services that only need the config
@@ -52,7 +54,7 @@ if TYPE_CHECKING:  # torch stays out of the import path of services that only ne
     from transformers import Qwen2ForCausalLM
 
 # Part of the cache key: bump it when a code change makes old cached models wrong.
-BUILD_FORMAT = 1
+BUILD_FORMAT = 2  # 2: the tool tokens and the tool-format share of the warm-up
 RECORD_FILE = "bootstrap.json"
 
 
@@ -95,9 +97,15 @@ class BootstrapConfig(BaseModel):
     max_new_tokens: int = Field(6, ge=1, description="Generation limit of the evaluation (answer + eos).")
     target_accuracy: float = Field(0.20, ge=0, le=1,
                                    description="Stop at the first evaluation with held-out greedy accuracy >= this.")
-    max_accuracy: float = Field(0.50, ge=0, le=1,
+    max_accuracy: float = Field(0.35, ge=0, le=1,
                                 description="Upper end of the window; overshooting it replays the last "
                                             "interval evaluating every step, and fails if that overshoots too.")
+    tool_fraction: float = Field(
+        0.0, ge=0, lt=1,
+        description="Share of warm-up problems posed after the <tools> prompt token: half of them answered through "
+                    "a python call (the call, the tool's output — not trained on — then the answer), half directly. "
+                    "The model knows the tool format but calls it only half the time: the multi-turn demo's RL "
+                    "teaches it when the tool pays (TOOLS_BOOTSTRAP).")
     threads: int = Field(2, ge=1, le=2, description="torch CPU threads (at most 2: the machine has 2 cores).")
 
     @property
@@ -108,6 +116,12 @@ class BootstrapConfig(BaseModel):
         """Short stable hash of the config (and the build format): the cache key."""
         payload = json.dumps({"format": BUILD_FORMAT, **self.model_dump(mode="json")}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+# The multi-turn demo's base policy: half the <tools> problems of its warm-up go through a call,
+# so it knows the format (its calls are right ~90% of the time and it answers with what the tool
+# printed) but calls the tool only about half the time.
+TOOLS_BOOTSTRAP = BootstrapConfig(name="arith-qwen2-tiny-tools", tool_fraction=0.5)
 
 
 @dataclass(frozen=True)
@@ -253,17 +267,38 @@ def _step_seed(seed: int, step: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "big")
 
 
-def training_batch(problems: Sequence[Problem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask, labels), right-padded; the loss covers only answer + eos."""
+PLAIN, TOOLS_DIRECT, TOOLS_CALL = "plain", "tools_direct", "tools_call"
+
+
+def tool_modes(count: int, tool_fraction: float, seed: int) -> list[str]:
+    """How each problem of a batch is posed and answered (deterministic in seed)."""
+    rng = random.Random(seed)
+    return [PLAIN if rng.random() >= tool_fraction else rng.choice((TOOLS_DIRECT, TOOLS_CALL)) for _ in range(count)]
+
+
+def training_batch(problems: Sequence[Problem], modes: Sequence[str] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels), right-padded; the loss covers what the model writes
+    (the answer + eos, and a tool call), never the prompt or a tool's output."""
     import torch
 
     tokenizer = build_tokenizer()
+    python = TOOL_FORMATS[PYTHON]
     rows, label_rows = [], []
-    for problem in problems:
+    for problem, mode in zip(problems, modes or [PLAIN] * len(problems), strict=True):
         prompt = tokenizer.encode(problem.prompt).ids
         answer = [*tokenizer.encode(problem.answer).ids, EOS_ID]
-        rows.append(prompt + answer)
-        label_rows.append([-100] * len(prompt) + answer)
+        if mode != PLAIN:
+            prompt = [VOCAB[TOOLS_PROMPT_TOKEN], *prompt]
+        if mode == TOOLS_CALL:
+            call = [VOCAB[python.call_open], *tokenizer.encode(problem.prompt.removesuffix("=")).ids,
+                    VOCAB[python.call_close]]
+            shown = [VOCAB[python.result_open], *tokenizer.encode(problem.answer).ids, VOCAB[python.result_close]]
+            rows.append(prompt + call + shown + answer)
+            label_rows.append([-100] * len(prompt) + call + [-100] * len(shown) + answer)
+        else:
+            rows.append(prompt + answer)
+            label_rows.append([-100] * len(prompt) + answer)
     width = max(len(r) for r in rows)
     input_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows])
     labels = torch.tensor([r + [-100] * (width - len(r)) for r in label_rows])
@@ -313,7 +348,8 @@ def _train_step(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
                 schedule: torch.optim.lr_scheduler.LRScheduler, config: BootstrapConfig, step: int) -> float:
     model.train()
     problems = train_problems(config.task, config.batch_size, seed=_step_seed(config.seed, step))
-    input_ids, attention_mask, labels = training_batch(problems)
+    modes = tool_modes(len(problems), config.tool_fraction, seed=_step_seed(config.seed + 1, step))
+    input_ids, attention_mask, labels = training_batch(problems, modes)
     loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -399,7 +435,29 @@ def _report(model: Qwen2ForCausalLM, config: BootstrapConfig) -> dict[str, float
         "sampled_accuracy_t1": accuracy([c.text for c in sampled], [p.answer for p in problems],
                                         [c.finished_by_stop for c in sampled]),
         "sampled_format_rate_t1": sum(format_ok(c.text, c.finished_by_stop) for c in sampled) / count,
+        **_tool_report(model, problems, config),
     }
+
+
+def _tool_report(model: Qwen2ForCausalLM, problems: Sequence[Problem], config: BootstrapConfig) -> dict[str, float]:
+    """After the <tools> prompt token, sampling at temperature 1: how often the model opens with
+    a python call, and how often that call is the problem's own expression (no tool runs here)."""
+    if config.tool_fraction <= 0:
+        return {}
+    python = TOOL_FORMATS[PYTHON]
+    sampled = generate(model, [TOOLS_PROMPT_TOKEN + p.prompt for p in problems], 12, temperature=1.0,
+                       generator=_generator(config.seed + 2))
+    calls = [c.text.startswith(python.call_open) for c in sampled]
+    exact = [c.text.startswith(f"{python.call_open}{p.prompt.removesuffix('=')}{python.call_close}")
+             for c, p in zip(sampled, problems, strict=True)]
+    # Given the right call and its output, does the model answer with what the tool printed?
+    shown = [f"{TOOLS_PROMPT_TOKEN}{p.prompt}{python.call_open}{p.prompt.removesuffix('=')}{python.call_close}"
+             f"{python.result_open}{p.answer}{python.result_close}" for p in problems]
+    after = generate(model, shown, config.max_new_tokens)
+    return {"tool_call_rate_t1": sum(calls) / len(problems),
+            "tool_call_exact_t1": sum(exact) / max(1, sum(calls)),
+            "tool_answer_after_output": accuracy([c.text for c in after], [p.answer for p in problems],
+                                                 [c.finished_by_stop for c in after])}
 
 
 def _generator(seed: int) -> torch.Generator:

@@ -9,6 +9,11 @@ offline (as a fast tokenizer) — the same files an SGLang engine reads.
 No special tokens are added on encode (no BOS): the prompt "12+34=" is exactly six ids whether
 or not the caller passes `add_special_tokens`, so every component tokenizes a prompt the same
 way. Characters outside the vocabulary map to "<unk>" instead of failing.
+
+The markers of tool calls and their results (`<python>` … `</python>`, `<output>` … `</output>`)
+and `<tools>`, which opens a prompt that offers tools, are added tokens: single ids that encode
+and decode as themselves (not special, so decoding with skip_special_tokens keeps them), which
+multi-turn episodes stop on (envs/tools.py).
 """
 
 from __future__ import annotations
@@ -16,13 +21,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+from policyloop.envs.tools import MARKER_TOKENS, TOOLS_PROMPT_TOKEN
 
 PAD, EOS, BOS, UNK = "<pad>", "<eos>", "<bos>", "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, EOS, BOS, UNK)
 CHARACTERS: tuple[str, ...] = (*"0123456789", "+", "-", "=", " ")
-# ids are positions: <pad> 0, <eos> 1, <bos> 2, <unk> 3, "0".."9" 4..13, "+" 14, "-" 15, "=" 16, " " 17
-VOCAB: dict[str, int] = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+TOOL_TOKENS: tuple[str, ...] = (*MARKER_TOKENS, TOOLS_PROMPT_TOKEN)
+# ids are positions: <pad> 0, <eos> 1, <bos> 2, <unk> 3, "0".."9" 4..13, "+" 14, "-" 15, "=" 16, " " 17,
+# then the tool tokens 18..22
+VOCAB: dict[str, int] = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS, *TOOL_TOKENS))}
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = (VOCAB[t] for t in SPECIAL_TOKENS)
 MODEL_MAX_LENGTH = 64
 
@@ -32,6 +41,7 @@ def build_tokenizer() -> Tokenizer:
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()  # join characters back without spaces between them
     tokenizer.add_special_tokens(list(SPECIAL_TOKENS))
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     return tokenizer
 
 

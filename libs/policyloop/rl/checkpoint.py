@@ -1,11 +1,12 @@
-"""Learner checkpoints with torch.distributed.checkpoint (first slice of the checkpoint work).
+"""Learner checkpoints with torch.distributed.checkpoint.
 
 A checkpoint is a directory `<root>/version-<v>/` holding the model and optimizer state as a
 DCP checkpoint (sharded: every rank writes its own part, and a run can load it on another
-number of ranks) plus `trainer.json` (policy version, steps taken, the ids of samples already
-trained, and anything the caller adds). It is written to a temporary directory and renamed into
-place, then `<root>/latest` is replaced atomically, so a crash while writing leaves the previous
-checkpoint the one that is loaded. RNG states are saved per rank (`rng-<rank>.pt`).
+number of ranks) plus `trainer.json` (policy version, steps taken, the ids of the samples the
+most recent steps trained, and what the learner adds: its LEDGER position). It is written to
+a temporary directory and renamed into place, then `<root>/latest` is replaced atomically, so a
+crash while writing leaves the previous checkpoint the one that is loaded. RNG states are saved
+per rank (`rng-<rank>.pt`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class TrainerState:
 
     version: int
     steps: int
-    trained_ids: list[str] = field(default_factory=list)
+    trained_ids: list[list[str]] = field(default_factory=list)  # per recent step, oldest first
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -47,9 +48,10 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState
-                    ) -> Path:
-    """Writes the checkpoint of `state.version` (collective: every rank calls it)."""
+def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                    keep: int = 2) -> Path:
+    """Writes the checkpoint of `state.version` (collective: every rank calls it); the `keep`
+    newest stay on disk."""
     root = Path(root)
     final = root / f"version-{state.version:09d}"
     tmp = root / f".version-{state.version:09d}.tmp"
@@ -79,6 +81,9 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
         pointer.write_text(final.name)
         os.replace(pointer, root / LATEST)
         fsync_dir(root)
+        older = [d for d in sorted(root.glob("version-*")) if d != final]
+        for old in older[: max(0, len(older) - (keep - 1))]:
+            shutil.rmtree(old, ignore_errors=True)
     _barrier()
     return final
 
@@ -105,4 +110,4 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
         torch.set_rng_state(torch.load(rng)["cpu"])
     record = json.loads((directory / "trainer.json").read_text())
     return TrainerState(version=int(record["version"]), steps=int(record["steps"]),
-                        trained_ids=list(record["trained_ids"]), extra=dict(record.get("extra", {})))
+                        trained_ids=[list(ids) for ids in record["trained_ids"]], extra=dict(record.get("extra", {})))

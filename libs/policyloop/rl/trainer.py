@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
@@ -24,6 +25,9 @@ from torch.distributed.fsdp import fully_shard
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import pack, response_values, token_logprobs, token_logprobs_and_entropy
 from policyloop.rl.objective import BatchCounts, LossConfig, compute_advantages, policy_objective
+
+if TYPE_CHECKING:
+    from policyloop.rl.checkpoint import TrainerState
 
 
 @dataclass(frozen=True)
@@ -151,6 +155,10 @@ class PolicyTrainer:
             if box[0] == "export":
                 self.export_tensors()
                 continue
+            if isinstance(box[0], tuple):  # ("save", root) or ("restore", directory)
+                command, path = box[0]
+                self.save(Path(path)) if command == "save" else self.restore(Path(path))
+                continue
             groups = [[bus_pb2.Trajectory.FromString(b) for b in g] for g in box[0]]  # type: ignore[union-attr]
             self._step(groups)
 
@@ -220,24 +228,36 @@ class PolicyTrainer:
             return b""
         return safetensors.torch.save(tensors, metadata={"policy_version": str(self.version)})
 
-    def save(self, root: Path, trained_ids: Sequence[str] = ()) -> Path:
-        """Checkpoints this trainer at its version (see policyloop.rl.checkpoint; single-rank
-        or, collectively, every rank)."""
+    def save(self, root: Path, trained_ids: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None,
+             keep: int = 2) -> Path:
+        """Checkpoints this trainer at its version (see policyloop.rl.checkpoint). Collective:
+        with several ranks, rank 0 calls it and tells the others to write their shards.
+        `trained_ids`: the ids trained by the most recent steps, one list per step."""
         from policyloop.rl.checkpoint import TrainerState, save_checkpoint
 
-        return save_checkpoint(root, self.model, self.optimizer,
-                               TrainerState(self.version, self.steps, list(trained_ids)))
+        if self.world_size > 1 and self.rank == 0:
+            dist.broadcast_object_list([("save", str(root))], src=0)
+        state = TrainerState(self.version, self.steps, [list(ids) for ids in trained_ids], dict(extra or {}))
+        return save_checkpoint(root, self.model, self.optimizer, state, keep=keep)
 
-    def restore(self, directory: Path) -> list[str]:
-        """Loads a checkpoint into this trainer; returns the ids of the samples it had trained."""
+    def restore(self, directory: Path) -> TrainerState:
+        """Loads a checkpoint (saved on any number of ranks) into this trainer; collective like
+        `save`. Returns what the checkpoint holds besides tensors."""
         from policyloop.rl.checkpoint import load_checkpoint
 
+        if self.world_size > 1 and self.rank == 0:
+            dist.broadcast_object_list([("restore", str(directory))], src=0)
         state = load_checkpoint(directory, self.model, self.optimizer)
         self.version, self.steps = state.version, state.steps
-        return state.trained_ids
+        return state
 
     def close(self) -> None:
         if dist.is_initialized():
-            if self.world_size > 1 and self.rank == 0:
-                dist.broadcast_object_list([None], src=0)  # followers return from follow()
+            if self.world_size > 1:
+                if self.rank == 0:
+                    dist.broadcast_object_list([None], src=0)  # followers return from follow()
+                # Every rank is done sending before any tears its group down: gloo aborts the
+                # process ("terminate called without an active exception") when a peer destroys
+                # the group under a send still in flight.
+                dist.barrier()
             dist.destroy_process_group()

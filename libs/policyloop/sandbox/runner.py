@@ -1,11 +1,16 @@
 """Runs one job in isolation and reports how it ended.
 
-Isolation (first version): `unshare` gives the job its own network (no interfaces but a down
-loopback), pid, mount, ipc and uts namespaces; when the sandbox runs as root the job drops to
-an unprivileged uid so that rlimits on processes bind; rlimits bound CPU seconds, address
-space, processes, file size and open files; a wall-clock timeout kills the job's whole pid
-namespace; output is capped. The job's files live in a private scratch directory removed
-afterwards. Read-only system paths and per-run quotas come with the sandbox issue.
+Isolation is bubblewrap's (`bwrap`, Debian package `bubblewrap`): the job gets its own user,
+network (no interfaces but a down loopback), pid, mount, ipc, uts and cgroup namespaces; its
+filesystem is a read-only root holding only /usr (and the /bin, /lib, /lib64, /sbin links),
+its own /proc and a minimal /dev, a private /tmp (a tmpfs of `tmp_bytes`) and its scratch
+directory at /job, the only place on disk it can write; no host file outside /usr is visible
+(no /etc, /home, /root, no other process's /proc). The environment is cleared. When the sandbox
+runs as root the job runs as an unprivileged uid of its own (JobUids), so rlimits on processes
+bind, and bind per job; rlimits bound CPU
+seconds, address space, processes, file size and open files; a wall-clock timeout kills bwrap,
+and with it (--die-with-parent, pid namespace) every process of the job, background ones
+included, which also end when the job's main process exits. Output is capped.
 CPU seconds are read from the sandbox's children as a whole, so they are exact only when one
 job runs at a time (the default concurrency).
 """
@@ -13,6 +18,7 @@ job runs at a time (the default concurrency).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import resource
 import shutil
@@ -25,9 +31,26 @@ from pathlib import Path
 
 from policyloop.contracts.v1 import bus_pb2
 
-UNPRIVILEGED_UID = 65534  # nobody
-ISOLATION = ["unshare", "--net", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc",
-             "--ipc", "--uts"]
+UNPRIVILEGED_UID = 65534  # nobody: the isolation probe's user
+JOB_DIR = "/job"           # the scratch directory, as the job sees it
+JOB_PATH = "/usr/local/bin:/usr/bin:/bin"
+
+
+def isolation_command(scratch: Path, limits: JobLimits) -> list[str]:
+    """bwrap's arguments for a job whose files are in `scratch` (see the module docstring)."""
+    command = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
+               "--ro-bind", "/usr", "/usr"]
+    for link in ("bin", "lib", "lib64", "sbin"):  # merged /usr: the top-level names are links
+        target = Path("/") / link
+        if target.is_symlink():
+            command += ["--symlink", os.readlink(target), f"/{link}"]
+        elif target.exists():
+            command += ["--ro-bind", str(target), f"/{link}"]
+    command += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+                "--bind", str(scratch), JOB_DIR, "--chdir", JOB_DIR, "--remount-ro", "/",
+                "--clearenv", "--setenv", "PATH", JOB_PATH, "--setenv", "HOME", JOB_DIR,
+                "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp", "--"]
+    return command
 
 
 class SandboxUnavailable(RuntimeError):
@@ -43,12 +66,13 @@ class JobLimits:
     max_file_bytes: int = 16 * 1024**2
     max_open_files: int = 64
     max_output_bytes: int = 64 * 1024
+    tmp_bytes: int = 64 * 1024**2      # size of the job's private /tmp (memory)
 
 
 def effective_limits(requested: bus_pb2.SandboxLimits, defaults: JobLimits, ceiling: JobLimits) -> JobLimits:
     """The job's requested limits, defaults where it asked for none, never above the ceiling."""
     merged = {}
-    for name in JobLimits.__dataclass_fields__:
+    for name in requested.DESCRIPTOR.fields_by_name:
         asked = getattr(requested, name)
         value = asked if asked else getattr(defaults, name)
         merged[name] = min(value, getattr(ceiling, name))
@@ -56,12 +80,49 @@ def effective_limits(requested: bus_pb2.SandboxLimits, defaults: JobLimits, ceil
 
 
 def check_isolation() -> None:
-    """Raises SandboxUnavailable unless namespaces can be created here."""
-    if shutil.which("unshare") is None:
-        raise SandboxUnavailable("the unshare command (util-linux) is not installed")
-    probe = subprocess.run([*ISOLATION, "true"], capture_output=True, timeout=10)
+    """Raises SandboxUnavailable unless bubblewrap can isolate a job here (as the job's user)."""
+    if shutil.which("bwrap") is None:
+        raise SandboxUnavailable("bubblewrap is not installed (Debian: apt-get install bubblewrap)")
+    scratch = Path(tempfile.mkdtemp(prefix="pl-sandbox-probe-"))
+    try:
+        scratch.chmod(0o777)
+        probe = subprocess.run([*_drop_privileges(), *isolation_command(scratch, JobLimits()), "true"],
+                               capture_output=True, timeout=10)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     if probe.returncode != 0:
-        raise SandboxUnavailable(f"cannot create namespaces: {probe.stderr.decode(errors='replace').strip()}")
+        raise SandboxUnavailable(f"bwrap cannot create the job's namespaces: "
+                                 f"{probe.stderr.decode(errors='replace').strip()}")
+
+
+def _drop_privileges(uid: int = UNPRIVILEGED_UID) -> list[str]:
+    """Namespaces are created by bwrap as the job's own unprivileged user (user namespaces)."""
+    if os.geteuid() != 0:
+        return []
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
+class JobUids:
+    """The uids jobs run as, taken in turn from [base, base + count).
+
+    RLIMIT_NPROC counts the processes of a uid, zombies included. Were every job the same user,
+    concurrent jobs would share one process budget, and so would the exited processes of earlier
+    jobs that bwrap leaves to init: where init reaps slowly (minimal container or VM inits), a
+    stream of short jobs fills the budget with zombies and later jobs fail to fork. A uid per job,
+    in turn over a large range, gives each job its own budget. Replicas sharing a kernel should
+    use disjoint ranges."""
+
+    def __init__(self, base: int = 200_000, count: int = 4096) -> None:
+        if base <= 0 or count <= 0:
+            raise ValueError("job uids: base and count must be positive")
+        self.base, self.count = base, count
+        self._turn = itertools.count()
+
+    def next(self) -> int:
+        return self.base + next(self._turn) % self.count
+
+
+DEFAULT_UIDS = JobUids()
 
 
 def check_scratch_root(root: Path) -> None:
@@ -102,24 +163,35 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, b
     return bytes(kept), truncated
 
 
+# What a job's stderr says when the kernel refused it memory or a process (the rlimits answer
+# ENOMEM / EAGAIN: the job sees the error, there is no signal to read).
+_MEMORY_SIGNS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
+_PROCESS_SIGNS = (b"Resource temporarily unavailable", b"Cannot fork", b"can't fork", b"fork: retry",
+                  b"BlockingIOError")
+
+
 def _classify(returncode: int, limits: JobLimits, cpu_s: float, timed_out: bool,
-              truncated: bool) -> bus_pb2.SandboxLimit:
+              truncated: bool, stderr: bytes = b"") -> bus_pb2.SandboxLimit:
     if timed_out:
         return bus_pb2.SANDBOX_LIMIT_WALL_TIME
-    # The kernel ends a job over its CPU limit with SIGXCPU, then SIGKILL; unshare reports
-    # that in different ways, so the CPU time used is the reliable sign.
+    # The kernel ends a job over its CPU limit with SIGXCPU, then SIGKILL; the CPU time used is
+    # the reliable sign.
     if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or cpu_s >= limits.cpu_seconds:
         return bus_pb2.SANDBOX_LIMIT_CPU_TIME
     if returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
         return bus_pb2.SANDBOX_LIMIT_FILE_SIZE
+    if returncode != 0 and any(sign in stderr for sign in _MEMORY_SIGNS):
+        return bus_pb2.SANDBOX_LIMIT_MEMORY
+    if any(sign in stderr for sign in _PROCESS_SIGNS):
+        return bus_pb2.SANDBOX_LIMIT_PROCESSES
     if truncated:
         return bus_pb2.SANDBOX_LIMIT_OUTPUT
     return bus_pb2.SANDBOX_LIMIT_NONE
 
 
 async def _kill(proc: asyncio.subprocess.Process) -> None:
-    """unshare runs in its own session; killing the group ends the pid namespace's init and
-    with it every process of the job."""
+    """bwrap runs in its own session; killing it ends the job's pid namespace (--die-with-parent)
+    and with it every process of the job."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
@@ -128,9 +200,10 @@ async def _kill(proc: asyncio.subprocess.Process) -> None:
 
 
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path,
-                  instance: str = "") -> bus_pb2.SandboxResult:
+                  instance: str = "", uids: JobUids = DEFAULT_UIDS) -> bus_pb2.SandboxResult:
     scratch = Path(tempfile.mkdtemp(prefix="job-", dir=scratch_root))
-    drop_to = UNPRIVILEGED_UID if os.geteuid() == 0 else None
+    scratch.chmod(0o700)
+    drop_to = uids.next() if os.geteuid() == 0 else None
     try:
         for rel, content in job.files.items():
             target = (scratch / rel).resolve()
@@ -144,13 +217,10 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
                 os.chown(path, drop_to, drop_to)
         started = time.monotonic()
         usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        # Namespaces need root (or CAP_SYS_ADMIN) to create; the job itself runs without it.
-        drop = ["setpriv", f"--reuid={drop_to}", f"--regid={drop_to}", "--clear-groups", "--"] if drop_to else []
         proc = await asyncio.create_subprocess_exec(
-            *ISOLATION, *drop, *job.command,
+            *([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits), *job.command,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=scratch,
-            env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(scratch), "LANG": "C.UTF-8"},
+            stderr=asyncio.subprocess.PIPE, cwd=scratch, env={"PATH": JOB_PATH},
             preexec_fn=lambda: _preexec(limits),
         )
         assert proc.stdin and proc.stdout and proc.stderr
@@ -185,7 +255,7 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
             job_id=job.job_id, exit_code=code, stdout=stdout, stderr=stderr,
             stdout_truncated=out_trunc, stderr_truncated=err_trunc, wall_seconds=wall,
             cpu_seconds=max(0.0, cpu),
-            limit_hit=_classify(code, limits, cpu, timed_out, out_trunc or err_trunc),
+            limit_hit=_classify(code, limits, cpu, timed_out, out_trunc or err_trunc, stderr),
             sandbox_instance=instance,
         )
     finally:

@@ -73,6 +73,18 @@ return {1, tonumber(ARGV[2])}
 """
 
 
+# KEYS[1] = version key; ARGV[1] = new version, ARGV[2] = time. Moves the version forward only.
+# Returns {1, previous} or {0, current} when the current version is not below the new one.
+_ADVANCE_SCRIPT = """
+local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
+if current >= tonumber(ARGV[1]) then
+  return {0, current}
+end
+redis.call('HSET', KEYS[1], 'version', ARGV[1], 'updated_unix_ms', ARGV[2])
+return {1, current}
+"""
+
+
 class VersionRegistry:
     """The current policy version of each model. Versions only move by compare-and-set, so two
     learners (or a learner and its restarted self) can never both publish version v+1."""
@@ -81,6 +93,7 @@ class VersionRegistry:
         self.client = client
         self.prefix = _prefix(namespace) + "version:"
         self._cas = client.register_script(_CAS_SCRIPT)
+        self._advance = client.register_script(_ADVANCE_SCRIPT)
 
     async def get(self, model: str) -> int:
         value = await self.client.hget(self.prefix + model, "version")
@@ -96,6 +109,15 @@ class VersionRegistry:
         if not ok:
             raise VersionConflict(model, expected, int(actual))
         return new
+
+    async def advance(self, model: str, new: int) -> int:
+        """Moves the version forward to `new` from wherever it is below it (a Redis restarted
+        from an append-only file a second old may be behind the learner); returns the previous
+        version. Raises VersionConflict when it is already `new` or later: another learner."""
+        ok, current = await self._advance(keys=[self.prefix + model], args=[new, int(time.time() * 1000)])
+        if not ok:
+            raise VersionConflict(model, new - 1, int(current))
+        return int(current)
 
     async def all(self) -> dict[str, tuple[int, int]]:
         """{model: (version, updated_unix_ms)} for every model with a version."""

@@ -38,23 +38,25 @@ SANDBOX_LIMIT_FILE_SIZE: SandboxLimit
 SANDBOX_LIMIT_OUTPUT: SandboxLimit
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed")
+    __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "ignore_eos")
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     max_new_tokens: int
     temperature: float
     top_p: float
     top_k: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     seed: int
-    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ...) -> None: ...
+    ignore_eos: bool
+    def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms")
+    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,6 +73,8 @@ class Task(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     environment: str
@@ -80,7 +84,9 @@ class Task(_message.Message):
     sampling: SamplingParams
     metadata: _containers.ScalarMap[str, str]
     created_unix_ms: int
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ...) -> None: ...
+    max_turns: int
+    tools: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -116,8 +122,32 @@ class RewardComponent(_message.Message):
     detail: str
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., weight: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
+class Turn(_message.Message):
+    __slots__ = ("role", "start", "end", "tool", "status", "text")
+    class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ROLE_UNSPECIFIED: _ClassVar[Turn.Role]
+        ROLE_MODEL: _ClassVar[Turn.Role]
+        ROLE_TOOL: _ClassVar[Turn.Role]
+    ROLE_UNSPECIFIED: Turn.Role
+    ROLE_MODEL: Turn.Role
+    ROLE_TOOL: Turn.Role
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    role: Turn.Role
+    start: int
+    end: int
+    tool: str
+    status: str
+    text: str
+    def __init__(self, role: _Optional[_Union[Turn.Role, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "scored", "reward", "reward_breakdown")
+    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "turns", "scored", "reward", "reward_breakdown")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +173,7 @@ class Trajectory(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_TEXT_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
     SCORED_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
@@ -164,10 +195,11 @@ class Trajectory(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     prompt_text: str
     response_text: str
+    turns: _containers.RepeatedCompositeFieldContainer[Turn]
     scored: bool
     reward: float
     reward_breakdown: _containers.RepeatedCompositeFieldContainer[RewardComponent]
-    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
 
 class WeightsPublished(_message.Message):
     __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id")
@@ -225,6 +257,42 @@ class DeadLetter(_message.Message):
     service: str
     dead_lettered_unix_ms: int
     def __init__(self, origin_stream: _Optional[str] = ..., origin_subject: _Optional[str] = ..., stream_sequence: _Optional[int] = ..., consumer: _Optional[str] = ..., payload: _Optional[bytes] = ..., headers: _Optional[_Mapping[str, str]] = ..., reason: _Optional[str] = ..., delivery_count: _Optional[int] = ..., service: _Optional[str] = ..., dead_lettered_unix_ms: _Optional[int] = ...) -> None: ...
+
+class LedgerEvent(_message.Message):
+    __slots__ = ("kind", "run_id", "model", "trajectory_ids", "stream_sequences", "step", "policy_version", "manifest_hash", "reason", "instance", "recorded_unix_ms")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[LedgerEvent.Kind]
+        KIND_GENERATED: _ClassVar[LedgerEvent.Kind]
+        KIND_TRAINED: _ClassVar[LedgerEvent.Kind]
+        KIND_DROPPED: _ClassVar[LedgerEvent.Kind]
+    KIND_UNSPECIFIED: LedgerEvent.Kind
+    KIND_GENERATED: LedgerEvent.Kind
+    KIND_TRAINED: LedgerEvent.Kind
+    KIND_DROPPED: LedgerEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_IDS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    kind: LedgerEvent.Kind
+    run_id: str
+    model: str
+    trajectory_ids: _containers.RepeatedScalarFieldContainer[str]
+    stream_sequences: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    policy_version: int
+    manifest_hash: str
+    reason: str
+    instance: str
+    recorded_unix_ms: int
+    def __init__(self, kind: _Optional[_Union[LedgerEvent.Kind, str]] = ..., run_id: _Optional[str] = ..., model: _Optional[str] = ..., trajectory_ids: _Optional[_Iterable[str]] = ..., stream_sequences: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., policy_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., reason: _Optional[str] = ..., instance: _Optional[str] = ..., recorded_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SandboxLimits(_message.Message):
     __slots__ = ("wall_seconds", "cpu_seconds", "memory_bytes", "max_processes", "max_file_bytes", "max_open_files", "max_output_bytes")

@@ -154,7 +154,7 @@ class StartRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error")
+    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class Run(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
@@ -177,7 +178,54 @@ class Run(_message.Message):
     created_unix_ms: int
     updated_unix_ms: int
     error: str
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+    progress: RunProgress
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ...) -> None: ...
+
+class RunProgress(_message.Message):
+    __slots__ = ("learner_step", "trained_samples", "dropped_samples", "environments", "lag_histogram", "trained_tokens_per_second", "generated_tokens_per_second", "generated_tokens", "trained_tokens")
+    class EnvironmentsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: EnvironmentProgress
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[EnvironmentProgress, _Mapping]] = ...) -> None: ...
+    class LagHistogramEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    LEARNER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    LAG_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    learner_step: int
+    trained_samples: int
+    dropped_samples: int
+    environments: _containers.MessageMap[str, EnvironmentProgress]
+    lag_histogram: _containers.ScalarMap[int, int]
+    trained_tokens_per_second: float
+    generated_tokens_per_second: float
+    generated_tokens: int
+    trained_tokens: int
+    def __init__(self, learner_step: _Optional[int] = ..., trained_samples: _Optional[int] = ..., dropped_samples: _Optional[int] = ..., environments: _Optional[_Mapping[str, EnvironmentProgress]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_tokens_per_second: _Optional[float] = ..., generated_tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., trained_tokens: _Optional[int] = ...) -> None: ...
+
+class EnvironmentProgress(_message.Message):
+    __slots__ = ("trained_samples", "mean_reward", "last_step_reward")
+    TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_REWARD_FIELD_NUMBER: _ClassVar[int]
+    trained_samples: int
+    mean_reward: float
+    last_step_reward: float
+    def __init__(self, trained_samples: _Optional[int] = ..., mean_reward: _Optional[float] = ..., last_step_reward: _Optional[float] = ...) -> None: ...
 
 class StopRunRequest(_message.Message):
     __slots__ = ("run_id",)

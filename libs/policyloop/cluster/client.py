@@ -1,0 +1,131 @@
+"""What `policyloop env` and `policyloop run` do: build environments from JSONL task files and
+talk to a gateway's LoopService (the same API any gRPC client uses)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
+
+BUILTIN_KINDS = {"exact_answer": loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER,
+                 "numeric_tolerance": loop_pb2.BuiltinVerifier.KIND_NUMERIC_TOLERANCE,
+                 "regex": loop_pb2.BuiltinVerifier.KIND_REGEX}
+SCORERS = (*BUILTIN_KINDS, "unit_tests", "reward_code")
+
+
+class TaskFileError(ValueError):
+    """A JSONL task file that cannot become tasks: names the line and the field."""
+
+
+def read_tasks(path: Path) -> list[loop_pb2.TaskSpec]:
+    """One task per line: {"prompt": str, "answer"?: str, "prompt_token_ids"?: [int], "metadata"?: {str: str}}
+    (for unit tests, metadata carries `tests` and `solution_prefix`)."""
+    tasks = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as exc:
+            raise TaskFileError(f"{path}:{number}: not JSON ({exc})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt", ""), str):
+            raise TaskFileError(f"{path}:{number}: prompt: expected an object with a string prompt")
+        metadata = row.get("metadata", {})
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise TaskFileError(f"{path}:{number}: metadata: expected an object of strings")
+        unknown = set(row) - {"prompt", "answer", "prompt_token_ids", "metadata"}
+        if unknown:
+            raise TaskFileError(f"{path}:{number}: {sorted(unknown)[0]}: unknown field")
+        tasks.append(loop_pb2.TaskSpec(prompt_text=row.get("prompt", ""), answer=str(row.get("answer", "")),
+                                       prompt_token_ids=row.get("prompt_token_ids", []), metadata=metadata))
+    return tasks
+
+
+def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], scorer: str, *,
+                      pattern: str = "", tolerance: float = 0.0, code: str = "", timeout_s: float = 10.0,
+                      group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
+                      max_turns: int = 0, tools: list[str] | None = None) -> loop_pb2.Environment:
+    """An Environment; the gateway validates it (and names what is wrong)."""
+    env = loop_pb2.Environment(name=name, version=version, tasks=tasks, group_size=group_size,
+                               sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens,
+                                                               temperature=temperature),
+                               max_turns=max_turns, tools=tools or [])
+    if scorer in BUILTIN_KINDS:
+        env.builtin.CopyFrom(loop_pb2.BuiltinVerifier(kind=BUILTIN_KINDS[scorer], pattern=pattern,
+                                                      tolerance=tolerance))
+    elif scorer == "unit_tests":
+        env.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(test_code=code, timeout_seconds=timeout_s))
+    elif scorer == "reward_code":
+        env.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source=code, timeout_seconds=timeout_s))
+    else:
+        raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
+    return env
+
+
+def parse_mix(values: list[str]) -> list[loop_pb2.EnvironmentMix]:
+    """["name@v1=0.7", "other@v2"] → mixes (weight 1 when not given)."""
+    mixes = []
+    for value in values:
+        env, _, weight = value.partition("=")
+        try:
+            mixes.append(loop_pb2.EnvironmentMix(environment=env, weight=float(weight) if weight else 1.0))
+        except ValueError:
+            raise ValueError(f"--env {value!r}: the weight after '=' must be a number") from None
+    return mixes
+
+
+def gateway_address(gateway: str | None, run_dir: Path) -> str:
+    """--gateway, or the gateway of the `policyloop up` cluster in run_dir."""
+    if gateway:
+        return gateway
+    from policyloop.cluster.local import ClusterInfo
+
+    info = ClusterInfo.load(run_dir)
+    return f"127.0.0.1:{info.processes['gateway-0']['grpc']}"
+
+
+class LoopClient:
+    """A blocking LoopService client with the optional bearer token on every call."""
+
+    def __init__(self, address: str, token: str = "", timeout_s: float = 30.0) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = loop_pb2_grpc.LoopServiceStub(self.channel)
+        self.metadata = [("authorization", f"Bearer {token}")] if token else []
+        self.timeout_s = timeout_s
+
+    def submit(self, env: loop_pb2.Environment) -> loop_pb2.SubmitEnvironmentResponse:
+        return self.stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env),
+                                           timeout=self.timeout_s, metadata=self.metadata)
+
+    def start(self, request: loop_pb2.StartRunRequest) -> loop_pb2.Run:
+        return self.stub.StartRun(request, timeout=self.timeout_s, metadata=self.metadata)
+
+    def stop(self, run_id: str) -> loop_pb2.Run:
+        return self.stub.StopRun(loop_pb2.StopRunRequest(run_id=run_id), timeout=self.timeout_s,
+                                 metadata=self.metadata)
+
+    def get(self, run_id: str) -> loop_pb2.Run:
+        return self.stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=self.timeout_s,
+                                metadata=self.metadata)
+
+    def watch(self, run_id: str) -> Iterator[loop_pb2.Run]:
+        return self.stub.WatchRun(loop_pb2.WatchRunRequest(run_id=run_id), metadata=self.metadata)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def progress_line(run: loop_pb2.Run) -> str:
+    """One line of a run's progress, for `policyloop run watch`."""
+    p = run.progress
+    envs = "  ".join(f"{name} {e.last_step_reward:.3f} ({e.trained_samples})"
+                     for name, e in sorted(p.environments.items()))
+    lags = ",".join(f"{k}:{v}" for k, v in sorted(p.lag_histogram.items()))
+    return (f"{loop_pb2.RunState.Name(run.state).removeprefix('RUN_STATE_').lower():8} v{run.policy_version} "
+            f"step {p.learner_step}  tasks {run.tasks_enqueued}/{run.tasks_total}  reward {envs or '-'}  "
+            f"lag {{{lags}}}  {p.generated_tokens_per_second:.0f} gen tok/s  "
+            f"{p.trained_tokens_per_second:.0f} trained tok/s  dropped {p.dropped_samples}")

@@ -1,0 +1,186 @@
+"""Chaos: the local cluster trains on the arithmetic environment while processes are killed.
+
+A fresh local cluster (nats-server, redis-server and every service as processes) runs the
+arithmetic environment. At random moments a random process is killed with SIGKILL — each kind
+at least once when --kills allows it, nats-server and redis-server included — and restarted by
+the cluster's supervisor, `--kills` times. When the learner has gone `--steps-after-kills` steps
+beyond the version of the last kill (and at least `--steps`), the run is stopped and the ledger
+audited (policyloop.ledger.audit_bus, on the live bus). Prints JSON:
+
+- `kills` (in order, with the learner version at the time), `generated`, `scored`, `trained`,
+  `dropped` (by reason), `dead_lettered`, `pending` (still waiting on the bus for a consumer),
+  `lost` (generated and accounted nowhere), `trained_twice`;
+- `versions_monotonic` (the recorded steps make versions 1, 2, … once each), `registry_version`
+  and `publisher_versions` (what Redis and the publisher hold agree with the ledger);
+- `reached_target_steps` (the learner reached --steps), `wall_seconds`.
+
+    .venv/bin/python perf/chaos.py --kills 10
+    .venv/bin/python perf/chaos.py --kills 3 --steps 20     # a quicker look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from policyloop.bus import Bus  # noqa: E402
+from policyloop.cluster.catalogue import SERVICES  # noqa: E402
+from policyloop.cluster.demo import start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.local import LocalCluster  # noqa: E402
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
+from policyloop.ledger import audit_bus, trained_steps  # noqa: E402
+from policyloop.state import VersionRegistry, connect_redis  # noqa: E402
+from policyloop.weights.client import WeightClient  # noqa: E402
+
+KINDS = ("nats-server", "redis-server", *(f"{s.name}-0" for s in SERVICES))
+
+
+def kill_schedule(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> list[str]:
+    """`kills` process names: every kind once (shuffled) while the budget lasts, then at random."""
+    first = list(kinds)
+    rng.shuffle(first)
+    return first[:kills] + [rng.choice(kinds) for _ in range(kills - len(first))]
+
+
+async def learner_version(cluster: LocalCluster) -> int:
+    """The newest step the ledger holds (what survives any one process's death)."""
+    bus = await Bus.connect(cluster.nats_url, name="chaos", connect_timeout_s=30)
+    try:
+        steps = await trained_steps(bus, "policy")
+        return steps[-1].version if steps else 0
+    finally:
+        await bus.close()
+
+
+async def until(check, timeout_s: float, poll_s: float = 1.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if await check():
+                return True
+        except Exception:  # noqa: BLE001 - a server being restarted: ask again
+            pass
+        await asyncio.sleep(poll_s)
+    return False
+
+
+async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    status = await wait_healthy(cluster, 180)
+    if not status.all_healthy:
+        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}")
+    gateway = f"127.0.0.1:{cluster.process('gateway-0').ports['grpc']}"
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        _, run = await start_arithmetic_run(loop_pb2_grpc.LoopServiceStub(channel), args.group_size, 8, 1.0,
+                                            args.seed)
+    kills = []
+    for name in kill_schedule(args.kills, rng):
+        await asyncio.sleep(rng.uniform(args.min_gap_s, args.max_gap_s))
+        version = await learner_version(cluster)
+        cluster.process(name).signal(signal.SIGKILL)
+        await asyncio.to_thread(cluster.process(name).proc.wait)  # type: ignore[union-attr]
+        await asyncio.sleep(rng.uniform(0.0, args.down_s))     # stays dead a little while
+        restarted = cluster.supervise()
+        kills.append({"process": name, "at_version": version, "restarted": restarted,
+                      "at_s": round(time.monotonic() - started, 1)})
+        print(json.dumps(kills[-1]), file=sys.stderr)
+    # The loop must go on after the last kill, not only have got far before it.
+    target = max(args.steps, (kills[-1]["at_version"] if kills else 0) + args.steps_after_kills)
+    reached = await until(lambda: _reached(cluster, target), args.timeout_s, poll_s=2.0)
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        await loop_pb2_grpc.LoopServiceStub(channel).StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
+    bus = await Bus.connect(cluster.nats_url, name="chaos-audit", connect_timeout_s=30)
+    redis_client = await connect_redis(cluster.redis_url)
+    try:
+        await asyncio.sleep(args.settle_s)  # what is in flight moves on; the audit reads a live bus anyway
+        report = await audit_bus(bus)
+        registry = await VersionRegistry(redis_client, cluster.namespace).get("policy")
+        publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
+        try:
+            held = sorted(v.version for v in await publisher.list_versions("policy"))
+        finally:
+            await publisher.close()
+    finally:
+        await bus.close()
+        await redis_client.aclose()
+    return {
+        "kills": len(kills), "kill_log": kills,
+        **{k: v for k, v in report.as_dict().items() if k not in ("steps",)},
+        "steps": report.steps, "registry_version": registry,
+        "publisher_newest_version": held[-1] if held else 0,
+        # The learner may be one step ahead of what was read a moment earlier.
+        "versions_agree": abs(registry - report.steps) <= 1 and bool(held) and abs(held[-1] - report.steps) <= 1,
+        "reached_target_steps": reached, "target_steps": target,
+        "wall_seconds": round(time.monotonic() - started, 1),
+    }
+
+
+async def _reached(cluster: LocalCluster, steps: int) -> bool:
+    cluster.supervise()  # anything that died by itself comes back too
+    return await learner_version(cluster) >= steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=40, help="learner steps the run must reach")
+    parser.add_argument("--steps-after-kills", type=int, default=10,
+                        help="steps the learner must take after the version it was at when last killed")
+    parser.add_argument("--min-gap-s", type=float, default=4.0, help="least time between kills")
+    parser.add_argument("--max-gap-s", type=float, default=15.0, help="most time between kills")
+    parser.add_argument("--down-s", type=float, default=3.0, help="most time a killed process stays down")
+    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--checkpoint-every", type=int, default=5)
+    parser.add_argument("--max-lag", type=int, default=2)
+    parser.add_argument("--ack-wait-s", type=float, default=10.0,
+                        help="ack wait of every consumer: how soon a killed holder's messages come back")
+    parser.add_argument("--timeout-s", type=float, default=900, help="after the kills, to reach --steps")
+    parser.add_argument("--settle-s", type=float, default=5, help="after stopping the run, before the audit")
+    parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("runs/perf/chaos"))
+    args = parser.parse_args()
+    model_path = args.model_path
+    if model_path is None:
+        from policyloop.models.bootstrap import BootstrapConfig, bootstrap
+
+        model_path = bootstrap(BootstrapConfig())
+    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
+        root = Path(tmp)
+        env = {
+            "POLICYLOOP_MODEL_PATH": str(model_path),
+            "POLICYLOOP_GROUPS_PER_STEP": str(args.groups_per_step),
+            "POLICYLOOP_MAX_LAG": str(args.max_lag),
+            "POLICYLOOP_CHECKPOINT_EVERY": str(args.checkpoint_every),
+            "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
+            **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
+               for kind in ("rollout", "reward", "learner", "sandbox")},
+        }
+        cluster = LocalCluster(root, extra_env=env, fresh=True)
+        cluster.start()
+        try:
+            result = asyncio.run(drive(cluster, args))
+        finally:
+            cluster.stop()
+    result["ok"] = (result["lost"] == 0 and result["trained_twice"] == 0 and result["versions_monotonic"]
+                    and result["reached_target_steps"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

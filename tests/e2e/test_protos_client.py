@@ -1,0 +1,76 @@
+"""A gRPC client built only from protos/ drives a running `policyloop up`: invalid calls get the
+right status codes; an arithmetic and a code environment are submitted, a run mixing both is
+started, watched until the learner has trained samples of both, and stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_local_cluster import POLICYLOOP, wait_for_file
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def generate_stubs(out: Path) -> None:
+    """Python modules from the .proto files alone (the package is policyloop.v1, as they say)."""
+    protos = sorted((REPO / "protos" / "policyloop" / "v1").glob("*.proto"))
+    subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{REPO / 'protos'}", f"--python_out={out}",
+                    f"--grpc_python_out={out}", *map(str, protos)], check=True, capture_output=True, timeout=60)
+    for package in (out / "policyloop", out / "policyloop" / "v1"):
+        (package / "__init__.py").touch()
+
+
+@pytest.mark.timeout(480)
+def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path, tiny_model_dir: Path) -> None:
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    generate_stubs(stubs)
+    run_dir = tmp_path / "cluster"
+    # No lag bound: code groups wait for the sandbox (one job at a time) and may be scored several
+    # versions after the arithmetic ones; here they must be trained, not dropped as stale.
+    env = {**os.environ, "POLICYLOOP_GROUPS_PER_STEP": "4", "POLICYLOOP_MAX_LAG": "-1"}
+    up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir)],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        wait_for_file(run_dir / "cluster.json", up, 60)
+        status = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir), "--wait-s", "120", "--json"],
+                                capture_output=True, text=True, timeout=150)
+        assert status.returncode == 0, status.stdout + status.stderr
+        gateway = json.loads((run_dir / "cluster.json").read_text())["processes"]["gateway-0"]["grpc"]
+        client = subprocess.run(
+            [sys.executable, str(Path(__file__).with_name("protos_client.py")), f"127.0.0.1:{gateway}"],
+            capture_output=True, text=True, timeout=330, cwd=tmp_path,
+            env={"PATH": os.environ["PATH"], "PYTHONPATH": str(stubs)})
+        assert client.returncode == 0, client.stdout + client.stderr
+        report = json.loads(client.stdout.strip().splitlines()[-1])
+    finally:
+        up.send_signal(signal.SIGINT)
+        up.communicate(timeout=90)
+
+    # The client imported the generated stubs, nothing of the project.
+    assert report["imported"] == ["policyloop", "policyloop.v1", "policyloop.v1.bus_pb2",
+                                  "policyloop.v1.loop_pb2", "policyloop.v1.loop_pb2_grpc"]
+    invalid = report["invalid"]
+    assert invalid["no_tasks"].startswith("INVALID_ARGUMENT environment.tasks")
+    assert invalid["no_scorer"].startswith("INVALID_ARGUMENT environment.scorer")
+    assert invalid["unknown_environment"].startswith("NOT_FOUND environments[0].environment")
+    assert invalid["bad_weight"].startswith("INVALID_ARGUMENT environments[0].weight")
+    assert invalid["unknown_run"].startswith("NOT_FOUND run_id")
+    assert invalid["changed_definition"].startswith("ALREADY_EXISTS")
+    assert report["submitted"] == [["sums@v1", 40, True], ["functions@v1", 3, True]]
+    assert report["resubmitted_same"] is False
+    assert report["run_started"] == "RUN_STATE_RUNNING" and report["watch_updates"] >= 2
+    progress = report["progress"]
+    assert progress["learner_step"] >= 2, report
+    assert set(progress["environments"]) == {"sums@v1", "functions@v1"}
+    assert all(e["trained_samples"] > 0 for e in progress["environments"].values()), report
+    assert progress["generated_tokens"] > 0 and progress["policy_version"] >= 2
+    assert report["run_stopped"] == report["get_run"] == "RUN_STATE_STOPPED"
+    assert ["policy", progress["policy_version"]] in report["policies"] or report["policies"][0][1] >= 2

@@ -1,0 +1,82 @@
+"""`policyloop env` and `policyloop run` against a real gateway: submit from JSONL, start,
+watch and stop a run; bad files and refused calls end with a clear message and exit code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policyloop.cluster.client import TaskFileError, build_environment, parse_mix, read_tasks
+from tests.conftest import ServiceLauncher
+
+POLICYLOOP = [sys.executable, "-m", "policyloop"]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*POLICYLOOP, *args], capture_output=True, text=True, timeout=60)
+
+
+async def test_submit_start_watch_and_stop_through_the_cli(services: ServiceLauncher, tmp_path: Path) -> None:
+    gateway = services.start("gateway")
+    await services.wait_healthy(gateway)
+    address = ["--gateway", f"127.0.0.1:{gateway.ports['grpc']}"]
+    tasks = tmp_path / "sums.jsonl"
+    tasks.write_text("\n".join(json.dumps({"prompt": f"{a}+{a}=", "answer": str(2 * a)}) for a in range(10, 20)))
+
+    submitted = await asyncio.to_thread(cli, "env", "submit", str(tasks), "--name", "sums", "--group-size", "4",
+                                        *address)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert json.loads(submitted.stdout) == {"environment": "sums@v1", "tasks": 10, "created": True}
+    again = await asyncio.to_thread(cli, "env", "submit", str(tasks), "--name", "sums", "--group-size", "4", *address)
+    assert json.loads(again.stdout)["created"] is False
+    changed = await asyncio.to_thread(cli, "env", "submit", str(tasks), "--name", "sums", "--group-size", "2",
+                                      *address)
+    assert changed.returncode == 1 and "ALREADY_EXISTS" in changed.stdout
+
+    unknown = await asyncio.to_thread(cli, "run", "start", "--env", "nothing@v1", *address)
+    assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stdout and "environments[0]" in unknown.stdout
+    started = await asyncio.to_thread(cli, "run", "start", "--env", "sums@v1=1", "--num-tasks", "6",
+                                      "--run-id", "cli-run", *address)
+    assert started.returncode == 0, started.stdout + started.stderr
+    run = json.loads(started.stdout)
+    assert run["runId"] == "cli-run" and run["state"] == "RUN_STATE_RUNNING" and run["tasksTotal"] == 6
+
+    stopped = await asyncio.to_thread(cli, "run", "stop", "cli-run", *address)
+    assert stopped.returncode == 0 and stopped.stdout.startswith("stopped")
+    watched = await asyncio.to_thread(cli, "run", "watch", "cli-run", *address)  # ends with the run
+    assert watched.returncode == 0 and watched.stdout.startswith("stopped") and "tasks" in watched.stdout
+    missing = await asyncio.to_thread(cli, "run", "watch", "no-such-run", *address)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
+
+
+def test_a_bad_task_file_names_the_line_and_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "anwser": "4"}\n')
+    with pytest.raises(TaskFileError, match=r"bad.jsonl:2: anwser: unknown field"):
+        read_tasks(bad)
+    bad.write_text('{"prompt": "1+1=", "metadata": {"tests": 3}}\n')
+    with pytest.raises(TaskFileError, match=r":1: metadata"):
+        read_tasks(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(TaskFileError, match=r":1: not JSON"):
+        read_tasks(bad)
+    result = cli("env", "submit", str(bad), "--name", "x", "--gateway", "127.0.0.1:1")
+    assert result.returncode == 2 and "not JSON" in result.stdout  # refused before any call
+
+
+def test_environments_and_mixes_from_flags() -> None:
+    env = build_environment("code", "v2", [], "unit_tests", code="import math\n", timeout_s=3)
+    assert env.unit_tests.test_code == "import math\n" and env.unit_tests.timeout_seconds == 3
+    assert build_environment("r", "v1", [], "regex", pattern="a+").builtin.pattern == "a+"
+    multi = build_environment("m", "v1", [], "exact_answer", max_turns=3, tools=["python"])
+    assert multi.max_turns == 3 and list(multi.tools) == ["python"]
+    with pytest.raises(ValueError, match="scorer must be one of"):
+        build_environment("x", "v1", [], "vibes")
+    assert [(m.environment, m.weight) for m in parse_mix(["a@v1=0.7", "b@v2"])] == [("a@v1", 0.7), ("b@v2", 1.0)]
+    with pytest.raises(ValueError, match="must be a number"):
+        parse_mix(["a@v1=lots"])

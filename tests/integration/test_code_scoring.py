@@ -1,0 +1,129 @@
+"""Code scorers through the real reward and sandbox services: unit tests of completions and a
+team's reward code run in the sandbox (request/reply over SANDBOX), never in the reward service."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from policyloop.bus import Bus, rollouts_subject
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.envs.code import code_environment, reference_solutions, scorer_metadata
+from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
+from tests.conftest import ServiceLauncher
+from tests.helpers import eventually, stored
+
+try:
+    check_isolation()
+except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
+
+
+def rollout(trajectory_id: str, prompt: str, completion: str, metadata: dict[str, str]) -> bus_pb2.Trajectory:
+    return bus_pb2.Trajectory(
+        trajectory_id=trajectory_id, task_id=trajectory_id, group_id=trajectory_id, group_size=1,
+        environment="code", prompt_text=prompt, response_text=completion, response_token_ids=[5],
+        behaviour_logprobs=[-1.0], loss_mask=[True], finish_reason=bus_pb2.FINISH_REASON_STOP,
+        version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=1)], metadata=metadata)
+
+
+async def scored(bus: Bus, rollouts: list[bus_pb2.Trajectory]) -> dict[str, bus_pb2.Trajectory]:
+    for traj in rollouts:
+        await bus.publish(rollouts_subject("code"), traj, traj.trajectory_id)
+
+    async def all_scored() -> bool:
+        return len(await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)) == len(rollouts)
+
+    await eventually(all_scored, timeout_s=90, what="every rollout scored")
+    return {t.trajectory_id: t for t in await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)}
+
+
+def parts(traj: bus_pb2.Trajectory) -> dict[str, tuple[float, str]]:
+    return {c.name: (c.value, c.detail) for c in traj.reward_breakdown}
+
+
+async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher) -> None:
+    sandbox, reward = services.start("sandbox"), services.start("reward")
+    await services.wait_healthy(sandbox, reward, timeout_s=60)
+    env = code_environment()
+    task = env.tasks[0]  # def add(a, b):
+    metadata = {**dict(task.metadata), **scorer_metadata(env)}
+    prompt = task.prompt_text
+    right = reference_solutions()[prompt]
+    forged = 'print("0123 {\\"compiled\\": true, \\"tests\\": [[\\"test_0\\", true, \\"\\"]]}")\n    return 42'
+    results = await scored(bus, [
+        rollout("right", prompt, right, metadata),
+        rollout("half", prompt, "return a + b if a > 0 else 99", metadata),
+        rollout("syntax", prompt, "return a +", metadata),
+        rollout("loop", prompt, "while True: pass", metadata),
+        rollout("exit", prompt, "import os; os._exit(0)", metadata),
+        rollout("forged", prompt, forged, metadata),
+    ])
+    assert results["right"].reward == 1.0 and parts(results["right"])["tests_passed"] == (1.0, "2/2 passed")
+    assert results["half"].reward == 0.5 and "1/2 passed" in parts(results["half"])["tests_passed"][1]
+    assert results["syntax"].reward == 0.0 and "SyntaxError" in parts(results["syntax"])["compiled"][1]
+    assert results["loop"].reward == 0.0
+    assert {"limit_cpu_time", "limit_wall_time"} & set(parts(results["loop"]))  # which limit stopped it
+    assert results["exit"].reward == 0.0 and "crashed" in parts(results["exit"])  # exiting early earns nothing
+    assert results["forged"].reward == 0.0  # printing a report does not pass for the harness's
+
+
+async def test_reward_code_runs_in_the_sandbox_not_in_the_reward_service(
+        bus: Bus, services: ServiceLauncher, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = uuid.uuid4().hex
+    marker = Path(f"/tmp/pl-reward-code-{uuid.uuid4().hex}")
+    sandbox = services.start("sandbox")
+    reward = services.start("reward", env={"POLICYLOOP_TEST_SECRET": secret})
+    await services.wait_healthy(sandbox, reward, timeout_s=60)
+
+    def team_code(body: str) -> dict[str, str]:
+        env = loop_pb2.Environment(reward_code=loop_pb2.RewardCodeScorer(source=body, timeout_seconds=3))
+        return scorer_metadata(env)
+
+    length = team_code("def reward(prompt, completion, metadata):\n"
+                       "    return len(completion) / 10, 'length/10'\n")
+    snoop = team_code("import os\n"
+                      f"open('{marker}', 'w').write('escaped')\n"
+                      "def reward(prompt, completion, metadata):\n"
+                      "    return float(any('" + secret + "' in v for v in os.environ.values()))\n")
+    results = await scored(bus, [
+        rollout("length", "p", "abcde", length),
+        rollout("crash", "p", "x", team_code("def reward(prompt, completion, metadata):\n    return 1 / 0\n")),
+        rollout("slow", "p", "x", team_code("def reward(p, c, m):\n    while True: pass\n")),
+        rollout("nan", "p", "x", team_code("def reward(p, c, m):\n    return float('nan')\n")),
+        rollout("snoop", "p", "x", snoop),
+    ])
+    assert results["length"].reward == 0.5 and parts(results["length"])["reward_code"] == (0.5, "length/10")
+    assert results["crash"].reward == 0.0 and "ZeroDivisionError" in parts(results["crash"])["crashed"][1]
+    assert results["slow"].reward == 0.0
+    assert {"limit_cpu_time", "limit_wall_time"} & set(parts(results["slow"]))
+    assert results["nan"].reward == 0.0 and "finite" in parts(results["nan"])["reward_code"][1]
+    # The team's code ran where the reward service's environment and the host's /tmp are not.
+    assert results["snoop"].reward == 0.0 and not marker.exists()
+
+
+async def test_every_task_of_the_code_environment_is_solvable() -> None:
+    """Each task's reference body passes all its tests and a body that raises passes none (run
+    in the sandbox directly, as its replicas do)."""
+    import shutil
+    import tempfile
+
+    from policyloop.envs.code import sandbox_job, score_result
+    from policyloop.sandbox.runner import JobLimits, run_job
+
+    root = Path(tempfile.mkdtemp(prefix="pl-code-env-"))
+    root.chmod(0o711)
+    env = code_environment()
+    solutions = reference_solutions()
+    try:
+        for task in env.tasks:
+            metadata = {**dict(task.metadata), **scorer_metadata(env)}
+            for completion, expected in ((solutions[task.prompt_text], 1.0), ("raise ValueError('no')", 0.0)):
+                traj = rollout("t", task.prompt_text, completion, metadata)
+                code_job = sandbox_job(traj)
+                result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=5), root)
+                assert score_result(traj, code_job, result)[0] == expected, (task.prompt_text, completion, result)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

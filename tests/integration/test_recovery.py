@@ -1,0 +1,185 @@
+"""Kill services with SIGKILL and check the ledger: nothing lost, nothing trained twice, the
+version sequence without gap or reuse (issue 6)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from policyloop.bus import Bus, tasks_subject, trajectories_subject
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.ledger import Audit, audit_bus, record_generated, trained_steps
+from policyloop.state import VersionRegistry
+from tests.conftest import ServiceLauncher
+from tests.helpers import eventually, scored_group
+
+
+async def publish_groups(bus: Bus, tasks: list[str], **shape: int) -> None:
+    """What rollout and reward do for a group: record it generated, store it scored."""
+    for task in tasks:
+        group = scored_group(task, **shape)
+        for traj in group:
+            await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+        await record_generated(bus, group, "test")
+
+
+async def clean_audit(bus: Bus) -> Audit:
+    report = await audit_bus(bus)
+    assert report.lost == 0, report.lost_ids
+    assert report.trained_twice == 0, report.twice_ids
+    assert report.versions_monotonic
+    return report
+
+
+async def test_learner_killed_between_steps_resumes_from_checkpoint_and_ledger(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """Checkpoints every 2 steps; killed at version 5, the next learner loads checkpoint 4,
+    replays step 5 from the ledger (bit-exact: the manifest hash must match) and goes on at 6."""
+    versions = VersionRegistry(redis_client, "default")
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT_EVERY": "2",
+           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    first = services.start("learner", env=env)
+    await services.wait_healthy(first, timeout_s=60)
+    for n in range(5):  # one at a time: each step trains one known group
+        await publish_groups(bus, [f"g{n}"])
+        await eventually(lambda n=n: _at(versions, n + 1), timeout_s=60, what=f"version {n + 1}")
+    first.kill()
+    assert [r.version for r in await trained_steps(bus, "policy")] == [1, 2, 3, 4, 5]
+
+    second = services.start("learner", env=env)
+    await services.wait_healthy(second, timeout_s=60)
+    resumed = [e for e in second.log_events() if e["event"] == "learner_resumed"]
+    assert resumed and resumed[0]["checkpoint_version"] == 4 and resumed[0]["replayed"] == 1
+    assert [e["version"] for e in second.log_events() if e["event"] == "step_replayed"] == [5]
+    await publish_groups(bus, ["g5", "g6"])
+    await eventually(lambda: _at(versions, 7), timeout_s=60, what="version 7")
+    await eventually(lambda: _settled(bus), what="every trajectory acked")
+    report = await clean_audit(bus)
+    assert report.generated == report.trained == 14 and report.steps == 7 and report.pending == 0
+
+    # SIGTERM checkpoints the newest version: the next learner replays nothing.
+    assert second.terminate() == 0
+    third = services.start("learner", env=env)
+    await services.wait_healthy(third, timeout_s=60)
+    [resumed] = [e for e in third.log_events() if e["event"] == "learner_resumed"]
+    assert resumed["checkpoint_version"] == 7 and resumed["replayed"] == 0 and resumed["version"] == 7
+    # Without resume, the learner refuses to train the base weights under version 7.
+    third.kill()
+    fourth = services.start("learner", env={**env, "POLICYLOOP_RESUME": "false"})
+    assert await asyncio.to_thread(fourth.proc.wait, 60) == 1
+
+
+async def test_learner_killed_mid_step_trains_nothing_twice(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """A step big enough to take a while is interrupted by SIGKILL: whether or not it reached
+    the ledger, the next learner ends at the same place with every sample trained once."""
+    versions = VersionRegistry(redis_client, "default")
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "24", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT_EVERY": "0",
+           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    shape = {"size": 8, "response_len": 96}  # a step of a second or so
+    first = services.start("learner", env=env)
+    await services.wait_healthy(first, timeout_s=60)
+    interrupted = 0
+    for attempt in range(6):
+        await publish_groups(bus, [f"a{attempt}g{n}" for n in range(24)], **shape)
+        before = await versions.get("policy")
+        await eventually(lambda: _holds(bus, 24 * 8), interval_s=0.02, what="the step's samples delivered")
+        first.kill()  # the step starts once all are held; it has not published yet
+        if await versions.get("policy") == before:
+            interrupted += 1
+            break
+        # The step finished before the kill: start again and try with the next batch.
+        first = services.start("learner", env=env)
+        await services.wait_healthy(first, timeout_s=60)
+    assert interrupted, ("no kill landed inside a step", [
+        (e.get("step"), e.get("step_s")) for e in first.log_events() if e["event"] == "step"])
+    second = services.start("learner", env=env)
+    await services.wait_healthy(second, timeout_s=60)
+    target = before + 1
+    await eventually(lambda: _at(versions, target), timeout_s=90, what=f"version {target}")
+    await eventually(lambda: _settled(bus), timeout_s=30, what="every trajectory acked")
+    report = await clean_audit(bus)
+    assert report.steps == target and report.trained == report.generated == 24 * 8 * target
+    assert report.pending == 0 and report.dropped == {}
+
+
+async def test_rollout_killed_mid_generation_loses_nothing(
+        bus: Bus, services: ServiceLauncher) -> None:
+    """A replica killed while sampling: its tasks are redelivered to another replica and every
+    trajectory is generated, scored and stored once under its id."""
+    first = services.start("rollout", "rollout-a", env={"POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CONCURRENCY": "2"})
+    reward = services.start("reward")
+    await services.wait_healthy(first, reward, timeout_s=60)
+    tasks = [f"t{n}" for n in range(12)]
+    for task_id in tasks:
+        await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
+            task_id=task_id, run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=4,
+            metadata={"answer": "46", "scorer": "exact_answer"},
+            sampling=bus_pb2.SamplingParams(max_new_tokens=48, temperature=1.0, seed=3)), task_id)
+
+    async def generating() -> bool:
+        backlog = await bus.backlog("rollout")
+        return backlog.ack_pending > 0 and backlog.pending < len(tasks) - 2
+
+    await eventually(generating, timeout_s=60, what="tasks being sampled")
+    first.kill()  # mid-generation: it holds tasks it has not finished
+    second = services.start("rollout", "rollout-b", env={"POLICYLOOP_MAX_LAG": "-1"})
+    await services.wait_healthy(second, timeout_s=60)
+
+    async def all_scored() -> bool:
+        report = await audit_bus(bus)
+        return report.generated == report.scored == len(tasks) * 4
+
+    await eventually(all_scored, timeout_s=90, what="every task generated and scored")
+    report = await audit_bus(bus)
+    assert report.lost == 0 and report.pending == report.generated  # the learner would take them all
+    replicas = {t.rollout_replica async for t in _stored_trajectories(bus)}
+    assert replicas == {"rollout-a", "rollout-b"} or replicas == {"rollout-b"}
+    assert (await bus.js.stream_info("TRAJECTORIES")).state.messages == len(tasks) * 4  # each id stored once
+
+
+async def _stored_trajectories(bus: Bus):  # type: ignore[no-untyped-def]
+    async for _, msg in bus.read("TRAJECTORIES", "pl.traj.>"):
+        yield bus_pb2.Trajectory.FromString(msg.data)
+
+
+async def _at(versions: VersionRegistry, version: int) -> bool:
+    return await versions.get("policy") >= version
+
+
+async def _holds(bus: Bus, count: int) -> bool:
+    return (await bus.backlog("learner")).ack_pending >= count
+
+
+async def _settled(bus: Bus) -> bool:
+    backlog = await bus.backlog("learner")
+    return backlog.pending == 0 and backlog.ack_pending == 0
+
+
+async def test_a_learner_refuses_a_ledger_it_cannot_replay(bus: Bus, services: ServiceLauncher) -> None:
+    """A step record that is not a LedgerEvent, or whose replay gives other weights than it
+    records, stops the learner with the reason instead of training on (or reusing a version)."""
+    from policyloop.bus import ledger_subject
+    from policyloop.bus.connection import MSG_ID_HEADER
+    from policyloop.ledger import TRAINED, StepRecord, record_trained
+
+    subject = ledger_subject(TRAINED, "policy")
+    await bus.publish_bytes(subject, b"\xff\x00 not a ledger event", {MSG_ID_HEADER: "garbage"})
+    learner = services.start("learner")
+    assert await asyncio.to_thread(learner.proc.wait, 60) == 1
+    [failure] = [e for e in learner.log_events() if e["event"] == "service_failed"]
+    assert "LEDGER message 1 on pl.ledger.trained.policy is not a LedgerEvent" in failure["error"]
+
+    await bus.js.purge_stream("LEDGER")
+    group = scored_group("g")
+    sequences = [(await bus.publish(trajectories_subject("e"), t, t.trajectory_id)).seq for t in group]
+    await record_trained(bus, "policy", "r", "test", StepRecord(
+        step=1, version=1, manifest_hash="0" * 32, trajectory_ids=tuple(t.trajectory_id for t in group),
+        stream_sequences=tuple(sequences)))
+    replaying = services.start("learner")
+    assert await asyncio.to_thread(replaying.proc.wait, 60) == 1
+    [failure] = [e for e in replaying.log_events() if e["event"] == "service_failed"]
+    assert "not the recorded " + "0" * 32 in failure["error"] and "not deterministic" in failure["error"]

@@ -1,0 +1,131 @@
+"""A rollout replica takes a new version while it samples, through the SGLang client and each of
+SGLang's pause modes: requests in flight go on (in_place, retract) or are aborted and resumed as
+partial rollouts (abort); every token's version is recorded."""
+
+from __future__ import annotations
+
+import pytest
+import safetensors.torch
+import torch
+
+from policyloop.bus import Bus, tasks_subject
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.state import HeartbeatRegistry
+from policyloop.weights.client import VersionPusher, WeightClient
+from policyloop.weights.torch_io import weight_set
+from tests.conftest import ServiceLauncher
+from tests.helpers import eventually, stored
+
+# Fixed-length samples (ignore_eos): every wave decodes TOKENS steps, so a version pushed once
+# tokens are flowing lands while requests are in flight.
+TASKS, GROUP, TOKENS = 16, 8, 200
+
+
+@pytest.mark.parametrize("mode", ["abort", "in_place", "retract"])
+async def test_a_version_published_mid_generation_reaches_requests_in_flight(
+        mode: str, bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.engines.embedded import start_engine
+
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    # The engine runs in this process (the replica drives it at its URL, as it would SGLang), so the
+    # test can push the version once tokens are being generated, not merely once tasks are taken.
+    engine = await start_engine(services.model_dir, weight_version="0")
+    try:
+        await _update_mid_generation(mode, engine, bus, services, redis_client, publisher)
+    finally:
+        await engine.stop()
+
+
+async def _update_mid_generation(mode: str, engine, bus: Bus, services: ServiceLauncher, redis_client,  # type: ignore[no-untyped-def]
+                                 publisher) -> None:
+    rollout = services.start("rollout", env={
+        "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
+        "POLICYLOOP_WEIGHT_UPDATE_MODE": mode})
+    reward = services.start("reward")
+    await services.wait_healthy(rollout, reward, timeout_s=60)
+    base = safetensors.torch.load_file(str(services.model_dir / "model.safetensors"))
+    torch.manual_seed(0)
+    changed = {k: t + 0.05 * torch.randn_like(t) if t.is_floating_point() else t for k, t in base.items()}
+    version = weight_set(1, changed)
+    for n in range(TASKS):
+        await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
+            task_id=f"t{n}", run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=GROUP,
+            metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(
+                max_new_tokens=TOKENS, temperature=1.0, seed=n, ignore_eos=True)), f"t{n}")
+
+    async def generating() -> bool:
+        return any(tokens >= 4 for tokens in engine.in_flight().values())
+
+    await eventually(generating, timeout_s=60, interval_s=0.02, what="tokens being generated")
+    client = WeightClient(f"127.0.0.1:{publisher.ports['grpc']}")
+    try:
+        await VersionPusher(client, "policy").push(version, step=1)
+    finally:
+        await client.close()
+
+    async def all_scored() -> bool:
+        return len(await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)) == TASKS * GROUP
+
+    await eventually(all_scored, timeout_s=120, what="every sample scored")
+    trajectories = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
+    straddling = 0
+    kinds: dict[tuple[int, ...], int] = {}
+    for traj in trajectories:
+        n = len(traj.response_token_ids)
+        spans = [(s.version, s.start, s.end) for s in traj.version_spans]
+        assert n == TOKENS and len(traj.behaviour_logprobs) == n  # every token has its logprob
+        assert spans[0][1] == 0 and spans[-1][2] == n
+        assert all(a[2] == b[1] for a, b in zip(spans, spans[1:], strict=False))
+        assert [v for v, _, _ in spans] in ([0], [1], [0, 1])
+        straddling += [v for v, _, _ in spans] == [0, 1]
+        kinds[tuple(v for v, _, _ in spans)] = kinds.get(tuple(v for v, _, _ in spans), 0) + 1
+        # Never cut short: an aborted request was resumed until it used its budget.
+        assert traj.finish_reason == bus_pb2.FINISH_REASON_LENGTH
+    assert straddling > 0, f"no sample was in flight across the update: {kinds}"
+    [beat] = await HeartbeatRegistry(redis_client, "default").alive("rollout")
+    resubmitted = int(beat.detail.get("resubmitted", 0))
+    assert (resubmitted > 0) if mode == "abort" else (resubmitted == 0)
+    assert beat.policy_version == 1
+
+
+async def test_a_replica_whose_engine_goes_away_reports_it_and_publishes_nothing_until_it_returns(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """engine=sglang at a URL: the replica checks /health; while the engine is gone it reports
+    unhealthy and its Task is nakked (no trajectory without an engine answer); once the engine
+    is back on the same address the Task is sampled and the replica is healthy again."""
+    from policyloop.cluster.local import free_port
+    from policyloop.engines.embedded import start_engine
+
+    port = free_port()
+    engine = await start_engine(services.model_dir, port=port, weight_version="0")
+    rollout = services.start("rollout", env={
+        "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
+        "POLICYLOOP_ENGINE_HEALTH_INTERVAL_S": "0.3", "POLICYLOOP_GENERATE_TIMEOUT_S": "5"})
+    await services.wait_healthy(rollout, timeout_s=60)
+    registry = HeartbeatRegistry(redis_client, "default")
+    await engine.stop()
+
+    async def unhealthy() -> bool:
+        beats = await registry.alive("rollout")
+        return bool(beats) and not beats[0].healthy
+
+    await eventually(unhealthy, timeout_s=15, what="the replica reporting its engine gone")
+    await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
+        task_id="t", run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=2,
+        metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(max_new_tokens=6)), "t")
+
+    async def retried() -> bool:
+        return (await bus.backlog("rollout")).redelivered > 0
+
+    await eventually(retried, timeout_s=30, what="the task nakked and delivered again")
+    assert await stored(bus, "ROLLOUTS", bus_pb2.Trajectory) == []
+    engine = await start_engine(services.model_dir, port=port, weight_version="0")
+    try:
+        async def sampled() -> bool:
+            return len(await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)) == 2
+
+        await eventually(sampled, timeout_s=60, what="the task sampled once the engine is back")
+        await services.wait_healthy(rollout, timeout_s=15)
+    finally:
+        await engine.stop()

@@ -1,0 +1,205 @@
+"""Hostile jobs against the real sandbox (bubblewrap namespaces + rlimits): each is contained,
+the result says which limit fired, and the sandbox goes on serving."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
+
+try:
+    check_isolation()
+except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
+
+if not Path("/usr/bin/python3").exists():  # pragma: no cover - the jobs use the system interpreter
+    pytest.skip("no /usr/bin/python3 for the jobs", allow_module_level=True)
+
+L = bus_pb2.SandboxLimit
+LIMITS = JobLimits(wall_seconds=10, cpu_seconds=3, memory_bytes=256 * 1024**2, max_processes=24,
+                   max_output_bytes=64 * 1024)
+
+
+@pytest.fixture
+def scratch_root() -> Iterator[Path]:
+    """A scratch root the unprivileged job user can traverse (pytest's own is root-only)."""
+    root = Path(tempfile.mkdtemp(prefix="pl-sandbox-adv-"))
+    root.chmod(0o711)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def python_job(code: str, **limits: float) -> tuple[bus_pb2.SandboxJob, JobLimits]:
+    job = bus_pb2.SandboxJob(job_id=uuid.uuid4().hex, command=["python3", "job.py"],
+                             files={"job.py": code.encode()})
+    return job, JobLimits(**{**LIMITS.__dict__, **limits})
+
+
+async def run_python(code: str, scratch_root: Path, **limits: float) -> bus_pb2.SandboxResult:
+    job, job_limits = python_job(code, **limits)
+    return await run_job(job, job_limits, scratch_root)
+
+
+async def still_serving(scratch_root: Path) -> None:
+    result = await run_python("print(6 * 7)", scratch_root)
+    assert result.exit_code == 0 and result.stdout == b"42\n" and result.limit_hit == L.SANDBOX_LIMIT_NONE
+
+
+async def test_no_network_not_even_the_hosts_loopback(scratch_root: Path) -> None:
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.settimeout(0.5)
+        port = listener.getsockname()[1]
+        result = await run_python(f"""
+import socket
+for address in (("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)):
+    try:
+        socket.create_connection(address, timeout=2)
+        print("CONNECTED", address)
+    except OSError as exc:
+        print("refused", address, exc.errno)
+""", scratch_root)
+        with pytest.raises(TimeoutError):
+            listener.accept()  # nothing came in from the job
+    assert b"CONNECTED" not in result.stdout and result.stdout.count(b"refused") == 3, result
+    await still_serving(scratch_root)
+
+
+async def test_a_fork_bomb_hits_the_process_limit(scratch_root: Path) -> None:
+    result = await run_python("""
+import os, time
+children = 0
+while True:
+    try:
+        if os.fork() == 0:
+            time.sleep(30)
+            os._exit(0)
+        children += 1
+    except BlockingIOError as exc:
+        raise SystemExit(f"fork refused after {children}: {exc!r}")
+""", scratch_root, max_processes=16)
+    assert result.limit_hit == L.SANDBOX_LIMIT_PROCESSES, result
+    assert b"fork refused after" in result.stderr and result.wall_seconds < 9
+    await still_serving(scratch_root)
+
+
+async def test_a_memory_bomb_hits_the_memory_limit(scratch_root: Path) -> None:
+    result = await run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 1024**2))\n",
+                              scratch_root, memory_bytes=256 * 1024**2)
+    assert result.exit_code != 0 and result.limit_hit == L.SANDBOX_LIMIT_MEMORY, result
+    await still_serving(scratch_root)
+
+
+async def test_an_infinite_loop_hits_the_cpu_limit(scratch_root: Path) -> None:
+    result = await run_python("while True:\n    pass\n", scratch_root, cpu_seconds=1, wall_seconds=10)
+    assert result.limit_hit == L.SANDBOX_LIMIT_CPU_TIME and result.exit_code != 0, result
+    assert result.wall_seconds < 8
+    await still_serving(scratch_root)
+
+
+async def test_a_sleeping_job_hits_the_wall_clock(scratch_root: Path) -> None:
+    result = await run_python("import time\ntime.sleep(60)\n", scratch_root, wall_seconds=1.5)
+    assert result.limit_hit == L.SANDBOX_LIMIT_WALL_TIME and result.wall_seconds < 5, result
+
+
+async def test_huge_output_is_capped(scratch_root: Path) -> None:
+    result = await run_python("import sys\nsys.stdout.write('x' * 10**7)\nsys.stderr.write('y' * 10**6)\n",
+                              scratch_root, max_output_bytes=4096)
+    assert result.limit_hit == L.SANDBOX_LIMIT_OUTPUT
+    assert len(result.stdout) == 4096 and result.stdout_truncated and result.stderr_truncated
+    await still_serving(scratch_root)
+
+
+async def test_nothing_outside_the_scratch_directory_can_be_written(scratch_root: Path) -> None:
+    outside = Path(tempfile.mkdtemp(prefix="pl-outside-"))
+    outside.chmod(0o777)  # writable by anyone on the host, yet not from the job
+    try:
+        result = await run_python(f"""
+import os
+for path in ("/usr/evil", "/evil", "/proc/evil", "{outside}/evil", "/job/../evil", "/etc/passwd"):
+    try:
+        with open(path, "w") as f:
+            f.write("x")
+        print("WROTE", path)
+    except OSError as exc:
+        print("denied", path, exc.errno)
+with open("inside.txt", "w") as f:
+    f.write("ok")
+print(open("inside.txt").read())
+""", scratch_root)
+        assert b"WROTE" not in result.stdout and result.stdout.count(b"denied") == 6, result
+        assert result.stdout.endswith(b"ok\n")
+        assert list(outside.iterdir()) == []
+    finally:
+        shutil.rmtree(outside, ignore_errors=True)
+
+
+async def test_host_secrets_are_out_of_reach(scratch_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    secret = uuid.uuid4().hex
+    monkeypatch.setenv("POLICYLOOP_TEST_SECRET", secret)  # in the sandbox service's environment
+    secret_file = Path(tempfile.mkdtemp(prefix="pl-secret-")) / "token"
+    secret_file.parent.chmod(0o755)
+    secret_file.write_text(secret)
+    secret_file.chmod(0o644)  # readable by anyone on the host
+    try:
+        result = await run_python(f"""
+import glob, os
+found = [k for k, v in os.environ.items() if "{secret}" in v]
+for path in ["{secret_file}", "/proc/1/environ", *glob.glob("/proc/*/environ"), "/etc/shadow", "/root/.bashrc"]:
+    try:
+        if "{secret}" in open(path, errors="replace").read():
+            found.append(path)
+    except OSError:
+        pass
+print("visible pids:", sorted(int(p) for p in os.listdir("/proc") if p.isdigit()))
+print("LEAKED" if found else "nothing", found)
+print(sorted(os.environ))
+""", scratch_root)
+        assert b"nothing []" in result.stdout, result
+        assert secret.encode() not in result.stdout + result.stderr
+        assert b"POLICYLOOP" not in result.stdout  # the environment is cleared, not filtered
+    finally:
+        shutil.rmtree(secret_file.parent, ignore_errors=True)
+
+
+async def test_other_processes_cannot_be_signalled(scratch_root: Path) -> None:
+    # A host process of the very user the jobs run as: outside the job's pid namespace.
+    drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"] if os.geteuid() == 0 else []
+    victim = subprocess.Popen([*drop, "sleep", "60"])
+    try:
+        result = await run_python(f"""
+import os, signal
+for pid in ({victim.pid}, {os.getpid()}, 1):
+    try:
+        os.kill(pid, signal.SIGKILL if pid != 1 else 0)
+        print("signalled", pid)
+    except OSError as exc:
+        print("cannot", pid, exc.errno)
+""", scratch_root)
+        assert victim.poll() is None, "the job killed a host process"
+        assert f"cannot {victim.pid}".encode() in result.stdout and f"cannot {os.getpid()}".encode() in result.stdout
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+async def test_a_background_process_does_not_outlive_its_job(scratch_root: Path) -> None:
+    marker = f"{uuid.uuid4().int % 10**6 + 100}.25"  # a sleep duration no one else uses
+    job = bus_pb2.SandboxJob(job_id="bg", command=["sh", "-c", f"sleep {marker} & echo started $!"])
+    result = await run_job(job, LIMITS, scratch_root)
+    assert result.exit_code == 0 and result.stdout.startswith(b"started") and result.wall_seconds < 5
+    survivors = subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True, text=True)
+    assert survivors.stdout == "", f"left behind: {survivors.stdout}"
+    await still_serving(scratch_root)
+

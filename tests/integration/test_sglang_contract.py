@@ -1,0 +1,141 @@
+"""The contract with SGLang 0.5.23: every request the client can send, as it goes on the wire, is
+checked against SGLang's own API (tests/data/sglang-0.5.23-api.json, extracted from the wheel):
+the route exists, takes the method, and the body has only fields SGLang's request struct has,
+with every field SGLang requires. The requests are captured by aiohttp tracing while the client
+talks to the embedded engine, so what is checked is what was sent."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import aiohttp
+import pytest
+
+from policyloop.engines.embedded import EmbeddedEngine, start_engine
+from policyloop.engines.partial import generate_resumable
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import EngineError, SGLangClient
+
+REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-api.json").read_text())
+# io_struct.BaseReq (the base of every *ReqInput but GenerateReqInput), left out of the extraction.
+BASE_REQ_FIELDS = {"rid", "http_worker_ipc"}
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path) -> AsyncIterator[EmbeddedEngine]:
+    running = await start_engine(tiny_model_dir, max_batch=8, threads=1, weight_version="0")
+    yield running
+    await running.stop()
+
+
+def capturing() -> tuple[aiohttp.TraceConfig, list[tuple[str, str, Any]]]:
+    """A trace config recording (method, path, JSON body or None) of every request sent."""
+    sent: list[tuple[str, str, Any]] = []
+    trace = aiohttp.TraceConfig(trace_config_ctx_factory=lambda trace_request_ctx: SimpleNamespace(chunks=[]))
+
+    async def on_chunk(_session: object, ctx: SimpleNamespace, params: aiohttp.TraceRequestChunkSentParams) -> None:
+        ctx.chunks.append(params.chunk)
+
+    async def on_end(_session: object, ctx: SimpleNamespace, params: aiohttp.TraceRequestEndParams) -> None:
+        raw = b"".join(ctx.chunks)
+        sent.append((params.method, params.url.path, json.loads(raw) if raw else None))
+
+    trace.on_request_chunk_sent.append(on_chunk)
+    trace.on_request_end.append(on_end)
+    return trace, sent
+
+
+def struct_of(route: str) -> str | None:
+    request_type = REFERENCE["routes"][route]["request_type"] or ""
+    match = re.search(r"\b(\w+Req(?:Input)?)\b", request_type)
+    return match.group(1) if match else None
+
+
+def violations(method: str, path: str, body: Any) -> list[str]:
+    """What SGLang 0.5.23 would not take in this request."""
+    route = REFERENCE["routes"].get(path)
+    if route is None:
+        return [f"{path}: SGLang has no such route"]
+    problems = [] if method in route["methods"] else [f"{method} {path}: SGLang takes {route['methods']}"]
+    struct = struct_of(path)
+    if struct is None:
+        return problems + ([f"{path}: SGLang takes no body, got {body!r}"] if body else [])
+    spec = REFERENCE["request_structs"][struct]
+    fields = set(spec["fields"]) | (BASE_REQ_FIELDS if "BaseReq" in spec["bases"] else set())
+    body = body or {}
+    problems += [f"{path}: {struct} has no field {name!r}" for name in body if name not in fields]
+    required = [name for name, f in spec["fields"].items() if f["default"] is None]
+    problems += [f"{path}: {struct} requires {name!r}" for name in required if name not in body]
+    if struct == "GenerateReqInput":
+        sampling = set(REFERENCE["sampling_params_fields"])
+        problems += [f"{path}: SamplingParams has no {name!r}" for name in body.get("sampling_params", {})
+                     if name not in sampling]
+    return problems
+
+
+async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, tiny_model_dir: Path) -> None:
+    trace, sent = capturing()
+    async with SGLangClient(engine.base_url, timeout_s=30, retries=0, trace_configs=[trace]) as client:
+        exercised = set()
+
+        async def call(name: str, *args: Any, **kwargs: Any) -> Any:
+            exercised.add(name)
+            try:
+                return await getattr(client, name)(*args, **kwargs)
+            except EngineError:  # refusals still went on the wire: the request is what is checked
+                return None
+
+        request = GenerateRequest(input_ids=[4, 5, 14, 6, 16], rid="c1", return_text_in_logprobs=True,
+                                  sampling_params=SamplingParams(max_new_tokens=4, temperature=0.7, top_p=0.9, top_k=5,
+                                                                 stop_token_ids=(1,), sampling_seed=3, ignore_eos=True))
+        await call("generate", request)
+        await generate_resumable(client, request)
+        await call("model_info")
+        await call("health")
+        await call("wait_healthy", 5)
+        await call("update_weights_from_disk", str(tiny_model_dir), weight_version="1", flush_cache=True,
+                   abort_all_requests=True, load_format=None)
+        for mode in ("in_place", "retract", "abort"):
+            await call("pause_generation", mode)
+            await call("continue_generation")
+        await call("flush_cache")
+        await call("abort_request", "c1")
+        await call("abort_request", abort_all=True)
+        await call("init_weights_update_group", "127.0.0.1", 29500, 1, 2, backend="nccl")  # refused: no CUDA
+        await call("begin_weight_update", "all")
+        await call("update_weights_from_distributed", ["model.norm.weight"], ["float32"], [[64]],
+                   load_format="flattened_bucket", weight_version="2", flush_cache=False, abort_all_requests=False)
+        await call("end_weight_update")
+        await call("destroy_weights_update_group")
+
+    # Every public call of the client that reaches the engine is exercised here.
+    api = {name for name, member in inspect.getmembers(SGLangClient, inspect.iscoroutinefunction)
+           if not name.startswith("_")} - {"close"}
+    assert api == exercised, f"add to this contract test: {sorted(api - exercised)}"
+    assert {path for _, path, _ in sent} >= {
+        "/generate", "/model_info", "/health", "/update_weights_from_disk", "/pause_generation",
+        "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
+        "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
+        "/destroy_weights_update_group"}
+    bodies = {path: body for _, path, body in sent if body}
+    assert bodies["/generate"]["sampling_params"]["sampling_seed"] == 3 and bodies["/pause_generation"]["mode"]
+    problems = [p for method, path, body in sent for p in violations(method, path, body)]
+    assert not problems, problems
+
+
+def test_the_checker_catches_what_sglang_would_not_take() -> None:
+    assert violations("POST", "/update_weights_from_disk", {"weight_version": "1"}) == [
+        "/update_weights_from_disk: UpdateWeightFromDiskReqInput requires 'model_path'"]
+    assert violations("GET", "/pause_generation", {"mode": "abort", "hard": True}) == [
+        "GET /pause_generation: SGLang takes ['POST']",
+        "/pause_generation: PauseGenerationReqInput has no field 'hard'"]
+    assert violations("POST", "/generate", {"input_ids": [1], "sampling_params": {"temprature": 1}}) == [
+        "/generate: SamplingParams has no 'temprature'"]
+    assert violations("POST", "/update_weights", {}) == ["/update_weights: SGLang has no such route"]
+    assert violations("POST", "/abort_request", {"rid": "x", "abort_all": False}) == []
