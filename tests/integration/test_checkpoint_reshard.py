@@ -27,9 +27,11 @@ STEPS, MORE_STEPS = 2, 2
 # A changed reduction order moves the weights by ~1e-6 after two steps. The key projection's bias
 # has (in exact arithmetic) a zero gradient — softmax ignores a shift common to all keys — so
 # Adam's update there is driven by rounding residue and differs by a few 1e-6 between rank
-# counts even without any checkpoint (the uninterrupted 1- and 2-rank runs differ as much).
+# counts even without any checkpoint (the uninterrupted 1- and 2-rank runs differ as much; 1.03e-5
+# was seen). Its bound stays ten times below what losing the optimizer state costs (> 1e-3 on
+# every tensor, the control test below), so the check still fails when the restore is wrong.
 TIGHT = {"rtol": 1e-5, "atol": 1e-6}
-ZERO_GRADIENT = {"rtol": 1e-5, "atol": 1e-5}
+ZERO_GRADIENT = {"rtol": 1e-5, "atol": 1e-4}
 
 
 def run_steps(ranks: int, *args: str | Path, tmp: Path) -> None:
