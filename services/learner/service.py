@@ -307,6 +307,12 @@ async def body(ctx: ServiceContext) -> None:
             ctx.detail["first_trajectory_at"] = time.time()
         ctx.detail["trajectories_seen"] = int(ctx.detail["trajectories_seen"]) + 1
         if admission is Admission.DUPLICATE:
+            held = waiting.get(traj.trajectory_id)
+            if held is not None:
+                # Still held or in the step under way (an ack wait that lapsed, or a reconnect):
+                # acking this copy would ack the message itself before its step is durable.
+                await asyncio.shield(held)
+                return
             drop("duplicate")
             return
         sequences[traj.trajectory_id] = delivery.stream_seq

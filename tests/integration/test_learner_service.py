@@ -73,3 +73,46 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("learner")
     assert beat.detail["lag_histogram"] == {"0": 2} and beat.detail["entropy"] > 0
     assert beat.detail["is_weight_mean"] > 0
+
+
+async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durable(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """A second delivery of a trajectory the learner holds (a redelivery after a lapsed ack wait
+    or a reconnect; here a re-publication) waits with the held one: acking it at once would ack
+    the sample before any step containing it is durable. It is trained once."""
+    from policyloop.state import HeartbeatRegistry
+
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    learner = services.start("learner", env={
+        "POLICYLOOP_GROUPS_PER_STEP": "2", "POLICYLOOP_MAX_LAG": "-1",
+        "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
+    await services.wait_healthy(learner, timeout_s=60)
+    first, second = scored_group("a")
+    await bus.publish(trajectories_subject("e"), first, "a/0")
+    await bus.publish(trajectories_subject("e"), second, "a/1")
+    await bus.publish(trajectories_subject("e"), first, "a/0-again")
+
+    async def all_held() -> bool:
+        backlog = await bus.backlog("learner")
+        return backlog.pending == 0 and backlog.ack_pending == 3
+
+    await eventually(all_held, timeout_s=30)
+    await asyncio.sleep(1.0)
+    assert (await bus.backlog("learner")).ack_pending == 3  # the copy is held too, not acked
+    for i, traj in enumerate(scored_group("b")):
+        await bus.publish(trajectories_subject("e"), traj, f"b/{i}")
+
+    async def trained() -> bool:
+        backlog = await bus.backlog("learner")
+        return backlog.ack_pending == 0 and await VersionRegistry(redis_client, "default").get("policy") == 1
+
+    await eventually(trained, timeout_s=60)
+
+    async def reported() -> bool:
+        beats = await HeartbeatRegistry(redis_client, "default").alive("learner")
+        return bool(beats) and beats[0].detail.get("step") == 1
+
+    await eventually(reported, timeout_s=30)
+    [beat] = await HeartbeatRegistry(redis_client, "default").alive("learner")
+    assert beat.detail["trained_samples"] == 4  # the copy was not trained again
