@@ -79,6 +79,10 @@ def record_response(traj: bus_pb2.Trajectory, result: GenerateResult, response_t
         raise EngineResultError(f"loss_mask: {len(loss_mask)} values for {n} tokens")
     if result.weight_version in (None, ""):
         raise EngineResultError("meta_info.weight_version: the engine did not report one")
+    versions = [result.weight_version, *(s.version for s in result.weight_versions or [])]
+    if not all(str(v).isdigit() for v in versions):
+        # SGLang's "default" before the rollout names the base weights: no policy version to train by.
+        raise EngineResultError(f"meta_info.weight_version: {versions} are not policy versions (integers)")
     if result.output_logprobs is None or len(result.output_logprobs) != n:
         got = "none" if result.output_logprobs is None else len(result.output_logprobs)
         raise EngineResultError(f"meta_info.output_token_logprobs: {got} for {n} tokens")

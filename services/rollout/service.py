@@ -24,10 +24,13 @@ version is loaded; versions announced meanwhile are skipped, never applied out o
 from __future__ import annotations
 
 import asyncio
+import itertools
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -42,7 +45,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_task
 from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, ModelInfo
-from policyloop.engines.sglang_client import EngineError, SGLangClient
+from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.multiturn import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
@@ -98,7 +101,11 @@ class RolloutSettings(ServiceSettings):
                                 "(SGLang cannot flush while requests are held).")
     max_resubmits: int = Field(8, description="Most resubmissions of one sample cut short by weight updates.")
     engine_health_interval_s: float = Field(
-        2.0, description="How often the engine's /health is checked; the replica reports unhealthy while it fails.")
+        2.0, description="How often the engine's /health is checked; the replica reports unhealthy while it fails, "
+                         "and takes no new Task until it answers again.")
+    engine_outage_wait_s: float = Field(
+        600.0, description="How long a Task whose engine went away mid-sample waits (holding its message) for the "
+                           "engine to answer again before it is handed back; an outage uses up none of its deliveries.")
     groups_per_step: int = Field(32, description="The learner's groups per step (pacing needs it; cluster-wide).")
     max_lag: int = Field(
         1, description="Versions a group may lag when trained; groups beyond it are not started (-1: no pacing)."
@@ -274,29 +281,62 @@ class WeightFollower:
 
 
 class EngineHealth:
-    """Whether the engine answers /health (and, when this replica started it, still runs). An
-    engine that stops answering makes the replica unhealthy; generate calls that fail meanwhile
-    nak their Task, which comes back with growing delays."""
+    """Whether the engine answers /health (and, when this replica started it, still runs). While
+    it does not, the replica reports unhealthy and takes no new Task; a sample whose engine went
+    away waits for it (`wait_recovered`). An engine that comes back is brought to a policy
+    version again (`resync`): a restarted SGLang serves its base weights as "default"."""
 
-    def __init__(self, client: SGLangClient, interval_s: float, proc: subprocess.Popen | None) -> None:
-        self.client, self.interval_s, self.proc = client, interval_s, proc
+    def __init__(self, client: SGLangClient, interval_s: float, proc: subprocess.Popen | None,
+                 resync: Callable[[], Awaitable[None]]) -> None:
+        self.client, self.interval_s, self.proc, self.resync = client, interval_s, proc, resync
         self.answering = True
+        self.recovered = asyncio.Event()
+        self.recovered.set()
 
     def probe(self) -> tuple[bool, str]:
         if self.proc is not None and self.proc.poll() is not None:
             return False, f"the embedded engine exited with {self.proc.returncode}"
         return self.answering, f"the engine at {self.client.base_url} does not answer /health"
 
+    def ready(self) -> bool:
+        return self.recovered.is_set() and self.probe()[0]
+
+    async def check(self) -> None:
+        answering = await self.client.health(timeout_s=max(1.0, self.interval_s))
+        if answering != self.answering:
+            log.warning("engine_health_changed", healthy=answering, engine=self.client.base_url)
+        if not answering:
+            self.recovered.clear()
+        elif not self.recovered.is_set():
+            try:
+                await self.resync()
+            except EngineError as exc:
+                log.warning("engine_resync_failed", error=repr(exc))
+                answering = False
+            else:
+                self.recovered.set()
+        self.answering = answering
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            answering = await self.client.health(timeout_s=max(1.0, self.interval_s))
-            if answering != self.answering:
-                log.warning("engine_health_changed", healthy=answering, engine=self.client.base_url)
-            self.answering = answering
+            await self.check()
             try:
                 await asyncio.wait_for(stop.wait(), self.interval_s)
             except TimeoutError:
                 pass
+
+    async def wait_recovered(self, timeout_s: float, stop: asyncio.Event) -> bool:
+        """After a failed call: whether the engine answers (and was resynced) within timeout_s."""
+        self.recovered.clear()
+        deadline = time.monotonic() + timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                return False  # the replica's own engine died: the replica fails and restarts
+            await self.check()
+            if self.recovered.is_set():
+                return True
+            await asyncio.sleep(self.interval_s)
+        return False
 
 
 def engine_version(info: ModelInfo) -> int:
@@ -305,6 +345,18 @@ def engine_version(info: ModelInfo) -> int:
         return int(info.weight_version or 0)
     except ValueError:
         return 0
+
+
+async def name_base_version(client: SGLangClient) -> int:
+    """The policy version the engine serves. An engine that has not been told one (SGLang boots
+    at "default") serves the base weights it was started with: it is relabelled "0", so that
+    every sample it makes carries a policy version."""
+    info = await client.model_info()
+    if info.weight_version and info.weight_version.isdigit():
+        return int(info.weight_version)
+    log.info("engine_version_named", was=info.weight_version, now="0")
+    await client.update_weight_version("0", abort_all_requests=False)
+    return 0
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -325,8 +377,18 @@ async def body(ctx: ServiceContext) -> None:
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     try:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
-        ctx.policy_version = engine_version(await client.model_info())
-        engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc)
+        ctx.policy_version = await name_base_version(client)
+        follower = WeightFollower(ctx, settings, client)
+
+        async def resync() -> None:
+            served = await name_base_version(client)
+            if served != ctx.policy_version:
+                # The engine restarted on its base weights: load the newest version again.
+                log.warning("engine_version_lost", was=ctx.policy_version, now=served)
+                ctx.policy_version = served
+                follower.announced.set()
+
+        engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, resync)
         ctx.add_health_probe("engine", engine_health.probe)
         watch_engine = asyncio.create_task(engine_health.run(ctx.stop))
         ctx.detail.update(tasks_done=0, generated_tokens=0, engine=url)
@@ -335,12 +397,22 @@ async def body(ctx: ServiceContext) -> None:
         episode_tokenizer = from_hf(tokenizer)
 
         async def generate(request: GenerateRequest) -> Completion:
-            try:
-                completion = await generate_resumable(client, request, max_resubmits=settings.max_resubmits)
-            except EngineError as exc:
-                if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
-                    raise PermanentError(f"the engine refused the task's request: {exc}") from exc
-                raise
+            for attempt in itertools.count():
+                try:
+                    completion = await generate_resumable(
+                        client, request if not attempt else replace(request, rid=f"{request.rid}.e{attempt}"),
+                        max_resubmits=settings.max_resubmits)
+                    break
+                except EngineUnavailable as exc:
+                    # The engine went away under this sample: hold the Task (its message stays
+                    # ours) until the engine is back, rather than spend one of its deliveries.
+                    log.warning("engine_unavailable_mid_sample", rid=request.rid, error=str(exc))
+                    if not await engine_health.wait_recovered(settings.engine_outage_wait_s, ctx.stop):
+                        raise
+                except EngineError as exc:
+                    if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
+                        raise PermanentError(f"the engine refused the task's request: {exc}") from exc
+                    raise
             if completion.resubmits:
                 RESUBMITTED.inc(completion.resubmits)
                 ctx.detail["resubmitted"] = int(ctx.detail.get("resubmitted", 0)) + completion.resubmits
@@ -407,9 +479,8 @@ async def body(ctx: ServiceContext) -> None:
 
         worker = PullWorker(
             ctx.bus, ctx.bus.topology.consumers["rollout"], bus_pb2.Task, handle,
-            service="rollout", concurrency=settings.concurrency, validator=validate_task,
+            service="rollout", concurrency=settings.concurrency, validator=validate_task, ready=engine_health.ready,
         )
-        follower = WeightFollower(ctx, settings, client)
         follow = asyncio.create_task(follower.run())
         try:
             await run_pull_workers(ctx, worker)

@@ -4,6 +4,8 @@ partial rollouts (abort); every token's version is recorded."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import safetensors.torch
 import torch
@@ -89,43 +91,61 @@ async def _update_mid_generation(mode: str, engine, bus: Bus, services: ServiceL
     assert beat.policy_version == 1
 
 
-async def test_a_replica_whose_engine_goes_away_reports_it_and_publishes_nothing_until_it_returns(
+async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_version_again(
         bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
-    """engine=sglang at a URL: the replica checks /health; while the engine is gone it reports
-    unhealthy and its Task is nakked (no trajectory without an engine answer); once the engine
-    is back on the same address the Task is sampled and the replica is healthy again."""
+    """engine=sglang at a URL. A sample under way when the engine goes away holds its Task until
+    the engine is back; while the engine is gone the replica reports unhealthy and takes no new
+    Task, so an outage uses up none of a Task's deliveries (however long it lasts). The engine
+    comes back as a restarted SGLang does, at weight_version "default": the replica names it
+    version 0 again before sampling, so no trajectory goes out without a policy version."""
     from policyloop.cluster.local import free_port
     from policyloop.engines.embedded import start_engine
+    from policyloop.engines.sglang_client import SGLangClient
+
+    def task(task_id: str) -> bus_pb2.Task:
+        return bus_pb2.Task(
+            task_id=task_id, run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=2,
+            metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(max_new_tokens=6))
 
     port = free_port()
-    engine = await start_engine(services.model_dir, port=port, weight_version="0")
+    engine = await start_engine(services.model_dir, port=port)  # boots at "default", like SGLang
     rollout = services.start("rollout", env={
         "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
         "POLICYLOOP_ENGINE_HEALTH_INTERVAL_S": "0.3", "POLICYLOOP_GENERATE_TIMEOUT_S": "5"})
     await services.wait_healthy(rollout, timeout_s=60)
-    registry = HeartbeatRegistry(redis_client, "default")
+    async with SGLangClient(engine.base_url, timeout_s=5) as direct:
+        assert (await direct.model_info()).weight_version == "0"  # named by the replica
+        await direct.pause_generation("in_place")  # the next sample is held inside the engine
+    await bus.publish(tasks_subject("addition@v1"), task("held"), "held")
+
+    async def in_engine() -> bool:
+        return len(engine._requests) == 2
+
+    await eventually(in_engine, timeout_s=30, what="the first task's samples inside the engine")
     await engine.stop()
+    registry = HeartbeatRegistry(redis_client, "default")
 
     async def unhealthy() -> bool:
         beats = await registry.alive("rollout")
         return bool(beats) and not beats[0].healthy
 
     await eventually(unhealthy, timeout_s=15, what="the replica reporting its engine gone")
-    await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
-        task_id="t", run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=2,
-        metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(max_new_tokens=6)), "t")
-
-    async def retried() -> bool:
-        return (await bus.backlog("rollout")).redelivered > 0
-
-    await eventually(retried, timeout_s=30, what="the task nakked and delivered again")
+    await asyncio.sleep(1.5)  # a pull already waiting at the server when health changed has expired (1 s)
+    await bus.publish(tasks_subject("addition@v1"), task("during"), "during")
+    await asyncio.sleep(3.0)
+    backlog = await bus.backlog("rollout")
+    assert (backlog.pending, backlog.ack_pending, backlog.redelivered) == (1, 1, 0), backlog
     assert await stored(bus, "ROLLOUTS", bus_pb2.Trajectory) == []
-    engine = await start_engine(services.model_dir, port=port, weight_version="0")
+    engine = await start_engine(services.model_dir, port=port)
     try:
         async def sampled() -> bool:
-            return len(await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)) == 2
+            return len(await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)) == 4
 
-        await eventually(sampled, timeout_s=60, what="the task sampled once the engine is back")
+        await eventually(sampled, timeout_s=60, what="both tasks sampled once the engine is back")
         await services.wait_healthy(rollout, timeout_s=15)
+        trajectories = await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)
+        assert {s.version for t in trajectories for s in t.version_spans} == {0}
+        assert (await bus.backlog("rollout")).redelivered == 0
+        assert any(e["event"] == "engine_unavailable_mid_sample" for e in rollout.log_events())
     finally:
         await engine.stop()

@@ -101,6 +101,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         await call("wait_healthy", 5)
         await call("update_weights_from_disk", str(tiny_model_dir), weight_version="1", flush_cache=True,
                    abort_all_requests=True, load_format=None)
+        await call("update_weight_version", "7", abort_all_requests=False)
         for mode in ("in_place", "retract", "abort"):
             await call("pause_generation", mode)
             await call("continue_generation")
@@ -119,7 +120,8 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
            if not name.startswith("_")} - {"close"}
     assert api == exercised, f"add to this contract test: {sorted(api - exercised)}"
     assert {path for _, path, _ in sent} >= {
-        "/generate", "/model_info", "/health", "/update_weights_from_disk", "/pause_generation",
+        "/generate", "/model_info", "/health", "/update_weights_from_disk", "/update_weight_version",
+        "/pause_generation",
         "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
         "/destroy_weights_update_group"}

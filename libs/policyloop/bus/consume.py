@@ -90,6 +90,7 @@ class PullWorker(Generic[M]):
         validator: Validator[M] | None = None,
         fetch_timeout_s: float = 1.0,
         retry_delays_s: Sequence[float] = DEFAULT_RETRY_DELAYS_S,
+        ready: Callable[[], bool] | None = None,
     ) -> None:
         self.bus = bus
         self.consumer = consumer
@@ -101,6 +102,9 @@ class PullWorker(Generic[M]):
         self.dead_lettered: Counter[str] = Counter()  # by kind: invalid, max_deliveries
         self.fetch_timeout_s = fetch_timeout_s
         self.retry_delays_s = tuple(retry_delays_s)
+        # While this says no (e.g. the rollout's engine is down), nothing new is taken: a message
+        # taken now would only fail and use up one of its deliveries.
+        self.ready = ready
         self.heartbeat_s = max(0.5, consumer.ack_wait_s / 3)
         self.in_flight: dict[asyncio.Task[None], Msg] = {}
         self.processed = 0
@@ -144,6 +148,9 @@ class PullWorker(Generic[M]):
             try:
                 if self._sub is None or self._bound_generation != self.bus.reconnects:
                     await self._bind()
+                if self.ready is not None and not self.ready():
+                    await _sleep_or_stop(stop, min(0.2, self.fetch_timeout_s))
+                    continue
                 free = self.concurrency - len(self.in_flight)
                 if free <= 0:
                     await asyncio.wait(list(self.in_flight), return_when=asyncio.FIRST_COMPLETED,

@@ -87,6 +87,7 @@ import torch
 from aiohttp import web
 
 from policyloop.engines.protocol import (
+    DEFAULT_WEIGHT_VERSION,
     SCHEMA,
     AbortRequest,
     BeginWeightUpdateRequest,
@@ -102,6 +103,7 @@ from policyloop.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
+    UpdateWeightVersionRequest,
     WeightVersionSpan,
     error_body,
     parse_continue,
@@ -181,7 +183,7 @@ class EmbeddedEngine:
     closes. Usable in-process (tests, perf) or through `python -m policyloop.engines.embedded`."""
 
     def __init__(self, model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
-                 threads: int = 1, weight_version: str = "0", batch_window_s: float = 0.005,
+                 threads: int = 1, weight_version: str = DEFAULT_WEIGHT_VERSION, batch_window_s: float = 0.005,
                  weights_group_timeout_s: float = 600.0) -> None:
         if max_batch < 1:
             raise ValueError("max_batch must be >= 1")
@@ -323,6 +325,7 @@ class EmbeddedEngine:
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/health_generate", self._handle_health)
         app.router.add_post("/update_weights_from_disk", self._handle_update_weights)
+        app.router.add_post("/update_weight_version", self._handle_update_weight_version)
         app.router.add_post("/pause_generation", self._handle_pause)
         app.router.add_post("/continue_generation", self._handle_continue)
         app.router.add_get("/flush_cache", self._handle_flush_cache)
@@ -538,6 +541,17 @@ class EmbeddedEngine:
         finally:
             self._writers -= 1
             self._release_held()
+
+    async def _handle_update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UpdateWeightVersionRequest.from_json(await self._json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return self._error(exc)
+        if parsed.abort_all_requests:
+            self._abort_all(f"aborted by /update_weight_version to {parsed.new_version}")
+        self._weight_version = parsed.new_version
+        return web.json_response({"success": True, "message": f"Weight version updated to {parsed.new_version}",
+                                  "new_version": parsed.new_version})
 
     async def _handle_abort(self, request: web.Request) -> web.Response:
         try:
@@ -949,7 +963,7 @@ class EmbeddedEngine:
 
 
 async def start_engine(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
-                       threads: int = 1, weight_version: str = "0", batch_window_s: float = 0.005,
+                       threads: int = 1, weight_version: str = DEFAULT_WEIGHT_VERSION, batch_window_s: float = 0.005,
                        weights_group_timeout_s: float = 600.0) -> EmbeddedEngine:
     """Loads the model, starts the server and returns the running engine (stop it with `stop()`)."""
     engine = EmbeddedEngine(model_path, host=host, port=port, max_batch=max_batch, threads=threads,
@@ -966,7 +980,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    parser.add_argument("--weight-version", default="0", help="the version reported until the first update")
+    parser.add_argument("--weight-version", default=DEFAULT_WEIGHT_VERSION,
+                        help="the version reported until the first update (SGLang's default: \"default\")")
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
                         help="how long to gather concurrent requests into one wave")
     return parser.parse_args(argv)

@@ -495,6 +495,8 @@ class ModelInfo:
 # Control requests.
 
 _BASE_REQ_IGNORED = {"rid", "http_worker_ipc"}  # BaseReq fields
+# What SGLang reports as weight_version until something sets one (ServerArgs.weight_version).
+DEFAULT_WEIGHT_VERSION = "default"
 
 
 @dataclass(frozen=True)
@@ -590,6 +592,28 @@ class AbortRequest:
         return cls(rid=_str(body, "rid", None, optional=True) or None,
                    abort_all=_bool(body, "abort_all", False),
                    abort_message=_str(body, "abort_message", None, optional=True))
+
+
+@dataclass(frozen=True)
+class UpdateWeightVersionRequest:
+    """UpdateWeightVersionReqInput: relabel the served weights as `new_version` (no weights move).
+    SGLang starts at version "default"; the rollout names it "0", the base policy's version."""
+
+    new_version: str
+    abort_all_requests: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return {"new_version": self.new_version, "abort_all_requests": self.abort_all_requests}
+
+    @classmethod
+    def from_json(cls, body: Any) -> UpdateWeightVersionRequest:
+        body = _check_object(body, "body")
+        _check_fields(body, {"new_version", "abort_all_requests"}, {}, _BASE_REQ_IGNORED,
+                      struct="UpdateWeightVersionReqInput")
+        if "new_version" not in body:
+            raise RequestError("new_version", "required", SCHEMA)
+        return cls(new_version=_str(body, "new_version", None),
+                   abort_all_requests=_bool(body, "abort_all_requests", True))
 
 
 # ---------------------------------------------------------------------------------------------

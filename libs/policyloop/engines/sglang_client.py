@@ -44,6 +44,7 @@ from policyloop.engines.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
+    UpdateWeightVersionRequest,
     error_message,
 )
 
@@ -208,6 +209,26 @@ class SGLangClient:
         if served != str(weight_version):
             raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) succeeded but the engine reports "
                                     f"weight_version {served!r}, not {weight_version!r}", status, body)
+        return result
+
+    async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> ControlResult:
+        """Relabels the served weights as `new_version` (nothing is loaded) and checks that
+        /model_info then reports it. SGLang boots at version "default": the rollout names the
+        base weights "0" this way before it generates anything."""
+        req = UpdateWeightVersionRequest(new_version=str(new_version), abort_all_requests=abort_all_requests)
+        status, body = await self._call("POST", "/update_weight_version", req.to_json(), idempotent=True)
+        try:
+            result = ControlResult.from_json(json.loads(body))
+        except ValueError:
+            self._raise_for_status("POST", "/update_weight_version", status, body)
+            raise EngineProtocolError(f"/update_weight_version: unexpected answer {body[:200]!r}", status,
+                                      body) from None
+        if not result.success or status >= 400:
+            raise WeightUpdateError(f"update_weight_version({new_version!r}) failed: {result.message}", status, body)
+        served = (await self.model_info()).weight_version
+        if served != str(new_version):
+            raise WeightUpdateError(f"update_weight_version({new_version!r}) succeeded but the engine reports "
+                                    f"weight_version {served!r}", status, body)
         return result
 
     async def pause_generation(self, mode: str = "abort") -> None:
