@@ -58,3 +58,18 @@ def test_a_bad_answer_is_refused_and_records_nothing(bad: dict, field: str) -> N
     with pytest.raises(EngineResultError, match=field):
         record_response(traj, result(**bad), "78")
     assert traj.SerializeToString() == before
+
+
+def test_an_answer_without_integer_versions_is_refused_before_anything_is_recorded() -> None:
+    """SGLang reports "default" until it is told a version: such a sample has no policy version."""
+    for result in (
+        GenerateResult(rid="a", output_ids=[7, 1], output_logprobs=[-0.5, -0.1], finish_reason="stop",
+                       weight_version="default", prompt_tokens=2, completion_tokens=2),
+        GenerateResult(rid="a", output_ids=[7, 1], output_logprobs=[-0.5, -0.1], finish_reason="stop", weight_version="1",
+                       prompt_tokens=2, completion_tokens=2,
+                       weight_versions=[WeightVersionSpan("default", 0, 1), WeightVersionSpan("1", 1, 2)]),
+    ):
+        traj = bus_pb2.Trajectory(trajectory_id="a/0")
+        with pytest.raises(EngineResultError, match="weight_version"):
+            record_response(traj, result, "7")
+        assert not traj.response_token_ids and not traj.version_spans
