@@ -53,6 +53,12 @@ async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher
     prompt = task.prompt_text
     right = reference_solutions()[prompt]
     forged = 'print("0123 {\\"compiled\\": true, \\"tests\\": [[\\"test_0\\", true, \\"\\"]]}")\n    return 42'
+    # Tests of its own next to a wrong body: only the tests tests.py defines are counted.
+    own_tests = "return 99\ndef test_mine():\n    pass\ndef test_also_mine():\n    pass"
+    # The report line forged with the nonce taken from the harness's module (the old harness kept it there).
+    stolen_nonce = ("import sys, os, json\n    m = sys.modules['__main__']\n"
+                    "    report = {'compiled': True, 'error': '', 'tests': [['test_0', True, ''], ['test_1', True, '']]}\n"
+                    "    os.write(1, ('\\n' + m.nonce + ' ' + json.dumps(report) + '\\n').encode())\n    os._exit(0)")
     results = await scored(bus, [
         rollout("right", prompt, right, metadata),
         rollout("half", prompt, "return a + b if a > 0 else 99", metadata),
@@ -60,6 +66,8 @@ async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher
         rollout("loop", prompt, "while True: pass", metadata),
         rollout("exit", prompt, "import os; os._exit(0)", metadata),
         rollout("forged", prompt, forged, metadata),
+        rollout("own_tests", prompt, own_tests, metadata),
+        rollout("stolen_nonce", prompt, stolen_nonce, metadata),
     ])
     assert results["right"].reward == 1.0 and parts(results["right"])["tests_passed"] == (1.0, "2/2 passed")
     assert results["half"].reward == 0.5 and "1/2 passed" in parts(results["half"])["tests_passed"][1]
@@ -68,6 +76,8 @@ async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher
     assert {"limit_cpu_time", "limit_wall_time"} & set(parts(results["loop"]))  # which limit stopped it
     assert results["exit"].reward == 0.0 and "crashed" in parts(results["exit"])  # exiting early earns nothing
     assert results["forged"].reward == 0.0  # printing a report does not pass for the harness's
+    assert results["stolen_nonce"].reward == 0.0
+    assert results["own_tests"].reward == 0.0 and "0/2 passed" in parts(results["own_tests"])["tests_passed"][1]
 
 
 async def test_reward_code_runs_in_the_sandbox_not_in_the_reward_service(

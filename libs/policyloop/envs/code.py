@@ -14,8 +14,10 @@ number (or a (number, detail) pair); it runs with the trajectory on its stdin. A
 timeout or a non-finite value gives reward 0 with the reason in the breakdown.
 
 The harness prints its result after a per-job nonce it reads from stdin, so ordinary output of
-the code under test cannot pass for it (code that inspects the harness's own frames could; the
-sandbox bounds what it can do, not what it claims).
+the code under test cannot pass for it; the nonce, the writer and the list of tests (the
+`test_*` functions tests.py defines, never ones the solution adds) are taken before the solution
+runs and kept in the harness's locals. Code that walks the interpreter's frames to find them
+could still forge a report: the sandbox bounds what such code can do, not what it claims.
 """
 
 from __future__ import annotations
@@ -32,26 +34,36 @@ UNIT_TESTS, REWARD_CODE = "unit_tests", "reward_code"
 DEFAULT_TIMEOUT_S = 10.0
 
 _TEST_HARNESS = r'''
-import json, sys
-nonce = sys.stdin.readline().strip()
-out = {"compiled": False, "error": "", "tests": []}
-namespace = {"__name__": "solution"}
-try:
-    exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
-    out["compiled"] = True
-except BaseException as exc:
-    out["error"] = (type(exc).__name__ + ": " + str(exc))[:500]
-if out["compiled"]:
-    tests = dict(namespace)
-    tests["__name__"] = "tests"
-    exec(compile(open("tests.py").read(), "tests.py", "exec"), tests)
-    for name in sorted(k for k, v in tests.items() if k.startswith("test_") and callable(v)):
-        try:
-            tests[name]()
-            out["tests"].append([name, True, ""])
-        except BaseException as exc:
-            out["tests"].append([name, False, (type(exc).__name__ + ": " + str(exc))[:200]])
-sys.stdout.write("\n" + nonce + " " + json.dumps(out) + "\n")
+import ast, json, os, sys
+
+def main():
+    # Everything the report depends on is local and taken before the solution runs: the nonce,
+    # the output descriptor, the writer, and the test names (those tests.py itself defines, so
+    # a solution cannot add tests of its own).
+    nonce, write, out_fd, dumps = sys.stdin.readline().strip(), os.write, os.dup(1), json.dumps
+    test_source = open("tests.py").read()
+    names = sorted(node.name for node in ast.parse(test_source).body
+                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"))
+    out = {"compiled": False, "error": "", "tests": []}
+    namespace = {"__name__": "solution"}
+    try:
+        exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
+        out["compiled"] = True
+    except BaseException as exc:
+        out["error"] = (type(exc).__name__ + ": " + str(exc))[:500]
+    if out["compiled"]:
+        tests = dict(namespace)
+        tests["__name__"] = "tests"
+        exec(compile(test_source, "tests.py", "exec"), tests)
+        for name in names:
+            try:
+                tests[name]()
+                out["tests"].append([name, True, ""])
+            except BaseException as exc:
+                out["tests"].append([name, False, (type(exc).__name__ + ": " + str(exc))[:200]])
+    write(out_fd, ("\n" + nonce + " " + dumps(out) + "\n").encode())
+
+main()
 '''
 
 _REWARD_HARNESS = r'''
