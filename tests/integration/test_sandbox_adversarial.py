@@ -3,6 +3,8 @@ the result says which limit fired, and the sandbox goes on serving."""
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import os
 import shutil
 import socket
@@ -14,8 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from policyloop.bus import Bus
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
+from tests.conftest import ServiceLauncher
 
 try:
     check_isolation()
@@ -111,6 +115,7 @@ async def test_an_infinite_loop_hits_the_cpu_limit(scratch_root: Path) -> None:
 async def test_a_sleeping_job_hits_the_wall_clock(scratch_root: Path) -> None:
     result = await run_python("import time\ntime.sleep(60)\n", scratch_root, wall_seconds=1.5)
     assert result.limit_hit == L.SANDBOX_LIMIT_WALL_TIME and result.wall_seconds < 5, result
+    await still_serving(scratch_root)
 
 
 async def test_huge_output_is_capped(scratch_root: Path) -> None:
@@ -141,6 +146,7 @@ print(open("inside.txt").read())
         assert b"WROTE" not in result.stdout and result.stdout.count(b"denied") == 6, result
         assert result.stdout.endswith(b"ok\n")
         assert list(outside.iterdir()) == []
+        await still_serving(scratch_root)
     finally:
         shutil.rmtree(outside, ignore_errors=True)
 
@@ -169,6 +175,7 @@ print(sorted(os.environ))
         assert b"nothing []" in result.stdout, result
         assert secret.encode() not in result.stdout + result.stderr
         assert b"POLICYLOOP" not in result.stdout  # the environment is cleared, not filtered
+        await still_serving(scratch_root)
     finally:
         shutil.rmtree(secret_file.parent, ignore_errors=True)
 
@@ -188,7 +195,11 @@ for pid in ({victim.pid}, {os.getpid()}, 1):
         print("cannot", pid, exc.errno)
 """, scratch_root)
         assert victim.poll() is None, "the job killed a host process"
-        assert f"cannot {victim.pid}".encode() in result.stdout and f"cannot {os.getpid()}".encode() in result.stdout
+        # ESRCH, not EPERM: host processes do not exist in the job's pid namespace at all (its own
+        # uid alone would already refuse with EPERM, which would hide a missing namespace).
+        for pid in (victim.pid, os.getpid()):
+            assert f"cannot {pid} {errno.ESRCH}".encode() in result.stdout, result.stdout
+        await still_serving(scratch_root)
     finally:
         victim.kill()
         victim.wait()
@@ -203,3 +214,30 @@ async def test_a_background_process_does_not_outlive_its_job(scratch_root: Path)
     assert survivors.stdout == "", f"left behind: {survivors.stdout}"
     await still_serving(scratch_root)
 
+
+
+async def test_the_sandbox_service_keeps_serving_through_hostile_jobs(bus: Bus, services: ServiceLauncher) -> None:
+    """The same containment through the running service: hostile jobs requested over the SANDBOX
+    stream come back with the limit that stopped them, and the replica answers the next job."""
+    from policyloop.sandbox.client import run_in_sandbox
+
+    sandbox = services.start("sandbox", env={"POLICYLOOP_CONCURRENCY": "2"})
+    await services.wait_healthy(sandbox, timeout_s=60)
+
+    def job(job_id: str, source: str, **limits: float) -> bus_pb2.SandboxJob:
+        return bus_pb2.SandboxJob(job_id=job_id, run_id="hostile", files={"main.py": source.encode()},
+                                  command=["python3", "-I", "main.py"],
+                                  limits=bus_pb2.SandboxLimits(**{"wall_seconds": 10, "cpu_seconds": 3,
+                                                                  "max_processes": 24, **limits}))
+
+    fork_bomb, loop, output = await asyncio.gather(
+        run_in_sandbox(bus, job("fork", "import os\nwhile True:\n    os.fork()\n")),
+        run_in_sandbox(bus, job("loop", "while True: pass\n", cpu_seconds=1, wall_seconds=5)),
+        run_in_sandbox(bus, job("output", "print('x' * 10**7)\n", max_output_bytes=1024)),
+    )
+    assert fork_bomb.limit_hit in (L.SANDBOX_LIMIT_PROCESSES, L.SANDBOX_LIMIT_WALL_TIME), fork_bomb
+    assert loop.limit_hit == L.SANDBOX_LIMIT_CPU_TIME, loop
+    assert output.limit_hit == L.SANDBOX_LIMIT_OUTPUT and len(output.stdout) == 1024
+    after = await run_in_sandbox(bus, job("after", "print(6 * 7)\n"))
+    assert after.exit_code == 0 and after.stdout == b"42\n" and after.limit_hit == L.SANDBOX_LIMIT_NONE
+    assert sandbox.proc.poll() is None
