@@ -55,7 +55,7 @@ def code() -> loop_pb2.Environment:
                                        metadata={"solution_prefix": prompt, "tests": tests}))
     return loop_pb2.Environment(
         name="functions", version="v1", tasks=tasks, group_size=4,
-        unit_tests=loop_pb2.UnitTestScorer(test_code="import math\n", timeout_seconds=5),
+        unit_tests=loop_pb2.UnitTestScorer(timeout_seconds=5),
         sampling=bus_pb2.SamplingParams(max_new_tokens=12, temperature=1.0))
 
 

@@ -79,6 +79,14 @@ async def test_gateway_health_reflection_and_token(gateway) -> None:  # type: ig
         (lambda e: (setattr(e, "max_turns", 99), e.tools.append("python")), "environment.max_turns"),
         (lambda e: (setattr(e, "max_turns", 3), e.tools.append("python"), setattr(e.sampling, "ignore_eos", True)),
          "environment.sampling.ignore_eos"),
+        (lambda e: e.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(timeout_seconds=5)),
+         "environment.tasks[0].metadata.tests"),
+        (lambda e: e.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(test_code="def test_a(): pass",
+                                                                 timeout_seconds=float("nan"))),
+         "environment.unit_tests.timeout_seconds"),
+        (lambda e: e.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
+                                                              timeout_seconds=-3)),
+         "environment.reward_code.timeout_seconds"),
     ],
 )
 async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway, mutate, field) -> None:  # type: ignore[no-untyped-def]

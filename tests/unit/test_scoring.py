@@ -41,3 +41,13 @@ def test_unscorable_names_what_is_missing() -> None:
         score_trajectory(traj("1", scorer="unit_tests"))
     with pytest.raises(UnscorableTrajectory, match="metadata.answer"):
         score_trajectory(traj("1", scorer="exact_answer"))
+
+
+def test_the_code_environment_is_one_the_gateway_takes() -> None:
+    """Its tests come with each task (metadata.tests), with no shared test_code."""
+    from policyloop.envs.code import code_environment
+    from policyloop.envs.validation import validate_environment
+
+    env = code_environment()
+    assert not env.unit_tests.test_code and all(t.metadata["tests"] for t in env.tasks)
+    validate_environment(env)

@@ -14,6 +14,7 @@ VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
 MAX_TASKS_PER_ENVIRONMENT = 1_000_000
 MAX_GROUP_SIZE = 1024
 MAX_TURNS = 16
+MAX_CODE_TIMEOUT_S = 600.0  # a code scorer's job; the sandbox caps it again by its own ceiling
 
 
 class InvalidField(ValueError):
@@ -62,10 +63,18 @@ def validate_environment(env: loop_pb2.Environment) -> None:
             for i, task in enumerate(env.tasks):
                 if not task.answer:
                     raise InvalidField(f"environment.tasks[{i}].answer", "the verifier needs an answer")
-    elif scorer == "unit_tests" and not env.unit_tests.test_code:
-        raise InvalidField("environment.unit_tests.test_code", "is empty")
-    elif scorer == "reward_code" and not env.reward_code.source:
-        raise InvalidField("environment.reward_code.source", "is empty")
+    elif scorer == "unit_tests":
+        if not env.unit_tests.test_code:
+            # Tests may come with each task instead (metadata.tests); then every task needs some.
+            for i, task in enumerate(env.tasks):
+                if not task.metadata.get("tests"):
+                    raise InvalidField(f"environment.tasks[{i}].metadata.tests",
+                                       "is empty and so is environment.unit_tests.test_code: no tests to run")
+        _check_timeout("environment.unit_tests.timeout_seconds", env.unit_tests.timeout_seconds)
+    elif scorer == "reward_code":
+        if not env.reward_code.source:
+            raise InvalidField("environment.reward_code.source", "is empty")
+        _check_timeout("environment.reward_code.timeout_seconds", env.reward_code.timeout_seconds)
     if env.group_size > MAX_GROUP_SIZE:
         raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE}")
     sampling = env.sampling
@@ -74,6 +83,11 @@ def validate_environment(env: loop_pb2.Environment) -> None:
     if not 0 <= sampling.top_p <= 1:
         raise InvalidField("environment.sampling.top_p", "must be within [0, 1] (0: engine default)")
     _validate_turns(env)
+
+
+def _check_timeout(field: str, seconds: float) -> None:
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_CODE_TIMEOUT_S:
+        raise InvalidField(field, f"must be a number of seconds in [0, {MAX_CODE_TIMEOUT_S:g}] (0: the default)")
 
 
 def _validate_turns(env: loop_pb2.Environment) -> None:
