@@ -10,8 +10,9 @@ audited (policyloop.ledger.audit_bus, on the live bus). Prints JSON:
 - `kills` (in order, with the learner version at the time), `generated`, `scored`, `trained`,
   `dropped` (by reason), `dead_lettered`, `pending` (still waiting on the bus for a consumer),
   `lost` (generated and accounted nowhere), `trained_twice`;
+- `trained_not_generated` (trained ids the ledger never saw generated: a gap in the ledger);
 - `versions_monotonic` (the recorded steps make versions 1, 2, … once each), `registry_version`
-  and `publisher_versions` (what Redis and the publisher hold agree with the ledger);
+  and `publisher_newest_version` (`versions_agree`: Redis and the publisher agree with the ledger);
 - `reached_target_steps` (the learner reached --steps), `wall_seconds`.
 
     .venv/bin/python perf/chaos.py --kills 10
@@ -53,14 +54,22 @@ def kill_schedule(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS
     return first[:kills] + [rng.choice(kinds) for _ in range(kills - len(first))]
 
 
-async def learner_version(cluster: LocalCluster) -> int:
-    """The newest step the ledger holds (what survives any one process's death)."""
-    bus = await Bus.connect(cluster.nats_url, name="chaos", connect_timeout_s=30)
-    try:
-        steps = await trained_steps(bus, "policy")
-        return steps[-1].version if steps else 0
-    finally:
-        await bus.close()
+async def learner_version(cluster: LocalCluster, attempts: int = 30) -> int:
+    """The newest step the ledger holds (what survives any one process's death). Asked again
+    while a restarted nats-server's JetStream is not answering yet."""
+    for attempt in range(attempts):
+        try:
+            bus = await Bus.connect(cluster.nats_url, name="chaos", connect_timeout_s=30)
+            try:
+                steps = await trained_steps(bus, "policy")
+                return steps[-1].version if steps else 0
+            finally:
+                await bus.close()
+        except Exception:  # noqa: BLE001 - a server being restarted
+            if attempt == attempts - 1:
+                raise
+            await asyncio.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 async def until(check, timeout_s: float, poll_s: float = 1.0) -> bool:  # type: ignore[no-untyped-def]
@@ -176,7 +185,8 @@ def main() -> None:
         finally:
             cluster.stop()
     result["ok"] = (result["lost"] == 0 and result["trained_twice"] == 0 and result["versions_monotonic"]
-                    and result["reached_target_steps"])
+                    and result["reached_target_steps"] and result["versions_agree"]
+                    and result["trained_not_generated"] == 0)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

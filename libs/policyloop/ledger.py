@@ -60,7 +60,18 @@ async def record_trained(bus: Bus, model: str, run_id: str, instance: str, recor
                                 policy_version=record.version, manifest_hash=record.manifest_hash,
                                 instance=instance, recorded_unix_ms=_now_ms())
     ack = await bus.publish(ledger_subject(TRAINED, model), event, f"trained:{model}:{record.version}")
+    if ack.duplicate:
+        # Within the duplicate window JetStream keeps the first record of this version: it must
+        # be this very step (a retry, or a replay), never another one under a used number.
+        stored = bus_pb2.LedgerEvent.FromString((await bus.js.get_msg("LEDGER", ack.seq)).data or b"")
+        if stored.policy_version != record.version or stored.manifest_hash != record.manifest_hash:
+            raise VersionReused(f"{model} version {record.version} is already recorded (LEDGER {ack.seq}) with "
+                                f"manifest {stored.manifest_hash}, not {record.manifest_hash}")
     return int(ack.seq)
+
+
+class VersionReused(RuntimeError):
+    """A step was about to be recorded under a version number another step already made."""
 
 
 async def record_dropped(bus: Bus, model: str, run_id: str, instance: str, reason: str,
@@ -128,6 +139,7 @@ class Audit:
     pending: int = 0
     lost: int = 0
     trained_twice: int = 0
+    trained_not_generated: int = 0   # a gap in the ledger: trained ids no generated record names
     steps: int = 0
     versions_monotonic: bool = True
     lost_ids: list[str] = field(default_factory=list)        # a few, for a person to look up
@@ -172,6 +184,7 @@ def audit(events: Iterable[bus_pb2.LedgerEvent], *, scored: Iterable[str] = (), 
     twice = sorted(t for t, versions in trained_in.items() if len(versions) > 1)
     report.trained_twice, report.twice_ids = len(twice), twice[:10]
     report.trained = len(generated & trained_in.keys())
+    report.trained_not_generated = len(trained_in.keys() - generated)
     reasons: Counter[str] = Counter()
     lost = []
     for trajectory_id in sorted(generated):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from policyloop.bus import Bus, tasks_subject, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.ledger import Audit, audit_bus, record_generated, trained_steps
@@ -183,3 +185,17 @@ async def test_a_learner_refuses_a_ledger_it_cannot_replay(bus: Bus, services: S
     assert await asyncio.to_thread(replaying.proc.wait, 60) == 1
     [failure] = [e for e in replaying.log_events() if e["event"] == "service_failed"]
     assert "not the recorded " + "0" * 32 in failure["error"] and "not deterministic" in failure["error"]
+
+
+async def test_a_version_number_is_recorded_for_one_step_only(bus: Bus) -> None:
+    """Recording a step again (a retry, a replay) is fine; another step under a used version
+    number is refused, though JetStream would silently keep the first within its duplicate window."""
+    from policyloop.ledger import StepRecord, VersionReused, record_trained, trained_steps
+
+    step = StepRecord(step=1, version=1, manifest_hash="a" * 32, trajectory_ids=("g/0",), stream_sequences=(1,))
+    first = await record_trained(bus, "policy", "r", "test", step)
+    assert await record_trained(bus, "policy", "r", "test", step) == first
+    with pytest.raises(VersionReused, match="version 1 is already recorded"):
+        await record_trained(bus, "policy", "r", "test", StepRecord(
+            step=1, version=1, manifest_hash="b" * 32, trajectory_ids=("h/0",), stream_sequences=(2,)))
+    assert [s.manifest_hash for s in await trained_steps(bus, "policy")] == ["a" * 32]

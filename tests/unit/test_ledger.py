@@ -54,3 +54,8 @@ def test_a_dropped_then_trained_trajectory_counts_as_trained() -> None:
 def test_regroup_splits_batch_order_into_groups() -> None:
     samples = [bus_pb2.Trajectory(trajectory_id=f"{g}/{i}", group_id=g) for g in ("x", "y") for i in range(2)]
     assert [[t.trajectory_id for t in group] for group in regroup(samples)] == [["x/0", "x/1"], ["y/0", "y/1"]]
+
+
+def test_trained_ids_never_recorded_as_generated_are_a_gap_not_ignored() -> None:
+    report = audit([generated("a/0"), trained(1, "a/0", "x/0", "x/1")])
+    assert report.trained == 1 and report.trained_not_generated == 2 and report.lost == 0
