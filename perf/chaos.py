@@ -4,8 +4,9 @@ A fresh local cluster (nats-server, redis-server and every service as processes)
 arithmetic environment. At random moments a random process is killed with SIGKILL — each kind
 at least once when --kills allows it, nats-server and redis-server included — and restarted by
 the cluster's supervisor, `--kills` times. When the learner has gone `--steps-after-kills` steps
-beyond the version of the last kill (and at least `--steps`), the run is stopped and the ledger
-audited (policyloop.ledger.audit_bus, on the live bus). Prints JSON:
+beyond the version of the last kill (and at least `--steps`), the run is stopped, the loop left
+to settle (ROLLOUTS empty, LEDGER unchanged for --settle-s) and the ledger audited
+(policyloop.ledger.audit_bus). Prints JSON:
 
 - `kills` (in order, with the learner version at the time), `generated`, `scored`, `trained`,
   `dropped` (by reason), `dead_lettered`, `pending` (still waiting on the bus for a consumer),
@@ -27,7 +28,6 @@ import json
 import random
 import signal
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -113,7 +113,7 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
     bus = await Bus.connect(cluster.nats_url, name="chaos-audit", connect_timeout_s=30)
     redis_client = await connect_redis(cluster.redis_url)
     try:
-        await asyncio.sleep(args.settle_s)  # what is in flight moves on; the audit reads a live bus anyway
+        settled = await settle(bus, args.settle_s, timeout_s=120)
         report = await audit_bus(bus)
         registry = await VersionRegistry(redis_client, cluster.namespace).get("policy")
         publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
@@ -131,9 +131,26 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         "publisher_newest_version": held[-1] if held else 0,
         # The learner may be one step ahead of what was read a moment earlier.
         "versions_agree": abs(registry - report.steps) <= 1 and bool(held) and abs(held[-1] - report.steps) <= 1,
-        "reached_target_steps": reached, "target_steps": target,
+        "reached_target_steps": reached, "target_steps": target, "settled_before_audit": settled,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
+
+
+async def settle(bus: Bus, quiet_s: float, timeout_s: float) -> bool:
+    """After StopRun: waits until the groups in flight have moved on — ROLLOUTS empty and LEDGER
+    unchanged for quiet_s — so the audit sees finished work (a partial batch stays held by the
+    learner, counted as pending)."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        ledger = (await bus.js.stream_info("LEDGER")).state.last_seq
+        rollouts = (await bus.js.stream_info("ROLLOUTS")).state.messages
+        if ledger != last or rollouts:
+            last, since = ledger, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return True
+        await asyncio.sleep(0.5)
+    return False
 
 
 async def _reached(cluster: LocalCluster, steps: int) -> bool:
@@ -157,7 +174,8 @@ def main() -> None:
     parser.add_argument("--ack-wait-s", type=float, default=10.0,
                         help="ack wait of every consumer: how soon a killed holder's messages come back")
     parser.add_argument("--timeout-s", type=float, default=900, help="after the kills, to reach --steps")
-    parser.add_argument("--settle-s", type=float, default=5, help="after stopping the run, before the audit")
+    parser.add_argument("--settle-s", type=float, default=5,
+                        help="after stopping the run, how long LEDGER must stay unchanged before the audit")
     parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/perf/chaos"))
@@ -167,23 +185,23 @@ def main() -> None:
         from policyloop.models.bootstrap import BootstrapConfig, bootstrap
 
         model_path = bootstrap(BootstrapConfig())
-    with tempfile.TemporaryDirectory(prefix="chaos-") as tmp:
-        root = Path(tmp)
-        env = {
-            "POLICYLOOP_MODEL_PATH": str(model_path),
-            "POLICYLOOP_GROUPS_PER_STEP": str(args.groups_per_step),
-            "POLICYLOOP_MAX_LAG": str(args.max_lag),
-            "POLICYLOOP_CHECKPOINT_EVERY": str(args.checkpoint_every),
-            "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
-            **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
-               for kind in ("rollout", "reward", "learner", "sandbox")},
-        }
-        cluster = LocalCluster(root, extra_env=env, fresh=True)
-        cluster.start()
-        try:
-            result = asyncio.run(drive(cluster, args))
-        finally:
-            cluster.stop()
+    # The cluster's directory (streams, logs) stays under --out for a look afterwards.
+    root = args.out / "cluster"
+    env = {
+        "POLICYLOOP_MODEL_PATH": str(model_path),
+        "POLICYLOOP_GROUPS_PER_STEP": str(args.groups_per_step),
+        "POLICYLOOP_MAX_LAG": str(args.max_lag),
+        "POLICYLOOP_CHECKPOINT_EVERY": str(args.checkpoint_every),
+        "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
+        **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
+           for kind in ("rollout", "reward", "learner", "sandbox")},
+    }
+    cluster = LocalCluster(root, extra_env=env, fresh=True)
+    cluster.start()
+    try:
+        result = asyncio.run(drive(cluster, args))
+    finally:
+        cluster.stop()
     result["ok"] = (result["lost"] == 0 and result["trained_twice"] == 0 and result["versions_monotonic"]
                     and result["reached_target_steps"] and result["versions_agree"]
                     and result["trained_not_generated"] == 0)

@@ -140,6 +140,7 @@ class Audit:
     lost: int = 0
     trained_twice: int = 0
     trained_not_generated: int = 0   # a gap in the ledger: trained ids no generated record names
+    not_generated_ids: list[str] = field(default_factory=list)
     steps: int = 0
     versions_monotonic: bool = True
     lost_ids: list[str] = field(default_factory=list)        # a few, for a person to look up
@@ -184,7 +185,8 @@ def audit(events: Iterable[bus_pb2.LedgerEvent], *, scored: Iterable[str] = (), 
     twice = sorted(t for t, versions in trained_in.items() if len(versions) > 1)
     report.trained_twice, report.twice_ids = len(twice), twice[:10]
     report.trained = len(generated & trained_in.keys())
-    report.trained_not_generated = len(trained_in.keys() - generated)
+    not_generated = sorted(trained_in.keys() - generated)
+    report.trained_not_generated, report.not_generated_ids = len(not_generated), not_generated[:10]
     reasons: Counter[str] = Counter()
     lost = []
     for trajectory_id in sorted(generated):

@@ -50,6 +50,7 @@ from policyloop.envs.multiturn import ToolSetupError, from_hf, run_episode, sand
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.state.catalog import RunRegistry, StoppedRuns
 from policyloop.state.pacing import Pacer
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
@@ -446,6 +447,14 @@ async def body(ctx: ServiceContext) -> None:
             traj.prompt_text = task.prompt_text
 
         progress = RunProgressStore(ctx.redis, settings.namespace)
+        stopped_runs = StoppedRuns(RunRegistry(ctx.redis, settings.namespace))
+
+        async def run_ended(run_id: str) -> bool:
+            try:
+                return await stopped_runs.ended(run_id)
+            except RedisError as exc:  # unknown: sample it (a stopped run's extra groups are harmless)
+                log.warning("run_state_unknown", run=run_id, error=repr(exc))
+                return False
         pacer = None if settings.max_lag < 0 else Pacer(
             ctx.redis, settings.namespace, settings.model, groups_per_step=settings.groups_per_step,
             max_lag=settings.max_lag,
@@ -453,6 +462,11 @@ async def body(ctx: ServiceContext) -> None:
 
         async def handle(delivery: Delivery[bus_pb2.Task]) -> None:
             task = delivery.message
+            if await run_ended(task.run_id):
+                # StopRun: what is still queued of the run is acked unsampled (never generated,
+                # so it is in no ledger count).
+                ctx.detail["tasks_skipped"] = int(ctx.detail.get("tasks_skipped", 0)) + 1
+                return
             while pacer is not None and not await pacer.try_admit(task.task_id, ctx.policy_version):
                 ctx.detail["paced"] = True  # the learner is behind: wait rather than sample stale
                 await asyncio.sleep(settings.pacing_poll_s)

@@ -315,3 +315,33 @@ async def test_a_task_whose_prompt_gives_no_tokens_is_dead_lettered(bus: Bus, se
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     assert letter.service == "rollout" and "prompt_text" in letter.reason and letter.delivery_count == 1
     assert await stored_messages(bus, "ROLLOUTS") == []
+
+
+async def test_a_stopped_runs_queued_tasks_are_acked_unsampled(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """After StopRun the rollout samples nothing more of the run: its queued Tasks are acked
+    without a trajectory; Tasks of runs still going (or not registered) are sampled."""
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.state import HeartbeatRegistry
+    from policyloop.state.catalog import RunRegistry
+
+    runs = RunRegistry(redis_client, "default")
+    await runs.create("stopped", loop_pb2.StartRunRequest(run_id="stopped"), 1)
+    await runs.set_state("stopped", loop_pb2.RUN_STATE_STOPPED)
+    await runs.create("going", loop_pb2.StartRunRequest(run_id="going"), 1)
+    for run_id in ("stopped", "going"):
+        await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
+            task_id=f"{run_id}-t", run_id=run_id, environment="addition@v1", prompt_text="12+34=", group_size=2,
+            metadata={"answer": "46", "scorer": "exact_answer"},
+            sampling=bus_pb2.SamplingParams(max_new_tokens=4)), f"{run_id}-t")
+    rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1"})
+    await services.wait_healthy(rollout, timeout_s=60)
+
+    async def done() -> bool:
+        backlog = await bus.backlog("rollout")
+        beats = await HeartbeatRegistry(redis_client, "default").alive("rollout")
+        return backlog.pending == 0 and backlog.ack_pending == 0 and bool(beats) and \
+            beats[0].detail.get("tasks_skipped") == 1 and beats[0].detail.get("tasks_done") == 1
+
+    await eventually(done, timeout_s=60)
+    assert {t.run_id for t in await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)} == {"going"}

@@ -97,6 +97,11 @@ class RunRegistry:
             error=fields.get(b"error", b"").decode(),
         )
 
+    async def state(self, run_id: str) -> int | None:
+        """The run's state (None: no such run, e.g. tasks published by hand)."""
+        value = await self.client.hget(self.prefix + run_id, "state")
+        return None if value is None else int(value)
+
     async def set_state(self, run_id: str, state: int, error: str = "") -> None:
         await self.client.hset(self.prefix + run_id, mapping={
             "state": str(state), "error": error, "updated": str(int(time.time() * 1000)),
@@ -109,3 +114,23 @@ class RunRegistry:
 
     async def run_ids(self) -> list[str]:
         return sorted(m.decode() for m in await self.client.smembers(self.index))
+
+
+class StoppedRuns:
+    """Whether a run has ended (stopped, finished or failed), as the rollout asks before sampling
+    one of its Tasks: a stopped run's queued Tasks are acked unsampled. Answers are cached for
+    `ttl_s` (one Redis read per run and interval, not per Task)."""
+
+    def __init__(self, runs: RunRegistry, ttl_s: float = 1.0) -> None:
+        self.runs, self.ttl_s = runs, ttl_s
+        self._cache: dict[str, tuple[float, bool]] = {}
+
+    async def ended(self, run_id: str) -> bool:
+        now = time.monotonic()
+        cached = self._cache.get(run_id)
+        if cached is not None and now - cached[0] < self.ttl_s:
+            return cached[1]
+        state = await self.runs.state(run_id)
+        ended = state in TERMINAL_STATES
+        self._cache[run_id] = (now, ended)
+        return ended
