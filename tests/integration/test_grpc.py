@@ -62,41 +62,43 @@ async def test_gateway_health_reflection_and_token(gateway) -> None:  # type: ig
     assert (await stub.ListPolicies(loop_pb2.ListPoliciesRequest(), timeout=5, metadata=AUTH)).policies == []
 
 
-@pytest.mark.parametrize(
-    ("mutate", "field"),
-    [
-        (lambda e: setattr(e, "name", ""), "environment.name"),
-        (lambda e: setattr(e, "version", "v 1"), "environment.version"),
-        (lambda e: e.ClearField("tasks"), "environment.tasks"),
-        (lambda e: setattr(e.tasks[1], "prompt_text", ""), "environment.tasks[1].prompt_text"),
-        (lambda e: setattr(e.tasks[2], "answer", ""), "environment.tasks[2].answer"),
-        (lambda e: e.ClearField("builtin"), "environment.scorer"),
-        (lambda e: setattr(e.sampling, "top_p", 1.5), "environment.sampling.top_p"),
-        (lambda e: setattr(e.builtin, "pattern", "(unclosed"), "environment.builtin.pattern"),
-        (lambda e: (setattr(e, "max_turns", 3), e.tools.append("shell")), "environment.tools[0]"),
-        (lambda e: e.tools.append("python"), "environment.max_turns"),
-        (lambda e: setattr(e, "max_turns", 2), "environment.tools"),
-        (lambda e: (setattr(e, "max_turns", 99), e.tools.append("python")), "environment.max_turns"),
-        (lambda e: (setattr(e, "max_turns", 3), e.tools.append("python"), setattr(e.sampling, "ignore_eos", True)),
-         "environment.sampling.ignore_eos"),
-        (lambda e: e.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(timeout_seconds=5)),
-         "environment.tasks[0].metadata.tests"),
-        (lambda e: e.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(test_code="def test_a(): pass",
-                                                                 timeout_seconds=float("nan"))),
-         "environment.unit_tests.timeout_seconds"),
-        (lambda e: e.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
-                                                              timeout_seconds=-3)),
-         "environment.reward_code.timeout_seconds"),
-    ],
-)
-async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway, mutate, field) -> None:  # type: ignore[no-untyped-def]
+# (how a valid environment is spoiled, the field the refusal must name)
+INVALID_ENVIRONMENTS = [
+    (lambda e: setattr(e, "name", ""), "environment.name"),
+    (lambda e: setattr(e, "version", "v 1"), "environment.version"),
+    (lambda e: e.ClearField("tasks"), "environment.tasks"),
+    (lambda e: setattr(e.tasks[1], "prompt_text", ""), "environment.tasks[1].prompt_text"),
+    (lambda e: setattr(e.tasks[2], "answer", ""), "environment.tasks[2].answer"),
+    (lambda e: e.ClearField("builtin"), "environment.scorer"),
+    (lambda e: setattr(e.sampling, "top_p", 1.5), "environment.sampling.top_p"),
+    (lambda e: setattr(e.builtin, "pattern", "(unclosed"), "environment.builtin.pattern"),
+    (lambda e: (setattr(e, "max_turns", 3), e.tools.append("shell")), "environment.tools[0]"),
+    (lambda e: e.tools.append("python"), "environment.max_turns"),
+    (lambda e: setattr(e, "max_turns", 2), "environment.tools"),
+    (lambda e: (setattr(e, "max_turns", 99), e.tools.append("python")), "environment.max_turns"),
+    (lambda e: (setattr(e, "max_turns", 3), e.tools.append("python"), setattr(e.sampling, "ignore_eos", True)),
+     "environment.sampling.ignore_eos"),
+    (lambda e: e.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(timeout_seconds=5)),
+     "environment.tasks[0].metadata.tests"),
+    (lambda e: e.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(test_code="def test_a(): pass",
+                                                             timeout_seconds=float("nan"))),
+     "environment.unit_tests.timeout_seconds"),
+    (lambda e: e.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
+                                                          timeout_seconds=-3)),
+     "environment.reward_code.timeout_seconds"),
+]
+
+
+async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway) -> None:  # type: ignore[no-untyped-def]
+    """Every case against one gateway (a gateway per case cost two seconds each)."""
     _, _, stub = gateway
-    env = addition_environment(4)
-    mutate(env)
-    with pytest.raises(grpc.aio.AioRpcError) as err:
-        await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert err.value.details().startswith(field + ":")
+    for mutate, field in INVALID_ENVIRONMENTS:
+        env = addition_environment(4)
+        mutate(env)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert err.value.details().startswith(field + ":"), (field, err.value.details())
 
 
 async def test_runs_feed_tasks_with_backpressure_and_clear_errors(gateway, nats_server) -> None:  # type: ignore[no-untyped-def]
