@@ -19,6 +19,7 @@ without training. The rules are in docs/recovery.md.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import Counter
 from pathlib import Path
@@ -107,6 +108,10 @@ class LearnerSettings(ServiceSettings):
         1000, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later ones "
                           "exceed max_lag and are dropped as stale).")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
+    crash_after_recording_step: int = Field(
+        0, description="Fault injection for recovery drills: exit at once (as if killed) right after step N is "
+                       "recorded in LEDGER and before its version is published — the narrowest window of the "
+                       "write-ahead rule. 0: never.")
     colocated_engines: list[str] = Field(
         default_factory=list,
         description="Base URLs of engines on this node that take every version straight from the learner by "
@@ -372,6 +377,9 @@ async def body(ctx: ServiceContext) -> None:
             step=report.step, version=trainer.version, manifest_hash=weights.manifest_hash,
             trajectory_ids=tuple(t.trajectory_id for t in samples),
             stream_sequences=tuple(sequences[t.trajectory_id] for t in samples)))
+        if report.step == settings.crash_after_recording_step:
+            log.warning("crashing_on_purpose", step=report.step, version=trainer.version)
+            os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
         await colocated.send(tensors, trainer.version)
         pushed = await pusher.push(weights, report.step)
         record_push(pushed)

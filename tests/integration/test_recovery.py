@@ -72,6 +72,39 @@ async def test_learner_killed_between_steps_resumes_from_checkpoint_and_ledger(
     assert await asyncio.to_thread(fourth.proc.wait, 60) == 1
 
 
+async def test_learner_dead_between_recording_a_step_and_publishing_it(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """The narrowest window of the write-ahead rule, hit on purpose: step 3 is in LEDGER but its
+    version was never published and its trajectories never acked. The next learner replays it
+    from checkpoint 2 (bit-exact), publishes version 3, recognises the redelivered samples as
+    trained, and goes on at 4: no gap, no reuse, nothing trained twice."""
+    versions = VersionRegistry(redis_client, "default")
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT_EVERY": "2",
+           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    first = services.start("learner", env={**env, "POLICYLOOP_CRASH_AFTER_RECORDING_STEP": "3"})
+    await services.wait_healthy(first, timeout_s=60)
+    for n in range(2):
+        await publish_groups(bus, [f"g{n}"])
+        await eventually(lambda n=n: _at(versions, n + 1), timeout_s=60, what=f"version {n + 1}")
+    await publish_groups(bus, ["g2"])
+    assert await asyncio.to_thread(first.proc.wait, 60) == 70
+    assert [r.version for r in await trained_steps(bus, "policy")] == [1, 2, 3]
+    assert await versions.get("policy") == 2  # recorded, never published
+
+    second = services.start("learner", env=env)
+    await services.wait_healthy(second, timeout_s=60)
+    [resumed] = [e for e in second.log_events() if e["event"] == "learner_resumed"]
+    assert (resumed["checkpoint_version"], resumed["replayed"], resumed["version"]) == (2, 1, 3)
+    assert await versions.get("policy") == 3
+    await publish_groups(bus, ["g3"])
+    await eventually(lambda: _at(versions, 4), timeout_s=60, what="version 4")
+    await eventually(lambda: _settled(bus), what="every trajectory acked")
+    report = await clean_audit(bus)
+    assert report.generated == report.trained == 8 and report.steps == 4 and report.pending == 0
+
+
 async def test_learner_killed_mid_step_trains_nothing_twice(
         bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
     """A step big enough to take a while is interrupted by SIGKILL: whether or not it reached
