@@ -360,6 +360,14 @@ async def name_base_version(client: SGLangClient) -> int:
     return 0
 
 
+def check_engine_settings(settings: RolloutSettings) -> None:
+    """Refuses engine settings that cannot work, before anything starts."""
+    if settings.weight_source == "colocated" and not settings.engine_url:
+        raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
+    if settings.engine == "sglang" and not settings.engine_url:
+        raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")
+
+
 async def body(ctx: ServiceContext) -> None:
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
     from transformers import AutoTokenizer
@@ -367,11 +375,8 @@ async def body(ctx: ServiceContext) -> None:
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
     engine_proc = None
     url = settings.engine_url
-    if settings.weight_source == "colocated" and not url:
-        raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
+    check_engine_settings(settings)
     if not url:
-        if settings.engine != "embedded":
-            raise ValueError("engine_url is required with engine=sglang")
         port = free_port()
         engine_proc = start_embedded_engine(settings, port)
         url = f"http://127.0.0.1:{port}"

@@ -66,3 +66,14 @@ def test_each_service_starts_by_module_and_by_cli_and_documents_its_flags() -> N
         assert "--nats-url" in out and "NATS server with JetStream." in out, key
     unknown = subprocess.run([sys.executable, "-m", "policyloop", "serve", "nope"], capture_output=True, text=True)
     assert unknown.returncode == 2 and "unknown service 'nope'" in unknown.stdout
+
+
+def test_rollout_refuses_engine_settings_that_cannot_work() -> None:
+    from policyloop.services.rollout.service import RolloutSettings, check_engine_settings
+
+    with pytest.raises(ValueError, match="engine=sglang needs engine_url"):
+        check_engine_settings(load_settings(RolloutSettings, ["--engine", "sglang"]))
+    with pytest.raises(ValueError, match="colocated needs engine_url"):
+        check_engine_settings(load_settings(RolloutSettings, ["--weight-source", "colocated"]))
+    check_engine_settings(load_settings(RolloutSettings, ["--engine", "sglang", "--engine-url", "http://sglang:30000"]))
+    check_engine_settings(load_settings(RolloutSettings, []))  # embedded: the replica starts its own
