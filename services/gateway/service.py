@@ -22,6 +22,7 @@ from policyloop.bus import BusError, StreamFull, tasks_subject
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs.feeding import nth_task, tasks_total
 from policyloop.envs.validation import (
+    MAX_TASKS_PER_ENVIRONMENT,
     InvalidField,
     environment_key,
     validate_environment,
@@ -69,7 +70,34 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
 
     async def SubmitEnvironment(self, request: loop_pb2.SubmitEnvironmentRequest,
                                 context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
-        env = request.environment
+        return await self._store_environment(request.environment, context)
+
+    async def UploadEnvironment(self, requests: AsyncIterator[loop_pb2.UploadEnvironmentRequest],
+                                context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
+        env: loop_pb2.Environment | None = None
+        i = -1
+        async for message in requests:
+            i += 1
+            if env is None:
+                if not message.HasField("environment"):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "environment: the first message must carry the environment")
+                env = loop_pb2.Environment()
+                env.CopyFrom(message.environment)
+            elif message.HasField("environment"):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"messages[{i}].environment: only the first message carries the environment")
+            env.tasks.extend(message.tasks)
+            if len(env.tasks) > MAX_TASKS_PER_ENVIRONMENT:  # refused before the stream is held in memory
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"environment.tasks: at most {MAX_TASKS_PER_ENVIRONMENT}")
+        if env is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "environment: the stream carried no message")
+        log.info("environment_uploaded", messages=i + 1)
+        return await self._store_environment(env, context)
+
+    async def _store_environment(self, env: loop_pb2.Environment,
+                                 context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
         try:
             validate_environment(env)
         except InvalidField as exc:

@@ -294,3 +294,35 @@ async def test_rollout_replicas_hear_of_published_versions(publisher, services: 
         await redis_client.aclose()
     heard = [e["version"] for e in rollout.log_events() if e["event"] == "weights_announced"]
     assert heard[-1] == 2 and heard == sorted(heard)
+
+
+async def test_a_large_environment_is_uploaded_as_a_stream(gateway) -> None:  # type: ignore[no-untyped-def]
+    """UploadEnvironment: the environment, then its tasks in chunks; the result is the very
+    environment SubmitEnvironment would have stored. Malformed streams are INVALID_ARGUMENT
+    naming the field (a bad task by its index in the whole environment)."""
+    from policyloop.cluster.client import upload_messages
+
+    _, _, stub = gateway
+    env = addition_environment(5000)
+    reply = await stub.UploadEnvironment(upload_messages(env, 2000), timeout=30, metadata=AUTH)
+    assert (reply.environment, reply.num_tasks, reply.created) == ("addition@demo", 5000, True)
+    inline = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30,
+                                          metadata=AUTH)
+    assert inline.created is False  # the identical definition, tasks in the same order
+
+    bad_task = loop_pb2.Environment()
+    bad_task.CopyFrom(env)
+    bad_task.version = "other"
+    bad_task.tasks[2345].prompt_text = ""
+    header = loop_pb2.UploadEnvironmentRequest(environment=addition_environment(0))
+    cases = [
+        (upload_messages(bad_task, 2000), "environment.tasks[2345].prompt_text"),
+        ([loop_pb2.UploadEnvironmentRequest(tasks=env.tasks[:3])], "environment"),
+        ([header, header], "messages[1].environment"),
+        ([], "environment"),
+    ]
+    for messages, field in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stub.UploadEnvironment(iter(messages), timeout=30, metadata=AUTH)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+        assert err.value.details().startswith(field + ":"), (field, err.value.details())

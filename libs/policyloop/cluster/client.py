@@ -88,6 +88,19 @@ def gateway_address(gateway: str | None, run_dir: Path) -> str:
     return f"127.0.0.1:{info.processes['gateway-0']['grpc']}"
 
 
+UPLOAD_TASKS_PER_MESSAGE = 2000
+
+
+def upload_messages(env: loop_pb2.Environment, tasks_per_message: int) -> Iterator[loop_pb2.UploadEnvironmentRequest]:
+    """The environment without its tasks, then its tasks in order, `tasks_per_message` at a time."""
+    header = loop_pb2.Environment()
+    header.CopyFrom(env)
+    del header.tasks[:]
+    yield loop_pb2.UploadEnvironmentRequest(environment=header)
+    for start in range(0, len(env.tasks), tasks_per_message):
+        yield loop_pb2.UploadEnvironmentRequest(tasks=env.tasks[start:start + tasks_per_message])
+
+
 class LoopClient:
     """A blocking LoopService client with the optional bearer token on every call."""
 
@@ -97,9 +110,15 @@ class LoopClient:
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.timeout_s = timeout_s
 
-    def submit(self, env: loop_pb2.Environment) -> loop_pb2.SubmitEnvironmentResponse:
-        return self.stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env),
-                                           timeout=self.timeout_s, metadata=self.metadata)
+    def submit(self, env: loop_pb2.Environment, tasks_per_message: int = UPLOAD_TASKS_PER_MESSAGE
+               ) -> loop_pb2.SubmitEnvironmentResponse:
+        """SubmitEnvironment, or UploadEnvironment in chunks of `tasks_per_message` tasks when the
+        environment has more (one message is capped at 4 MiB by gRPC's default)."""
+        if len(env.tasks) <= tasks_per_message:
+            return self.stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env),
+                                               timeout=self.timeout_s, metadata=self.metadata)
+        return self.stub.UploadEnvironment(upload_messages(env, tasks_per_message), timeout=self.timeout_s,
+                                           metadata=self.metadata)
 
     def start(self, request: loop_pb2.StartRunRequest) -> loop_pb2.Run:
         return self.stub.StartRun(request, timeout=self.timeout_s, metadata=self.metadata)

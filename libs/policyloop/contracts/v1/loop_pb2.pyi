@@ -110,6 +110,14 @@ class SubmitEnvironmentRequest(_message.Message):
     environment: Environment
     def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ...) -> None: ...
 
+class UploadEnvironmentRequest(_message.Message):
+    __slots__ = ("environment", "tasks")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    environment: Environment
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
+    def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ...) -> None: ...
+
 class SubmitEnvironmentResponse(_message.Message):
     __slots__ = ("environment", "num_tasks", "created")
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class LoopServiceStub:
                 request_serializer=policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentRequest.SerializeToString,
                 response_deserializer=policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentResponse.FromString,
                 _registered_method=True)
+        self.UploadEnvironment = channel.stream_unary(
+                '/policyloop.v1.LoopService/UploadEnvironment',
+                request_serializer=policyloop_dot_v1_dot_loop__pb2.UploadEnvironmentRequest.SerializeToString,
+                response_deserializer=policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentResponse.FromString,
+                _registered_method=True)
         self.StartRun = channel.unary_unary(
                 '/policyloop.v1.LoopService/StartRun',
                 request_serializer=policyloop_dot_v1_dot_loop__pb2.StartRunRequest.SerializeToString,
@@ -72,6 +77,14 @@ class LoopServiceServicer:
     def SubmitEnvironment(self, request, context):
         """Stores an environment (name@version). The same definition again is accepted as is;
         a different definition under an existing name@version is ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadEnvironment(self, request_iterator, context):
+        """The same for environments too large for one message: the first message carries the
+        environment (scorer, sampling, ... and any tasks), every later one more tasks, in order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,6 +128,11 @@ def add_LoopServiceServicer_to_server(servicer, server):
             'SubmitEnvironment': grpc.unary_unary_rpc_method_handler(
                     servicer.SubmitEnvironment,
                     request_deserializer=policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentRequest.FromString,
+                    response_serializer=policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentResponse.SerializeToString,
+            ),
+            'UploadEnvironment': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadEnvironment,
+                    request_deserializer=policyloop_dot_v1_dot_loop__pb2.UploadEnvironmentRequest.FromString,
                     response_serializer=policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentResponse.SerializeToString,
             ),
             'StartRun': grpc.unary_unary_rpc_method_handler(
@@ -169,6 +187,33 @@ class LoopService:
             target,
             '/policyloop.v1.LoopService/SubmitEnvironment',
             policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentRequest.SerializeToString,
+            policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadEnvironment(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/policyloop.v1.LoopService/UploadEnvironment',
+            policyloop_dot_v1_dot_loop__pb2.UploadEnvironmentRequest.SerializeToString,
             policyloop_dot_v1_dot_loop__pb2.SubmitEnvironmentResponse.FromString,
             options,
             channel_credentials,
