@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,7 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         for batch in batches[:2]:
             first.step(batch)
         saved = first.save(tmp_path / "ckpt", trained_ids=[["t0/0"], ["t1/0"]], extra={"ledger_seq": 7})
+        draws = (torch.rand(3), random.random())  # what the RNGs give next after the checkpoint
         # A crash while writing the next checkpoint leaves this one the latest.
         (tmp_path / "ckpt" / ".version-000000003.tmp").mkdir()
         assert latest_checkpoint(tmp_path / "ckpt") == saved
@@ -173,7 +175,10 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         first.close()
     second = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3), version=0)
     try:
+        torch.manual_seed(123)
+        random.seed(123)
         state = second.restore(saved)
+        assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]  # RNGs came back
         assert state.trained_ids == [["t0/0"], ["t1/0"]] and state.extra == {"ledger_seq": 7}
         assert second.version == 2 and second.steps == 2
         second.step(batches[2])

@@ -5,14 +5,15 @@ DCP checkpoint (sharded: every rank writes its own part, and a run can load it o
 number of ranks) plus `trainer.json` (policy version, steps taken, the ids of the samples the
 most recent steps trained, and what the learner adds: its LEDGER position). It is written to
 a temporary directory and renamed into place, then `<root>/latest` is replaced atomically, so a
-crash while writing leaves the previous checkpoint the one that is loaded. RNG states are saved
-per rank (`rng-<rank>.pt`).
+crash while writing leaves the previous checkpoint the one that is loaded. RNG states (torch CPU
+and CUDA, Python's random) are saved per rank (`rng-<rank>.pt`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,22 @@ class TrainerState:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+def rng_states() -> dict[str, Any]:
+    """This process's random states: torch (CPU and every CUDA device) and Python's `random`."""
+    states: dict[str, Any] = {"cpu": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "python" in states:
+        random.setstate(states["python"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
 def _is_leader() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
@@ -62,7 +79,7 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
     rank = dist.get_rank() if dist.is_initialized() else 0
-    torch.save({"cpu": torch.get_rng_state()}, tmp / f"rng-{rank}.pt")
+    torch.save(rng_states(), tmp / f"rng-{rank}.pt")
     _barrier()
     if _is_leader():
         record = {"version": state.version, "steps": state.steps, "trained_ids": state.trained_ids,
@@ -107,7 +124,7 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = directory / f"rng-{rank}.pt"
     if rng.exists():  # a run resumed on more ranks than it was saved with starts their RNG fresh
-        torch.set_rng_state(torch.load(rng)["cpu"])
+        set_rng_states(torch.load(rng, weights_only=False))
     record = json.loads((directory / "trainer.json").read_text())
     return TrainerState(version=int(record["version"]), steps=int(record["steps"]),
                         trained_ids=[list(ids) for ids in record["trained_ids"]], extra=dict(record.get("extra", {})))
