@@ -59,6 +59,9 @@ if TYPE_CHECKING:
     from policyloop.weights.distributed import DistributedWeightSender
 
 log = get_logger(__name__)
+# How long a stopping learner waits for a checkpoint still being written before it closes the
+# trainer (an orchestrator's SIGKILL before then is safe: checkpoints are renamed into place).
+CHECKPOINT_WAIT_S = 600.0
 
 
 class LearnerSettings(ServiceSettings):
@@ -353,13 +356,19 @@ async def body(ctx: ServiceContext) -> None:
         except RedisError as exc:
             log.warning("progress_not_recorded", error=repr(exc))
 
+    saving: asyncio.Future[Path] | None = None
+
     async def checkpoint() -> None:
-        nonlocal checkpointed
+        nonlocal checkpointed, saving
         if trainer.version == checkpointed:
             return
         started = time.monotonic()
-        directory = await asyncio.to_thread(trainer.save, settings.checkpoint_dir, list(collector.trained.steps),
-                                            {"ledger_seq": ledger_seq}, settings.checkpoints_kept)
+        # Shielded: a stop that cancels the training loop must not close the trainer under a
+        # save still writing in its thread (the shutdown below waits for it).
+        saving = asyncio.ensure_future(asyncio.to_thread(
+            trainer.save, settings.checkpoint_dir, list(collector.trained.steps), {"ledger_seq": ledger_seq},
+            settings.checkpoints_kept))
+        directory = await asyncio.shield(saving)
         checkpointed = trainer.version
         ctx.detail["checkpoint_version"] = checkpointed
         log.info("checkpoint_written", version=checkpointed, path=str(directory),
@@ -462,6 +471,9 @@ async def body(ctx: ServiceContext) -> None:
         if not done:
             trainer_task.cancel()
             await asyncio.gather(trainer_task, return_exceptions=True)
+        if saving is not None and not saving.done():
+            log.info("waiting_for_checkpoint")
+            await asyncio.wait({saving}, timeout=CHECKPOINT_WAIT_S)
         await publisher.close()
         await colocated.close()
         trainer.close()

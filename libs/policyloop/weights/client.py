@@ -197,7 +197,10 @@ class VersionPusher:
                     if held.get(weights.version) == weights.manifest_hash:
                         return
                     raise
-                transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                # INTERNAL "from Core": the client's stream write failed as the connection dropped
+                # (a publisher killed mid-push); the push is retried like any lost connection.
+                transient = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
+                    exc.code() == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or ""))
                 if not transient or attempt == self.attempts:
                     raise
                 log.warning("push_retry", version=weights.version, attempt=attempt, error=exc.code().name)
