@@ -344,7 +344,8 @@ def run_start(
     model: Annotated[str, typer.Option(help="Model the run trains.")] = "policy",
     num_tasks: Annotated[int, typer.Option(help="Tasks to feed in total (0: as many as the environments hold).")]
     = 0,
-    max_lag: Annotated[int, typer.Option(help="Most versions a trained sample may lag (-1: unbounded).")] = 1,
+    max_lag: Annotated[int | None, typer.Option(
+        help="Most versions a trained sample may lag (-1: unbounded); must be the cluster's (default: it).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the task order.")] = 0,
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
@@ -360,7 +361,7 @@ def run_start(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     request = loop_pb2.StartRunRequest(run_id=run_id, environments=mixes, model=model, num_tasks=num_tasks,
-                                       max_lag=max_lag, seed=seed)
+                                       max_lag=max_lag, seed=seed)  # None: unset, the cluster's
     run = _with_gateway(gateway, run_dir, token, lambda client: client.start(request))
     print(json.dumps(MessageToDict(run)))
 

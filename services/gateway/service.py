@@ -23,14 +23,16 @@ from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs.feeding import nth_task, tasks_total
 from policyloop.envs.validation import (
     MAX_TASKS_PER_ENVIRONMENT,
+    FailedPrecondition,
     InvalidField,
+    check_run_against_learner,
     environment_key,
     validate_environment,
     validate_start_run,
 )
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main
 from policyloop.runtime.grpc_server import start_grpc_server
-from policyloop.state import IdempotencyKeys, VersionRegistry, connect_redis
+from policyloop.state import HeartbeatRegistry, IdempotencyKeys, VersionRegistry, connect_redis
 from policyloop.state.catalog import (
     TERMINAL_STATES,
     EnvironmentCatalog,
@@ -67,6 +69,7 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         self.wake_feeder = wake_feeder
         self.watch_poll_s = watch_poll_s
         self.progress = RunProgressStore(ctx.redis, ctx.settings.namespace)
+        self.heartbeats = HeartbeatRegistry(ctx.redis, ctx.settings.namespace)
 
     async def SubmitEnvironment(self, request: loop_pb2.SubmitEnvironmentRequest,
                                 context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
@@ -112,8 +115,12 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
 
     async def StartRun(self, request: loop_pb2.StartRunRequest,
                        context: grpc.aio.ServicerContext) -> loop_pb2.Run:
+        learner = await self._learner_config()
         try:
             validate_start_run(request)
+            check_run_against_learner(request, learner)
+        except FailedPrecondition as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         environments = {}
@@ -128,7 +135,9 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         stored.CopyFrom(request)
         stored.run_id = run_id
         if not stored.model:
-            stored.model = "policy"
+            stored.model = str((learner or {}).get("model", "policy"))
+        if not stored.HasField("max_lag") and learner is not None:
+            stored.max_lag = int(learner["max_lag"])  # what the run gets, for GetRun/WatchRun
         try:
             await self.runs.create(run_id, stored, tasks_total(stored, environments))
         except RunConflict as exc:
@@ -136,6 +145,14 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         log.info("run_started", run=run_id, environments=list(environments))
         self.wake_feeder.set()
         return await self._run(run_id)
+
+    async def _learner_config(self) -> dict | None:
+        """The model, max_lag and objective the running learner advertises (None: none is up)."""
+        for beat in await self.heartbeats.alive("learner"):
+            config = beat.detail.get("config")
+            if isinstance(config, dict):
+                return config
+        return None
 
     async def StopRun(self, request: loop_pb2.StopRunRequest,
                       context: grpc.aio.ServicerContext) -> loop_pb2.Run:

@@ -32,6 +32,7 @@ from policyloop.bus import Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.engines.sglang_client import EngineError, SGLangClient
+from policyloop.envs.validation import RUN_LOSS_SETTINGS
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, GroupCollector, RecentSteps, sample_lag, split_stale
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
@@ -250,6 +251,9 @@ async def body(ctx: ServiceContext) -> None:
         trainer.close()
         raise
     ctx.policy_version = trainer.version
+    # What runs are checked against (the gateway refuses a run asking for something else).
+    ctx.detail["config"] = {"model": settings.model, "max_lag": settings.max_lag,
+                            "loss": {key: getattr(settings, key) for key in RUN_LOSS_SETTINGS}}
     ctx.detail["resumed"] = {"checkpoint_version": resumed.checkpoint_version, "replayed": len(resumed.replayed)}
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)

@@ -91,10 +91,18 @@ def main(address: str) -> dict:
     report["invalid"]["changed_definition"] = status_of(lambda: stub.SubmitEnvironment(
         loop_pb2.SubmitEnvironmentRequest(environment=changed), timeout=30))
 
-    run = stub.StartRun(loop_pb2.StartRunRequest(
-        environments=[loop_pb2.EnvironmentMix(environment="sums@v1", weight=0.6),
-                      loop_pb2.EnvironmentMix(environment="functions@v1", weight=0.4)],
-        model="policy", max_lag=-1, seed=7), timeout=30)
+    mix = [loop_pb2.EnvironmentMix(environment="sums@v1", weight=0.6),
+           loop_pb2.EnvironmentMix(environment="functions@v1", weight=0.4)]
+    # The cluster's learner runs PPO with max_lag unbounded (-1; the test starts it so): asking
+    # for another objective or bound is refused, not ignored.
+    report["invalid"]["other_loss"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
+        environments=mix, loss={"loss": "gspo"}), timeout=30))
+    report["invalid"]["other_max_lag"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
+        environments=mix, max_lag=0), timeout=30))
+    report["invalid"]["unknown_loss_setting"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
+        environments=mix, loss={"temperature": "2"}), timeout=30))
+    run = stub.StartRun(loop_pb2.StartRunRequest(environments=mix, model="policy", loss={"loss": "ppo"}, seed=7),
+                        timeout=30)
     report["run_started"] = loop_pb2.RunState.Name(run.state)
     updates = 0
     deadline = time.monotonic() + 240

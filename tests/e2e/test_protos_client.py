@@ -64,6 +64,9 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
     assert invalid["bad_weight"].startswith("INVALID_ARGUMENT environments[0].weight")
     assert invalid["unknown_run"].startswith("NOT_FOUND run_id")
     assert invalid["changed_definition"].startswith("ALREADY_EXISTS")
+    assert invalid["other_loss"].startswith("FAILED_PRECONDITION loss[loss]")
+    assert invalid["other_max_lag"].startswith("FAILED_PRECONDITION max_lag")
+    assert invalid["unknown_loss_setting"].startswith("INVALID_ARGUMENT loss[temperature]")
     assert report["submitted"] == [["sums@v1", 40, True], ["functions@v1", 3, True]]
     assert report["resubmitted_same"] is False
     assert report["run_started"] == "RUN_STATE_RUNNING" and report["watch_updates"] >= 2

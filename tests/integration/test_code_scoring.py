@@ -57,7 +57,8 @@ async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher
     own_tests = "return 99\ndef test_mine():\n    pass\ndef test_also_mine():\n    pass"
     # The report line forged with the nonce taken from the harness's module (the old harness kept it there).
     stolen_nonce = ("import sys, os, json\n    m = sys.modules['__main__']\n"
-                    "    report = {'compiled': True, 'error': '', 'tests': [['test_0', True, ''], ['test_1', True, '']]}\n"
+                    "    report = {'compiled': True, 'error': '',\n"
+                    "              'tests': [['test_0', True, ''], ['test_1', True, '']]}\n"
                     "    os.write(1, ('\\n' + m.nonce + ' ' + json.dumps(report) + '\\n').encode())\n    os._exit(0)")
     results = await scored(bus, [
         rollout("right", prompt, right, metadata),

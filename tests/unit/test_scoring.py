@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from policyloop.contracts.v1 import bus_pb2
@@ -51,3 +53,25 @@ def test_the_code_environment_is_one_the_gateway_takes() -> None:
     env = code_environment()
     assert not env.unit_tests.test_code and all(t.metadata["tests"] for t in env.tasks)
     validate_environment(env)
+
+
+def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.envs.validation import FailedPrecondition, InvalidField, check_run_against_learner
+
+    learner = {"model": "policy", "max_lag": 1, "loss": {"loss": "ppo", "tis_cap": 2.0, "kl_coef": 0.0}}
+
+    def run(**fields: object) -> loop_pb2.StartRunRequest:
+        return loop_pb2.StartRunRequest(environments=[loop_pb2.EnvironmentMix(environment="a@v1", weight=1)],
+                                        **fields)
+
+    check_run_against_learner(run(), learner)  # nothing asked: the cluster's settings
+    check_run_against_learner(run(model="policy", max_lag=1, loss={"loss": "ppo", "tis_cap": "2"}), learner)
+    for request, field in [(run(max_lag=0), "max_lag"), (run(max_lag=-1), "max_lag"), (run(model="other"), "model"),
+                           (run(loss={"loss": "gspo"}), "loss[loss]"), (run(loss={"tis_cap": "3"}), "loss[tis_cap]"),
+                           (run(loss={"kl_coef": "x"}), "loss[kl_coef]")]:
+        with pytest.raises(FailedPrecondition, match=rf"^{re.escape(field)}:"):
+            check_run_against_learner(request, learner)
+    with pytest.raises(InvalidField, match=r"^loss\[lr\]: not a learner loss setting"):
+        check_run_against_learner(run(loss={"lr": "1"}), None)  # names are checked with no learner up
+    check_run_against_learner(run(max_lag=5, loss={"loss": "gspo"}), None)

@@ -65,8 +65,8 @@ def test_an_answer_without_integer_versions_is_refused_before_anything_is_record
     for result in (
         GenerateResult(rid="a", output_ids=[7, 1], output_logprobs=[-0.5, -0.1], finish_reason="stop",
                        weight_version="default", prompt_tokens=2, completion_tokens=2),
-        GenerateResult(rid="a", output_ids=[7, 1], output_logprobs=[-0.5, -0.1], finish_reason="stop", weight_version="1",
-                       prompt_tokens=2, completion_tokens=2,
+        GenerateResult(rid="a", output_ids=[7, 1], output_logprobs=[-0.5, -0.1], finish_reason="stop",
+                       weight_version="1", prompt_tokens=2, completion_tokens=2,
                        weight_versions=[WeightVersionSpan("default", 0, 1), WeightVersionSpan("1", 1, 2)]),
     ):
         traj = bus_pb2.Trajectory(trajectory_id="a/0")

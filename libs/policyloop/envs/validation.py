@@ -124,3 +124,46 @@ def validate_start_run(request: loop_pb2.StartRunRequest) -> None:
             raise InvalidField(f"environments[{i}].weight", "must be a finite number > 0")
     if request.max_lag < -1:
         raise InvalidField("max_lag", "must be -1 (unbounded) or >= 0")
+
+
+# The learner settings a run may name in StartRunRequest.loss (the objective the cluster's
+# learner was started with; see services/learner).
+RUN_LOSS_SETTINGS = ("loss", "normalization", "loss_constant", "advantages", "clip_low", "clip_high",
+                     "gspo_clip_low", "gspo_clip_high", "off_policy", "tis_cap", "kl_coef", "kl_estimator")
+
+
+class FailedPrecondition(InvalidField):
+    """The request is well formed, but the cluster does not do what it asks."""
+
+
+def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: dict | None) -> None:
+    """Refuses a run whose model, max_lag or loss settings differ from what the running learner
+    does (`learner`: the `config` its heartbeat advertises; None: no learner is up yet, so only
+    the names are checked). One learner serves the cluster: settings it would silently ignore
+    are an error, not a wish."""
+    for key in sorted(request.loss):
+        if key not in RUN_LOSS_SETTINGS:
+            raise InvalidField(f"loss[{key}]", f"not a learner loss setting (one of {', '.join(RUN_LOSS_SETTINGS)})")
+    if learner is None:
+        return
+    if request.model and request.model != learner.get("model"):
+        raise FailedPrecondition("model", f"the cluster's learner trains {learner.get('model')!r}, "
+                                          f"not {request.model!r}")
+    if request.HasField("max_lag") and request.max_lag != learner.get("max_lag"):
+        raise FailedPrecondition("max_lag", f"the cluster runs with max_lag {learner.get('max_lag')}, not "
+                                            f"{request.max_lag} (start the learner and rollout with --max-lag)")
+    objective = learner.get("loss", {})
+    for key, wanted in sorted(request.loss.items()):
+        running = objective.get(key)
+        if not _same_setting(running, wanted):
+            raise FailedPrecondition(f"loss[{key}]", f"the cluster's learner runs {key}={running}, not {wanted} "
+                                                     f"(start it with --{key.replace('_', '-')} {wanted})")
+
+
+def _same_setting(running: object, wanted: str) -> bool:
+    if isinstance(running, bool) or not isinstance(running, int | float):
+        return str(running) == wanted
+    try:
+        return math.isclose(float(wanted), float(running), rel_tol=1e-9, abs_tol=0.0)
+    except ValueError:
+        return False
