@@ -23,31 +23,51 @@ from tests.helpers import eventually, stored
 TASKS, GROUP, TOKENS = 16, 8, 200
 
 
-# abort (partial rollouts: pause, abort, resubmit) runs by default; in_place and retract keep
-# requests in the engine, which test_engine covers (spans across an update, retract's
-# recomputation) without the services around them.
-@pytest.mark.parametrize("mode", ["abort", pytest.param("in_place", marks=pytest.mark.slow),
-                                  pytest.param("retract", marks=pytest.mark.slow)])
+async def test_engine_embedded_a_version_that_aborts_requests_in_flight_resumes_them(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """engine=embedded (the replica starts its own engine) through the same SGLang client, with
+    pause mode abort: a version published while the replica samples aborts the requests in
+    flight, and the replica resubmits each (partial rollouts) so that every sample gets its full
+    budget, its tokens' versions recorded."""
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_WEIGHT_UPDATE_MODE": "abort"})
+
+    async def generating() -> bool:
+        # Tasks are taken; 16 × 8 samples of 200 tokens take tens of seconds on this machine, so a
+        # version pushed a moment later lands while requests are in flight.
+        return (await bus.backlog("rollout")).ack_pending > 0
+
+    await _update_mid_generation("abort", generating, bus, services, redis_client, publisher, rollout, settle_s=1.0)
+
+
+# in_place and retract through the rollout, with the engine in this process (the replica drives
+# it at its URL, as it would SGLang), so that the version is pushed once tokens are flowing. Both
+# modes keep requests in the engine, which test_engine covers without the services around them.
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
 async def test_a_version_published_mid_generation_reaches_requests_in_flight(
         mode: str, bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
     from policyloop.engines.embedded import start_engine
 
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    # The engine runs in this process (the replica drives it at its URL, as it would SGLang), so the
-    # test can push the version once tokens are being generated, not merely once tasks are taken.
     engine = await start_engine(services.model_dir, weight_version="0")
     try:
-        await _update_mid_generation(mode, engine, bus, services, redis_client, publisher)
+        rollout = services.start("rollout", env={
+            "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
+            "POLICYLOOP_WEIGHT_UPDATE_MODE": mode})
+
+        async def generating() -> bool:
+            return any(tokens >= 4 for tokens in engine.in_flight().values())
+
+        await _update_mid_generation(mode, generating, bus, services, redis_client, publisher, rollout)
     finally:
         await engine.stop()
 
 
-async def _update_mid_generation(mode: str, engine, bus: Bus, services: ServiceLauncher, redis_client,  # type: ignore[no-untyped-def]
-                                 publisher) -> None:
-    rollout = services.start("rollout", env={
-        "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
-        "POLICYLOOP_WEIGHT_UPDATE_MODE": mode})
+async def _update_mid_generation(mode: str, generating, bus: Bus, services: ServiceLauncher, redis_client,  # type: ignore[no-untyped-def]
+                                 publisher, rollout, settle_s: float = 0.0) -> None:
     reward = services.start("reward")
     await services.wait_healthy(rollout, reward, timeout_s=60)
     base = safetensors.torch.load_file(str(services.model_dir / "model.safetensors"))
@@ -60,10 +80,8 @@ async def _update_mid_generation(mode: str, engine, bus: Bus, services: ServiceL
             metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(
                 max_new_tokens=TOKENS, temperature=1.0, seed=n, ignore_eos=True)), f"t{n}")
 
-    async def generating() -> bool:
-        return any(tokens >= 4 for tokens in engine.in_flight().values())
-
     await eventually(generating, timeout_s=60, interval_s=0.02, what="tokens being generated")
+    await asyncio.sleep(settle_s)
     client = WeightClient(f"127.0.0.1:{publisher.ports['grpc']}")
     try:
         await VersionPusher(client, "policy").push(version, step=1)

@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -47,6 +47,8 @@ from policyloop.engines.protocol import (
     UpdateWeightVersionRequest,
     error_message,
 )
+
+R = TypeVar("R", UpdateWeightsResult, ControlResult)
 
 
 class EngineError(Exception):
@@ -196,39 +198,33 @@ class SGLangClient:
         req = UpdateWeightsFromDiskRequest(model_path=model_path, weight_version=str(weight_version),
                                            load_format=load_format, abort_all_requests=abort_all_requests,
                                            flush_cache=flush_cache)
-        status, body = await self._call("POST", "/update_weights_from_disk", req.to_json(), idempotent=True)
-        try:
-            result = UpdateWeightsResult.from_json(json.loads(body))
-        except ValueError:
-            self._raise_for_status("POST", "/update_weights_from_disk", status, body)
-            raise EngineProtocolError(f"/update_weights_from_disk: unexpected answer {body[:200]!r}", status,
-                                      body) from None
-        if not result.success or status >= 400:
-            raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) failed: {result.message}", status, body)
-        served = (await self.model_info()).weight_version
-        if served != str(weight_version):
-            raise WeightUpdateError(f"update_weights_from_disk({model_path!r}) succeeded but the engine reports "
-                                    f"weight_version {served!r}, not {weight_version!r}", status, body)
-        return result
+        return await self._versioned_update("/update_weights_from_disk", req.to_json(), UpdateWeightsResult.from_json,
+                                            f"update_weights_from_disk({model_path!r})", str(weight_version))
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> ControlResult:
         """Relabels the served weights as `new_version` (nothing is loaded) and checks that
         /model_info then reports it. SGLang boots at version "default": the rollout names the
         base weights "0" this way before it generates anything."""
         req = UpdateWeightVersionRequest(new_version=str(new_version), abort_all_requests=abort_all_requests)
-        status, body = await self._call("POST", "/update_weight_version", req.to_json(), idempotent=True)
+        return await self._versioned_update("/update_weight_version", req.to_json(), ControlResult.from_json,
+                                            f"update_weight_version({new_version!r})", str(new_version))
+
+    async def _versioned_update(self, path: str, payload: dict[str, Any], parse: Callable[[Any], R], what: str,
+                                version: str) -> R:
+        """Sends an update that sets the served version (safe to repeat), checks its
+        `{success, message}` answer and then that /model_info reports `version`."""
+        status, body = await self._call("POST", path, payload, idempotent=True)
         try:
-            result = ControlResult.from_json(json.loads(body))
+            result = parse(json.loads(body))
         except ValueError:
-            self._raise_for_status("POST", "/update_weight_version", status, body)
-            raise EngineProtocolError(f"/update_weight_version: unexpected answer {body[:200]!r}", status,
-                                      body) from None
+            self._raise_for_status("POST", path, status, body)
+            raise EngineProtocolError(f"{path}: unexpected answer {body[:200]!r}", status, body) from None
         if not result.success or status >= 400:
-            raise WeightUpdateError(f"update_weight_version({new_version!r}) failed: {result.message}", status, body)
+            raise WeightUpdateError(f"{what} failed: {result.message}", status, body)
         served = (await self.model_info()).weight_version
-        if served != str(new_version):
-            raise WeightUpdateError(f"update_weight_version({new_version!r}) succeeded but the engine reports "
-                                    f"weight_version {served!r}", status, body)
+        if served != version:
+            raise WeightUpdateError(f"{what} succeeded but the engine reports weight_version {served!r}, not "
+                                    f"{version!r}", status, body)
         return result
 
     async def pause_generation(self, mode: str = "abort") -> None:
