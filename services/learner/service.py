@@ -72,7 +72,12 @@ class LearnerSettings(ServiceSettings):
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
     publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")
     groups_per_step: int = Field(32, description="Complete groups (prompts) per optimizer step.")
-    lr: float = Field(1e-4, description="AdamW learning rate.")
+    lr: float = Field(1e-4, description="AdamW learning rate (the peak, with a schedule).")
+    lr_warmup_steps: int = Field(0, ge=0, description="Steps of linear warmup from 0 to lr (0: none).")
+    lr_schedule: Literal["constant", "cosine"] = Field(
+        "constant", description="After warmup: constant lr, or cosine decay to lr × lr_min_ratio at lr_decay_steps.")
+    lr_decay_steps: int = Field(0, ge=0, description="Step at which the cosine schedule reaches its floor.")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="Floor of the cosine schedule, as a fraction of lr.")
     loss: Literal["ppo", "gspo", "cispo"] = Field(
         "ppo", description="Policy loss: ppo (PPO-clip, GRPO/DAPO/Dr.GRPO by normalization and advantages), "
                            "gspo (sequence-level ratio) or cispo (clipped, detached IS weight).")
@@ -146,8 +151,10 @@ def loss_config(settings: LearnerSettings) -> LossConfig:
 def trainer_config(settings: LearnerSettings) -> TrainerConfig:
     from policyloop.rl.trainer import TrainerConfig
 
-    return TrainerConfig(lr=settings.lr, loss=loss_config(settings),
-                         max_grad_norm=settings.max_grad_norm, threads=settings.torch_threads)
+    return TrainerConfig(lr=settings.lr, loss=loss_config(settings), warmup_steps=settings.lr_warmup_steps,
+                         schedule=settings.lr_schedule, decay_steps=settings.lr_decay_steps,
+                         min_lr_ratio=settings.lr_min_ratio, max_grad_norm=settings.max_grad_norm,
+                         threads=settings.torch_threads)
 
 
 class ColocatedEngines:

@@ -154,13 +154,14 @@ def test_every_loss_variant_trains_towards_the_rewarded_response(model_dir: Path
 def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path) -> None:
     """Steps 1–2, checkpoint, step 3 — against a fresh trainer that loads the checkpoint and
     takes step 3: the same version, the same trained ids and bit-identical weights (the
-    optimizer's moments came back too)."""
+    optimizer's moments and the LR schedule's position — mid-warmup here — came back too)."""
     from policyloop.rl.checkpoint import latest_checkpoint
 
     prompt, good, bad = [4, 5, 14, 6, 7, 16], [8, 1], [9, 1]
     batches = [[group(f"t{step}", prompt, [good, bad], [1.0, 0.0], [[-2.0, -2.0], [-2.5, -2.5]])] * 2
                for step in range(3)]
-    first = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3), version=0)
+    config = TrainerConfig(lr=3e-3, warmup_steps=4, schedule="cosine", decay_steps=8)
+    first = PolicyTrainer(model_dir, config, version=0)
     try:
         for batch in batches[:2]:
             first.step(batch)
@@ -173,21 +174,22 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         expected = first.export_tensors()
     finally:
         first.close()
-    second = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3), version=0)
+    second = PolicyTrainer(model_dir, config, version=0)
     try:
         torch.manual_seed(123)
         random.seed(123)
         state = second.restore(saved)
         assert torch.equal(torch.rand(3), draws[0]) and random.random() == draws[1]  # RNGs came back
         assert state.trained_ids == [["t0/0"], ["t1/0"]] and state.extra == {"ledger_seq": 7}
-        assert second.version == 2 and second.steps == 2
+        assert second.version == 2 and second.steps == 2 and second.scheduler.last_epoch == 2
+        assert second.optimizer.param_groups[0]["lr"] == pytest.approx(3e-3 * 3 / 4)  # warmup step 3 of 4
         second.step(batches[2])
         assert second.version == 3
         resumed = second.export_tensors()
         assert all(torch.equal(expected[k].view(torch.uint8), resumed[k].view(torch.uint8)) for k in expected)
     finally:
         second.close()
-    fresh = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3), version=0)
+    fresh = PolicyTrainer(model_dir, config, version=0)
     try:
         fresh.step(batches[2])  # without the checkpoint the same step gives other weights
         assert not all(torch.equal(expected[k], t) for k, t in fresh.export_tensors().items())

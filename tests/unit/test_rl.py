@@ -114,3 +114,16 @@ def test_groups_from_older_versions_are_taken_first() -> None:
     taken = collector.take(3)
     assert [g[0].group_id for g in taken] == ["late-old", "new", "also-5"]  # ties keep completion order
     assert [g[0].group_id for g in collector.take(3)] == ["newer"]
+
+
+def test_lr_schedule_warms_up_then_holds_or_decays_to_its_floor() -> None:
+    from policyloop.rl.trainer import LrSchedule, TrainerConfig
+
+    constant = LrSchedule(TrainerConfig(warmup_steps=4))
+    assert [constant(s) for s in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+    cosine = LrSchedule(TrainerConfig(warmup_steps=2, schedule="cosine", decay_steps=6, min_lr_ratio=0.1))
+    values = [cosine(s) for s in range(9)]
+    assert values[:3] == [0.5, 1.0, 1.0] and values[4] == pytest.approx(0.55)
+    assert values[6:] == [pytest.approx(0.1)] * 3 and all(a >= b for a, b in zip(values[2:], values[3:]))
+    with pytest.raises(ValueError, match="decay_steps"):
+        LrSchedule(TrainerConfig(schedule="cosine", warmup_steps=5, decay_steps=5))

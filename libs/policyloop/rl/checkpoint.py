@@ -2,8 +2,8 @@
 
 A checkpoint is a directory `<root>/version-<v>/` holding the model and optimizer state as a
 DCP checkpoint (sharded: every rank writes its own part, and a run can load it on another
-number of ranks) plus `trainer.json` (policy version, steps taken, the ids of the samples the
-most recent steps trained, and what the learner adds: its LEDGER position). It is written to
+number of ranks) plus `trainer.json` (policy version, steps taken, the LR schedule's position, the
+ids of the samples the most recent steps trained, and what the learner adds: its LEDGER position). It is written to
 a temporary directory and renamed into place, then `<root>/latest` is replaced atomically, so a
 crash while writing leaves the previous checkpoint the one that is loaded. RNG states (torch CPU
 and CUDA, Python's random) are saved per rank (`rng-<rank>.pt`).
@@ -38,6 +38,7 @@ class TrainerState:
     steps: int
     trained_ids: list[list[str]] = field(default_factory=list)  # per recent step, oldest first
     extra: dict[str, Any] = field(default_factory=dict)
+    scheduler: dict[str, Any] = field(default_factory=dict)     # the LR schedule's position
 
 
 def rng_states() -> dict[str, Any]:
@@ -83,7 +84,7 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
     _barrier()
     if _is_leader():
         record = {"version": state.version, "steps": state.steps, "trained_ids": state.trained_ids,
-                  "extra": state.extra, "written_unix": time.time(),
+                  "extra": state.extra, "scheduler": state.scheduler, "written_unix": time.time(),
                   "world_size": dist.get_world_size() if dist.is_initialized() else 1}
         with open(tmp / "trainer.json", "w") as f:
             json.dump(record, f)
@@ -127,4 +128,5 @@ def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.op
         set_rng_states(torch.load(rng, weights_only=False))
     record = json.loads((directory / "trainer.json").read_text())
     return TrainerState(version=int(record["version"]), steps=int(record["steps"]),
-                        trained_ids=[list(ids) for ids in record["trained_ids"]], extra=dict(record.get("extra", {})))
+                        trained_ids=[list(ids) for ids in record["trained_ids"]], extra=dict(record.get("extra", {})),
+                        scheduler=dict(record.get("scheduler", {})))

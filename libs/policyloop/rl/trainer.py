@@ -7,6 +7,7 @@ The trainer knows nothing of the bus: it takes groups of trajectories and return
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -34,6 +35,12 @@ if TYPE_CHECKING:
 class TrainerConfig:
     lr: float = 1e-4
     weight_decay: float = 0.0
+    # Learning-rate schedule over optimizer steps: linear warmup from 0 over `warmup_steps`,
+    # then constant, or cosine down to lr × min_lr_ratio at `decay_steps` (and flat after).
+    warmup_steps: int = 0
+    schedule: str = "constant"            # constant | cosine
+    decay_steps: int = 0
+    min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
     threads: int = 1
@@ -108,6 +115,28 @@ def weight_keys(model_path: Path) -> list[str]:
     return keys
 
 
+@dataclass(frozen=True)
+class LrSchedule:
+    """The multiplier of the base learning rate at optimizer step `step` (0-based)."""
+
+    config: TrainerConfig
+
+    def __post_init__(self) -> None:
+        if self.config.schedule not in ("constant", "cosine"):
+            raise ValueError(f"schedule must be constant or cosine, got {self.config.schedule!r}")
+        if self.config.schedule == "cosine" and self.config.decay_steps <= self.config.warmup_steps:
+            raise ValueError("a cosine schedule needs decay_steps > warmup_steps")
+
+    def __call__(self, step: int) -> float:
+        c = self.config
+        if step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - c.warmup_steps) / (c.decay_steps - c.warmup_steps))
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 class PolicyTrainer:
     def __init__(self, model_path: Path, config: TrainerConfig, version: int = 0) -> None:
         torch.set_num_threads(config.threads)
@@ -120,6 +149,7 @@ class PolicyTrainer:
         self.reference = load_reference(self.model_path) if config.loss.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LrSchedule(config))
         self.version = version
         self.steps = 0
         pad = getattr(self.model.config, "pad_token_id", None)
@@ -196,6 +226,7 @@ class PolicyTrainer:
         (loss * self.world_size).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         self.version += 1
@@ -237,7 +268,8 @@ class PolicyTrainer:
 
         if self.world_size > 1 and self.rank == 0:
             dist.broadcast_object_list([("save", str(root))], src=0)
-        state = TrainerState(self.version, self.steps, [list(ids) for ids in trained_ids], dict(extra or {}))
+        state = TrainerState(self.version, self.steps, [list(ids) for ids in trained_ids], dict(extra or {}),
+                             scheduler={"last_epoch": self.scheduler.last_epoch})
         return save_checkpoint(root, self.model, self.optimizer, state, keep=keep)
 
     def restore(self, directory: Path) -> TrainerState:
@@ -249,6 +281,9 @@ class PolicyTrainer:
             dist.broadcast_object_list([("restore", str(directory))], src=0)
         state = load_checkpoint(directory, self.model, self.optimizer)
         self.version, self.steps = state.version, state.steps
+        # The optimizer's param groups (their current lr) came back with it; the schedule goes on
+        # from the saved position (older checkpoints: the steps taken, which it follows).
+        self.scheduler.last_epoch = int(state.scheduler.get("last_epoch", self.steps))
         return state
 
     def close(self) -> None:
