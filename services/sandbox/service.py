@@ -10,6 +10,7 @@ The sandbox refuses to start on a machine where it cannot isolate jobs
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 from pydantic import Field
@@ -70,6 +71,11 @@ async def body(ctx: ServiceContext) -> None:
 
     async def handle(delivery: Delivery[bus_pb2.SandboxJob]) -> None:
         job = delivery.message
+        if job.expires_unix_ms and time.time() * 1000 > job.expires_unix_ms:
+            # Its caller gave up waiting (and asks again under a new job id if it still wants it).
+            ctx.detail["jobs_expired"] = int(ctx.detail.get("jobs_expired", 0)) + 1
+            log.info("job_expired", job=job.job_id)
+            return
         limits = effective_limits(job.limits, defaults, ceiling)
         if quota is not None and job.run_id:
             # The lease outlives the job's wall clock: it is given back when the job ends.

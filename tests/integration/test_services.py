@@ -300,6 +300,27 @@ async def test_a_runs_sandbox_jobs_share_its_quota(bus: Bus, services: ServiceLa
     assert any(s_start < end and start < s_end for start, end in (spans["r1"], spans["r2"])), spans
 
 
+async def test_a_sandbox_job_its_caller_gave_up_on_is_not_run(bus: Bus, services: ServiceLauncher) -> None:
+    """A job still queued after its caller stopped waiting (expires_unix_ms) is acked unrun."""
+    import time
+
+    results, _sub = await sandbox_results(bus, "test.expiry")
+    now_ms = int(time.time() * 1000)
+    for job_id, expires in (("stale", now_ms - 1000), ("fresh", now_ms + 60_000), ("no-deadline", 0)):
+        await bus.publish(sandbox_subject("shell"), bus_pb2.SandboxJob(
+            job_id=job_id, command=["echo", job_id], reply_subject="test.expiry", expires_unix_ms=expires), job_id)
+    sandbox = services.start("sandbox")
+    await services.wait_healthy(sandbox)
+
+    async def done() -> bool:
+        backlog = await bus.backlog("sandbox")
+        return len(results) == 2 and backlog.pending == 0 and backlog.ack_pending == 0
+
+    await eventually(done, timeout_s=30)
+    assert sorted(r.job_id for r in results) == ["fresh", "no-deadline"]
+    assert [e for e in sandbox.log_events() if e["event"] == "job_expired"][0]["job"] == "stale"
+
+
 async def test_a_task_whose_prompt_gives_no_tokens_is_dead_lettered(bus: Bus, services: ServiceLauncher) -> None:
     rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1"})
     await services.wait_healthy(rollout, timeout_s=60)

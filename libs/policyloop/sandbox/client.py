@@ -9,6 +9,7 @@ whereas JetStream would deduplicate a reused id and no reply would reach the new
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 from policyloop.bus import Bus, sandbox_subject
@@ -26,6 +27,7 @@ async def run_in_sandbox(bus: Bus, job: bus_pb2.SandboxJob, *, kind: str = "pyth
     job.CopyFrom(original)  # the caller's job stays as it was
     job.job_id = f"{job.job_id or 'job'}#{uuid.uuid4().hex[:12]}"
     job.reply_subject = bus.nc.new_inbox()
+    job.expires_unix_ms = int((time.time() + timeout_s) * 1000)  # after that no one reads the result
     replied: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def on_reply(msg) -> None:  # type: ignore[no-untyped-def]

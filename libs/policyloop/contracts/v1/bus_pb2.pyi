@@ -313,7 +313,7 @@ class SandboxLimits(_message.Message):
     def __init__(self, wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_bytes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
 
 class SandboxJob(_message.Message):
-    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject")
+    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject", "expires_unix_ms")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +328,7 @@ class SandboxJob(_message.Message):
     STDIN_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     REPLY_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     run_id: str
     files: _containers.ScalarMap[str, bytes]
@@ -335,7 +336,8 @@ class SandboxJob(_message.Message):
     stdin: bytes
     limits: SandboxLimits
     reply_subject: str
-    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ...) -> None: ...
+    expires_unix_ms: int
+    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SandboxResult(_message.Message):
     __slots__ = ("job_id", "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "wall_seconds", "cpu_seconds", "limit_hit", "error", "sandbox_instance")
