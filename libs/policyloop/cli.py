@@ -341,7 +341,7 @@ def env_submit(
 def run_start(
     env: Annotated[list[str], typer.Option(help="name@version[=weight], once per environment of the mix.")],
     run_id: Annotated[str, typer.Option(help="Run id (default: the gateway makes one).")] = "",
-    model: Annotated[str, typer.Option(help="Model the run trains.")] = "policy",
+    model: Annotated[str, typer.Option(help="Model the run trains (default: the cluster's learner's).")] = "",
     num_tasks: Annotated[int, typer.Option(help="Tasks to feed in total (0: as many as the environments hold).")]
     = 0,
     max_lag: Annotated[int | None, typer.Option(

@@ -115,7 +115,10 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
 
     async def StartRun(self, request: loop_pb2.StartRunRequest,
                        context: grpc.aio.ServicerContext) -> loop_pb2.Run:
-        learner = await self._learner_config()
+        try:
+            learner = await self._learner_config()
+        except redis.exceptions.RedisError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the learner's settings: {exc}")
         try:
             validate_start_run(request)
             check_run_against_learner(request, learner)

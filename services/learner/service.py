@@ -247,6 +247,10 @@ async def start_version(ctx: ServiceContext, settings: LearnerSettings, trainer:
 
 async def body(ctx: ServiceContext) -> None:
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
+    # What runs are checked against (the gateway refuses a run asking for something else); set
+    # first, so that it is advertised while the model loads and the ledger replays too.
+    ctx.detail["config"] = {"model": settings.model, "max_lag": settings.max_lag,
+                            "loss": {key: getattr(settings, key) for key in RUN_LOSS_SETTINGS}}
     from policyloop.rl.trainer import PolicyTrainer
     from policyloop.weights.torch_io import weight_set
 
@@ -258,9 +262,6 @@ async def body(ctx: ServiceContext) -> None:
         trainer.close()
         raise
     ctx.policy_version = trainer.version
-    # What runs are checked against (the gateway refuses a run asking for something else).
-    ctx.detail["config"] = {"model": settings.model, "max_lag": settings.max_lag,
-                            "loss": {key: getattr(settings, key) for key in RUN_LOSS_SETTINGS}}
     ctx.detail["resumed"] = {"checkpoint_version": resumed.checkpoint_version, "replayed": len(resumed.replayed)}
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)

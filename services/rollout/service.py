@@ -252,11 +252,16 @@ class WeightFollower:
         """Fetch (a delta from the held version when possible), verify every tensor, load into
         the engine. Until the engine confirms the new version, the old one keeps serving."""
         started = time.monotonic()
-        client = self.publisher(event.fetch_endpoint)
-        weights, report = await sync_weights(client, event.model, self.held, event.version)
-        self.held = weights  # verified: the next delta applies to these bytes
-        if report.fallback_reason:
-            WEIGHT_SYNC_FALLBACKS.inc()
+        if self.held is not None and self.held.version == event.version:
+            # The engine lost a version this replica still holds verified (it restarted on its
+            # base weights): load it again, nothing to fetch.
+            weights, report = self.held, None
+        else:
+            client = self.publisher(event.fetch_endpoint)
+            weights, report = await sync_weights(client, event.model, self.held, event.version)
+            self.held = weights  # verified: the next delta applies to these bytes
+            if report.fallback_reason:
+                WEIGHT_SYNC_FALLBACKS.inc()
         loading = time.monotonic()
         directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
                                             self.settings.model_path, weights)
@@ -270,8 +275,12 @@ class WeightFollower:
             await self.client.continue_generation()
         previous, self.loaded_dir = self.loaded_dir, directory
         self.ctx.policy_version = weights.version
-        if previous is not None:
+        if previous is not None and previous != directory:
             shutil.rmtree(previous, ignore_errors=True)
+        if report is None:
+            log.info("weights_loaded", version=weights.version, kind="held",
+                     seconds=round(time.monotonic() - started, 3))
+            return
         WEIGHT_SYNC_SECONDS.labels("fetch").observe(report.transfer_s)
         WEIGHT_SYNC_SECONDS.labels("apply").observe(report.apply_s + time.monotonic() - loading)
         WEIGHT_PAYLOAD_BYTES.labels(report.kind).inc(report.payload_bytes)
@@ -308,7 +317,11 @@ class EngineHealth:
             log.warning("engine_health_changed", healthy=answering, engine=self.client.base_url)
         if not answering:
             self.recovered.clear()
-        elif not self.recovered.is_set():
+        elif self.recovered.is_set() and not await self._has_a_version():
+            # Restarted between two probes (or behind a load balancer): back at "default".
+            log.warning("engine_restart_seen", engine=self.client.base_url)
+            self.recovered.clear()
+        if answering and not self.recovered.is_set():
             try:
                 await self.resync()
             except EngineError as exc:
@@ -318,18 +331,32 @@ class EngineHealth:
                 self.recovered.set()
         self.answering = answering
 
+    async def _has_a_version(self) -> bool:
+        try:
+            version = (await self.client.model_info()).weight_version
+        except EngineError:
+            return True  # unknown: /health answered, the next probe asks again
+        return bool(version) and version.isdigit()
+
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
+            if self.proc is not None and self.proc.poll() is not None:
+                # The replica's own engine died: the replica fails (and is restarted with a new one).
+                stop.set()
+                raise EngineUnavailable(f"the embedded engine exited with {self.proc.returncode}")
             await self.check()
             try:
                 await asyncio.wait_for(stop.wait(), self.interval_s)
             except TimeoutError:
                 pass
 
-    async def wait_recovered(self, timeout_s: float, stop: asyncio.Event) -> bool:
-        """After a failed call: whether the engine answers (and was resynced) within timeout_s."""
+    async def wait_recovered(self, deadline: float, stop: asyncio.Event) -> bool:
+        """After a call failed because the engine went away: whether it answers again (and was
+        resynced) before `deadline` (monotonic). False at once when the engine still answers:
+        then the request itself failed (e.g. timed out), which waiting does not mend."""
+        if await self.client.health(timeout_s=max(1.0, self.interval_s)) and await self._has_a_version():
+            return False
         self.recovered.clear()
-        deadline = time.monotonic() + timeout_s
         while not stop.is_set() and time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
                 return False  # the replica's own engine died: the replica fails and restarts
@@ -389,10 +416,17 @@ async def body(ctx: ServiceContext) -> None:
         async def resync() -> None:
             served = await name_base_version(client)
             if served != ctx.policy_version:
-                # The engine restarted on its base weights: load the newest version again.
+                # The engine restarted on its base weights: the newest version is loaded again
+                # before the engine counts as recovered, so nothing is sampled on stale weights.
                 log.warning("engine_version_lost", was=ctx.policy_version, now=served)
                 ctx.policy_version = served
                 follower.announced.set()
+                newest = follower.latest.version if follower.latest is not None else 0
+                deadline = time.monotonic() + settings.engine_start_timeout_s
+                while ctx.policy_version < newest and time.monotonic() < deadline and not ctx.stop.is_set():
+                    await asyncio.sleep(0.1)
+                if ctx.policy_version < newest:
+                    raise EngineUnavailable(f"the restarted engine did not load version {newest} in time")
 
         engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, resync)
         ctx.add_health_probe("engine", engine_health.probe)
@@ -403,6 +437,7 @@ async def body(ctx: ServiceContext) -> None:
         episode_tokenizer = from_hf(tokenizer)
 
         async def generate(request: GenerateRequest) -> Completion:
+            outage_deadline = time.monotonic() + settings.engine_outage_wait_s  # over all retries
             for attempt in itertools.count():
                 try:
                     completion = await generate_resumable(
@@ -413,7 +448,7 @@ async def body(ctx: ServiceContext) -> None:
                     # The engine went away under this sample: hold the Task (its message stays
                     # ours) until the engine is back, rather than spend one of its deliveries.
                     log.warning("engine_unavailable_mid_sample", rid=request.rid, error=str(exc))
-                    if not await engine_health.wait_recovered(settings.engine_outage_wait_s, ctx.stop):
+                    if not await engine_health.wait_recovered(outage_deadline, ctx.stop):
                         raise
                 except EngineError as exc:
                     if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
@@ -467,9 +502,10 @@ async def body(ctx: ServiceContext) -> None:
 
         async def handle(delivery: Delivery[bus_pb2.Task]) -> None:
             task = delivery.message
-            if await run_ended(task.run_id):
+            if delivery.delivery_count == 1 and await run_ended(task.run_id):
                 # StopRun: what is still queued of the run is acked unsampled (never generated,
-                # so it is in no ledger count).
+                # so it is in no ledger count). A redelivery is finished instead: it may have
+                # published part of its group before a crash.
                 ctx.detail["tasks_skipped"] = int(ctx.detail.get("tasks_skipped", 0)) + 1
                 return
             while pacer is not None and not await pacer.try_admit(task.task_id, ctx.policy_version):
@@ -505,6 +541,8 @@ async def body(ctx: ServiceContext) -> None:
             await run_pull_workers(ctx, worker)
         finally:
             await asyncio.gather(follow, watch_engine, return_exceptions=True)
+        if watch_engine.done() and not watch_engine.cancelled() and watch_engine.exception() is not None:
+            raise RuntimeError("the engine is gone") from watch_engine.exception()
     finally:
         await client.close()
         if engine_proc is not None:

@@ -304,7 +304,9 @@ async def test_a_large_environment_is_uploaded_as_a_stream(gateway) -> None:  # 
 
     _, _, stub = gateway
     env = addition_environment(5000)
-    reply = await stub.UploadEnvironment(upload_messages(env, 2000), timeout=30, metadata=AUTH)
+    messages = list(upload_messages(env, 16 * 1024))  # 5000 small tasks: about 80 kB
+    assert len(messages) > 3 and all(m.ByteSize() <= 16 * 1024 + 100 for m in messages)
+    reply = await stub.UploadEnvironment(iter(messages), timeout=30, metadata=AUTH)
     assert (reply.environment, reply.num_tasks, reply.created) == ("addition@demo", 5000, True)
     inline = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30,
                                           metadata=AUTH)
@@ -316,7 +318,7 @@ async def test_a_large_environment_is_uploaded_as_a_stream(gateway) -> None:  # 
     bad_task.tasks[2345].prompt_text = ""
     header = loop_pb2.UploadEnvironmentRequest(environment=addition_environment(0))
     cases = [
-        (upload_messages(bad_task, 2000), "environment.tasks[2345].prompt_text"),
+        (upload_messages(bad_task, 16 * 1024), "environment.tasks[2345].prompt_text"),
         ([loop_pb2.UploadEnvironmentRequest(tasks=env.tasks[:3])], "environment"),
         ([header, header], "messages[1].environment"),
         ([], "environment"),

@@ -118,8 +118,8 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
     """engine=sglang at a URL. A sample under way when the engine goes away holds its Task until
     the engine is back; while the engine is gone the replica reports unhealthy and takes no new
     Task, so an outage uses up none of a Task's deliveries (however long it lasts). The engine
-    comes back as a restarted SGLang does, at weight_version "default": the replica names it
-    version 0 again before sampling, so no trajectory goes out without a policy version."""
+    comes back as a restarted SGLang does, at weight_version "default" on the base weights: the
+    replica names it 0 and loads the newest version (1) again before anything is sampled."""
     from policyloop.cluster.local import free_port
     from policyloop.engines.embedded import start_engine
     from policyloop.engines.sglang_client import SGLangClient
@@ -131,12 +131,21 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
 
     port = free_port()
     engine = await start_engine(services.model_dir, port=port)  # boots at "default", like SGLang
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
     rollout = services.start("rollout", env={
         "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
         "POLICYLOOP_ENGINE_HEALTH_INTERVAL_S": "0.3", "POLICYLOOP_GENERATE_TIMEOUT_S": "5"})
     await services.wait_healthy(rollout, timeout_s=60)
+    registry = HeartbeatRegistry(redis_client, "default")
     async with SGLangClient(engine.base_url, timeout_s=5) as direct:
         assert (await direct.model_info()).weight_version == "0"  # named by the replica
+        await _push_version(publisher, services, 1)
+
+        async def at_version_1() -> bool:
+            return (await direct.model_info()).weight_version == "1"
+
+        await eventually(at_version_1, timeout_s=30, what="version 1 loaded")
         await direct.pause_generation("in_place")  # the next sample is held inside the engine
     await bus.publish(tasks_subject("addition@v1"), task("held"), "held")
 
@@ -145,7 +154,6 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
 
     await eventually(in_engine, timeout_s=30, what="the first task's samples inside the engine")
     await engine.stop()
-    registry = HeartbeatRegistry(redis_client, "default")
 
     async def unhealthy() -> bool:
         beats = await registry.alive("rollout")
@@ -166,8 +174,20 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
         await eventually(sampled, timeout_s=60, what="both tasks sampled once the engine is back")
         await services.wait_healthy(rollout, timeout_s=15)
         trajectories = await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)
-        assert {s.version for t in trajectories for s in t.version_spans} == {0}
+        # The restarted engine was named 0 and given version 1 again before it sampled anything.
+        assert {s.version for t in trajectories for s in t.version_spans} == {1}
         assert (await bus.backlog("rollout")).redelivered == 0
         assert any(e["event"] == "engine_unavailable_mid_sample" for e in rollout.log_events())
     finally:
         await engine.stop()
+
+
+async def _push_version(publisher, services: ServiceLauncher, version: int) -> None:  # type: ignore[no-untyped-def]
+    base = safetensors.torch.load_file(str(services.model_dir / "model.safetensors"))
+    torch.manual_seed(version)
+    changed = {k: t + 0.05 * torch.randn_like(t) if t.is_floating_point() else t for k, t in base.items()}
+    client = WeightClient(f"127.0.0.1:{publisher.ports['grpc']}")
+    try:
+        await VersionPusher(client, "policy").push(weight_set(version, changed), step=version)
+    finally:
+        await client.close()

@@ -75,3 +75,14 @@ def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
     with pytest.raises(InvalidField, match=r"^loss\[lr\]: not a learner loss setting"):
         check_run_against_learner(run(loss={"lr": "1"}), None)  # names are checked with no learner up
     check_run_against_learner(run(max_lag=5, loss={"loss": "gspo"}), None)
+
+
+def test_the_harness_runs_each_top_level_test_function_once() -> None:
+    from policyloop.envs.code import test_functions
+
+    source = "def test_b():\n    pass\ndef test_a():\n    pass\ndef test_a():\n    pass\n" \
+             "async def test_async():\n    pass\ntest_assigned = lambda: None\ndef helper():\n    pass\n" \
+             "class TestThing:\n    def test_method(self):\n        pass\n"
+    assert test_functions(source) == ["test_a", "test_b"]
+    with pytest.raises(SyntaxError):
+        test_functions("def test_x(:\n    pass")

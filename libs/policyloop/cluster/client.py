@@ -88,17 +88,27 @@ def gateway_address(gateway: str | None, run_dir: Path) -> str:
     return f"127.0.0.1:{info.processes['gateway-0']['grpc']}"
 
 
-UPLOAD_TASKS_PER_MESSAGE = 2000
+UPLOAD_MESSAGE_BYTES = 1024 * 1024
 
 
-def upload_messages(env: loop_pb2.Environment, tasks_per_message: int) -> Iterator[loop_pb2.UploadEnvironmentRequest]:
-    """The environment without its tasks, then its tasks in order, `tasks_per_message` at a time."""
+def upload_messages(env: loop_pb2.Environment, message_bytes: int) -> Iterator[loop_pb2.UploadEnvironmentRequest]:
+    """The environment without its tasks, then its tasks in order, as many per message as fit in
+    about `message_bytes` (at least one)."""
     header = loop_pb2.Environment()
     header.CopyFrom(env)
     del header.tasks[:]
     yield loop_pb2.UploadEnvironmentRequest(environment=header)
-    for start in range(0, len(env.tasks), tasks_per_message):
-        yield loop_pb2.UploadEnvironmentRequest(tasks=env.tasks[start:start + tasks_per_message])
+    chunk: list[loop_pb2.TaskSpec] = []
+    size = 0
+    for task in env.tasks:
+        task_bytes = task.ByteSize() + 8  # the field's tag and length
+        if chunk and size + task_bytes > message_bytes:
+            yield loop_pb2.UploadEnvironmentRequest(tasks=chunk)
+            chunk, size = [], 0
+        chunk.append(task)
+        size += task_bytes
+    if chunk:
+        yield loop_pb2.UploadEnvironmentRequest(tasks=chunk)
 
 
 class LoopClient:
@@ -110,14 +120,14 @@ class LoopClient:
         self.metadata = [("authorization", f"Bearer {token}")] if token else []
         self.timeout_s = timeout_s
 
-    def submit(self, env: loop_pb2.Environment, tasks_per_message: int = UPLOAD_TASKS_PER_MESSAGE
+    def submit(self, env: loop_pb2.Environment, message_bytes: int = UPLOAD_MESSAGE_BYTES
                ) -> loop_pb2.SubmitEnvironmentResponse:
-        """SubmitEnvironment, or UploadEnvironment in chunks of `tasks_per_message` tasks when the
-        environment has more (one message is capped at 4 MiB by gRPC's default)."""
-        if len(env.tasks) <= tasks_per_message:
+        """SubmitEnvironment, or UploadEnvironment in messages of about `message_bytes` when the
+        environment is larger (gRPC caps one message at 4 MiB by default)."""
+        if env.ByteSize() <= message_bytes:
             return self.stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env),
                                                timeout=self.timeout_s, metadata=self.metadata)
-        return self.stub.UploadEnvironment(upload_messages(env, tasks_per_message), timeout=self.timeout_s,
+        return self.stub.UploadEnvironment(upload_messages(env, message_bytes), timeout=self.timeout_s,
                                            metadata=self.metadata)
 
     def start(self, request: loop_pb2.StartRunRequest) -> loop_pb2.Run:

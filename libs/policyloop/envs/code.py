@@ -17,7 +17,9 @@ The harness prints its result after a per-job nonce it reads from stdin, so ordi
 the code under test cannot pass for it; the nonce, the writer and the list of tests (the
 `test_*` functions tests.py defines, never ones the solution adds) are taken before the solution
 runs and kept in the harness's locals. Code that walks the interpreter's frames to find them
-could still forge a report: the sandbox bounds what such code can do, not what it claims.
+(`sys._getframe`) could still forge a report: the sandbox bounds what such code can do, not what
+it claims. Tests are the top-level `def test_*` functions (each name once); the gateway refuses
+test code without any (`test_functions`).
 """
 
 from __future__ import annotations
@@ -42,8 +44,8 @@ def main():
     # a solution cannot add tests of its own).
     nonce, write, out_fd, dumps = sys.stdin.readline().strip(), os.write, os.dup(1), json.dumps
     test_source = open("tests.py").read()
-    names = sorted(node.name for node in ast.parse(test_source).body
-                   if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test_"))
+    names = sorted({node.name for node in ast.parse(test_source).body
+                    if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")})
     out = {"compiled": False, "error": "", "tests": []}
     namespace = {"__name__": "solution"}
     try:
@@ -216,3 +218,12 @@ def code_environment(group_size: int = 8, max_new_tokens: int = 24, temperature:
 def reference_solutions() -> dict[str, str]:
     """Each task's prompt → a body that passes its tests (for tests of the scorer)."""
     return {f"{signature}\n    ": body for signature, body, _ in _FUNCTIONS}
+
+
+def test_functions(source: str) -> list[str]:
+    """The tests the harness runs from `source`: top-level `def test_*` (not async), each once.
+    Raises SyntaxError for code that does not parse."""
+    import ast
+
+    return sorted({node.name for node in ast.parse(source).body
+                   if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")})

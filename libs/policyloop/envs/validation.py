@@ -64,12 +64,7 @@ def validate_environment(env: loop_pb2.Environment) -> None:
                 if not task.answer:
                     raise InvalidField(f"environment.tasks[{i}].answer", "the verifier needs an answer")
     elif scorer == "unit_tests":
-        if not env.unit_tests.test_code:
-            # Tests may come with each task instead (metadata.tests); then every task needs some.
-            for i, task in enumerate(env.tasks):
-                if not task.metadata.get("tests"):
-                    raise InvalidField(f"environment.tasks[{i}].metadata.tests",
-                                       "is empty and so is environment.unit_tests.test_code: no tests to run")
+        _check_unit_tests(env)
         _check_timeout("environment.unit_tests.timeout_seconds", env.unit_tests.timeout_seconds)
     elif scorer == "reward_code":
         if not env.reward_code.source:
@@ -83,6 +78,26 @@ def validate_environment(env: loop_pb2.Environment) -> None:
     if not 0 <= sampling.top_p <= 1:
         raise InvalidField("environment.sampling.top_p", "must be within [0, 1] (0: engine default)")
     _validate_turns(env)
+
+
+def _check_unit_tests(env: loop_pb2.Environment) -> None:
+    """Every task must have tests to run: top-level `def test_*` functions in the shared test_code
+    or its own metadata.tests (tests may come with each task), in Python that parses."""
+    from policyloop.envs.code import test_functions
+
+    def tests_in(source: str, field: str) -> list[str]:
+        try:
+            return test_functions(source)
+        except SyntaxError as exc:
+            raise InvalidField(field, f"does not parse: {exc.msg} (line {exc.lineno})") from exc
+
+    shared = tests_in(env.unit_tests.test_code, "environment.unit_tests.test_code")
+    for i, task in enumerate(env.tasks):
+        own = tests_in(task.metadata.get("tests", ""), f"environment.tasks[{i}].metadata.tests")
+        if not shared and not own:
+            raise InvalidField(f"environment.tasks[{i}].metadata.tests",
+                               "no top-level `def test_*` here nor in environment.unit_tests.test_code: "
+                               "no tests to run")
 
 
 def _check_timeout(field: str, seconds: float) -> None:

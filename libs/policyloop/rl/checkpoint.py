@@ -54,7 +54,9 @@ def set_rng_states(states: dict[str, Any]) -> None:
     if "python" in states:
         random.setstate(states["python"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        # Resumed with fewer visible devices: the ones there are take their saved states.
+        for device, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
 
 
 def _is_leader() -> bool:

@@ -15,6 +15,8 @@ import uuid
 from policyloop.bus import Bus, sandbox_subject
 from policyloop.contracts.v1 import bus_pb2
 
+PUBLISH_MARGIN_S = 30.0
+
 
 class SandboxTimeout(TimeoutError):
     """No result within the deadline (the sandboxes are busy or down): try again later."""
@@ -27,7 +29,9 @@ async def run_in_sandbox(bus: Bus, job: bus_pb2.SandboxJob, *, kind: str = "pyth
     job.CopyFrom(original)  # the caller's job stays as it was
     job.job_id = f"{job.job_id or 'job'}#{uuid.uuid4().hex[:12]}"
     job.reply_subject = bus.nc.new_inbox()
-    job.expires_unix_ms = int((time.time() + timeout_s) * 1000)  # after that no one reads the result
+    # After that no one reads the result (the wait starts once the publish is acked: a margin
+    # covers publishes retried through a NATS restart).
+    job.expires_unix_ms = int((time.time() + timeout_s + PUBLISH_MARGIN_S) * 1000)
     replied: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
 
     async def on_reply(msg) -> None:  # type: ignore[no-untyped-def]
