@@ -413,14 +413,18 @@ async def body(ctx: ServiceContext) -> None:
         ctx.policy_version = await name_base_version(client)
         follower = WeightFollower(ctx, settings, client)
 
+        resyncing = asyncio.Lock()  # the health loop and waiting samples may all ask at once
+
         async def resync() -> None:
-            served = await name_base_version(client)
-            if served != ctx.policy_version:
-                # The engine restarted on its base weights: the newest version is loaded again
-                # before the engine counts as recovered, so nothing is sampled on stale weights.
-                log.warning("engine_version_lost", was=ctx.policy_version, now=served)
-                ctx.policy_version = served
-                follower.announced.set()
+            async with resyncing:
+                served = await name_base_version(client)
+                if served != ctx.policy_version:
+                    # The engine restarted on its base weights: the newest version is loaded
+                    # again before the engine counts as recovered (below), so nothing is
+                    # sampled on stale weights.
+                    log.warning("engine_version_lost", was=ctx.policy_version, now=served)
+                    ctx.policy_version = served
+                    follower.announced.set()
                 newest = follower.latest.version if follower.latest is not None else 0
                 deadline = time.monotonic() + settings.engine_start_timeout_s
                 while ctx.policy_version < newest and time.monotonic() < deadline and not ctx.stop.is_set():
