@@ -1,5 +1,7 @@
-"""Hostile jobs against the real sandbox (bubblewrap namespaces + rlimits): each is contained,
-the result says which limit fired, and the sandbox goes on serving."""
+"""Hostile jobs against the real sandbox (bubblewrap namespaces, a cgroup per job where this
+process can make one, rlimits): each is contained, the result says which limit fired, and the
+sandbox goes on serving. The limit cases run twice: with the job's cgroup (the kernel's count)
+and on rlimits alone (what a sandbox without cgroups has)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 
 from policyloop.bus import Bus
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
 from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
 from tests.conftest import ServiceLauncher
 
@@ -32,6 +35,32 @@ if not Path("/usr/bin/python3").exists():  # pragma: no cover - the jobs use the
 L = bus_pb2.SandboxLimit
 LIMITS = JobLimits(wall_seconds=10, cpu_seconds=3, memory_bytes=256 * 1024**2, max_processes=24,
                    max_output_bytes=64 * 1024)
+
+
+@pytest.fixture(scope="module")
+def job_cgroups() -> Iterator[JobCgroups | None]:
+    try:
+        cgroups = JobCgroups.for_this_process()
+    except CgroupsUnavailable:
+        yield None
+        return
+    yield cgroups
+    cgroups.remove_parents()
+
+
+@pytest.fixture(params=["cgroup", "rlimit"])
+def cgroups(request: pytest.FixtureRequest, job_cgroups: JobCgroups | None) -> JobCgroups | None:
+    """Each limit case with the job's cgroup and without (rlimits alone)."""
+    if request.param == "rlimit":
+        return None
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+    return job_cgroups
+
+
+def accounted(result: bus_pb2.SandboxResult, cgroups: JobCgroups | None) -> bool:
+    return result.accounting == (bus_pb2.SANDBOX_ACCOUNTING_RLIMIT if cgroups is None
+                                 else bus_pb2.SANDBOX_ACCOUNTING_CGROUP)
 
 
 @pytest.fixture
@@ -49,9 +78,10 @@ def python_job(code: str, **limits: float) -> tuple[bus_pb2.SandboxJob, JobLimit
     return job, JobLimits(**{**LIMITS.__dict__, **limits})
 
 
-async def run_python(code: str, scratch_root: Path, **limits: float) -> bus_pb2.SandboxResult:
+async def run_python(code: str, scratch_root: Path, cgroups: JobCgroups | None = None,
+                     **limits: float) -> bus_pb2.SandboxResult:
     job, job_limits = python_job(code, **limits)
-    return await run_job(job, job_limits, scratch_root)
+    return await run_job(job, job_limits, scratch_root, cgroups=cgroups)
 
 
 async def still_serving(scratch_root: Path) -> None:
@@ -80,7 +110,7 @@ for address in (("127.0.0.1", {port}), ("1.1.1.1", 53), ("8.8.8.8", 443)):
     await still_serving(scratch_root)
 
 
-async def test_a_fork_bomb_hits_the_process_limit(scratch_root: Path) -> None:
+async def test_a_fork_bomb_hits_the_process_limit(scratch_root: Path, cgroups: JobCgroups | None) -> None:
     result = await run_python("""
 import os, time
 children = 0
@@ -92,23 +122,83 @@ while True:
         children += 1
     except BlockingIOError as exc:
         raise SystemExit(f"fork refused after {children}: {exc!r}")
-""", scratch_root, max_processes=16)
-    assert result.limit_hit == L.SANDBOX_LIMIT_PROCESSES, result
-    assert b"fork refused after" in result.stderr and result.wall_seconds < 9
+""", scratch_root, cgroups, max_processes=16)
+    assert result.limit_hit == L.SANDBOX_LIMIT_PROCESSES and accounted(result, cgroups), result
+    assert b"fork refused after 15:" in result.stderr and result.wall_seconds < 9  # 16 with the job itself
     await still_serving(scratch_root)
 
 
-async def test_a_memory_bomb_hits_the_memory_limit(scratch_root: Path) -> None:
+async def test_a_memory_bomb_hits_the_memory_limit(scratch_root: Path, cgroups: JobCgroups | None) -> None:
     result = await run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(64 * 1024**2))\n",
-                              scratch_root, memory_bytes=256 * 1024**2)
-    assert result.exit_code != 0 and result.limit_hit == L.SANDBOX_LIMIT_MEMORY, result
+                              scratch_root, cgroups, memory_bytes=256 * 1024**2)
+    assert result.exit_code != 0 and result.limit_hit == L.SANDBOX_LIMIT_MEMORY and accounted(result, cgroups), result
+    if cgroups is not None:  # the kernel's count: the job filled its memory and was OOM-killed
+        assert result.exit_code in (-9, 137) and 192 * 1024**2 < result.peak_memory_bytes <= 256 * 1024**2
     await still_serving(scratch_root)
 
 
-async def test_an_infinite_loop_hits_the_cpu_limit(scratch_root: Path) -> None:
-    result = await run_python("while True:\n    pass\n", scratch_root, cpu_seconds=1, wall_seconds=10)
+async def test_memory_in_the_jobs_tmpfs_counts_against_its_limit(scratch_root: Path, job_cgroups: JobCgroups | None
+                                                                  ) -> None:
+    """/tmp is memory: with a cgroup, filling it is charged to the job (rlimits cannot see it)."""
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+    result = await run_python("for i in range(8):\n    with open(f'/tmp/fill{i}', 'wb') as f:\n"
+                              "        f.write(b'x' * 8 * 1024**2)\nprint('wrote 64 MiB')\n",
+                              scratch_root, job_cgroups, memory_bytes=48 * 1024**2)
+    assert result.limit_hit == L.SANDBOX_LIMIT_MEMORY and b"wrote" not in result.stdout, result
+    assert result.peak_memory_bytes > 40 * 1024**2, result
+
+
+async def test_a_job_cannot_fake_the_limit_that_stopped_it(scratch_root: Path, job_cgroups: JobCgroups | None
+                                                            ) -> None:
+    """With a cgroup, limit_hit is what the kernel counted, not what the job printed (without one,
+    the memory and process limits can only be read from stderr: see sandbox/runner.py)."""
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+    result = await run_python("import sys\nsys.stderr.write('MemoryError\\nBlockingIOError: Resource temporarily "
+                              "unavailable\\n')\nsys.exit(1)\n", scratch_root, job_cgroups)
+    assert result.exit_code == 1 and result.limit_hit == L.SANDBOX_LIMIT_NONE, result
+
+
+async def test_an_infinite_loop_hits_the_cpu_limit(scratch_root: Path, cgroups: JobCgroups | None) -> None:
+    result = await run_python("while True:\n    pass\n", scratch_root, cgroups, cpu_seconds=1, wall_seconds=10)
     assert result.limit_hit == L.SANDBOX_LIMIT_CPU_TIME and result.exit_code != 0, result
-    assert result.wall_seconds < 8
+    assert result.wall_seconds < 8 and 1.0 <= result.cpu_seconds < 3, result
+    await still_serving(scratch_root)
+
+
+async def test_the_cpu_limit_bounds_the_whole_job_not_each_process(scratch_root: Path,
+                                                                   job_cgroups: JobCgroups | None) -> None:
+    """Four processes spinning: each stays under a per-process limit, the job's total does not.
+    The cgroup's watchdog ends the job when the tree as a whole has used its CPU seconds."""
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+    result = await run_python("import os\nfor _ in range(3):\n    if os.fork() == 0:\n        break\n"
+                              "while True:\n    pass\n", scratch_root, job_cgroups, cpu_seconds=2, wall_seconds=20)
+    assert result.limit_hit == L.SANDBOX_LIMIT_CPU_TIME, result
+    # Two cores: four spinners reach 2 CPU seconds in about 1 s of wall time, long before any
+    # one of them reaches its own 2 s.
+    assert 2.0 <= result.cpu_seconds < 3.5 and result.wall_seconds < 10, result
+    await still_serving(scratch_root)
+
+
+async def test_concurrent_jobs_are_charged_their_own_cpu_time(scratch_root: Path, cgroups: JobCgroups | None) -> None:
+    spin = "import time\nstart = time.process_time()\nwhile time.process_time() - start < {}:\n    pass\n"
+    short, long = await asyncio.gather(run_python(spin.format(0.3), scratch_root, cgroups),
+                                       run_python(spin.format(1.2), scratch_root, cgroups))
+    # Each job's own CPU (its spin plus the interpreter's start), not the sandbox's children's sum.
+    assert 0.3 <= short.cpu_seconds < 0.8 and 1.2 <= long.cpu_seconds < 1.7, (short, long)
+
+
+async def test_a_file_over_the_size_limit_is_reported(scratch_root: Path, cgroups: JobCgroups | None) -> None:
+    # Python ignores SIGXFSZ (the write fails with EFBIG); the file left at the limit tells.
+    python = await run_python("with open('big', 'wb') as f:\n    f.write(b'x' * 4 * 1024**2)\n",
+                              scratch_root, cgroups, max_file_bytes=1024**2)
+    assert python.limit_hit == L.SANDBOX_LIMIT_FILE_SIZE and b"File too large" in python.stderr, python
+    # A program that takes the signal's default is killed by SIGXFSZ.
+    shell = await run_job(bus_pb2.SandboxJob(job_id="fsize", command=["sh", "-c", "head -c 4000000 /dev/zero > big"]),
+                          JobLimits(**{**LIMITS.__dict__, "max_file_bytes": 1024**2}), scratch_root, cgroups=cgroups)
+    assert shell.limit_hit == L.SANDBOX_LIMIT_FILE_SIZE and shell.exit_code != 0, shell
     await still_serving(scratch_root)
 
 

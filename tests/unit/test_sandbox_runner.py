@@ -111,3 +111,62 @@ def test_job_uids_go_round_a_range() -> None:
     assert [uids.next() for _ in range(7)] == [500, 501, 502, 500, 501, 502, 500]
     with pytest.raises(ValueError, match="positive"):
         JobUids(base=0)
+
+
+def test_job_cgroups_go_below_this_process_own_cgroup() -> None:
+    from policyloop.sandbox.cgroups import CgroupsUnavailable, job_parents
+
+    mountinfo = (
+        "31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755\n"
+        "33 31 0:30 / /sys/fs/cgroup/cpu,cpuacct rw,relatime - cgroup cgroup rw,cpu,cpuacct\n"
+        "35 31 0:32 /kubepods/pod1 /sys/fs/cgroup/memory rw,relatime - cgroup cgroup rw,memory\n"
+        "39 31 0:36 / /sys/fs/cgroup/pids rw,relatime - cgroup cgroup rw,pids\n"
+        "41 31 0:38 / /sys/fs/cgroup/unified rw,relatime - cgroup2 cgroup2 rw\n"
+    )
+    own = "8:pids:/svc\n4:memory:/kubepods/pod1/box\n2:cpu,cpuacct:/\n0::/\n"
+    parents = job_parents(mountinfo, own, "policyloop-sandbox-7")
+    assert parents == {"memory": Path("/sys/fs/cgroup/memory/box/policyloop-sandbox-7"),
+                       "pids": Path("/sys/fs/cgroup/pids/svc/policyloop-sandbox-7"),
+                       "cpuacct": Path("/sys/fs/cgroup/cpu,cpuacct/policyloop-sandbox-7")}
+    # A v2-only host, and a cgroup outside the part of the hierarchy mounted here.
+    with pytest.raises(CgroupsUnavailable, match="memory"):
+        job_parents("41 31 0:38 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n", "0::/\n", "x")
+    with pytest.raises(CgroupsUnavailable, match="outside"):
+        job_parents(mountinfo, own.replace("/kubepods/pod1/box", "/elsewhere"), "x")
+
+
+def test_the_limit_reported_is_the_most_decisive_sign() -> None:
+    from policyloop.sandbox.cgroups import CgroupUsage
+    from policyloop.sandbox.runner import JobEnding, classify
+
+    limits = JobLimits(cpu_seconds=2)
+    usage = CgroupUsage(cpu_seconds=0.1, peak_memory_bytes=1, oom_kills=0, forks_refused=0)
+    L = bus_pb2.SandboxLimit
+    cases = [
+        (JobEnding(0, 0.1), L.SANDBOX_LIMIT_NONE),
+        (JobEnding(-9, 0.1, timed_out=True, output_truncated=True), L.SANDBOX_LIMIT_WALL_TIME),
+        (JobEnding(-9, 1.0, cpu_watchdog=True, usage=usage), L.SANDBOX_LIMIT_CPU_TIME),
+        (JobEnding(128 + 24, 0.5), L.SANDBOX_LIMIT_CPU_TIME),  # SIGXCPU, through bwrap
+        (JobEnding(0, 2.0), L.SANDBOX_LIMIT_CPU_TIME),
+        (JobEnding(-9, 0.1, usage=CgroupUsage(0.1, 9, oom_kills=1, forks_refused=3)), L.SANDBOX_LIMIT_MEMORY),
+        (JobEnding(0, 0.1, usage=CgroupUsage(0.1, 9, oom_kills=0, forks_refused=3)), L.SANDBOX_LIMIT_PROCESSES),
+        # With a cgroup the job's stderr is not evidence; without one it is all there is.
+        (JobEnding(1, 0.1, usage=usage, stderr=b"MemoryError"), L.SANDBOX_LIMIT_NONE),
+        (JobEnding(1, 0.1, stderr=b"MemoryError"), L.SANDBOX_LIMIT_MEMORY),
+        (JobEnding(0, 0.1, stderr=b"BlockingIOError: [Errno 11]"), L.SANDBOX_LIMIT_PROCESSES),
+        (JobEnding(1, 0.1, file_at_limit=True, output_truncated=True), L.SANDBOX_LIMIT_FILE_SIZE),
+        (JobEnding(-25, 0.1), L.SANDBOX_LIMIT_FILE_SIZE),
+        (JobEnding(0, 0.1, output_truncated=True), L.SANDBOX_LIMIT_OUTPUT),
+    ]
+    assert [classify(ending, limits) for ending, _ in cases] == [expected for _, expected in cases]
+
+
+def test_a_file_at_the_size_limit_is_found(tmp_path: Path) -> None:
+    from policyloop.sandbox.runner import file_reached
+
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    (tmp_path / "small").write_bytes(b"x" * 99)
+    (tmp_path / "deep" / "link").symlink_to("/usr/bin/python3")  # links are not followed
+    assert not file_reached(tmp_path, 100)
+    (tmp_path / "deep" / "er" / "full").write_bytes(b"x" * 100)
+    assert file_reached(tmp_path, 100)

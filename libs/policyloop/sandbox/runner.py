@@ -7,29 +7,47 @@ its own /proc and a minimal /dev, a private /tmp (a tmpfs of `tmp_bytes`) and it
 directory at /job, the only place on disk it can write; no host file outside /usr is visible
 (no /etc, /home, /root, no other process's /proc). The environment is cleared. When the sandbox
 runs as root the job runs as an unprivileged uid of its own (JobUids), so rlimits on processes
-bind, and bind per job; rlimits bound CPU
-seconds, address space, processes, file size and open files; a wall-clock timeout kills bwrap,
-and with it (--die-with-parent, pid namespace) every process of the job, background ones
-included, which also end when the job's main process exits. Output is capped.
-CPU seconds are read from the sandbox's children as a whole, so they are exact only when one
-job runs at a time (the default concurrency).
+bind, and bind per job. A wall-clock timeout kills bwrap, and with it (--die-with-parent, pid
+namespace) every process of the job, background ones included, which also end when the job's
+main process exits. Output is capped.
+
+Limits and accounting. Where the sandbox can make cgroups (policyloop.sandbox.cgroups), each job
+runs in its own: memory (resident, /tmp included) and tasks are bounded for the whole job, CPU
+time is the kernel's count for the whole process tree and is bounded for the whole job (a
+watchdog ends it at the limit), and `limit_hit` reports what the kernel counted (an OOM kill, a
+refused fork). Without cgroups, rlimits bound each process (address space, CPU seconds) and the
+uid's processes, CPU time is the job's own rusage (wait4), and memory and process limits can only
+be read from the job's stderr. Either way rlimits bound file size and open files; the file-size
+limit shows as a file in the scratch directory that reached it (Python ignores SIGXFSZ, so the
+signal alone would miss it). The result says which accounting it had.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import resource
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import IO, TypeVar
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.sandbox.cgroups import BWRAP_TASKS, CgroupUsage, JobCgroup, JobCgroups
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
+LAUNCHER = Path(__file__).with_name("launcher.py")  # runs each job (standard library only)
 
 UNPRIVILEGED_UID = 65534  # nobody: the isolation probe's user
 JOB_DIR = "/job"           # the scratch directory, as the job sees it
@@ -60,9 +78,9 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class JobLimits:
     wall_seconds: float = 10.0
-    cpu_seconds: float = 5.0
-    memory_bytes: int = 512 * 1024**2
-    max_processes: int = 32
+    cpu_seconds: float = 5.0           # the whole job's with a cgroup, each process's without
+    memory_bytes: int = 512 * 1024**2  # resident, whole job (cgroup); else address space per process
+    max_processes: int = 32            # the job's own tasks (bwrap's two are not counted)
     max_file_bytes: int = 16 * 1024**2
     max_open_files: int = 64
     max_output_bytes: int = 64 * 1024
@@ -140,70 +158,167 @@ def check_scratch_root(root: Path) -> None:
             )
 
 
-def _preexec(limits: JobLimits) -> None:
-    os.setsid()
+def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[list[int]]:
+    """The rlimits the launcher sets on the job ([resource, soft, hard])."""
     cpu = max(1, int(limits.cpu_seconds + 0.999))
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.max_file_bytes, limits.max_file_bytes))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (limits.max_open_files, limits.max_open_files))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    # NPROC counts per uid and binds only for non-root: the job runs as an unprivileged uid.
-    resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+    # NPROC counts per uid and binds only for non-root: the job runs as an unprivileged uid. With
+    # a cgroup it is only a backstop, above pids.max, so that the counted limit fires first.
+    nproc = limits.max_processes + BWRAP_TASKS + (16 if cgrouped else 0)
+    rlimits = [
+        [resource.RLIMIT_CPU, cpu, cpu + 1],  # per process; with a cgroup the watchdog bounds the job
+        [resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes],
+        [resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files],
+        [resource.RLIMIT_CORE, 0, 0],
+        [resource.RLIMIT_NPROC, nproc, nproc],
+    ]
+    if not cgrouped:
+        # Without a memory cgroup the address space of each process is all that can be bounded.
+        rlimits.append([resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes])
+    return rlimits
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
+def _read_capped_sync(pipe: IO[bytes], cap: int) -> tuple[bytes, bool]:
     kept = bytearray()
     truncated = False
-    while chunk := await stream.read(65536):
+    while chunk := pipe.read1(65536):
         room = cap - len(kept)
         if len(chunk) > room:
             truncated = True
         kept += chunk[: max(0, room)]
+    pipe.close()
     return bytes(kept), truncated
 
 
+def _feed_sync(pipe: IO[bytes], data: bytes) -> None:
+    try:
+        pipe.write(data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the job did not read all of its stdin: its business
+    finally:
+        try:
+            pipe.close()
+        except OSError:
+            pass
+
+
+def _in_thread(function: Callable[..., T], *args: object) -> asyncio.Future[T]:
+    """Runs a blocking call on a thread of its own (not the shared executor: a job holds three
+    of them for as long as it runs) and returns a future of its result."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result = function(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, daemon=True, name=f"sandbox-{getattr(function, '__name__', 'io')}").start()
+    return future
+
+
 # What a job's stderr says when the kernel refused it memory or a process (the rlimits answer
-# ENOMEM / EAGAIN: the job sees the error, there is no signal to read).
+# ENOMEM / EAGAIN: the job sees the error, there is no signal to read). Only used without cgroups.
 _MEMORY_SIGNS = (b"MemoryError", b"Cannot allocate memory", b"std::bad_alloc", b"out of memory")
 _PROCESS_SIGNS = (b"Resource temporarily unavailable", b"Cannot fork", b"can't fork", b"fork: retry",
                   b"BlockingIOError")
 
 
-def _classify(returncode: int, limits: JobLimits, cpu_s: float, timed_out: bool,
-              truncated: bool, stderr: bytes = b"") -> bus_pb2.SandboxLimit:
-    if timed_out:
+@dataclass(frozen=True)
+class JobEnding:
+    """What is known of how a job ended, for telling which limit stopped it."""
+    returncode: int
+    cpu_seconds: float
+    timed_out: bool = False
+    cpu_watchdog: bool = False     # the whole job's CPU time reached the limit (cgroup)
+    output_truncated: bool = False
+    file_at_limit: bool = False    # a file in the scratch directory reached max_file_bytes
+    usage: CgroupUsage | None = None  # the kernel's count, when the job had a cgroup
+    stderr: bytes = b""
+
+
+def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
+    """The limit that stopped the job (or that it ran into), most decisive first."""
+    if ending.timed_out:
         return bus_pb2.SANDBOX_LIMIT_WALL_TIME
-    # The kernel ends a job over its CPU limit with SIGXCPU, then SIGKILL; the CPU time used is
-    # the reliable sign.
-    if returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU) or cpu_s >= limits.cpu_seconds:
+    # The kernel ends a process over its CPU rlimit with SIGXCPU, then SIGKILL.
+    if (ending.cpu_watchdog or ending.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
+            or ending.cpu_seconds >= limits.cpu_seconds):
         return bus_pb2.SANDBOX_LIMIT_CPU_TIME
-    if returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
+    if ending.usage is not None:
+        if ending.usage.oom_kills:
+            return bus_pb2.SANDBOX_LIMIT_MEMORY
+        if ending.usage.forks_refused:
+            return bus_pb2.SANDBOX_LIMIT_PROCESSES
+    else:
+        if ending.returncode != 0 and any(sign in ending.stderr for sign in _MEMORY_SIGNS):
+            return bus_pb2.SANDBOX_LIMIT_MEMORY
+        if any(sign in ending.stderr for sign in _PROCESS_SIGNS):
+            return bus_pb2.SANDBOX_LIMIT_PROCESSES
+    if ending.file_at_limit or ending.returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
         return bus_pb2.SANDBOX_LIMIT_FILE_SIZE
-    if returncode != 0 and any(sign in stderr for sign in _MEMORY_SIGNS):
-        return bus_pb2.SANDBOX_LIMIT_MEMORY
-    if any(sign in stderr for sign in _PROCESS_SIGNS):
-        return bus_pb2.SANDBOX_LIMIT_PROCESSES
-    if truncated:
+    if ending.output_truncated:
         return bus_pb2.SANDBOX_LIMIT_OUTPUT
     return bus_pb2.SANDBOX_LIMIT_NONE
 
 
-async def _kill(proc: asyncio.subprocess.Process) -> None:
-    """bwrap runs in its own session; killing it ends the job's pid namespace (--die-with-parent)
-    and with it every process of the job."""
+def file_reached(directory: Path, size: int) -> bool:
+    """Whether a regular file below `directory` is `size` bytes or more: RLIMIT_FSIZE stops every
+    write at the limit, so a file that hit it is left exactly that long."""
+    pending = [directory]
+    while pending:
+        try:
+            entries = list(os.scandir(pending.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_size >= size:
+                    return True
+            except OSError:
+                continue
+    return False
+
+
+def _kill(launcher: subprocess.Popen[bytes], cgroup: JobCgroup | None) -> None:
+    """The launcher kills the job's process group; bwrap's death ends the job's pid namespace
+    (--die-with-parent) and with it every process of the job; the cgroup, when there is one,
+    catches any straggler."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        launcher.send_signal(signal.SIGUSR1)
     except ProcessLookupError:
         pass
-    await proc.wait()
+    if cgroup is not None:
+        cgroup.kill()
+
+
+async def _cpu_watchdog(cgroup: JobCgroup, limit_s: float, poll_s: float = 0.05) -> None:
+    """Returns once the job's whole process tree has used `limit_s` CPU seconds."""
+    while cgroup.cpu_seconds() < limit_s:
+        await asyncio.sleep(poll_s)
 
 
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path,
-                  instance: str = "", uids: JobUids = DEFAULT_UIDS) -> bus_pb2.SandboxResult:
+                  instance: str = "", uids: JobUids = DEFAULT_UIDS, cgroups: JobCgroups | None = None
+                  ) -> bus_pb2.SandboxResult:
+    """Runs `job` under `limits` in a scratch directory below `scratch_root`, in a cgroup of its
+    own when `cgroups` is given, and returns its result."""
     scratch = Path(tempfile.mkdtemp(prefix="job-", dir=scratch_root))
     scratch.chmod(0o700)
     drop_to = uids.next() if os.geteuid() == 0 else None
+    cgroup: JobCgroup | None = None
     try:
         for rel, content in job.files.items():
             target = (scratch / rel).resolve()
@@ -215,48 +330,85 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
         if drop_to is not None:
             for path in [scratch, *scratch.rglob("*")]:
                 os.chown(path, drop_to, drop_to)
-        started = time.monotonic()
-        usage_before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        proc = await asyncio.create_subprocess_exec(
-            *([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits), *job.command,
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE, cwd=scratch, env={"PATH": JOB_PATH},
-            preexec_fn=lambda: _preexec(limits),
-        )
-        assert proc.stdin and proc.stdout and proc.stderr
-        readers = asyncio.gather(
-            _read_capped(proc.stdout, limits.max_output_bytes),
-            _read_capped(proc.stderr, limits.max_output_bytes),
-        )
-        try:
-            proc.stdin.write(job.stdin)
-            await proc.stdin.drain()
-            proc.stdin.close()
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        timed_out = False
-        try:
-            await asyncio.wait_for(proc.wait(), timeout=limits.wall_seconds)
-        except TimeoutError:
-            timed_out = True
-            await _kill(proc)
-        except BaseException:
-            # Cancelled (the sandbox is stopping and hands the job back): no orphans.
-            await _kill(proc)
-            readers.cancel()
-            await asyncio.gather(readers, return_exceptions=True)
-            raise
-        (stdout, out_trunc), (stderr, err_trunc) = await readers
-        wall = time.monotonic() - started
-        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-        cpu = (usage.ru_utime + usage.ru_stime) - (usage_before.ru_utime + usage_before.ru_stime)
-        code = proc.returncode if proc.returncode is not None else -signal.SIGKILL
-        return bus_pb2.SandboxResult(
-            job_id=job.job_id, exit_code=code, stdout=stdout, stderr=stderr,
-            stdout_truncated=out_trunc, stderr_truncated=err_trunc, wall_seconds=wall,
-            cpu_seconds=max(0.0, cpu),
-            limit_hit=_classify(code, limits, cpu, timed_out, out_trunc or err_trunc, stderr),
-            sandbox_instance=instance,
+        if cgroups is not None:
+            cgroup = cgroups.create(scratch.name, memory_bytes=limits.memory_bytes,
+                                    max_tasks=limits.max_processes + BWRAP_TASKS)
+        return await _run(job, limits, scratch, drop_to, cgroup, instance)
+    finally:
+        if cgroup is not None:
+            try:
+                cgroup.remove()
+            except OSError as exc:
+                log.warning("cgroup_not_removed", cgroup=str(cgroup.dirs), error=repr(exc))
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_to: int | None,
+               cgroup: JobCgroup | None, instance: str) -> bus_pb2.SandboxResult:
+    started = time.monotonic()
+    report_read, report_write = os.pipe()
+    config = {
+        "command": [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
+                    *job.command],
+        "report_fd": report_write,
+        "cgroup_procs": [] if cgroup is None else cgroup.procs_files,
+        "rlimits": job_rlimits(limits, cgroup is not None),
+    }
+    try:
+        launcher = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=scratch,
+            env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True,
         )
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        os.close(report_write)
+    assert launcher.stdin and launcher.stdout and launcher.stderr
+    report = _in_thread(_read_all, report_read)
+    outputs = asyncio.gather(_in_thread(_read_capped_sync, launcher.stdout, limits.max_output_bytes),
+                             _in_thread(_read_capped_sync, launcher.stderr, limits.max_output_bytes))
+    _in_thread(_feed_sync, launcher.stdin, job.stdin)
+    watchdog = asyncio.ensure_future(_cpu_watchdog(cgroup, limits.cpu_seconds)) if cgroup is not None else None
+    timed_out = cpu_watchdog = False
+    try:
+        waited = {report} if watchdog is None else {report, watchdog}
+        done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
+        if report not in done:
+            cpu_watchdog = watchdog is not None and watchdog in done
+            timed_out = not cpu_watchdog
+            _kill(launcher, cgroup)
+        reported = await report
+        (stdout, out_trunc), (stderr, err_trunc) = await outputs
+    except BaseException:
+        # Cancelled (the sandbox is stopping and hands the job back): no orphans.
+        _kill(launcher, cgroup)
+        await asyncio.gather(report, outputs, return_exceptions=True)
+        raise
+    finally:
+        if watchdog is not None:
+            watchdog.cancel()
+        await _in_thread(launcher.wait)
+    wall = time.monotonic() - started
+    try:
+        ended = json.loads(reported)
+        code = os.waitstatus_to_exitcode(ended["status"])
+    except (ValueError, KeyError, TypeError):
+        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, stderr=stderr, wall_seconds=wall,
+                                     sandbox_instance=instance,
+                                     error=f"the sandbox launcher failed (exit {launcher.returncode})")
+    usage = cgroup.usage() if cgroup is not None else None
+    cpu = usage.cpu_seconds if usage is not None else ended["user_s"] + ended["system_s"]
+    ending = JobEnding(returncode=code, cpu_seconds=cpu, timed_out=timed_out, cpu_watchdog=cpu_watchdog,
+                       output_truncated=out_trunc or err_trunc, usage=usage, stderr=stderr,
+                       file_at_limit=file_reached(scratch, limits.max_file_bytes))
+    return bus_pb2.SandboxResult(
+        job_id=job.job_id, exit_code=code, stdout=stdout, stderr=stderr,
+        stdout_truncated=out_trunc, stderr_truncated=err_trunc, wall_seconds=wall, cpu_seconds=cpu,
+        limit_hit=classify(ending, limits), sandbox_instance=instance,
+        accounting=bus_pb2.SANDBOX_ACCOUNTING_RLIMIT if usage is None else bus_pb2.SANDBOX_ACCOUNTING_CGROUP,
+        peak_memory_bytes=0 if usage is None else usage.peak_memory_bytes,
+    )
+
+
+def _read_all(fd: int) -> bytes:
+    with os.fdopen(fd, "rb") as pipe:
+        return pipe.read()

@@ -24,6 +24,12 @@ class SandboxLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_LIMIT_PROCESSES: _ClassVar[SandboxLimit]
     SANDBOX_LIMIT_FILE_SIZE: _ClassVar[SandboxLimit]
     SANDBOX_LIMIT_OUTPUT: _ClassVar[SandboxLimit]
+
+class SandboxAccounting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SANDBOX_ACCOUNTING_UNSPECIFIED: _ClassVar[SandboxAccounting]
+    SANDBOX_ACCOUNTING_CGROUP: _ClassVar[SandboxAccounting]
+    SANDBOX_ACCOUNTING_RLIMIT: _ClassVar[SandboxAccounting]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -36,6 +42,9 @@ SANDBOX_LIMIT_MEMORY: SandboxLimit
 SANDBOX_LIMIT_PROCESSES: SandboxLimit
 SANDBOX_LIMIT_FILE_SIZE: SandboxLimit
 SANDBOX_LIMIT_OUTPUT: SandboxLimit
+SANDBOX_ACCOUNTING_UNSPECIFIED: SandboxAccounting
+SANDBOX_ACCOUNTING_CGROUP: SandboxAccounting
+SANDBOX_ACCOUNTING_RLIMIT: SandboxAccounting
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "seed", "ignore_eos")
@@ -340,7 +349,7 @@ class SandboxJob(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
 
 class SandboxResult(_message.Message):
-    __slots__ = ("job_id", "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "wall_seconds", "cpu_seconds", "limit_hit", "error", "sandbox_instance")
+    __slots__ = ("job_id", "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "wall_seconds", "cpu_seconds", "limit_hit", "error", "sandbox_instance", "accounting", "peak_memory_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     STDOUT_FIELD_NUMBER: _ClassVar[int]
@@ -352,6 +361,8 @@ class SandboxResult(_message.Message):
     LIMIT_HIT_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    ACCOUNTING_FIELD_NUMBER: _ClassVar[int]
+    PEAK_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     exit_code: int
     stdout: bytes
@@ -363,4 +374,6 @@ class SandboxResult(_message.Message):
     limit_hit: SandboxLimit
     error: str
     sandbox_instance: str
-    def __init__(self, job_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., limit_hit: _Optional[_Union[SandboxLimit, str]] = ..., error: _Optional[str] = ..., sandbox_instance: _Optional[str] = ...) -> None: ...
+    accounting: SandboxAccounting
+    peak_memory_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., exit_code: _Optional[int] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., limit_hit: _Optional[_Union[SandboxLimit, str]] = ..., error: _Optional[str] = ..., sandbox_instance: _Optional[str] = ..., accounting: _Optional[_Union[SandboxAccounting, str]] = ..., peak_memory_bytes: _Optional[int] = ...) -> None: ...
