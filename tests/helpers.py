@@ -98,3 +98,14 @@ def perturbed(weights, version: int, fraction: float = 0.02, seed: int = 1):  # 
         hits = rng.random(tensor.data.size) < fraction
         tensor.data[hits] ^= rng.integers(1, 256, int(hits.sum()), dtype=np.uint8)
     return WeightSet.build(version, changed.tensors)
+
+
+def cgroups_available() -> bool:
+    """Whether this process can give sandbox jobs cgroups of their own (root on a cgroup v1 host)."""
+    from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+
+    try:
+        JobCgroups.for_this_process().remove_parents()
+    except CgroupsUnavailable:
+        return False
+    return True

@@ -2,16 +2,22 @@
 
 A job is acked only after its result was sent; a replica that dies mid-job leaves the job
 unacked and it is redelivered to another replica. With `per_run_concurrency`, the jobs of one
-run share that many slots across all replicas (Redis leases); a job over quota waits for one.
+run share that many slots across all replicas (Redis leases). A replica holds up to
+`concurrency + held_jobs` jobs: `concurrency` of them run, and a job whose run is at its quota
+waits among the held ones without taking a running slot, so jobs of other runs go on.
 The sandbox refuses to start on a machine where it cannot isolate jobs
-(policyloop.sandbox.runner.check_isolation).
+(policyloop.sandbox.runner.check_isolation), and, with `cgroups=required`, where it cannot give
+each job a cgroup of its own (policyloop.sandbox.cgroups).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -19,6 +25,7 @@ from policyloop.bus import Delivery, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_sandbox_job
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
 from policyloop.sandbox.runner import (
     JobLimits,
     JobUids,
@@ -34,7 +41,13 @@ log = get_logger(__name__)
 
 
 class SandboxSettings(ServiceSettings):
-    concurrency: int = Field(1, description="Jobs run at once by this replica.")
+    concurrency: int = Field(1, ge=1, description="Jobs run at once by this replica.")
+    held_jobs: int = Field(4, ge=0, description="Jobs held besides the running ones: a job whose run is at its "
+                                                "quota waits here without taking a running slot.")
+    cgroups: Literal["auto", "required", "off"] = Field(
+        "auto", description="A cgroup per job (v1 memory, pids, cpuacct), so limits bind the whole job and the "
+                            "result reports what the kernel counted: auto uses them where this process can make "
+                            "them, required refuses to start without them, off uses rlimits alone.")
     job_uid_base: int = Field(200_000, gt=0, description="First uid jobs run as (when the sandbox runs as root): each "
                                                         "job gets the next uid of the range, so its process limit is "
                                                         "its own. Replicas sharing a kernel: disjoint ranges.")
@@ -45,19 +58,64 @@ class SandboxSettings(ServiceSettings):
     )
     default_wall_seconds: float = Field(10.0, description="Wall-clock limit of a job that asks for none.")
     default_cpu_seconds: float = Field(5.0, description="CPU-time limit of a job that asks for none.")
-    default_memory_bytes: int = Field(512 * 1024**2, description="Address-space limit of a job that asks for none.")
+    default_memory_bytes: int = Field(512 * 1024**2, description="Memory limit of a job that asks for none (resident "
+                                                                 "memory of the whole job with cgroups, else address "
+                                                                 "space per process).")
     max_wall_seconds: float = Field(120.0, description="Wall-clock ceiling no job can exceed.")
     max_cpu_seconds: float = Field(60.0, description="CPU-time ceiling no job can exceed.")
-    max_memory_bytes: int = Field(2 * 1024**3, description="Address-space ceiling no job can exceed.")
+    max_memory_bytes: int = Field(2 * 1024**3, description="Memory ceiling no job can exceed.")
     per_run_concurrency: int = Field(
-        0, description="Most jobs of one run that run at once across all sandbox replicas (0: no quota). A job "
-                       "over its run's quota waits here for a slot; slots are leases, so a dead replica's return.")
+        8, ge=0, description="Most jobs of one run that run at once across all sandbox replicas (0: no quota), so "
+                             "one run cannot take every sandbox. A job over its run's quota waits among the held "
+                             "jobs; slots are leases, so a dead replica's come back.")
+    quota_poll_s: float = Field(0.05, gt=0, description="How often a job held for its run's quota asks again.")
+
+
+def job_cgroups(mode: str) -> JobCgroups | None:
+    """The job cgroups `mode` asks for (see SandboxSettings.cgroups)."""
+    if mode == "off":
+        return None
+    try:
+        return JobCgroups.for_this_process()
+    except CgroupsUnavailable as exc:
+        if mode == "required":
+            raise
+        log.warning("sandbox_without_cgroups", reason=str(exc),
+                    consequence="limits per process; memory and process limits read from the job's stderr")
+        return None
+
+
+class RunningSlots:
+    """This replica's running slots, taken only together with a slot of the job's run quota: a job
+    whose run is at its quota gives the running slot back while it waits."""
+
+    def __init__(self, concurrency: int, quota: RunQuota | None, poll_s: float) -> None:
+        self.free = asyncio.Semaphore(concurrency)
+        self.quota, self.poll_s = quota, poll_s
+
+    @asynccontextmanager
+    async def slot(self, run_id: str, holder: str, lease_s: float) -> AsyncIterator[None]:
+        quota = self.quota if run_id else None
+        while True:
+            await self.free.acquire()
+            if quota is None or await quota.acquire(run_id, holder, lease_s):
+                break
+            self.free.release()
+            await asyncio.sleep(self.poll_s)
+        try:
+            yield
+        finally:
+            self.free.release()
+            if quota is not None:
+                await quota.release(run_id, holder)
 
 
 async def body(ctx: ServiceContext) -> None:
     settings: SandboxSettings = ctx.settings  # type: ignore[assignment]
     await asyncio.to_thread(check_isolation)
     check_scratch_root(settings.scratch_dir)
+    cgroups = job_cgroups(settings.cgroups)
+    ctx.detail["accounting"] = "cgroup" if cgroups is not None else "rlimit"
     defaults = JobLimits(wall_seconds=settings.default_wall_seconds, cpu_seconds=settings.default_cpu_seconds,
                          memory_bytes=settings.default_memory_bytes)
     ceiling = JobLimits(wall_seconds=settings.max_wall_seconds, cpu_seconds=settings.max_cpu_seconds,
@@ -65,36 +123,45 @@ async def body(ctx: ServiceContext) -> None:
                         max_file_bytes=256 * 1024**2, max_open_files=1024, max_output_bytes=4 * 1024**2)
     ctx.detail["jobs_done"] = 0
     uids = JobUids(settings.job_uid_base, settings.job_uid_count)
-
     quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
         if settings.per_run_concurrency > 0 else None
+    slots = RunningSlots(settings.concurrency, quota, settings.quota_poll_s)
+
+    def expired(job: bus_pb2.SandboxJob) -> bool:
+        """Its caller gave up waiting (and asks again under a new job id if it still wants it)."""
+        if not job.expires_unix_ms or time.time() * 1000 <= job.expires_unix_ms:
+            return False
+        ctx.detail["jobs_expired"] = int(ctx.detail.get("jobs_expired", 0)) + 1
+        log.info("job_expired", job=job.job_id)
+        return True
 
     async def handle(delivery: Delivery[bus_pb2.SandboxJob]) -> None:
         job = delivery.message
-        if job.expires_unix_ms and time.time() * 1000 > job.expires_unix_ms:
-            # Its caller gave up waiting (and asks again under a new job id if it still wants it).
-            ctx.detail["jobs_expired"] = int(ctx.detail.get("jobs_expired", 0)) + 1
-            log.info("job_expired", job=job.job_id)
+        if expired(job):
             return
         limits = effective_limits(job.limits, defaults, ceiling)
-        if quota is not None and job.run_id:
-            # The lease outlives the job's wall clock: it is given back when the job ends.
-            async with quota.slot(job.run_id, f"{settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
-                result = await run_job(job, limits, settings.scratch_dir, settings.instance_id, uids)
-        else:
-            result = await run_job(job, limits, settings.scratch_dir, settings.instance_id, uids)
+        # The quota lease outlives the job's wall clock: it is given back when the job ends.
+        async with slots.slot(job.run_id, f"{settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
+            if expired(job):  # it may have waited for its slot
+                return
+            result = await run_job(job, limits, settings.scratch_dir, settings.instance_id, uids, cgroups)
         if job.reply_subject:
             await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
             await ctx.bus.nc.flush(timeout=5)
         ctx.detail["jobs_done"] = int(ctx.detail["jobs_done"]) + 1
         log.info("job_done", job=job.job_id, exit_code=result.exit_code,
-                 limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3))
+                 limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
+                 cpu_s=round(result.cpu_seconds, 3))
 
     worker = PullWorker(
         ctx.bus, ctx.bus.topology.consumers["sandbox"], bus_pb2.SandboxJob, handle,
-        service="sandbox", concurrency=settings.concurrency, validator=validate_sandbox_job,
+        service="sandbox", concurrency=settings.concurrency + settings.held_jobs, validator=validate_sandbox_job,
     )
-    await run_pull_workers(ctx, worker)
+    try:
+        await run_pull_workers(ctx, worker)
+    finally:
+        if cgroups is not None:
+            cgroups.remove_parents()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import pytest
 from policyloop.bus import Bus, rollouts_subject, sandbox_subject, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from tests.conftest import Server, ServiceLauncher
-from tests.helpers import eventually, stored, stored_messages
+from tests.helpers import cgroups_available, eventually, stored, stored_messages
 
 
 def task(task_id: str, group_size: int = 3) -> bus_pb2.Task:
@@ -278,10 +278,13 @@ async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: Ser
 
 
 async def test_a_runs_sandbox_jobs_share_its_quota(bus: Bus, services: ServiceLauncher) -> None:
-    """per_run_concurrency 1: two jobs of one run never overlap, while a job of another run is
-    not held back by them."""
+    """per_run_concurrency 1: two jobs of one run never overlap, and the one waiting for its run's
+    slot does not take a running slot: with two slots, a job of another run runs beside the first
+    (it used to wait, the second slot held by the job waiting for its quota)."""
     results, _sub = await sandbox_results(bus, "test.quota")
-    sandbox = services.start("sandbox", env={"POLICYLOOP_CONCURRENCY": "3", "POLICYLOOP_PER_RUN_CONCURRENCY": "1"})
+    accounting = "required" if cgroups_available() else "off"
+    sandbox = services.start("sandbox", env={"POLICYLOOP_CONCURRENCY": "2", "POLICYLOOP_PER_RUN_CONCURRENCY": "1",
+                                             "POLICYLOOP_CGROUPS": accounting})
     await services.wait_healthy(sandbox)
     timed = ["sh", "-c", "date +%s.%N; sleep 1; date +%s.%N"]
     for job_id, run_id in (("r1", "r"), ("r2", "r"), ("s1", "s")):
@@ -294,10 +297,12 @@ async def test_a_runs_sandbox_jobs_share_its_quota(bus: Bus, services: ServiceLa
 
     await eventually(finished, timeout_s=30)
     spans = {r.job_id: tuple(float(t) for t in r.stdout.split()) for r in results}
-    (a_start, a_end), (b_start, b_end) = spans["r1"], spans["r2"]
-    assert a_end <= b_start or b_end <= a_start, spans  # run r: one at a time
+    first, second = sorted((spans["r1"], spans["r2"]))
+    assert first[1] <= second[0], spans  # run r: one at a time
     s_start, s_end = spans["s1"]
-    assert any(s_start < end and start < s_end for start, end in (spans["r1"], spans["r2"])), spans
+    assert s_start < first[1] and first[0] < s_end, spans  # run s beside run r's first job
+    expected = bus_pb2.SANDBOX_ACCOUNTING_CGROUP if accounting == "required" else bus_pb2.SANDBOX_ACCOUNTING_RLIMIT
+    assert all(r.accounting == expected for r in results)
 
 
 async def test_a_sandbox_job_its_caller_gave_up_on_is_not_run(bus: Bus, services: ServiceLauncher) -> None:
