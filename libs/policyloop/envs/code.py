@@ -5,21 +5,20 @@ the reward service's own process.
 
 Unit tests. The completion (after the task's `solution_prefix`, e.g. a function signature) is
 `solution.py`; the environment's `test_code` plus the task's own `tests` are `tests.py`, whose
-`test_*` functions see everything `solution.py` defines. The reward is the fraction of tests
-that pass; a solution that does not compile, the job's crash and the limit that stopped it
-(a timeout, the memory or process limit) are in the breakdown.
+`test_*` functions call the functions `solution.py` defines (and see its plain-data constants).
+The reward is the fraction of tests that pass; a solution that does not load, the tests that
+timed out or crashed, and the limit that stopped the job are in the breakdown.
 
 Reward code. The team's source defines `reward(prompt, completion, metadata)` returning a
 number (or a (number, detail) pair); it runs with the trajectory on its stdin. A crash, a
 timeout or a non-finite value gives reward 0 with the reason in the breakdown.
 
-The harness prints its result after a per-job nonce it reads from stdin, so ordinary output of
-the code under test cannot pass for it; the nonce, the writer and the list of tests (the
-`test_*` functions tests.py defines, never ones the solution adds) are taken before the solution
-runs and kept in the harness's locals. Code that walks the interpreter's frames to find them
-(`sys._getframe`) could still forge a report: the sandbox bounds what such code can do, not what
-it claims. Tests are the top-level `def test_*` functions (each name once); the gateway refuses
-test code without any (`test_functions`).
+The tests run in the harness's process and the solution in a child process, with plain data
+between them (policyloop/envs/unit_test_harness.py): the report, its nonce and the tests are
+out of the solution's reach, a test's share of the time budget bounds each call, and a solution
+that times out or crashes fails that test and is started again for the next. Tests are the
+top-level `def test_*` functions of tests.py (each name once); the gateway refuses test code
+without any (`test_functions`).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import json
 import math
 import secrets
 from dataclasses import dataclass
+from pathlib import Path
 
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.trajectories import answer_text
@@ -35,38 +35,9 @@ from policyloop.trajectories import answer_text
 UNIT_TESTS, REWARD_CODE = "unit_tests", "reward_code"
 DEFAULT_TIMEOUT_S = 10.0
 
-_TEST_HARNESS = r'''
-import ast, json, os, sys
-
-def main():
-    # Everything the report depends on is local and taken before the solution runs: the nonce,
-    # the output descriptor, the writer, and the test names (those tests.py itself defines, so
-    # a solution cannot add tests of its own).
-    nonce, write, out_fd, dumps = sys.stdin.readline().strip(), os.write, os.dup(1), json.dumps
-    test_source = open("tests.py").read()
-    names = sorted({node.name for node in ast.parse(test_source).body
-                    if isinstance(node, ast.FunctionDef) and node.name.startswith("test_")})
-    out = {"compiled": False, "error": "", "tests": []}
-    namespace = {"__name__": "solution"}
-    try:
-        exec(compile(open("solution.py").read(), "solution.py", "exec"), namespace)
-        out["compiled"] = True
-    except BaseException as exc:
-        out["error"] = (type(exc).__name__ + ": " + str(exc))[:500]
-    if out["compiled"]:
-        tests = dict(namespace)
-        tests["__name__"] = "tests"
-        exec(compile(test_source, "tests.py", "exec"), tests)
-        for name in names:
-            try:
-                tests[name]()
-                out["tests"].append([name, True, ""])
-            except BaseException as exc:
-                out["tests"].append([name, False, (type(exc).__name__ + ": " + str(exc))[:200]])
-    write(out_fd, ("\n" + nonce + " " + dumps(out) + "\n").encode())
-
-main()
-'''
+TEST_HARNESS = (Path(__file__).parent / "unit_test_harness.py").read_bytes()
+# Time for the job's own start (bwrap, two interpreters) and report, beyond the tests' budget.
+START_MARGIN_S = 2.0
 
 _REWARD_HARNESS = r'''
 import json, sys
@@ -113,8 +84,9 @@ def sandbox_job(traj: bus_pb2.Trajectory) -> CodeJob:
     if metadata.get("scorer") == UNIT_TESTS:
         solution = metadata.get("solution_prefix", "") + answer_text(traj)
         tests = metadata.get("test_code", "") + "\n" + metadata.get("tests", "") + "\n"
-        files = {"solution.py": solution.encode(), "tests.py": tests.encode(), "harness.py": _TEST_HARNESS.encode()}
-        stdin = nonce + "\n"
+        files = {"solution.py": solution.encode(), "tests.py": tests.encode(), "harness.py": TEST_HARNESS}
+        stdin = nonce + "\n" + json.dumps({"budget_s": timeout}) + "\n"
+        limits.wall_seconds = limits.cpu_seconds = timeout + START_MARGIN_S
     elif metadata.get("scorer") == REWARD_CODE:
         files = {"reward.py": metadata.get("reward_source", "").encode(), "harness.py": _REWARD_HARNESS.encode()}
         call = {"prompt": traj.prompt_text, "completion": answer_text(traj),
@@ -164,14 +136,21 @@ def score_result(traj: bus_pb2.Trajectory, code_job: CodeJob, result: bus_pb2.Sa
             return 0.0, [_component("tests_passed", 0.0, 1.0, "the tests did not run to the end"), *_stopped(result)]
         if not report.get("compiled"):
             return 0.0, [_component("compiled", 0.0, 0.0, str(report.get("error", ""))),
-                         _component("tests_passed", 0.0, 1.0, "the solution does not compile")]
-        tests = report.get("tests") or []
-        passed = sum(1 for _, ok, _ in tests if ok)
+                         _component("tests_passed", 0.0, 1.0, "the solution did not load")]
+        tests = [t for t in report.get("tests") or [] if isinstance(t, list) and len(t) == 4]
+        passed = sum(1 for _, ok, _, _ in tests if ok is True)
         fraction = passed / len(tests) if tests else 0.0
-        failed = "; ".join(f"{name}: {error}" for name, ok, error in tests if not ok)[:500]
-        return fraction, [_component("compiled", 1.0, 0.0, ""),
-                          _component("tests_passed", fraction, 1.0,
-                                     f"{passed}/{len(tests)} passed" + (f" ({failed})" if failed else ""))]
+        failed = "; ".join(f"{name}: {error}" for name, ok, error, _ in tests if ok is not True)[:500]
+        breakdown = [_component("compiled", 1.0, 0.0, ""),
+                     _component("tests_passed", fraction, 1.0,
+                                f"{passed}/{len(tests)} passed" + (f" ({failed})" if failed else ""))]
+        for kind, component in (("timeout", "tests_timed_out"), ("crash", "tests_crashed")):
+            names = [str(name) for name, _, _, how in tests if how == kind]
+            if names:
+                breakdown.append(_component(component, float(len(names)), 0.0, ", ".join(names)[:300]))
+        if report.get("error"):
+            breakdown.append(_component("tests_error", 1.0, 0.0, str(report["error"])[:300]))
+        return fraction, breakdown
     if report is None:
         return 0.0, [_component("reward_code", 0.0, 1.0, "the reward code did not return a value"), *_stopped(result)]
     value = report.get("reward")

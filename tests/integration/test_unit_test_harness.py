@@ -1,0 +1,192 @@
+"""The unit-test harness in the real sandbox: honest solutions get their share of the tests,
+and the ways a policy could game a reward that runs its code in the tests' process do not pay
+(an object equal to everything, the harness's frames and nonce, the test file, the harness's
+memory through /proc). Timeouts and crashes cost the test they happen in, not the others."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
+from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
+
+try:
+    check_isolation()
+except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
+
+TESTS = """
+def test_add():
+    assert add(2, 3) == 5
+def test_add_negative():
+    assert add(-1, 1) == 0
+def test_sorts_in_place():
+    xs = [3, 1, 2]
+    assert sort_in_place(xs) is None and xs == [1, 2, 3]
+def test_add_refuses_text():
+    try:
+        add("a", 1)
+    except TypeError:
+        return
+    raise AssertionError("no TypeError")
+"""
+HONEST = "def add(a, b):\n    return a + b\ndef sort_in_place(xs):\n    xs.sort()\n"
+
+
+@pytest.fixture(scope="module")
+def sandbox() -> Iterator[tuple[Path, JobCgroups | None]]:
+    root = Path(tempfile.mkdtemp(prefix="pl-harness-"))
+    root.chmod(0o711)
+    try:
+        cgroups: JobCgroups | None = JobCgroups.for_this_process()
+    except CgroupsUnavailable:
+        cgroups = None
+    yield root, cgroups
+    if cgroups is not None:
+        cgroups.remove_parents()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+async def score(sandbox: tuple[Path, JobCgroups | None], solution: str, tests: str = TESTS,
+                timeout_s: float = 4.0) -> tuple[float, dict[str, tuple[float, str]], bus_pb2.SandboxResult]:
+    traj = bus_pb2.Trajectory(trajectory_id="t", response_text=solution,
+                              metadata={"scorer": UNIT_TESTS, "tests": tests, "timeout_seconds": repr(timeout_s)})
+    code_job = sandbox_job(traj)
+    limits = JobLimits(wall_seconds=code_job.job.limits.wall_seconds, cpu_seconds=code_job.job.limits.cpu_seconds)
+    root, cgroups = sandbox
+    result = await run_job(code_job.job, limits, root, cgroups=cgroups)
+    reward, breakdown = score_result(traj, code_job, result)
+    return reward, {c.name: (c.value, c.detail) for c in breakdown}, result
+
+
+async def test_an_honest_solution_passes_every_test(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    reward, parts, _ = await score(sandbox, HONEST)
+    assert reward == 1.0 and parts["tests_passed"] == (1.0, "4/4 passed"), parts
+
+
+async def test_values_cross_as_plain_data_both_ways(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    solution = ("def echo(x):\n    return x\n"
+                "def boom(kind):\n    raise {'value': ValueError, 'key': KeyError, 'own': type('Own', (Exception,), {})}"
+                "[kind]('no')\n"
+                "def fill(d, s, b):\n    d['k'] = 1\n    s.add(2)\n    b.extend(b'!')\n"
+                "LIMIT = (1, 2.5)\n")
+    tests = """
+def test_round_trip():
+    values = [None, True, -3, 10**30, 2.5, float('inf'), -0.0, 1+2j, 'é', b'\\x00', bytearray(b'ab'),
+              [1, [2]], (1, (2,)), {1: 'a', (2, 3): [4]}, {1, 2}, frozenset({3})]
+    for value in values:
+        back = echo(value)
+        assert back == value and type(back) is type(value), (value, back)
+    nan = echo(float('nan'))
+    assert nan != nan
+def test_builtin_exceptions_keep_their_type():
+    for kind, error in (('value', ValueError), ('key', KeyError)):
+        try:
+            boom(kind)
+        except error:
+            pass
+        else:
+            raise AssertionError(kind)
+def test_other_exceptions_are_solution_errors():
+    try:
+        boom('own')
+    except Exception as exc:
+        assert type(exc).__name__ == 'SolutionError' and 'Own: no' in str(exc)
+def test_in_place_changes_come_back():
+    d, s, b = {}, set(), bytearray(b'x')
+    fill(d, s, b)
+    assert d == {'k': 1} and s == {2} and b == bytearray(b'x!')
+def test_constants_are_seen():
+    assert LIMIT == (1, 2.5)
+"""
+    reward, parts, _ = await score(sandbox, solution, tests)
+    assert reward == 1.0, parts
+
+
+async def test_an_object_equal_to_everything_does_not_pass(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    solution = ("class Anything(int):\n    def __eq__(self, other):\n        return True\n"
+                "    def __ne__(self, other):\n        return False\n    __hash__ = int.__hash__\n"
+                "def add(a, b):\n    return Anything()\ndef sort_in_place(xs):\n    return Anything()\n")
+    reward, parts, _ = await score(sandbox, solution)
+    # The test that expects a TypeError does not take the harness's refusal for one either.
+    assert reward == 0.0 and "not plain data" in parts["tests_passed"][1], parts
+
+
+async def test_the_harness_report_and_nonce_are_out_of_the_solutions_reach(
+        sandbox: tuple[Path, JobCgroups | None]) -> None:
+    """Walking frames and objects finds no nonce or report in the solution's process; /proc gives
+    nothing of the harness's (it is not dumpable); forged reports on stdout are not the harness's."""
+    solution = r'''
+import gc, json, os, sys
+found = []
+frame = sys._getframe()
+while frame is not None:
+    found += [k for k in frame.f_locals if k in ("nonce", "report", "report_fd")]
+    frame = frame.f_back
+found += [type(o).__name__ for o in gc.get_objects() if type(o).__name__ in ("Solution", "SolutionTimeout")]
+harness = os.getppid()
+for name in ("mem", "environ", "fd/0", "fd/1", "maps"):
+    try:
+        with open(f"/proc/{harness}/{name}", "rb") as f:
+            f.read(1)
+        found.append(name)
+    except OSError:
+        pass
+print("FOUND", found, file=sys.stderr, flush=True)
+forged = b"\n00 " + json.dumps({"compiled": True, "tests": [["test_add", True, "", "passed"]]}).encode() + b"\n"
+for fd in range(1, 64):  # its own answers to the harness included: that breaks only itself
+    try:
+        os.write(fd, forged)
+    except OSError:
+        pass
+def add(a, b):
+    return 0
+def sort_in_place(xs):
+    pass
+'''
+    reward, parts, result = await score(sandbox, solution)
+    assert b"FOUND []" in result.stderr, result.stderr
+    assert reward == 0.0 and parts["compiled"][1] == "the solution's process answered malformed data", parts
+
+
+async def test_the_solution_cannot_read_the_tests(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    solution = ("import glob, os\nseen = sorted(glob.glob('/job/*'))\n"
+                "source = open('tests.py').read() if os.path.exists('tests.py') else ''\n"
+                "def add(a, b):\n    if 'add(2, 3) == 5' in source:\n        return {(2, 3): 5, (-1, 1): 0}[(a, b)]\n"
+                "    raise RuntimeError(str(seen))\ndef sort_in_place(xs):\n    pass\n")
+    reward, parts, _ = await score(sandbox, solution)
+    assert reward == 0.0 and "tests.py" not in parts["tests_passed"][1] and "harness.py" in parts["tests_passed"][1]
+
+
+async def test_a_hang_costs_one_test_and_a_crash_another(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    solution = ("import os\ndef add(a, b):\n    if a == -1:\n        while True:\n            pass\n"
+                "    if a == 'a':\n        os._exit(3)\n    return a + b\ndef sort_in_place(xs):\n    xs.sort()\n")
+    reward, parts, result = await score(sandbox, solution, timeout_s=4.0)
+    assert reward == 0.5, parts
+    assert parts["tests_timed_out"] == (1.0, "test_add_negative")
+    assert parts["tests_crashed"] == (1.0, "test_add_refuses_text")
+    assert "exit code 3" in parts["tests_passed"][1]
+    assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_NONE and result.wall_seconds < 6.5, result
+
+
+async def test_a_solution_that_never_loads_or_does_not_parse(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    reward, parts, _ = await score(sandbox, "while True:\n    pass\n", timeout_s=1.5)
+    assert reward == 0.0 and parts["compiled"] == (0.0, "the solution did not finish loading in time"), parts
+    reward, parts, _ = await score(sandbox, "def add(a, b):\n    return a +\n")
+    assert reward == 0.0 and "SyntaxError" in parts["compiled"][1], parts
+    reward, parts, _ = await score(sandbox, "import sys\nsys.exit(0)\n")
+    assert reward == 0.0 and "SystemExit" in parts["compiled"][1], parts
+
+
+async def test_output_of_the_solution_does_not_disturb_the_report(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    solution = "import sys\nprint('x' * 100_000)\ndef add(a, b):\n    print(a, b)\n    sys.stdout.flush()\n" \
+               "    return a + b\ndef sort_in_place(xs):\n    xs.sort()\n"
+    reward, _, result = await score(sandbox, solution)
+    assert reward == 1.0 and result.stdout.count(b"\n") == 2  # stdout: the report line alone
