@@ -1,0 +1,86 @@
+"""Sandbox cost on this machine: wall time per job and jobs per second for a trivial job
+(`python3 -c pass`), one at a time and two side by side, with a cgroup per job and on rlimits
+alone; and the wall time of scoring one completion with the unit-test harness (two
+interpreters, four tests). Runs the runner directly (no bus). Prints JSON with medians.
+
+    .venv/bin/python perf/sandbox_bench.py --jobs 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
+from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+from policyloop.sandbox.runner import JobLimits, check_isolation, run_job
+
+TESTS = "".join(f"def test_{i}():\n    assert add({i}, 1) == {i + 1}\n" for i in range(4))
+
+
+async def trivial_jobs(root: Path, cgroups: JobCgroups | None, jobs: int, side_by_side: int) -> dict:
+    job = bus_pb2.SandboxJob(job_id="pass", command=["python3", "-c", "pass"])
+    walls: list[float] = []
+    started = time.perf_counter()
+    for _ in range(jobs // side_by_side):
+        results = await asyncio.gather(*(run_job(job, JobLimits(), root, cgroups=cgroups)
+                                         for _ in range(side_by_side)))
+        assert all(r.exit_code == 0 for r in results), results
+        walls += [r.wall_seconds for r in results]
+    elapsed = time.perf_counter() - started
+    return {"job_wall_ms_median": round(1000 * statistics.median(walls), 1),
+            "jobs_per_s": round(len(walls) / elapsed, 1)}
+
+
+async def scoring(root: Path, cgroups: JobCgroups | None, jobs: int) -> dict:
+    walls, cpus = [], []
+    for i in range(jobs):
+        traj = bus_pb2.Trajectory(trajectory_id=f"t{i}", response_text="def add(a, b):\n    return a + b\n",
+                                  metadata={"scorer": UNIT_TESTS, "tests": TESTS, "timeout_seconds": "5"})
+        code_job = sandbox_job(traj)
+        result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=10), root, cgroups=cgroups)
+        assert score_result(traj, code_job, result)[0] == 1.0, result
+        walls.append(result.wall_seconds)
+        cpus.append(result.cpu_seconds)
+    return {"score_wall_ms_median": round(1000 * statistics.median(walls), 1),
+            "score_cpu_ms_median": round(1000 * statistics.median(cpus), 1)}
+
+
+async def main(jobs: int) -> dict:
+    check_isolation()
+    root = Path(tempfile.mkdtemp(prefix="pl-sandbox-bench-"))
+    root.chmod(0o711)
+    try:
+        cgroups: JobCgroups | None = JobCgroups.for_this_process()
+    except CgroupsUnavailable:
+        cgroups = None
+    report: dict = {"jobs": jobs}
+    try:
+        for name, mode in (("cgroup", cgroups), ("rlimit", None)):
+            if name == "cgroup" and mode is None:
+                report[name] = "unavailable here"
+                continue
+            report[name] = {
+                "one_at_a_time": await trivial_jobs(root, mode, jobs, 1),
+                "two_side_by_side": await trivial_jobs(root, mode, jobs, 2),
+                "unit_test_scoring": await scoring(root, mode, max(4, jobs // 4)),
+            }
+    finally:
+        if cgroups is not None:
+            cgroups.remove_parents()
+        shutil.rmtree(root, ignore_errors=True)
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=40, help="trivial jobs per configuration")
+    args = parser.parse_args()
+    print(json.dumps(asyncio.run(main(args.jobs)), indent=2))
