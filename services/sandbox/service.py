@@ -98,8 +98,12 @@ class RunningSlots:
         quota = self.quota if run_id else None
         while True:
             await self.free.acquire()
-            if quota is None or await quota.acquire(run_id, holder, lease_s):
-                break
+            try:
+                if quota is None or await quota.acquire(run_id, holder, lease_s):
+                    break
+            except BaseException:
+                self.free.release()  # Redis down, or cancelled: the job is handed back, the slot kept
+                raise
             self.free.release()
             await asyncio.sleep(self.poll_s)
         try:

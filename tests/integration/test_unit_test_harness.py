@@ -76,6 +76,7 @@ async def test_values_cross_as_plain_data_both_ways(sandbox: tuple[Path, JobCgro
                 "def boom(kind):\n"
                 "    raise {'value': ValueError, 'key': KeyError, 'own': type('Own', (Exception,), {})}[kind]('no')\n"
                 "def fill(d, s, b):\n    d['k'] = 1\n    s.add(2)\n    b.extend(b'!')\n"
+                "def counts(text):\n    import collections\n    return collections.Counter(text)\n"
                 "LIMIT = (1, 2.5)\n")
     tests = """
 def test_round_trip():
@@ -105,18 +106,50 @@ def test_in_place_changes_come_back():
     assert d == {'k': 1} and s == {2} and b == bytearray(b'x!')
 def test_constants_are_seen():
     assert LIMIT == (1, 2.5)
+def test_subclasses_of_builtins_cross_as_their_base_type():
+    assert counts('aab') == {'a': 2, 'b': 1} and type(counts('a')) is dict
 """
     reward, parts, _ = await score(sandbox, solution, tests)
     assert reward == 1.0, parts
 
 
 async def test_an_object_equal_to_everything_does_not_pass(sandbox: tuple[Path, JobCgroups | None]) -> None:
-    solution = ("class Anything(int):\n    def __eq__(self, other):\n        return True\n"
-                "    def __ne__(self, other):\n        return False\n    __hash__ = int.__hash__\n"
-                "def add(a, b):\n    return Anything()\ndef sort_in_place(xs):\n    return Anything()\n")
-    reward, parts, _ = await score(sandbox, solution)
-    # The test that expects a TypeError does not take the harness's refusal for one either.
+    rigged = ("    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n        return False\n"
+              "    __hash__ = object.__hash__\n")
+    # Not plain data: refused (and a test expecting the solution's TypeError does not take the
+    # refusal for one).
+    reward, parts, _ = await score(sandbox, f"class Anything:\n{rigged}def add(a, b):\n    return Anything()\n"
+                                            "def sort_in_place(xs):\n    return Anything()\n")
     assert reward == 0.0 and "not plain data" in parts["tests_passed"][1], parts
+    # A subclass of a builtin crosses as its base type, by value: the override stays behind.
+    reward, parts, _ = await score(sandbox, f"class Anything(int):\n{rigged}def add(a, b):\n    return Anything(7)\n"
+                                            "def sort_in_place(xs):\n    return Anything(7)\n")
+    assert reward == 0.0 and parts["tests_passed"][1].startswith("0/4 passed"), parts
+
+
+async def test_a_solution_cannot_stand_in_for_the_builtins_the_tests_use(
+        sandbox: tuple[Path, JobCgroups | None]) -> None:
+    solution = ("def abs(x):\n    return 0\ndef all(xs):\n    return True\ndef range(*a):\n    return []\n"
+                "def sorted(xs):\n    return []\ndef _helper():\n    return 1\ndef root(x):\n    return 7.0\n")
+    tests = """
+def test_root():
+    assert abs(root(2) - 1.41421) < 1e-4
+def test_all():
+    assert all([root(4) == 2.0])
+def test_loop():
+    checked = 0
+    for x in range(3):
+        assert root(x * x) == x
+        checked += 1
+    assert checked == 3
+def test_sorted():
+    assert sorted([root(1), root(9)]) == [1.0, 3.0]
+def test_private():
+    assert _helper() == 1
+"""
+    reward, parts, _ = await score(sandbox, solution, tests)
+    assert reward == 0.0 and parts["tests_passed"][1].startswith("0/5 passed"), parts
+    assert "NameError: name '_helper' is not defined" in parts["tests_passed"][1]
 
 
 async def test_the_harness_report_and_nonce_are_out_of_the_solutions_reach(

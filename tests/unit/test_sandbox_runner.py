@@ -147,7 +147,9 @@ def test_the_limit_reported_is_the_most_decisive_sign() -> None:
         (JobEnding(-9, 0.1, timed_out=True, output_truncated=True), L.SANDBOX_LIMIT_WALL_TIME),
         (JobEnding(-9, 1.0, cpu_watchdog=True, usage=usage), L.SANDBOX_LIMIT_CPU_TIME),
         (JobEnding(128 + 24, 0.5), L.SANDBOX_LIMIT_CPU_TIME),  # SIGXCPU, through bwrap
-        (JobEnding(0, 2.0), L.SANDBOX_LIMIT_CPU_TIME),
+        # The job's total reaching the limit stops it only where the limit is the job's (cgroup).
+        (JobEnding(0, 2.0, usage=CgroupUsage(2.0, 1, 0, 0)), L.SANDBOX_LIMIT_CPU_TIME),
+        (JobEnding(0, 2.5), L.SANDBOX_LIMIT_NONE),
         (JobEnding(-9, 0.1, usage=CgroupUsage(0.1, 9, oom_kills=1, forks_refused=3)), L.SANDBOX_LIMIT_MEMORY),
         (JobEnding(0, 0.1, usage=CgroupUsage(0.1, 9, oom_kills=0, forks_refused=3)), L.SANDBOX_LIMIT_PROCESSES),
         # With a cgroup the job's stderr is not evidence; without one it is all there is.

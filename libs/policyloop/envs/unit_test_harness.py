@@ -11,8 +11,13 @@ solution's process, though the same uid, can neither ptrace it nor read its memo
 descriptors through /proc; and tests.py is removed from the scratch directory before the solution
 starts, so the solution cannot read the tests either.
 
-Calls pass their arguments by value; afterwards the lists, dicts, sets and bytearrays passed are
-updated in place to what the solution left in them (so tests of in-place functions work).
+The tests see the functions and plain-data constants the solution defines, except names of
+builtins (a solution's `abs` or `sorted` would stand in for the ones the tests use) and names
+starting with `_`. Return values of other kinds (generators, ranges, instances of the solution's
+classes) fail the test, as would a task whose tests need the solution's classes or callbacks:
+such tasks do not fit this harness. Calls pass their arguments by value; afterwards the lists,
+dicts, sets and bytearrays passed are updated in place to what the solution left in them (so
+tests of in-place functions work).
 Exceptions come back as the builtin exception of the same name (ValueError, KeyError...) or as
 SolutionError; a value that is not plain data fails the test (UnsupportedValue). Each test has a
 share of the time budget: a solution that does not answer in time fails that test as a timeout
@@ -36,34 +41,38 @@ import time
 PR_SET_DUMPABLE = 4
 MAX_DEPTH = 100
 MAX_ANSWER_BYTES = 32 * 1024 * 1024
-TAGS = ("f", "c", "t", "s", "fs", "d", "b", "ba")
+SHADOWS = frozenset(vars(builtins))  # names a solution may not give the tests
 
 
 # -- plain values across the process boundary ---------------------------------------------------
 
 def encode(value, depth=0):
-    """JSON-able form of a plain value; TypeError for anything else."""
+    """JSON-able form of a plain value; TypeError for anything else. Subclasses of the builtin
+    types (Counter, OrderedDict, namedtuple...) cross as their base type, rebuilt by value, so
+    whatever they override stays behind."""
     if depth > MAX_DEPTH:
         raise TypeError("a value nested too deeply")
-    kind = type(value)
-    if value is None or kind is bool or kind is str or kind is int:
+    if value is None or type(value) is bool:
         return value
-    if kind is float:
-        return {"f": repr(value)}
-    if kind is complex:
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, float):
+        return {"f": repr(float(value))}
+    if isinstance(value, complex):
         return {"c": [repr(value.real), repr(value.imag)]}
-    if kind is list:
-        return [encode(item, depth + 1) for item in value]
-    if kind in (tuple, set, frozenset):
-        tag = {tuple: "t", set: "s", frozenset: "fs"}[kind]
-        return {tag: [encode(item, depth + 1) for item in value]}
-    if kind is dict:
-        return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in value.items()]}
-    if kind is bytes:
-        return {"b": value.hex()}
-    if kind is bytearray:
-        return {"ba": value.hex()}
-    raise TypeError(f"{kind.__name__!r}, which is not plain data")
+    if isinstance(value, (bytes, bytearray)):
+        return {"ba" if isinstance(value, bytearray) else "b": bytes(value).hex()}
+    if isinstance(value, dict):
+        return {"d": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in dict.items(value)]}
+    for kind, tag in ((list, None), (tuple, "t"), (frozenset, "fs"), (set, "s")):
+        if isinstance(value, kind):
+            items = [encode(item, depth + 1) for item in kind.__iter__(value)]
+            return items if tag is None else {tag: items}
+    raise TypeError(f"{type(value).__name__!r}, which is not plain data")
 
 
 def decode(data, depth=0):
@@ -111,8 +120,8 @@ def solve(request_fd, answer_fd):
         return
     functions, values = [], {}
     for name, value in namespace.items():
-        if name.startswith("__"):
-            continue
+        if name.startswith("_") or name in SHADOWS:
+            continue  # never a stand-in for a builtin the tests use (abs, sorted, all, range...)
         if callable(value):
             functions.append(name)
         else:
@@ -163,17 +172,25 @@ class Solution:
         self.deadline = 0.0
         self.functions, self.values = [], {}
         self.load_error = ""
-        self.buffer = b""
+        self.buffer = bytearray()
 
     def start(self):
         requests_read, requests_write = os.pipe()
         answers_read, answers_write = os.pipe()
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(sys.argv[0]), "solve", str(requests_read), str(answers_write)],
-            stdin=subprocess.DEVNULL, stdout=2, pass_fds=(requests_read, answers_write))
-        os.close(requests_read)
-        os.close(answers_write)
-        self.requests, self.answers, self.buffer = requests_write, answers_read, b""
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", os.path.abspath(sys.argv[0]), "solve", str(requests_read), str(answers_write)],
+                stdin=subprocess.DEVNULL, stdout=2, pass_fds=(requests_read, answers_write))
+        except OSError as exc:  # e.g. what the last one left running holds every process the job may have
+            for fd in (requests_read, requests_write, answers_read, answers_write):
+                os.close(fd)
+            self.process, self.load_error = None, "the solution could not be started: " + describe(exc)
+            return False
+        finally:
+            if self.process is not None:
+                os.close(requests_read)
+                os.close(answers_write)
+        self.requests, self.answers, self.buffer = requests_write, answers_read, bytearray()
         try:
             hello = self.receive()
         except SolutionTimeout:
@@ -191,8 +208,10 @@ class Solution:
         try:
             if type(functions) is not list or not all(type(f) is str for f in functions) or type(values) is not dict:
                 raise ValueError("malformed")
-            self.functions, self.values = functions, {str(k): decode(v) for k, v in values.items()}
-        except (ValueError, TypeError):
+            self.functions = [f for f in functions if not f.startswith("_") and f not in SHADOWS]
+            self.values = {k: decode(v) for k, v in values.items()
+                           if type(k) is str and not k.startswith("_") and k not in SHADOWS}
+        except Exception:  # noqa: BLE001 - whatever was wrong with it
             self.load_error = "the solution's process answered malformed data"
             self.stop()
             return False
@@ -215,24 +234,27 @@ class Solution:
         self.process = None
 
     def receive(self):
-        while b"\n" not in self.buffer:
+        scanned = 0
+        while (end := self.buffer.find(b"\n", scanned)) < 0:
+            scanned = len(self.buffer)
             left = self.deadline - time.monotonic()
             if left <= 0 or not select.select([self.answers], [], [], left)[0]:
                 self.stop()
                 raise SolutionTimeout("the solution did not answer in time")
             chunk = os.read(self.answers, 1 << 16)
             if not chunk:
-                code = self.process.wait()
-                self.stop()
-                raise SolutionCrashed(f"the solution's process ended (exit code {code})")
+                process = self.process
+                self.stop()  # it closed its answers: alive or not, it is done
+                raise SolutionCrashed(f"the solution's process ended (exit code {process.returncode})")
             self.buffer += chunk
             if len(self.buffer) > MAX_ANSWER_BYTES:
                 self.stop()
                 raise SolutionCrashed("the solution answered more than the harness takes")
-        line, _, self.buffer = self.buffer.partition(b"\n")
+        line = bytes(self.buffer[:end])
+        del self.buffer[:end + 1]
         try:
             return json.loads(line)
-        except ValueError:
+        except Exception:  # noqa: BLE001 - malformed, or nested past the parser's recursion limit
             self.stop()
             raise SolutionCrashed("the solution's process answered malformed data") from None
 
@@ -266,7 +288,7 @@ class Solution:
             after = [decode(a) for a in answer["args"]]
             if len(after) != len(args):
                 raise ValueError("not one value per argument")
-        except (KeyError, ValueError, TypeError):
+        except Exception:  # noqa: BLE001 - whatever was wrong with it
             self.stop()
             raise SolutionCrashed("the solution's process answered malformed data") from None
         for before, now in zip(args, after, strict=True):

@@ -10,9 +10,10 @@ its processes and all they waited for, whatever else the sandbox runs at the sam
 the kernel kills when the namespace ends are reaped inside it and not counted: a cgroup counts
 those too.)
 
-CONFIG (JSON): command, report_fd, cgroup_procs (cgroup.procs files to enter), rlimits
-([resource, soft, hard] triples). On SIGUSR1 (the wall clock ran out, or the sandbox is
-stopping) it kills the job's process group. When all is reaped it writes one JSON line to
+CONFIG (JSON): command, report_fd, parent_pid, cgroup_procs (cgroup.procs files to enter),
+rlimits ([resource, soft, hard] triples). On SIGUSR1 (the wall clock ran out, or the sandbox is
+stopping) it kills the job; it dies with the sandbox process (parent-death signal), and the job
+with it. The report descriptor is closed in the job. When all is reaped it writes one JSON line to
 report_fd: the command's wait status and the user and system CPU seconds of all it reaped.
 """
 
@@ -23,6 +24,7 @@ import resource
 import signal
 import sys
 
+PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
 
 
@@ -31,6 +33,7 @@ def start(command: list[str], cgroup_procs: list[str], rlimits: list[list[int]])
     if pid:
         return pid
     try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})  # exec keeps the mask
         os.setsid()
         for path in cgroup_procs:
             with open(path, "w") as procs:
@@ -46,21 +49,29 @@ def start(command: list[str], cgroup_procs: list[str], rlimits: list[list[int]])
 def main() -> int:
     config = json.loads(sys.argv[1])
     report_fd = config["report_fd"]
-    if ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        os.write(2, b"sandbox launcher: prctl(PR_SET_CHILD_SUBREAPER) failed\n")
+    os.set_inheritable(report_fd, False)  # the job must not reach the report (closed at exec)
+    libc = ctypes.CDLL(None, use_errno=True)
+    # Dies with the sandbox process that started it (and bwrap, --die-with-parent, with it).
+    if (libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0
+            or libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0):
+        os.write(2, b"sandbox launcher: prctl failed\n")
         return 125
+    if os.getppid() != config["parent_pid"]:
+        return 125  # the sandbox died before the parent-death signal was armed
     job = 0
 
     def kill_job(signum: int, frame: object) -> None:
-        if job:
+        for kill in (os.kill, os.killpg):  # the child itself, or the session it made
             try:
-                os.killpg(job, signal.SIGKILL)
+                kill(job, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 
-    # Installed before the fork, so a kill asked for at once is not lost (the child's exec resets it).
+    # A kill asked for before the job's pid is known waits, blocked, until it is.
     signal.signal(signal.SIGUSR1, kill_job)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     job = start(config["command"], config["cgroup_procs"], config["rlimits"])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
     status, user, system = None, 0.0, 0.0
     while True:
         try:

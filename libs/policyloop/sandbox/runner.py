@@ -252,8 +252,10 @@ def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     if ending.timed_out:
         return bus_pb2.SANDBOX_LIMIT_WALL_TIME
     # The kernel ends a process over its CPU rlimit with SIGXCPU, then SIGKILL.
+    # Without a cgroup the limit is each process's: the job's total may pass it without any process
+    # being stopped.
     if (ending.cpu_watchdog or ending.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
-            or ending.cpu_seconds >= limits.cpu_seconds):
+            or (ending.usage is not None and ending.cpu_seconds >= limits.cpu_seconds)):
         return bus_pb2.SANDBOX_LIMIT_CPU_TIME
     if ending.usage is not None:
         if ending.usage.oom_kills:
@@ -272,15 +274,18 @@ def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     return bus_pb2.SANDBOX_LIMIT_NONE
 
 
-def file_reached(directory: Path, size: int) -> bool:
+def file_reached(directory: Path, size: int, max_entries: int = 100_000) -> bool:
     """Whether a regular file below `directory` is `size` bytes or more: RLIMIT_FSIZE stops every
-    write at the limit, so a file that hit it is left exactly that long."""
+    write at the limit, so a file that hit it is left exactly that long. (Files in the job's /tmp
+    are gone by then; a job could also make such a file on purpose, which only reports a limit
+    against itself.) Looks at `max_entries` entries at most."""
     pending = [directory]
-    while pending:
+    while pending and max_entries > 0:
         try:
             entries = list(os.scandir(pending.pop()))
         except OSError:
             continue
+        max_entries -= len(entries)
         for entry in entries:
             try:
                 if entry.is_dir(follow_symlinks=False):
@@ -292,16 +297,13 @@ def file_reached(directory: Path, size: int) -> bool:
     return False
 
 
-def _kill(launcher: subprocess.Popen[bytes], cgroup: JobCgroup | None) -> None:
-    """The launcher kills the job's process group; bwrap's death ends the job's pid namespace
-    (--die-with-parent) and with it every process of the job; the cgroup, when there is one,
-    catches any straggler."""
+def _kill(launcher: subprocess.Popen[bytes]) -> None:
+    """The launcher kills bwrap, whose death ends the job's pid namespace (--die-with-parent) and
+    with it every process of the job (the cgroup's removal catches any straggler)."""
     try:
         launcher.send_signal(signal.SIGUSR1)
     except ProcessLookupError:
         pass
-    if cgroup is not None:
-        cgroup.kill()
 
 
 async def _cpu_watchdog(cgroup: JobCgroup, limit_s: float, poll_s: float = 0.05) -> None:
@@ -335,12 +337,17 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
                                     max_tasks=limits.max_processes + BWRAP_TASKS)
         return await _run(job, limits, scratch, drop_to, cgroup, instance)
     finally:
-        if cgroup is not None:
-            try:
-                cgroup.remove()
-            except OSError as exc:
-                log.warning("cgroup_not_removed", cgroup=str(cgroup.dirs), error=repr(exc))
-        shutil.rmtree(scratch, ignore_errors=True)
+        # Off the event loop: a job can leave many files, and a cgroup's removal may wait a little.
+        await asyncio.shield(asyncio.to_thread(_clean_up, scratch, cgroup))
+
+
+def _clean_up(scratch: Path, cgroup: JobCgroup | None) -> None:
+    if cgroup is not None:
+        try:
+            cgroup.remove()
+        except OSError as exc:
+            log.warning("cgroup_not_removed", cgroup=str(cgroup.dirs), error=repr(exc))
+    shutil.rmtree(scratch, ignore_errors=True)
 
 
 async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_to: int | None,
@@ -351,6 +358,7 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
         "command": [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
                     *job.command],
         "report_fd": report_write,
+        "parent_pid": os.getpid(),
         "cgroup_procs": [] if cgroup is None else cgroup.procs_files,
         "rlimits": job_rlimits(limits, cgroup is not None),
     }
@@ -363,7 +371,7 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
     finally:
         os.close(report_write)
     assert launcher.stdin and launcher.stdout and launcher.stderr
-    report = _in_thread(_read_all, report_read)
+    report = _in_thread(_read_report, report_read)
     outputs = asyncio.gather(_in_thread(_read_capped_sync, launcher.stdout, limits.max_output_bytes),
                              _in_thread(_read_capped_sync, launcher.stderr, limits.max_output_bytes))
     _in_thread(_feed_sync, launcher.stdin, job.stdin)
@@ -375,12 +383,12 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
         if report not in done:
             cpu_watchdog = watchdog is not None and watchdog in done
             timed_out = not cpu_watchdog
-            _kill(launcher, cgroup)
+            _kill(launcher)
         reported = await report
         (stdout, out_trunc), (stderr, err_trunc) = await outputs
     except BaseException:
         # Cancelled (the sandbox is stopping and hands the job back): no orphans.
-        _kill(launcher, cgroup)
+        _kill(launcher)
         await asyncio.gather(report, outputs, return_exceptions=True)
         raise
     finally:
@@ -399,7 +407,7 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
     cpu = usage.cpu_seconds if usage is not None else ended["user_s"] + ended["system_s"]
     ending = JobEnding(returncode=code, cpu_seconds=cpu, timed_out=timed_out, cpu_watchdog=cpu_watchdog,
                        output_truncated=out_trunc or err_trunc, usage=usage, stderr=stderr,
-                       file_at_limit=file_reached(scratch, limits.max_file_bytes))
+                       file_at_limit=await asyncio.to_thread(file_reached, scratch, limits.max_file_bytes))
     return bus_pb2.SandboxResult(
         job_id=job.job_id, exit_code=code, stdout=stdout, stderr=stderr,
         stdout_truncated=out_trunc, stderr_truncated=err_trunc, wall_seconds=wall, cpu_seconds=cpu,
@@ -409,6 +417,11 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
     )
 
 
-def _read_all(fd: int) -> bytes:
+def _read_report(fd: int, cap: int = 4096) -> bytes:
+    """The launcher's one line (what comes beyond `cap` is read and dropped, so a writer it did
+    not expect cannot fill the sandbox's memory)."""
     with os.fdopen(fd, "rb") as pipe:
-        return pipe.read()
+        kept = pipe.read(cap)
+        while pipe.read(65536):
+            pass
+    return kept
