@@ -336,26 +336,30 @@ async def test_the_sandbox_service_keeps_serving_through_hostile_jobs(bus: Bus, 
     assert sandbox.proc.poll() is None
 
 
-async def test_a_job_holds_no_descriptor_but_its_own_stdio(scratch_root: Path, job_cgroups: JobCgroups | None) -> None:
+async def test_a_job_holds_no_descriptor_but_its_own_stdio(scratch_root: Path, cgroups: JobCgroups | None) -> None:
     """Nothing of the sandbox's leaks into the job: not the launcher's report pipe, not the
     sandbox's sockets (a job that wrote to the report could fake its result)."""
     result = await run_python("import os\nprint(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n",
-                              scratch_root, job_cgroups)
+                              scratch_root, cgroups)
     assert result.stdout == b"[0, 1, 2, 3]\n", result  # 3: the listing's own directory
 
 
-def test_jobs_end_with_the_sandbox_that_started_them(scratch_root: Path) -> None:
+def test_jobs_end_with_the_sandbox_that_started_them(scratch_root: Path, cgroups: JobCgroups | None) -> None:
     """A sandbox killed outright (SIGKILL: no cleanup) takes its running jobs with it."""
     marker = f"{uuid.uuid4().int % 10**6 + 100}.75"
     program = f"""
 import asyncio, sys
 from pathlib import Path
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.sandbox.cgroups import JobCgroups
 from policyloop.sandbox.runner import JobLimits, run_job
+cgroups = JobCgroups.for_this_process() if {cgroups is not None} else None
 job = bus_pb2.SandboxJob(job_id="orphan", command=["sh", "-c", "sleep {marker} & sleep {marker}"])
-asyncio.run(run_job(job, JobLimits(wall_seconds=120), Path({str(scratch_root)!r})))
+asyncio.run(run_job(job, JobLimits(wall_seconds=120), Path({str(scratch_root)!r}), cgroups=cgroups))
 """
-    sandbox = subprocess.Popen([sys.executable, "-c", program])
+    script = scratch_root / "sandbox.py"  # a file: the program's text holds the marker, its argv must not
+    script.write_text(program)
+    sandbox = subprocess.Popen([sys.executable, str(script)])
     try:
         for _ in range(100):
             if subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True).stdout:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import os
 import resource
 import shutil
@@ -43,6 +42,7 @@ from typing import IO, TypeVar
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.cgroups import BWRAP_TASKS, CgroupUsage, JobCgroup, JobCgroups
+from policyloop.sandbox.launcher import enter_job
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -158,22 +158,22 @@ def check_scratch_root(root: Path) -> None:
             )
 
 
-def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[list[int]]:
-    """The rlimits the launcher sets on the job ([resource, soft, hard])."""
+def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[tuple[int, int, int]]:
+    """The rlimits of the job's processes (resource, soft, hard)."""
     cpu = max(1, int(limits.cpu_seconds + 0.999))
     # NPROC counts per uid and binds only for non-root: the job runs as an unprivileged uid. With
     # a cgroup it is only a backstop, above pids.max, so that the counted limit fires first.
     nproc = limits.max_processes + BWRAP_TASKS + (16 if cgrouped else 0)
     rlimits = [
-        [resource.RLIMIT_CPU, cpu, cpu + 1],  # per process; with a cgroup the watchdog bounds the job
-        [resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes],
-        [resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files],
-        [resource.RLIMIT_CORE, 0, 0],
-        [resource.RLIMIT_NPROC, nproc, nproc],
+        (resource.RLIMIT_CPU, cpu, cpu + 1),  # per process; with a cgroup the watchdog bounds the job
+        (resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes),
+        (resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files),
+        (resource.RLIMIT_CORE, 0, 0),
+        (resource.RLIMIT_NPROC, nproc, nproc),
     ]
     if not cgrouped:
         # Without a memory cgroup the address space of each process is all that can be bounded.
-        rlimits.append([resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes])
+        rlimits.append((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes))
     return rlimits
 
 
@@ -350,61 +350,102 @@ def _clean_up(scratch: Path, cgroup: JobCgroup | None) -> None:
     shutil.rmtree(scratch, ignore_errors=True)
 
 
+@dataclass
+class _Started:
+    process: subprocess.Popen[bytes]
+    ended: asyncio.Future[tuple[int, float | None]]  # exit code, CPU seconds (None: the cgroup counts)
+    kill: Callable[[], None]
+
+
+def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: JobCgroup | None) -> _Started:
+    """Starts the job's command (bwrap): directly into its cgroup, or without one through the
+    launcher, which reaps all the job leaves and so can say what CPU time it used."""
+    rlimits = job_rlimits(limits, cgroup is not None)
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    if cgroup is not None:
+        procs = cgroup.procs_files
+        process = subprocess.Popen(command, cwd=scratch, env={"PATH": JOB_PATH}, start_new_session=True,
+                                   preexec_fn=lambda: enter_job(procs, rlimits), **pipes)
+
+        def kill_session() -> None:
+            # bwrap leads its own session; its death ends the job's pid namespace (--die-with-parent).
+            try:
+                os.killpg(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+        return _Started(process, _in_thread(lambda: (process.wait(), None)), kill_session)
+    report_read, report_write = os.pipe()
+    try:
+        process = subprocess.Popen(
+            [sys.executable, "-I", "-S", str(LAUNCHER), str(report_write), str(os.getpid()),
+             ",".join(":".join(map(str, triple)) for triple in rlimits), "--", *command],
+            cwd=scratch, env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True, **pipes)
+    except BaseException:
+        os.close(report_read)
+        raise
+    finally:
+        os.close(report_write)
+
+    def reported() -> tuple[int, float | None]:
+        try:
+            status, user_s, system_s = _read_report(report_read).split()
+            return os.waitstatus_to_exitcode(int(status)), float(user_s) + float(system_s)
+        except ValueError as exc:
+            raise LauncherFailed(f"the sandbox launcher failed (exit {process.wait()})") from exc
+
+    def kill_job() -> None:
+        try:
+            process.send_signal(signal.SIGUSR1)  # the launcher kills bwrap
+        except ProcessLookupError:
+            pass
+
+    return _Started(process, _in_thread(reported), kill_job)
+
+
+class LauncherFailed(RuntimeError):
+    pass
+
+
 async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_to: int | None,
                cgroup: JobCgroup | None, instance: str) -> bus_pb2.SandboxResult:
     started = time.monotonic()
-    report_read, report_write = os.pipe()
-    config = {
-        "command": [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
-                    *job.command],
-        "report_fd": report_write,
-        "parent_pid": os.getpid(),
-        "cgroup_procs": [] if cgroup is None else cgroup.procs_files,
-        "rlimits": job_rlimits(limits, cgroup is not None),
-    }
-    try:
-        launcher = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(LAUNCHER), json.dumps(config)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=scratch,
-            env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True,
-        )
-    finally:
-        os.close(report_write)
-    assert launcher.stdin and launcher.stdout and launcher.stderr
-    report = _in_thread(_read_report, report_read)
-    outputs = asyncio.gather(_in_thread(_read_capped_sync, launcher.stdout, limits.max_output_bytes),
-                             _in_thread(_read_capped_sync, launcher.stderr, limits.max_output_bytes))
-    _in_thread(_feed_sync, launcher.stdin, job.stdin)
+    command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
+               *job.command]
+    job_process = _start(command, scratch, limits, cgroup)
+    process = job_process.process
+    assert process.stdin and process.stdout and process.stderr
+    outputs = asyncio.gather(_in_thread(_read_capped_sync, process.stdout, limits.max_output_bytes),
+                             _in_thread(_read_capped_sync, process.stderr, limits.max_output_bytes))
+    _in_thread(_feed_sync, process.stdin, job.stdin)
     watchdog = asyncio.ensure_future(_cpu_watchdog(cgroup, limits.cpu_seconds)) if cgroup is not None else None
     timed_out = cpu_watchdog = False
+    ended = job_process.ended
     try:
-        waited = {report} if watchdog is None else {report, watchdog}
+        waited = {ended} if watchdog is None else {ended, watchdog}
         done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
-        if report not in done:
+        if ended not in done:
             cpu_watchdog = watchdog is not None and watchdog in done
             timed_out = not cpu_watchdog
-            _kill(launcher)
-        reported = await report
+            job_process.kill()
         (stdout, out_trunc), (stderr, err_trunc) = await outputs
+        code, reaped_cpu = await ended
+    except LauncherFailed as exc:
+        await asyncio.gather(outputs, return_exceptions=True)
+        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, wall_seconds=time.monotonic() - started,
+                                     sandbox_instance=instance, error=str(exc))
     except BaseException:
         # Cancelled (the sandbox is stopping and hands the job back): no orphans.
-        _kill(launcher)
-        await asyncio.gather(report, outputs, return_exceptions=True)
+        job_process.kill()
+        await asyncio.gather(ended, outputs, return_exceptions=True)
         raise
     finally:
         if watchdog is not None:
             watchdog.cancel()
-        await _in_thread(launcher.wait)
+        await _in_thread(process.wait)
     wall = time.monotonic() - started
-    try:
-        ended = json.loads(reported)
-        code = os.waitstatus_to_exitcode(ended["status"])
-    except (ValueError, KeyError, TypeError):
-        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, stderr=stderr, wall_seconds=wall,
-                                     sandbox_instance=instance,
-                                     error=f"the sandbox launcher failed (exit {launcher.returncode})")
     usage = cgroup.usage() if cgroup is not None else None
-    cpu = usage.cpu_seconds if usage is not None else ended["user_s"] + ended["system_s"]
+    cpu = usage.cpu_seconds if usage is not None else reaped_cpu or 0.0
     ending = JobEnding(returncode=code, cpu_seconds=cpu, timed_out=timed_out, cpu_watchdog=cpu_watchdog,
                        output_truncated=out_trunc or err_trunc, usage=usage, stderr=stderr,
                        file_at_limit=await asyncio.to_thread(file_reached, scratch, limits.max_file_bytes))
