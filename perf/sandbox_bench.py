@@ -19,7 +19,7 @@ from pathlib import Path
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
-from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.runner import JobLimits, check_isolation, run_job
 
 TESTS = "".join(f"def test_{i}():\n    assert add({i}, 1) == {i + 1}\n" for i in range(4))
@@ -57,10 +57,7 @@ async def main(jobs: int) -> dict:
     check_isolation()
     root = Path(tempfile.mkdtemp(prefix="pl-sandbox-bench-"))
     root.chmod(0o711)
-    try:
-        cgroups: JobCgroups | None = JobCgroups.for_this_process()
-    except CgroupsUnavailable:
-        cgroups = None
+    cgroups = job_cgroups("auto")
     report: dict = {"jobs": jobs}
     try:
         for name, mode in (("cgroup", cgroups), ("rlimit", None)):

@@ -102,10 +102,10 @@ def perturbed(weights, version: int, fraction: float = 0.02, seed: int = 1):  # 
 
 def cgroups_available() -> bool:
     """Whether this process can give sandbox jobs cgroups of their own (root on a cgroup v1 host)."""
-    from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+    from policyloop.sandbox.cgroups import job_cgroups
 
-    try:
-        JobCgroups.for_this_process().remove_parents()
-    except CgroupsUnavailable:
+    cgroups = job_cgroups("auto")
+    if cgroups is None:
         return False
+    cgroups.remove_parents()
     return True

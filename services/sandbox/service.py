@@ -25,7 +25,7 @@ from policyloop.bus import Delivery, PullWorker
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_sandbox_job
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
-from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+from policyloop.sandbox.cgroups import job_cgroups
 from policyloop.sandbox.runner import (
     JobLimits,
     JobUids,
@@ -69,20 +69,6 @@ class SandboxSettings(ServiceSettings):
                              "one run cannot take every sandbox. A job over its run's quota waits among the held "
                              "jobs; slots are leases, so a dead replica's come back.")
     quota_poll_s: float = Field(0.05, gt=0, description="How often a job held for its run's quota asks again.")
-
-
-def job_cgroups(mode: str) -> JobCgroups | None:
-    """The job cgroups `mode` asks for (see SandboxSettings.cgroups)."""
-    if mode == "off":
-        return None
-    try:
-        return JobCgroups.for_this_process()
-    except CgroupsUnavailable as exc:
-        if mode == "required":
-            raise
-        log.warning("sandbox_without_cgroups", reason=str(exc),
-                    consequence="limits per process; memory and process limits read from the job's stderr")
-        return None
 
 
 class RunningSlots:

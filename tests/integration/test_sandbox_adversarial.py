@@ -22,7 +22,8 @@ import pytest
 
 from policyloop.bus import Bus
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+from policyloop.sandbox import cgroups as sandbox_cgroups
+from policyloop.sandbox.cgroups import JobCgroups
 from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
 from tests.conftest import ServiceLauncher
 
@@ -41,13 +42,10 @@ LIMITS = JobLimits(wall_seconds=10, cpu_seconds=3, memory_bytes=256 * 1024**2, m
 
 @pytest.fixture(scope="module")
 def job_cgroups() -> Iterator[JobCgroups | None]:
-    try:
-        cgroups = JobCgroups.for_this_process()
-    except CgroupsUnavailable:
-        yield None
-        return
+    cgroups = sandbox_cgroups.job_cgroups("auto")
     yield cgroups
-    cgroups.remove_parents()
+    if cgroups is not None:
+        cgroups.remove_parents()
 
 
 @pytest.fixture(params=["cgroup", "rlimit"])

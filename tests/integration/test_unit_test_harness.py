@@ -14,7 +14,7 @@ import pytest
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
-from policyloop.sandbox.cgroups import CgroupsUnavailable, JobCgroups
+from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
 
 try:
@@ -44,10 +44,7 @@ HONEST = "def add(a, b):\n    return a + b\ndef sort_in_place(xs):\n    xs.sort(
 def sandbox() -> Iterator[tuple[Path, JobCgroups | None]]:
     root = Path(tempfile.mkdtemp(prefix="pl-harness-"))
     root.chmod(0o711)
-    try:
-        cgroups: JobCgroups | None = JobCgroups.for_this_process()
-    except CgroupsUnavailable:
-        cgroups = None
+    cgroups = job_cgroups("auto")
     yield root, cgroups
     if cgroups is not None:
         cgroups.remove_parents()

@@ -221,3 +221,18 @@ def _rmdir(directory: Path) -> None:
             if attempt == 99:
                 raise
             time.sleep(0.01)
+
+
+def job_cgroups(mode: str = "auto") -> JobCgroups | None:
+    """Job cgroups below this process's own: `auto` where it can make them (None elsewhere, said in
+    the log), `required` or CgroupsUnavailable, `off` never."""
+    if mode == "off":
+        return None
+    try:
+        return JobCgroups.for_this_process()
+    except CgroupsUnavailable as exc:
+        if mode == "required":
+            raise
+        log.warning("sandbox_without_cgroups", reason=str(exc),
+                    consequence="limits per process; memory and process limits read from the job's stderr")
+        return None
