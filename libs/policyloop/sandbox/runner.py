@@ -33,12 +33,9 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, TypeVar
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.cgroups import BWRAP_TASKS, CgroupUsage, JobCgroup, JobCgroups
@@ -46,7 +43,6 @@ from policyloop.sandbox.launcher import enter_job
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
-T = TypeVar("T")
 LAUNCHER = Path(__file__).with_name("launcher.py")  # runs each job (standard library only)
 
 UNPRIVILEGED_UID = 65534  # nobody: the isolation probe's user
@@ -177,54 +173,24 @@ def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[tuple[int, int, int]]
     return rlimits
 
 
-def _read_capped_sync(pipe: IO[bytes], cap: int) -> tuple[bytes, bool]:
+async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
     kept = bytearray()
     truncated = False
-    while chunk := pipe.read1(65536):
+    while chunk := await stream.read(65536):
         room = cap - len(kept)
         if len(chunk) > room:
             truncated = True
         kept += chunk[: max(0, room)]
-    pipe.close()
     return bytes(kept), truncated
 
 
-def _feed_sync(pipe: IO[bytes], data: bytes) -> None:
+async def _feed(stream: asyncio.StreamWriter, data: bytes) -> None:
     try:
-        pipe.write(data)
+        stream.write(data)
+        await stream.drain()
+        stream.close()
     except (BrokenPipeError, ConnectionResetError):
         pass  # the job did not read all of its stdin: its business
-    finally:
-        try:
-            pipe.close()
-        except OSError:
-            pass
-
-
-def _in_thread(function: Callable[..., T], *args: object) -> asyncio.Future[T]:
-    """Runs a blocking call on a thread of its own (not the shared executor: a job holds three
-    of them for as long as it runs) and returns a future of its result."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[T] = loop.create_future()
-
-    def settle(result: T | None, error: BaseException | None) -> None:
-        if future.done():
-            return
-        if error is not None:
-            future.set_exception(error)
-        else:
-            future.set_result(result)  # type: ignore[arg-type]
-
-    def run() -> None:
-        try:
-            result = function(*args)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
-            loop.call_soon_threadsafe(settle, None, exc)
-        else:
-            loop.call_soon_threadsafe(settle, result, None)
-
-    threading.Thread(target=run, daemon=True, name=f"sandbox-{getattr(function, '__name__', 'io')}").start()
-    return future
 
 
 # What a job's stderr says when the kernel refused it memory or a process (the rlimits answer
@@ -352,59 +318,61 @@ def _clean_up(scratch: Path, cgroup: JobCgroup | None) -> None:
 
 @dataclass
 class _Started:
-    process: subprocess.Popen[bytes]
-    ended: asyncio.Future[tuple[int, float | None]]  # exit code, CPU seconds (None: the cgroup counts)
-    kill: Callable[[], None]
+    process: asyncio.subprocess.Process
+    report_fd: int | None  # the launcher's report (None: started directly, the cgroup counts the CPU)
+
+    def kill(self) -> None:
+        """Ends the job: bwrap's death ends its pid namespace (--die-with-parent) and with it every
+        process of the job. Started directly, bwrap leads its own session; through the launcher,
+        the launcher kills it."""
+        try:
+            if self.report_fd is None:
+                os.killpg(self.process.pid, signal.SIGKILL)
+            else:
+                self.process.send_signal(signal.SIGUSR1)
+        except ProcessLookupError:
+            pass
+
+    def ended(self) -> tuple[int, float | None]:
+        """(exit code, CPU seconds the launcher counted, or None) once the process has exited."""
+        assert self.process.returncode is not None
+        if self.report_fd is None:
+            return self.process.returncode, None
+        try:
+            status, user_s, system_s = _read_report(self.report_fd).split()
+            return os.waitstatus_to_exitcode(int(status)), float(user_s) + float(system_s)
+        except ValueError as exc:
+            raise LauncherFailed(f"the sandbox launcher failed (exit {self.process.returncode})") from exc
 
 
-def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: JobCgroup | None) -> _Started:
+class LauncherFailed(RuntimeError):
+    pass
+
+
+async def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: JobCgroup | None) -> _Started:
     """Starts the job's command (bwrap): directly into its cgroup, or without one through the
     launcher, which reaps all the job leaves and so can say what CPU time it used."""
     rlimits = job_rlimits(limits, cgroup is not None)
-    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    pipe = asyncio.subprocess.PIPE
     if cgroup is not None:
         procs = cgroup.procs_files
-        process = subprocess.Popen(command, cwd=scratch, env={"PATH": JOB_PATH}, start_new_session=True,
-                                   preexec_fn=lambda: enter_job(procs, rlimits), **pipes)
-
-        def kill_session() -> None:
-            # bwrap leads its own session; its death ends the job's pid namespace (--die-with-parent).
-            try:
-                os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-        return _Started(process, _in_thread(lambda: (process.wait(), None)), kill_session)
+        process = await asyncio.create_subprocess_exec(
+            *command, cwd=scratch, env={"PATH": JOB_PATH}, start_new_session=True,
+            preexec_fn=lambda: enter_job(procs, rlimits), stdin=pipe, stdout=pipe, stderr=pipe)
+        return _Started(process, None)
     report_read, report_write = os.pipe()
     try:
-        process = subprocess.Popen(
-            [sys.executable, "-I", "-S", str(LAUNCHER), str(report_write), str(os.getpid()),
-             ",".join(":".join(map(str, triple)) for triple in rlimits), "--", *command],
-            cwd=scratch, env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True, **pipes)
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-I", "-S", str(LAUNCHER), str(report_write), str(os.getpid()),
+            ",".join(":".join(map(str, triple)) for triple in rlimits), "--", *command,
+            cwd=scratch, env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True,
+            stdin=pipe, stdout=pipe, stderr=pipe)
     except BaseException:
         os.close(report_read)
         raise
     finally:
         os.close(report_write)
-
-    def reported() -> tuple[int, float | None]:
-        try:
-            status, user_s, system_s = _read_report(report_read).split()
-            return os.waitstatus_to_exitcode(int(status)), float(user_s) + float(system_s)
-        except ValueError as exc:
-            raise LauncherFailed(f"the sandbox launcher failed (exit {process.wait()})") from exc
-
-    def kill_job() -> None:
-        try:
-            process.send_signal(signal.SIGUSR1)  # the launcher kills bwrap
-        except ProcessLookupError:
-            pass
-
-    return _Started(process, _in_thread(reported), kill_job)
-
-
-class LauncherFailed(RuntimeError):
-    pass
+    return _Started(process, report_read)
 
 
 async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_to: int | None,
@@ -412,37 +380,40 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
     started = time.monotonic()
     command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
                *job.command]
-    job_process = _start(command, scratch, limits, cgroup)
+    job_process = await _start(command, scratch, limits, cgroup)
     process = job_process.process
     assert process.stdin and process.stdout and process.stderr
-    outputs = asyncio.gather(_in_thread(_read_capped_sync, process.stdout, limits.max_output_bytes),
-                             _in_thread(_read_capped_sync, process.stderr, limits.max_output_bytes))
-    _in_thread(_feed_sync, process.stdin, job.stdin)
+    outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes),
+                             _read_capped(process.stderr, limits.max_output_bytes))
+    feeding = asyncio.ensure_future(_feed(process.stdin, job.stdin))
+    exited = asyncio.ensure_future(process.wait())
     watchdog = asyncio.ensure_future(_cpu_watchdog(cgroup, limits.cpu_seconds)) if cgroup is not None else None
     timed_out = cpu_watchdog = False
-    ended = job_process.ended
     try:
-        waited = {ended} if watchdog is None else {ended, watchdog}
+        waited = {exited} if watchdog is None else {exited, watchdog}
         done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
-        if ended not in done:
+        if exited not in done:
             cpu_watchdog = watchdog is not None and watchdog in done
             timed_out = not cpu_watchdog
             job_process.kill()
+        await exited
         (stdout, out_trunc), (stderr, err_trunc) = await outputs
-        code, reaped_cpu = await ended
+        code, reaped_cpu = job_process.ended()
     except LauncherFailed as exc:
-        await asyncio.gather(outputs, return_exceptions=True)
-        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, wall_seconds=time.monotonic() - started,
-                                     sandbox_instance=instance, error=str(exc))
+        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, stderr=stderr,
+                                     wall_seconds=time.monotonic() - started, sandbox_instance=instance,
+                                     error=str(exc))
     except BaseException:
         # Cancelled (the sandbox is stopping and hands the job back): no orphans.
         job_process.kill()
-        await asyncio.gather(ended, outputs, return_exceptions=True)
+        await asyncio.gather(exited, outputs, return_exceptions=True)
         raise
     finally:
+        feeding.cancel()
         if watchdog is not None:
             watchdog.cancel()
-        await _in_thread(process.wait)
+        if job_process.report_fd is not None:
+            os.close(job_process.report_fd)
     wall = time.monotonic() - started
     usage = cgroup.usage() if cgroup is not None else None
     cpu = usage.cpu_seconds if usage is not None else reaped_cpu or 0.0
@@ -459,10 +430,6 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
 
 
 def _read_report(fd: int, cap: int = 4096) -> bytes:
-    """The launcher's one line (what comes beyond `cap` is read and dropped, so a writer it did
-    not expect cannot fill the sandbox's memory)."""
-    with os.fdopen(fd, "rb") as pipe:
-        kept = pipe.read(cap)
-        while pipe.read(65536):
-            pass
-    return kept
+    """The launcher's one line, written before it exited (only the launcher holds the pipe: it is
+    closed in the job)."""
+    return os.read(fd, cap)
