@@ -150,6 +150,19 @@ async def test_memory_in_the_jobs_tmpfs_counts_against_its_limit(scratch_root: P
     assert result.peak_memory_bytes > 40 * 1024**2, result
 
 
+async def test_with_a_cgroup_address_space_is_only_a_backstop(scratch_root: Path, job_cgroups: JobCgroups | None
+                                                             ) -> None:
+    """Reserving address space is not using memory: with a cgroup a job may reserve more than its
+    memory limit (runtimes do), up to a backstop of four times that."""
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+    code = "import mmap\nfor gib in (1.5, 3):\n    try:\n        mmap.mmap(-1, int(gib * 1024**3))\n" \
+           "        print('reserved', gib)\n    except OSError as exc:\n        print('refused', gib, exc.errno)\n"
+    result = await run_python(code, scratch_root, job_cgroups, memory_bytes=512 * 1024**2)
+    assert result.stdout == b"reserved 1.5\nrefused 3 12\n", result
+    assert result.limit_hit == L.SANDBOX_LIMIT_NONE and result.peak_memory_bytes < 64 * 1024**2, result
+
+
 async def test_a_job_cannot_fake_the_limit_that_stopped_it(scratch_root: Path, job_cgroups: JobCgroups | None
                                                             ) -> None:
     """With a cgroup, limit_hit is what the kernel counted, not what the job printed (without one,

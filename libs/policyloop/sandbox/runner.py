@@ -167,9 +167,11 @@ def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[tuple[int, int, int]]
         (resource.RLIMIT_CORE, 0, 0),
         (resource.RLIMIT_NPROC, nproc, nproc),
     ]
-    if not cgrouped:
-        # Without a memory cgroup the address space of each process is all that can be bounded.
-        rlimits.append((resource.RLIMIT_AS, limits.memory_bytes, limits.memory_bytes))
+    # Without a memory cgroup the address space of each process is all that can be bounded. With
+    # one, address space is only a backstop well above it: runtimes reserve far more address space
+    # than they touch, and the cgroup bounds (and counts) what they do touch.
+    address_space = limits.memory_bytes if not cgrouped else max(4 * limits.memory_bytes, 1024**3)
+    rlimits.append((resource.RLIMIT_AS, address_space, address_space))
     return rlimits
 
 
