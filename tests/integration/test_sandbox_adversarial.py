@@ -9,6 +9,7 @@ import asyncio
 import errno
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -373,7 +374,7 @@ asyncio.run(run_job(job, JobLimits(wall_seconds=120), Path({str(scratch_root)!r}
     sandbox = subprocess.Popen([sys.executable, str(script)])
     try:
         for _ in range(100):
-            if subprocess.run(["pgrep", "-f", f"sleep {marker}"], capture_output=True).stdout:
+            if subprocess.run(["pgrep", "-f", f"^sleep {marker}"], capture_output=True).stdout:  # the job's own
                 break
             time.sleep(0.1)
         else:
@@ -387,3 +388,49 @@ asyncio.run(run_job(job, JobLimits(wall_seconds=120), Path({str(scratch_root)!r}
             break
         time.sleep(0.1)
     assert left == "", f"outlived the sandbox: {left}"
+
+
+async def test_a_job_that_cannot_be_started_says_so(scratch_root: Path, job_cgroups: JobCgroups | None) -> None:
+    """A cgroup the job cannot enter (here: gone) is a result with an error, not a lost job."""
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+
+    class Vanishing(JobCgroups):
+        def create(self, job_name: str, *, memory_bytes: int, max_tasks: int):  # type: ignore[no-untyped-def]
+            cgroup = super().create(job_name, memory_bytes=memory_bytes, max_tasks=max_tasks)
+            cgroup.remove()
+            return cgroup
+
+    job, limits = python_job("print('ran')")
+    result = await run_job(job, limits, scratch_root, cgroups=Vanishing(job_cgroups.parents))
+    assert result.error.startswith("the job could not be started in its cgroup") and result.stdout == b"", result
+    await still_serving(scratch_root)
+
+
+async def test_a_wall_clock_that_ends_before_the_job_starts(scratch_root: Path, cgroups: JobCgroups | None) -> None:
+    """A kill that comes before the launcher could pass it on is still the wall clock's."""
+    for _ in range(5):
+        result = await run_python("import time\ntime.sleep(30)\n", scratch_root, cgroups, wall_seconds=0.001)
+        assert result.limit_hit == L.SANDBOX_LIMIT_WALL_TIME and not result.error and result.wall_seconds < 5, result
+    await still_serving(scratch_root)
+
+
+def test_a_new_sandbox_ends_what_a_dead_one_left_in_its_cgroups(job_cgroups: JobCgroups | None) -> None:
+    """A sandbox killed while starting a job may leave the job running in its cgroup, unwatched:
+    the next sandbox on the host kills it and removes the cgroups."""
+    if job_cgroups is None:
+        pytest.skip("this process cannot make cgroups")
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid no process has now: the dead sandbox's
+    dead = JobCgroups({c: p.with_name(f"policyloop-sandbox-{gone.pid}") for c, p in job_cgroups.parents.items()})
+    left = dead.create("job-left", memory_bytes=64 * 1024**2, max_tasks=8)
+    orphan = subprocess.Popen(["sleep", "60"])
+    try:
+        for procs in left.procs_files:
+            Path(procs).write_text(str(orphan.pid))
+        sandbox_cgroups.job_cgroups("required").remove_parents()  # a new sandbox starting
+        assert orphan.wait(timeout=5) == -signal.SIGKILL
+        assert not any(p.exists() for p in dead.parents.values())
+    finally:
+        orphan.kill()
+        orphan.wait()

@@ -67,3 +67,7 @@ def test_task_and_job_checks() -> None:
         validate_sandbox_job(bus_pb2.SandboxJob(job_id="j", command=["true"], files={"../x": b""}))
     with pytest.raises(InvalidMessage, match="command"):
         validate_sandbox_job(bus_pb2.SandboxJob(job_id="j"))
+    for limits in (bus_pb2.SandboxLimits(wall_seconds=-1), bus_pb2.SandboxLimits(cpu_seconds=float("nan")),
+                   bus_pb2.SandboxLimits(wall_seconds=float("inf"))):
+        with pytest.raises(InvalidMessage, match=r"limits\.(wall|cpu)_seconds"):
+            validate_sandbox_job(bus_pb2.SandboxJob(job_id="j", command=["true"], limits=limits))

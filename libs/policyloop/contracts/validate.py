@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from policyloop.contracts.v1 import bus_pb2
 
 
@@ -72,3 +74,7 @@ def validate_sandbox_job(job: bus_pb2.SandboxJob) -> None:
     for path in job.files:
         if path.startswith("/") or ".." in path.split("/"):
             raise InvalidMessage("files", f"path {path!r} leaves the scratch directory")
+    for name in ("wall_seconds", "cpu_seconds"):
+        value = getattr(job.limits, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidMessage(f"limits.{name}", f"{value} is not a number of seconds (0: the default)")

@@ -139,19 +139,25 @@ class JobCgroups:
                 log.warning("cgroup_not_removed", cgroup=str(parent), error=repr(exc))
 
     def remove_stale(self) -> None:
-        """Removes the empty job cgroups that sandboxes no longer running left behind (killed,
-        they could not clean up); cgroups that still hold a task are left alone."""
+        """Ends what sandboxes no longer running left behind (killed, they could not clean up):
+        the jobs still in their cgroups are killed (a job can outlive a sandbox killed while it
+        was being started), then the cgroups are removed."""
+        stale: list[Path] = []
         for parent in self.parents.values():
             prefix = parent.name.rpartition("-")[0] + "-"
             for sibling in parent.parent.glob(prefix + "*"):
                 pid = sibling.name.removeprefix(prefix)
-                if sibling == parent or not pid.isdigit() or Path(f"/proc/{pid}").exists():
-                    continue
-                for directory in [*(d for d in sibling.iterdir() if d.is_dir()), sibling]:
-                    try:
-                        directory.rmdir()
-                    except OSError:
-                        pass
+                if sibling != parent and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                    stale.append(sibling)
+        for sibling in stale:
+            for job in (d for d in sibling.iterdir() if d.is_dir()):
+                _kill_tasks(job / "cgroup.procs")
+        for sibling in stale:
+            for directory in [*(d for d in sibling.iterdir() if d.is_dir()), sibling]:
+                try:
+                    _rmdir(directory)
+                except OSError as exc:
+                    log.warning("cgroup_not_removed", cgroup=str(directory), error=repr(exc))
 
 
 class JobCgroup:
@@ -183,21 +189,29 @@ class JobCgroup:
     def kill(self) -> None:
         """SIGKILLs every process still in the job (bwrap's pid namespace normally takes them all
         down with it; this covers what it would not)."""
-        for _ in range(50):
-            pids = self.pids()
-            if not pids:
-                return
-            for pid in pids:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.01)
+        _kill_tasks(self.dirs["pids"] / "cgroup.procs")
 
     def remove(self) -> None:
         self.kill()
         for directory in self.dirs.values():
             _rmdir(directory)
+
+
+def _kill_tasks(procs: Path) -> None:
+    """SIGKILLs the processes listed in a cgroup.procs file until it lists none."""
+    for _ in range(50):
+        try:
+            pids = [int(p) for p in procs.read_text().split()]
+        except FileNotFoundError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
 
 
 def _keyed(text: str) -> dict[str, int]:

@@ -70,9 +70,11 @@ def main(argv: list[str]) -> int:
         return 125
     if os.getppid() != int(parent_pid):
         return 125  # the sandbox died before the parent-death signal was armed
-    job = 0
+    job, reaped_job = 0, False
 
     def kill_job(signum: int, frame: object) -> None:
+        if reaped_job:
+            return  # its pid may be another process's by now
         for kill in (os.kill, os.killpg):  # the child itself, or the session it made
             try:
                 kill(job, _signal.SIGKILL)
@@ -93,7 +95,7 @@ def main(argv: list[str]) -> int:
         user += usage.ru_utime
         system += usage.ru_stime
         if reaped == job:
-            status = wait_status
+            status, reaped_job = wait_status, True
     os.write(report, f"{status} {user!r} {system!r}\n".encode())
     return 0
 

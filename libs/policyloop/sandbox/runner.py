@@ -275,9 +275,14 @@ def _kill(launcher: subprocess.Popen[bytes]) -> None:
 
 
 async def _cpu_watchdog(cgroup: JobCgroup, limit_s: float, poll_s: float = 0.05) -> None:
-    """Returns once the job's whole process tree has used `limit_s` CPU seconds."""
-    while cgroup.cpu_seconds() < limit_s:
-        await asyncio.sleep(poll_s)
+    """Returns once the job's whole process tree has used `limit_s` CPU seconds (never, when the
+    count cannot be read: the wall clock still bounds the job)."""
+    try:
+        while cgroup.cpu_seconds() < limit_s:
+            await asyncio.sleep(poll_s)
+    except (OSError, ValueError) as exc:
+        log.warning("cpu_watchdog_blind", cgroup=str(cgroup.dirs["cpuacct"]), error=repr(exc))
+        await asyncio.Event().wait()
 
 
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path,
@@ -327,6 +332,8 @@ class _Started:
         """Ends the job: bwrap's death ends its pid namespace (--die-with-parent) and with it every
         process of the job. Started directly, bwrap leads its own session; through the launcher,
         the launcher kills it."""
+        if self.process.returncode is not None:
+            return  # reaped: its pid may be another process's by now
         try:
             if self.report_fd is None:
                 os.killpg(self.process.pid, signal.SIGKILL)
@@ -347,6 +354,10 @@ class _Started:
             raise LauncherFailed(f"the sandbox launcher failed (exit {self.process.returncode})") from exc
 
 
+class CannotStart(RuntimeError):
+    """The job's first process could not be made (no fork, no cgroup): said in the result."""
+
+
 class LauncherFailed(RuntimeError):
     pass
 
@@ -358,9 +369,12 @@ async def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: J
     pipe = asyncio.subprocess.PIPE
     if cgroup is not None:
         procs = cgroup.procs_files
-        process = await asyncio.create_subprocess_exec(
-            *command, cwd=scratch, env={"PATH": JOB_PATH}, start_new_session=True,
-            preexec_fn=lambda: enter_job(procs, rlimits), stdin=pipe, stdout=pipe, stderr=pipe)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *command, cwd=scratch, env={"PATH": JOB_PATH}, start_new_session=True,
+                preexec_fn=lambda: enter_job(procs, rlimits), stdin=pipe, stdout=pipe, stderr=pipe)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise CannotStart(f"the job could not be started in its cgroup: {exc!r}") from exc
         return _Started(process, None)
     report_read, report_write = os.pipe()
     try:
@@ -369,8 +383,10 @@ async def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: J
             ",".join(":".join(map(str, triple)) for triple in rlimits), "--", *command,
             cwd=scratch, env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True,
             stdin=pipe, stdout=pipe, stderr=pipe)
-    except BaseException:
+    except BaseException as exc:
         os.close(report_read)
+        if isinstance(exc, OSError | subprocess.SubprocessError):
+            raise CannotStart(f"the sandbox launcher could not be started: {exc!r}") from exc
         raise
     finally:
         os.close(report_write)
@@ -382,7 +398,11 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
     started = time.monotonic()
     command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
                *job.command]
-    job_process = await _start(command, scratch, limits, cgroup)
+    try:
+        job_process = await _start(command, scratch, limits, cgroup)
+    except CannotStart as exc:
+        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, sandbox_instance=instance, error=str(exc),
+                                     wall_seconds=time.monotonic() - started)
     process = job_process.process
     assert process.stdin and process.stdout and process.stderr
     outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes),
@@ -402,6 +422,11 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
         (stdout, out_trunc), (stderr, err_trunc) = await outputs
         code, reaped_cpu = job_process.ended()
     except LauncherFailed as exc:
+        if timed_out:  # a kill that reached the launcher before it could pass it on: still the wall clock
+            return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-signal.SIGKILL, stderr=stderr,
+                                         wall_seconds=time.monotonic() - started, sandbox_instance=instance,
+                                         limit_hit=bus_pb2.SANDBOX_LIMIT_WALL_TIME,
+                                         accounting=bus_pb2.SANDBOX_ACCOUNTING_RLIMIT)
         return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, stderr=stderr,
                                      wall_seconds=time.monotonic() - started, sandbox_instance=instance,
                                      error=str(exc))
