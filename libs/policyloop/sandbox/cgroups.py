@@ -183,9 +183,6 @@ class JobCgroup:
                            peak_memory_bytes=int(self._read("memory", "memory.max_usage_in_bytes")),
                            oom_kills=oom, forks_refused=refused)
 
-    def pids(self) -> list[int]:
-        return [int(p) for p in self._read("pids", "cgroup.procs").split()]
-
     def kill(self) -> None:
         """SIGKILLs every process still in the job (bwrap's pid namespace normally takes them all
         down with it; this covers what it would not)."""

@@ -4,10 +4,7 @@ replica that died come back by themselves."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 
@@ -46,13 +43,3 @@ class RunQuota:
     async def holders(self, run_id: str) -> int:
         await self.client.zremrangebyscore(self.prefix + run_id, "-inf", int(time.time() * 1000))
         return int(await self.client.zcard(self.prefix + run_id))
-
-    @asynccontextmanager
-    async def slot(self, run_id: str, holder: str, lease_s: float, poll_s: float = 0.1) -> AsyncIterator[None]:
-        """Waits for a slot of `run_id`, holds it for the block, gives it back."""
-        while not await self.acquire(run_id, holder, lease_s):
-            await asyncio.sleep(poll_s)
-        try:
-            yield
-        finally:
-            await self.release(run_id, holder)
