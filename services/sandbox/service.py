@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -34,7 +32,7 @@ from policyloop.sandbox.runner import (
     effective_limits,
     run_job,
 )
-from policyloop.state.quota import RunQuota
+from policyloop.state.quota import RunningSlots, RunQuota
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -69,35 +67,6 @@ class SandboxSettings(ServiceSettings):
                              "one run cannot take every sandbox. A job over its run's quota waits among the held "
                              "jobs; slots are leases, so a dead replica's come back.")
     quota_poll_s: float = Field(0.05, gt=0, description="How often a job held for its run's quota asks again.")
-
-
-class RunningSlots:
-    """This replica's running slots, taken only together with a slot of the job's run quota: a job
-    whose run is at its quota gives the running slot back while it waits."""
-
-    def __init__(self, concurrency: int, quota: RunQuota | None, poll_s: float) -> None:
-        self.free = asyncio.Semaphore(concurrency)
-        self.quota, self.poll_s = quota, poll_s
-
-    @asynccontextmanager
-    async def slot(self, run_id: str, holder: str, lease_s: float) -> AsyncIterator[None]:
-        quota = self.quota if run_id else None
-        while True:
-            await self.free.acquire()
-            try:
-                if quota is None or await quota.acquire(run_id, holder, lease_s):
-                    break
-            except BaseException:
-                self.free.release()  # Redis down, or cancelled: the job is handed back, the slot kept
-                raise
-            self.free.release()
-            await asyncio.sleep(self.poll_s)
-        try:
-            yield
-        finally:
-            self.free.release()
-            if quota is not None:
-                await quota.release(run_id, holder)
 
 
 async def body(ctx: ServiceContext) -> None:

@@ -152,3 +152,43 @@ async def test_run_quota_leases(redis_client) -> None:  # type: ignore[no-untype
     assert await quota.holders("r") == 1 and await quota.acquire("r", "d", lease_s=30)
     with pytest.raises(ValueError):
         RunQuota(redis_client, "ns", limit=0)
+
+
+async def test_running_slots_are_not_held_by_a_job_waiting_for_its_runs_quota(redis_client) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.state.quota import RunningSlots, RunQuota
+
+    slots = RunningSlots(2, RunQuota(redis_client, "ns", limit=1), poll_s=0.01)
+    entered: list[str] = []
+    release_r1 = asyncio.Event()
+
+    async def job(run_id: str, name: str, hold: asyncio.Event | None = None) -> None:
+        async with slots.slot(run_id, name, lease_s=30):
+            entered.append(name)
+            if hold is not None:
+                await hold.wait()
+
+    r1 = asyncio.create_task(job("r", "r1", release_r1))
+    await asyncio.sleep(0.05)
+    r2 = asyncio.create_task(job("r", "r2"))  # run r is at its quota: r2 waits...
+    await asyncio.sleep(0.05)
+    # ...without the replica's second running slot, which a job of another run takes while r1 runs.
+    await asyncio.wait_for(job("s", "s1"), timeout=5)
+    assert entered == ["r1", "s1"] and not r2.done()
+    release_r1.set()
+    await asyncio.wait_for(asyncio.gather(r1, r2), timeout=5)
+    assert entered == ["r1", "s1", "r2"] and not slots.free.locked()
+
+
+async def test_a_running_slot_comes_back_when_the_quota_cannot_be_asked(redis_server: Server) -> None:
+    from policyloop.state.quota import RunningSlots, RunQuota
+
+    client = await connect_redis(redis_server.url)
+    slots = RunningSlots(1, RunQuota(client, "ns", limit=1), poll_s=0.01)
+    redis_server.stop()
+    try:
+        with pytest.raises(Exception):  # noqa: B017 - whatever Redis raises, the slot comes back
+            async with slots.slot("r", "a", lease_s=30):
+                pass
+        assert not slots.free.locked()
+    finally:
+        await client.aclose()

@@ -215,6 +215,18 @@ async def test_a_solution_that_never_loads_or_does_not_parse(sandbox: tuple[Path
     assert reward == 0.0 and "SystemExit" in parts["compiled"][1], parts
 
 
+async def test_a_reply_past_the_parsers_limits_and_a_broken_test_file(sandbox: tuple[Path, JobCgroups | None]) -> None:
+    # The solution writes a reply nested past the JSON parser's recursion limit to its own answers
+    # (the descriptor is in its argv): a crashed load, not an exception a test could catch.
+    deep = "import os, sys\nos.write(int(sys.argv[3]), b'[' * 100000 + b']' * 100000 + b'\\n')\n" + HONEST
+    reward, parts, _ = await score(sandbox, deep)
+    assert reward == 0.0 and parts["compiled"] == (0.0, "the solution's process answered malformed data"), parts
+    # tests.py that fails at its top level runs no test, and the breakdown says why.
+    reward, parts, _ = await score(sandbox, HONEST, "raise RuntimeError('broken fixture')\n" + TESTS)
+    assert reward == 0.0 and parts["tests_passed"][1] == "0/0 passed", parts
+    assert parts["tests_error"] == (1.0, "tests.py: RuntimeError: broken fixture"), parts
+
+
 async def test_output_of_the_solution_does_not_disturb_the_report(sandbox: tuple[Path, JobCgroups | None]) -> None:
     solution = "import sys\nprint('x' * 100_000)\ndef add(a, b):\n    print(a, b)\n    sys.stdout.flush()\n" \
                "    return a + b\ndef sort_in_place(xs):\n    xs.sort()\n"

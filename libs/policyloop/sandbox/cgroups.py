@@ -163,8 +163,8 @@ class JobCgroups:
 class JobCgroup:
     def __init__(self, dirs: dict[str, Path]) -> None:
         self.dirs = dirs
-        # The job's process writes its pid to these between fork and exec (the launcher), so
-        # everything the job starts is inside from its first instruction.
+        # The job's first process writes its pid to these between fork and exec (launcher.enter_job),
+        # so everything the job starts is inside from its first instruction.
         self.procs_files = [str(d / "cgroup.procs") for d in dirs.values()]
 
     def write(self, controller: str, name: str, value: int) -> None:

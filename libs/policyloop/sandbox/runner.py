@@ -16,10 +16,11 @@ runs in its own: memory (resident, /tmp included) and tasks are bounded for the 
 time is the kernel's count for the whole process tree and is bounded for the whole job (a
 watchdog ends it at the limit), and `limit_hit` reports what the kernel counted (an OOM kill, a
 refused fork). Without cgroups, rlimits bound each process (address space, CPU seconds) and the
-uid's processes, CPU time is the job's own rusage (wait4), and memory and process limits can only
-be read from the job's stderr. Either way rlimits bound file size and open files; the file-size
-limit shows as a file in the scratch directory that reached it (Python ignores SIGXFSZ, so the
-signal alone would miss it). The result says which accounting it had.
+uid's processes, CPU time is what the launcher (policyloop.sandbox.launcher) counted of all it
+reaped, and memory and process limits can only be read from the job's stderr. Either way rlimits
+bound file size and open files; the file-size limit shows as a file in the scratch directory that
+reached it (Python ignores SIGXFSZ, so the signal alone would miss it). The result says which
+accounting it had.
 """
 
 from __future__ import annotations
@@ -265,15 +266,6 @@ def file_reached(directory: Path, size: int, max_entries: int = 100_000) -> bool
     return False
 
 
-def _kill(launcher: subprocess.Popen[bytes]) -> None:
-    """The launcher kills bwrap, whose death ends the job's pid namespace (--die-with-parent) and
-    with it every process of the job (the cgroup's removal catches any straggler)."""
-    try:
-        launcher.send_signal(signal.SIGUSR1)
-    except ProcessLookupError:
-        pass
-
-
 async def _cpu_watchdog(cgroup: JobCgroup, limit_s: float, poll_s: float = 0.05) -> None:
     """Returns once the job's whole process tree has used `limit_s` CPU seconds (never, when the
     count cannot be read: the wall clock still bounds the job)."""
@@ -283,6 +275,12 @@ async def _cpu_watchdog(cgroup: JobCgroup, limit_s: float, poll_s: float = 0.05)
     except (OSError, ValueError) as exc:
         log.warning("cpu_watchdog_blind", cgroup=str(cgroup.dirs["cpuacct"]), error=repr(exc))
         await asyncio.Event().wait()
+
+
+def _failed(job: bus_pb2.SandboxJob, instance: str, error: str, **fields: object) -> bus_pb2.SandboxResult:
+    """The result of a job that could not be run (or whose ending could not be learnt)."""
+    return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, sandbox_instance=instance, error=error,
+                                 **fields)  # type: ignore[arg-type]
 
 
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path,
@@ -298,8 +296,7 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path
         for rel, content in job.files.items():
             target = (scratch / rel).resolve()
             if not target.is_relative_to(scratch.resolve()):
-                return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, sandbox_instance=instance,
-                                             error=f"files: {rel!r} leaves the scratch directory")
+                return _failed(job, instance, f"files: {rel!r} leaves the scratch directory")
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(content)
         if drop_to is not None:
@@ -401,8 +398,7 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
     try:
         job_process = await _start(command, scratch, limits, cgroup)
     except CannotStart as exc:
-        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, sandbox_instance=instance, error=str(exc),
-                                     wall_seconds=time.monotonic() - started)
+        return _failed(job, instance, str(exc), wall_seconds=time.monotonic() - started)
     process = job_process.process
     assert process.stdin and process.stdout and process.stderr
     outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes),
@@ -427,9 +423,7 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
                                          wall_seconds=time.monotonic() - started, sandbox_instance=instance,
                                          limit_hit=bus_pb2.SANDBOX_LIMIT_WALL_TIME,
                                          accounting=bus_pb2.SANDBOX_ACCOUNTING_RLIMIT)
-        return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, stderr=stderr,
-                                     wall_seconds=time.monotonic() - started, sandbox_instance=instance,
-                                     error=str(exc))
+        return _failed(job, instance, str(exc), stderr=stderr, wall_seconds=time.monotonic() - started)
     except BaseException:
         # Cancelled (the sandbox is stopping and hands the job back): no orphans.
         job_process.kill()

@@ -1,10 +1,14 @@
 """Per-run concurrency quotas shared by replicas through Redis: at most `limit` holders per run
 at once. Each slot is a lease (a sorted-set member scored by its expiry), so the slots of a
-replica that died come back by themselves."""
+replica that died come back by themselves. RunningSlots pairs a replica's own running slots with
+them, so a job waiting for its run's quota does not hold a running slot."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
 
@@ -43,3 +47,32 @@ class RunQuota:
     async def holders(self, run_id: str) -> int:
         await self.client.zremrangebyscore(self.prefix + run_id, "-inf", int(time.time() * 1000))
         return int(await self.client.zcard(self.prefix + run_id))
+
+
+class RunningSlots:
+    """This replica's running slots, taken only together with a slot of the job's run quota: a job
+    whose run is at its quota gives the running slot back while it waits."""
+
+    def __init__(self, concurrency: int, quota: RunQuota | None, poll_s: float) -> None:
+        self.free = asyncio.Semaphore(concurrency)
+        self.quota, self.poll_s = quota, poll_s
+
+    @asynccontextmanager
+    async def slot(self, run_id: str, holder: str, lease_s: float) -> AsyncIterator[None]:
+        quota = self.quota if run_id else None
+        while True:
+            await self.free.acquire()
+            try:
+                if quota is None or await quota.acquire(run_id, holder, lease_s):
+                    break
+            except BaseException:
+                self.free.release()  # Redis down, or cancelled: the job is handed back, the slot kept
+                raise
+            self.free.release()
+            await asyncio.sleep(self.poll_s)
+        try:
+            yield
+        finally:
+            self.free.release()
+            if quota is not None:
+                await quota.release(run_id, holder)
