@@ -61,6 +61,9 @@ def redis_server(tmp_path: Path) -> Iterator[Server]:
         server.stop()
 
 
+HEARTBEAT_INTERVAL_S = 0.5  # of the services tests start
+
+
 def fast_limits(**overrides: object) -> BusLimits:
     """Short ack waits so that redelivery tests take seconds, not minutes."""
     values: dict[str, object] = dict(
@@ -142,7 +145,7 @@ class ServiceLauncher:
             "POLICYLOOP_REDIS_URL": self.redis.url,
             "POLICYLOOP_INSTANCE_ID": instance,
             "POLICYLOOP_HTTP_PORT": str(ports["http"]),
-            "POLICYLOOP_HEARTBEAT_INTERVAL_S": "0.5",
+            "POLICYLOOP_HEARTBEAT_INTERVAL_S": str(HEARTBEAT_INTERVAL_S),
             "POLICYLOOP_HEARTBEAT_TTL_S": "2",
             "OMP_NUM_THREADS": "1",
             "PYTHONUNBUFFERED": "1",

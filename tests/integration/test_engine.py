@@ -370,13 +370,42 @@ async def test_pause_abort_then_continue(engine: EmbeddedEngine, client: SGLangC
         assert res.finish_reason == "abort" and 2 <= len(res.output_ids) < 240
         assert res.finish_detail is not None and res.finish_detail.message
 
-    # While paused, new requests wait; continue lets them run.
+    # While paused, new requests wait (the engine counts them queued); continue lets them run.
     waiting = asyncio.create_task(client.generate(greedy(prompt(9, 5), 6)))
-    await asyncio.sleep(0.3)
+    await wait_for(lambda: len(engine._held) == 1, what="the request held")
+    metrics = await engine_metrics(client)
+    assert metrics["sglang:num_queue_reqs"] == 1 and metrics["sglang:num_running_reqs"] == 0
     assert not waiting.done()
     await client.continue_generation()
     done = await asyncio.wait_for(waiting, 10)
     assert done.finish_reason == "length" and len(done.output_ids) == 6
+
+
+async def engine_metrics(client: SGLangClient) -> dict[str, float]:
+    """The engine's /metrics, by sample name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(f"{client.base_url}/metrics") as response:
+        assert response.status == 200
+        text = await response.text()
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+async def test_metrics_count_tokens_and_requests_in_flight(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    before = await engine_metrics(client)
+    ids = prompt(3, 6)
+    await client.generate(greedy(ids, 5))
+    after = await engine_metrics(client)
+    assert after["sglang:prompt_tokens_total"] - before["sglang:prompt_tokens_total"] == len(ids)
+    assert after["sglang:generation_tokens_total"] - before["sglang:generation_tokens_total"] == 5
+    assert after["policyloop_engine_in_flight_output_tokens"] == 0
+    task = await decoding(engine, client, "counted", prompt(4, 5), 200)
+    await client.pause_generation("in_place")
+    held = await engine_metrics(client)
+    assert held["sglang:num_running_reqs"] == 1
+    assert held["policyloop_engine_in_flight_output_tokens"] == engine.progress("counted") >= 3
+    await client.continue_generation()
+    await asyncio.wait_for(task, 20)
 
 
 async def test_pause_in_place_keeps_state(engine: EmbeddedEngine, client: SGLangClient) -> None:

@@ -4,22 +4,23 @@ partial rollouts (abort); every token's version is recorded."""
 
 from __future__ import annotations
 
-import asyncio
+import time
 
+import aiohttp
 import pytest
 import safetensors.torch
 import torch
 
 from policyloop.bus import Bus, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.engines.sglang_client import SGLangClient
 from policyloop.state import HeartbeatRegistry
 from policyloop.weights.client import VersionPusher, WeightClient
 from policyloop.weights.torch_io import weight_set
-from tests.conftest import ServiceLauncher
+from tests.conftest import HEARTBEAT_INTERVAL_S, ServiceLauncher
 from tests.helpers import eventually, stored
 
-# Fixed-length samples (ignore_eos): every wave decodes TOKENS steps, so a version pushed once
-# tokens are flowing lands while requests are in flight.
+# Fixed-length samples (ignore_eos): every wave decodes TOKENS steps.
 TASKS, GROUP, TOKENS = 16, 8, 200
 
 
@@ -28,17 +29,50 @@ async def test_engine_embedded_a_version_that_aborts_requests_in_flight_resumes_
     """engine=embedded (the replica starts its own engine) through the same SGLang client, with
     pause mode abort: a version published while the replica samples aborts the requests in
     flight, and the replica resubmits each (partial rollouts) so that every sample gets its full
-    budget, its tokens' versions recorded."""
+    budget, its tokens' versions recorded. The test holds the replica's engine (paused in place)
+    with decoded tokens in flight until the version arrives, whatever the machine's speed: the
+    replica's own abort-mode update ends the hold."""
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
     rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_WEIGHT_UPDATE_MODE": "abort"})
+    await services.wait_healthy(rollout, timeout_s=60)
+    [beat] = await HeartbeatRegistry(redis_client, "default").alive("rollout")
+    engine = SGLangClient(str(beat.detail["engine"]), timeout_s=30)
+    try:
+        await _update_mid_generation("abort", _holding(engine), bus, services, redis_client, publisher, rollout)
+    finally:
+        await engine.close()
 
-    async def generating() -> bool:
-        # Tasks are taken; 16 × 8 samples of 200 tokens take tens of seconds on this machine, so a
-        # version pushed a moment later lands while requests are in flight.
-        return (await bus.backlog("rollout")).ack_pending > 0
 
-    await _update_mid_generation("abort", generating, bus, services, redis_client, publisher, rollout, settle_s=1.0)
+def _holding(engine: SGLangClient):  # type: ignore[no-untyped-def]
+    """A condition that holds the engine (paused in place) once decoded tokens are in flight, so
+    the version pushed next lands mid-generation however slow the machine; the replica's own
+    update (pause in its mode, load, continue) ends the hold."""
+
+    async def held_with_tokens_in_flight() -> bool:
+        if await _engine_metric(engine, "policyloop_engine_in_flight_output_tokens") == 0:
+            return False
+        await engine.pause_generation("in_place")  # answers once the engine is between two steps
+        if await _engine_metric(engine, "policyloop_engine_in_flight_output_tokens") > 0:
+            return True
+        await engine.continue_generation()  # paused between two waves: try again
+        return False
+
+    return held_with_tokens_in_flight
+
+
+async def _engine_metric(engine: SGLangClient, name: str) -> float:
+    """One sample of the engine's /metrics (SGLang's exposition format)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as session, session.get(f"{engine.base_url}/metrics") as response:
+        response.raise_for_status()
+        text = await response.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return sample.value
+    raise AssertionError(f"{name} is not in the engine's /metrics")
 
 
 # in_place and retract through the rollout, with the engine in this process (the replica drives
@@ -58,16 +92,14 @@ async def test_a_version_published_mid_generation_reaches_requests_in_flight(
             "POLICYLOOP_ENGINE": "sglang", "POLICYLOOP_ENGINE_URL": engine.base_url, "POLICYLOOP_MAX_LAG": "-1",
             "POLICYLOOP_WEIGHT_UPDATE_MODE": mode})
 
-        async def generating() -> bool:
-            return any(tokens >= 4 for tokens in engine.in_flight().values())
-
-        await _update_mid_generation(mode, generating, bus, services, redis_client, publisher, rollout)
+        async with SGLangClient(engine.base_url, timeout_s=30) as client:
+            await _update_mid_generation(mode, _holding(client), bus, services, redis_client, publisher, rollout)
     finally:
         await engine.stop()
 
 
 async def _update_mid_generation(mode: str, generating, bus: Bus, services: ServiceLauncher, redis_client,  # type: ignore[no-untyped-def]
-                                 publisher, rollout, settle_s: float = 0.0) -> None:
+                                 publisher, rollout) -> None:
     reward = services.start("reward")
     await services.wait_healthy(rollout, reward, timeout_s=60)
     base = safetensors.torch.load_file(str(services.model_dir / "model.safetensors"))
@@ -81,7 +113,6 @@ async def _update_mid_generation(mode: str, generating, bus: Bus, services: Serv
                 max_new_tokens=TOKENS, temperature=1.0, seed=n, ignore_eos=True)), f"t{n}")
 
     await eventually(generating, timeout_s=60, interval_s=0.02, what="tokens being generated")
-    await asyncio.sleep(settle_s)
     client = WeightClient(f"127.0.0.1:{publisher.ports['grpc']}")
     try:
         await VersionPusher(client, "policy").push(version, step=1)
@@ -160,9 +191,19 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
         return bool(beats) and not beats[0].healthy
 
     await eventually(unhealthy, timeout_s=15, what="the replica reporting its engine gone")
-    await asyncio.sleep(1.5)  # a pull already waiting at the server when health changed has expired (1 s)
+
+    async def not_pulling() -> bool:  # a pull already waiting when health changed has expired
+        return (await bus.backlog("rollout")).waiting == 0
+
+    await eventually(not_pulling, timeout_s=15, what="no pull request waiting at the server")
     await bus.publish(tasks_subject("addition@v1"), task("during"), "during")
-    await asyncio.sleep(3.0)
+    published_ms = time.time() * 1000
+
+    async def beaten_twice_since() -> bool:  # the replica's loop went on (and could have pulled) meanwhile
+        beats = await registry.alive("rollout")
+        return bool(beats) and beats[0].beat_unix_ms > published_ms + 2000 * HEARTBEAT_INTERVAL_S
+
+    await eventually(beaten_twice_since, timeout_s=30, what="two heartbeats of the unhealthy replica")
     backlog = await bus.backlog("rollout")
     assert (backlog.pending, backlog.ack_pending, backlog.redelivered) == (1, 1, 0), backlog
     assert await stored(bus, "ROLLOUTS", bus_pb2.Trajectory) == []

@@ -12,7 +12,11 @@ Routes: POST/PUT /generate, GET /model_info and /get_model_info, GET /health (an
 /health_generate), POST /update_weights_from_disk, POST /pause_generation, POST
 /continue_generation, GET/POST /flush_cache, POST /abort_request, and for the colocated weight
 sync POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed,
-/end_weight_update, /destroy_weights_update_group.
+/end_weight_update, /destroy_weights_update_group; GET /metrics in Prometheus' text format, with
+SGLang's names for what both engines count (`sglang:num_running_reqs`, `sglang:num_queue_reqs`,
+`sglang:prompt_tokens_total`, `sglang:generation_tokens_total`) and
+`policyloop_engine_in_flight_output_tokens` (tokens decoded so far by the requests not yet done:
+above 0 while paused, some request will straddle a weight update).
 
 Batching (static batching per wave). A scheduler task waits a few milliseconds
 (`batch_window_s`) after the first waiting request to gather concurrent ones, takes up to
@@ -85,6 +89,9 @@ from typing import Any
 
 import torch
 from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from policyloop.engines.protocol import (
     DEFAULT_WEIGHT_VERSION,
@@ -177,6 +184,28 @@ class _Wave:
         self.requests = [self.requests[i] for i in rows]
 
 
+class _EngineMetrics(Collector):
+    """The engine's figures, read from its state at each scrape (no bookkeeping of their own)."""
+
+    def __init__(self, engine: EmbeddedEngine) -> None:
+        self.engine = engine
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        engine = self.engine
+        requests = list(engine._requests.values())
+        running = sum(r.state == "running" for r in requests)
+        yield GaugeMetricFamily("sglang:num_running_reqs", "Requests being decoded (paused ones included).",
+                                value=running)
+        yield GaugeMetricFamily("sglang:num_queue_reqs", "Requests waiting for a wave (held while paused included).",
+                                value=len(engine._waiting) + len(engine._held))
+        yield CounterMetricFamily("sglang:prompt_tokens", "Prompt tokens of the requests admitted.",
+                                  value=engine.prompt_tokens)
+        yield CounterMetricFamily("sglang:generation_tokens", "Tokens decoded.", value=engine.generated_tokens)
+        yield GaugeMetricFamily("policyloop_engine_in_flight_output_tokens",
+                                "Tokens decoded so far by the requests not yet done.",
+                                value=sum(len(r.output_ids) for r in requests if r.state != "done"))
+
+
 class EmbeddedEngine:
     """The engine and its HTTP server. `await start()` loads the model and listens (port 0 picks a
     free port: read `port` / `base_url` afterwards); `await stop()` aborts what is in flight and
@@ -208,6 +237,10 @@ class EmbeddedEngine:
         self._retractions = 0   # bumped by each pause in mode retract: waves recompute their cache
         self._writers = 0       # weight updates waiting for the requests in flight (SGLang's writer lock)
         self._closing = False
+        self.prompt_tokens = 0      # counters of /metrics
+        self.generated_tokens = 0
+        self._metrics = CollectorRegistry(auto_describe=False)
+        self._metrics.register(_EngineMetrics(self))
         self._kick = asyncio.Event()
         self._parked = asyncio.Event()
         self._update_lock = asyncio.Lock()
@@ -336,7 +369,11 @@ class EmbeddedEngine:
         app.router.add_post("/update_weights_from_distributed", self._handle_update_distributed)
         app.router.add_post("/end_weight_update", self._handle_end_weight_update)
         app.router.add_post("/destroy_weights_update_group", self._handle_destroy_weights_group)
+        app.router.add_get("/metrics", self._handle_metrics)
         return app
+
+    async def _handle_metrics(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._metrics), content_type="text/plain", charset="utf-8")
 
     @staticmethod
     def _error(message: str | RequestError, status: int = 400) -> web.Response:
@@ -381,6 +418,7 @@ class EmbeddedEngine:
                        future=asyncio.get_running_loop().create_future(), generator=generator,
                        received=started)
         self._requests[rid] = req
+        self.prompt_tokens += len(prompt)
         try:
             if max_new_tokens == 0:  # nothing to decode: SGLang answers after prefill alone
                 req.finish = FinishReason("length", length=0)
@@ -819,6 +857,7 @@ class EmbeddedEngine:
                 if sample:
                     token, logprob = drawn[i]
                     req.add_token(token, logprob, wave.version)
+                    self.generated_tokens += 1
                     if self._check_finished(req, token):
                         finished.append(req)
                         continue
