@@ -40,6 +40,15 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20
         await asyncio.sleep(interval_s)
 
 
+async def until(check: Callable[[], bool], timeout_s: float = 20.0, what: str = "condition") -> None:
+    """`eventually` for a condition that needs no awaiting (state of this process)."""
+
+    async def checked() -> bool:
+        return check()
+
+    await eventually(checked, timeout_s=timeout_s, interval_s=0.005, what=what)
+
+
 def scored_group(task: str, size: int = 2, response_len: int = 2, version: int = 0, *, environment: str = "e",
                  prompt: list[int] | None = None) -> list[bus_pb2.Trajectory]:
     """A scored group as reward stores it: sample i answers `response_len` tokens ending in EOS,

@@ -98,7 +98,12 @@ async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durab
         return backlog.pending == 0 and backlog.ack_pending == 3
 
     await eventually(all_held, timeout_s=30)
-    await asyncio.sleep(1.0)
+
+    async def all_handled() -> bool:  # the learner has seen all three, the copy included
+        beats = await HeartbeatRegistry(redis_client, "default").alive("learner")
+        return bool(beats) and int(beats[0].detail.get("trajectories_seen", 0)) == 3
+
+    await eventually(all_handled, timeout_s=30)
     assert (await bus.backlog("learner")).ack_pending == 3  # the copy is held too, not acked
     for i, traj in enumerate(scored_group("b")):
         await bus.publish(trajectories_subject("e"), traj, f"b/{i}")

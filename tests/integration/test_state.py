@@ -17,6 +17,7 @@ from policyloop.state import (
     connect_redis,
 )
 from tests.conftest import Server
+from tests.helpers import eventually, until
 
 
 async def test_version_compare_and_set(redis_client) -> None:  # type: ignore[no-untyped-def]
@@ -64,7 +65,7 @@ async def test_only_one_of_racing_writers_wins(redis_client) -> None:  # type: i
 
 async def test_heartbeats_expire_with_their_ttl(redis_client) -> None:  # type: ignore[no-untyped-def]
     registry = HeartbeatRegistry(redis_client, "ns")
-    await registry.beat(Heartbeat("rollout", "r-0", True, policy_version=3), ttl_s=0.5)
+    await registry.beat(Heartbeat("rollout", "r-0", True, policy_version=3), ttl_s=30)
     await registry.beat(Heartbeat("reward", "w-0", False), ttl_s=30)
     alive = await registry.alive()
     assert [(b.service, b.instance, b.healthy, b.policy_version) for b in alive] == [
@@ -72,8 +73,12 @@ async def test_heartbeats_expire_with_their_ttl(redis_client) -> None:  # type: 
     ]
     assert alive[1].beat_unix_ms > 0
     assert [b.instance for b in await registry.alive("rollout")] == ["r-0"]
-    await asyncio.sleep(0.8)
-    assert [b.instance for b in await registry.alive()] == ["w-0"]
+    await registry.beat(Heartbeat("rollout", "r-0", True, policy_version=3), ttl_s=0.2)  # a last, short beat
+
+    async def only_reward_left() -> bool:
+        return [b.instance for b in await registry.alive()] == ["w-0"]
+
+    await eventually(only_reward_left, timeout_s=10, interval_s=0.05, what="r-0's heartbeat expiring")
     await registry.remove("reward", "w-0")
     assert await registry.alive() == []
 
@@ -88,7 +93,11 @@ async def test_idempotency_keys_claim_once_and_lease(redis_client) -> None:  # t
     assert not await keys.release("job-1", owner="b")
     assert await keys.release("job-1", owner="a")
     assert await keys.claim("job-1", ttl_s=0.3, owner="b")
-    await asyncio.sleep(0.5)
+
+    async def lapsed() -> bool:
+        return await keys.owner("job-1") is None
+
+    await eventually(lapsed, timeout_s=10, interval_s=0.05, what="the claim lapsing")
     assert await keys.claim("job-1", ttl_s=30, owner="c")  # the lapsed claim is free again
 
 
@@ -168,9 +177,9 @@ async def test_running_slots_are_not_held_by_a_job_waiting_for_its_runs_quota(re
                 await hold.wait()
 
     r1 = asyncio.create_task(job("r", "r1", release_r1))
-    await asyncio.sleep(0.05)
+    await until(lambda: entered == ["r1"])
     r2 = asyncio.create_task(job("r", "r2"))  # run r is at its quota: r2 waits...
-    await asyncio.sleep(0.05)
+    await until(lambda: slots.held == 1)
     # ...without the replica's second running slot, which a job of another run takes while r1 runs.
     await asyncio.wait_for(job("s", "s1"), timeout=5)
     assert entered == ["r1", "s1"] and not r2.done()

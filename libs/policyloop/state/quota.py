@@ -56,20 +56,28 @@ class RunningSlots:
     def __init__(self, concurrency: int, quota: RunQuota | None, poll_s: float) -> None:
         self.free = asyncio.Semaphore(concurrency)
         self.quota, self.poll_s = quota, poll_s
+        self.held = 0  # jobs waiting for their run's quota (refused at least once)
 
     @asynccontextmanager
     async def slot(self, run_id: str, holder: str, lease_s: float) -> AsyncIterator[None]:
         quota = self.quota if run_id else None
-        while True:
-            await self.free.acquire()
-            try:
-                if quota is None or await quota.acquire(run_id, holder, lease_s):
-                    break
-            except BaseException:
-                self.free.release()  # Redis down, or cancelled: the job is handed back, the slot kept
-                raise
-            self.free.release()
-            await asyncio.sleep(self.poll_s)
+        refused = False
+        try:
+            while True:
+                await self.free.acquire()
+                try:
+                    if quota is None or await quota.acquire(run_id, holder, lease_s):
+                        break
+                except BaseException:
+                    self.free.release()  # Redis down, or cancelled: the job is handed back, the slot kept
+                    raise
+                self.free.release()
+                if not refused:
+                    refused, self.held = True, self.held + 1
+                await asyncio.sleep(self.poll_s)
+        finally:
+            if refused:
+                self.held -= 1
         try:
             yield
         finally:
