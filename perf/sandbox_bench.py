@@ -11,11 +11,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
 import statistics
-import tempfile
 import time
-from pathlib import Path
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
@@ -25,12 +22,12 @@ from policyloop.sandbox.runner import JobLimits, check_isolation, run_job
 TESTS = "".join(f"def test_{i}():\n    assert add({i}, 1) == {i + 1}\n" for i in range(4))
 
 
-async def trivial_jobs(root: Path, cgroups: JobCgroups | None, jobs: int, side_by_side: int) -> dict:
+async def trivial_jobs(cgroups: JobCgroups | None, jobs: int, side_by_side: int) -> dict:
     job = bus_pb2.SandboxJob(job_id="pass", command=["python3", "-c", "pass"])
     walls: list[float] = []
     started = time.perf_counter()
     for _ in range(jobs // side_by_side):
-        results = await asyncio.gather(*(run_job(job, JobLimits(), root, cgroups=cgroups)
+        results = await asyncio.gather(*(run_job(job, JobLimits(), cgroups=cgroups)
                                          for _ in range(side_by_side)))
         assert all(r.exit_code == 0 for r in results), results
         walls += [r.wall_seconds for r in results]
@@ -39,13 +36,13 @@ async def trivial_jobs(root: Path, cgroups: JobCgroups | None, jobs: int, side_b
             "jobs_per_s": round(len(walls) / elapsed, 1)}
 
 
-async def scoring(root: Path, cgroups: JobCgroups | None, jobs: int) -> dict:
+async def scoring(cgroups: JobCgroups | None, jobs: int) -> dict:
     walls, cpus = [], []
     for i in range(jobs):
         traj = bus_pb2.Trajectory(trajectory_id=f"t{i}", response_text="def add(a, b):\n    return a + b\n",
                                   metadata={"scorer": UNIT_TESTS, "tests": TESTS, "timeout_seconds": "5"})
         code_job = sandbox_job(traj)
-        result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=10), root, cgroups=cgroups)
+        result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=10), cgroups=cgroups)
         assert score_result(traj, code_job, result)[0] == 1.0, result
         walls.append(result.wall_seconds)
         cpus.append(result.cpu_seconds)
@@ -55,8 +52,6 @@ async def scoring(root: Path, cgroups: JobCgroups | None, jobs: int) -> dict:
 
 async def main(jobs: int) -> dict:
     check_isolation()
-    root = Path(tempfile.mkdtemp(prefix="pl-sandbox-bench-"))
-    root.chmod(0o711)
     cgroups = job_cgroups("auto")
     report: dict = {"jobs": jobs}
     try:
@@ -65,14 +60,13 @@ async def main(jobs: int) -> dict:
                 report[name] = "unavailable here"
                 continue
             report[name] = {
-                "one_at_a_time": await trivial_jobs(root, mode, jobs, 1),
-                "two_side_by_side": await trivial_jobs(root, mode, jobs, 2),
-                "unit_test_scoring": await scoring(root, mode, max(4, jobs // 4)),
+                "one_at_a_time": await trivial_jobs(mode, jobs, 1),
+                "two_side_by_side": await trivial_jobs(mode, jobs, 2),
+                "unit_test_scoring": await scoring(mode, max(4, jobs // 4)),
             }
     finally:
         if cgroups is not None:
             cgroups.remove_parents()
-        shutil.rmtree(root, ignore_errors=True)
     return report
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -28,7 +27,6 @@ from policyloop.sandbox.runner import (
     JobLimits,
     JobUids,
     check_isolation,
-    check_scratch_root,
     effective_limits,
     run_job,
 )
@@ -50,10 +48,6 @@ class SandboxSettings(ServiceSettings):
                                                         "job gets the next uid of the range, so its process limit is "
                                                         "its own. Replicas sharing a kernel: disjoint ranges.")
     job_uid_count: int = Field(4096, gt=0, description="How many uids the range holds.")
-    scratch_dir: Path = Field(
-        Path("/tmp/policyloop-sandbox"),
-        description="Where each job's private scratch directory is made; others need o+x on every parent.",
-    )
     default_wall_seconds: float = Field(10.0, description="Wall-clock limit of a job that asks for none.")
     default_cpu_seconds: float = Field(5.0, description="CPU-time limit of a job that asks for none.")
     default_memory_bytes: int = Field(512 * 1024**2, description="Memory limit of a job that asks for none (resident "
@@ -72,7 +66,6 @@ class SandboxSettings(ServiceSettings):
 async def body(ctx: ServiceContext) -> None:
     settings: SandboxSettings = ctx.settings  # type: ignore[assignment]
     await asyncio.to_thread(check_isolation)
-    check_scratch_root(settings.scratch_dir)
     cgroups = job_cgroups(settings.cgroups)
     ctx.detail["accounting"] = "cgroup" if cgroups is not None else "rlimit"
     defaults = JobLimits(wall_seconds=settings.default_wall_seconds, cpu_seconds=settings.default_cpu_seconds,
@@ -103,7 +96,7 @@ async def body(ctx: ServiceContext) -> None:
         async with slots.slot(job.run_id, f"{settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
             if expired(job):  # it may have waited for its slot
                 return
-            result = await run_job(job, limits, settings.scratch_dir, settings.instance_id, uids, cgroups)
+            result = await run_job(job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups)
         if job.reply_subject:
             await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
             await ctx.bus.nc.flush(timeout=5)

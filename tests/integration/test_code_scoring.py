@@ -119,23 +119,16 @@ async def test_reward_code_runs_in_the_sandbox_not_in_the_reward_service(
 async def test_every_task_of_the_code_environment_is_solvable() -> None:
     """Each task's reference body passes all its tests and a body that raises passes none (run
     in the sandbox directly, as its replicas do)."""
-    import shutil
-    import tempfile
 
     from policyloop.envs.code import sandbox_job, score_result
     from policyloop.sandbox.runner import JobLimits, run_job
 
-    root = Path(tempfile.mkdtemp(prefix="pl-code-env-"))
-    root.chmod(0o711)
     env = code_environment()
     solutions = reference_solutions()
-    try:
-        for task in env.tasks:
-            metadata = {**dict(task.metadata), **scorer_metadata(env)}
-            for completion, expected in ((solutions[task.prompt_text], 1.0), ("raise ValueError('no')", 0.0)):
-                traj = rollout("t", task.prompt_text, completion, metadata)
-                code_job = sandbox_job(traj)
-                result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=5), root)
-                assert score_result(traj, code_job, result)[0] == expected, (task.prompt_text, completion, result)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    for task in env.tasks:
+        metadata = {**dict(task.metadata), **scorer_metadata(env)}
+        for completion, expected in ((solutions[task.prompt_text], 1.0), ("raise ValueError('no')", 0.0)):
+            traj = rollout("t", task.prompt_text, completion, metadata)
+            code_job = sandbox_job(traj)
+            result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=5))
+            assert score_result(traj, code_job, result)[0] == expected, (task.prompt_text, completion, result)

@@ -5,8 +5,6 @@ memory through /proc). Timeouts and crashes cost the test they happen in, not th
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -41,34 +39,30 @@ HONEST = "def add(a, b):\n    return a + b\ndef sort_in_place(xs):\n    xs.sort(
 
 
 @pytest.fixture(scope="module")
-def sandbox() -> Iterator[tuple[Path, JobCgroups | None]]:
-    root = Path(tempfile.mkdtemp(prefix="pl-harness-"))
-    root.chmod(0o711)
+def sandbox() -> Iterator[JobCgroups | None]:
     cgroups = job_cgroups("auto")
-    yield root, cgroups
+    yield cgroups
     if cgroups is not None:
         cgroups.remove_parents()
-    shutil.rmtree(root, ignore_errors=True)
 
 
-async def score(sandbox: tuple[Path, JobCgroups | None], solution: str, tests: str = TESTS,
+async def score(sandbox: JobCgroups | None, solution: str, tests: str = TESTS,
                 timeout_s: float = 4.0) -> tuple[float, dict[str, tuple[float, str]], bus_pb2.SandboxResult]:
     traj = bus_pb2.Trajectory(trajectory_id="t", response_text=solution,
                               metadata={"scorer": UNIT_TESTS, "tests": tests, "timeout_seconds": repr(timeout_s)})
     code_job = sandbox_job(traj)
     limits = JobLimits(wall_seconds=code_job.job.limits.wall_seconds, cpu_seconds=code_job.job.limits.cpu_seconds)
-    root, cgroups = sandbox
-    result = await run_job(code_job.job, limits, root, cgroups=cgroups)
+    result = await run_job(code_job.job, limits, cgroups=sandbox)
     reward, breakdown = score_result(traj, code_job, result)
     return reward, {c.name: (c.value, c.detail) for c in breakdown}, result
 
 
-async def test_an_honest_solution_passes_every_test(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_an_honest_solution_passes_every_test(sandbox: JobCgroups | None) -> None:
     reward, parts, _ = await score(sandbox, HONEST)
     assert reward == 1.0 and parts["tests_passed"] == (1.0, "4/4 passed"), parts
 
 
-async def test_values_cross_as_plain_data_both_ways(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_values_cross_as_plain_data_both_ways(sandbox: JobCgroups | None) -> None:
     solution = ("def echo(x):\n    return x\n"
                 "def boom(kind):\n"
                 "    raise {'value': ValueError, 'key': KeyError, 'own': type('Own', (Exception,), {})}[kind]('no')\n"
@@ -110,7 +104,7 @@ def test_subclasses_of_builtins_cross_as_their_base_type():
     assert reward == 1.0, parts
 
 
-async def test_an_object_equal_to_everything_does_not_pass(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_an_object_equal_to_everything_does_not_pass(sandbox: JobCgroups | None) -> None:
     rigged = ("    def __eq__(self, other):\n        return True\n    def __ne__(self, other):\n        return False\n"
               "    __hash__ = object.__hash__\n")
     # Not plain data: refused (and a test expecting the solution's TypeError does not take the
@@ -125,7 +119,7 @@ async def test_an_object_equal_to_everything_does_not_pass(sandbox: tuple[Path, 
 
 
 async def test_a_solution_cannot_stand_in_for_the_builtins_the_tests_use(
-        sandbox: tuple[Path, JobCgroups | None]) -> None:
+        sandbox: JobCgroups | None) -> None:
     solution = ("def abs(x):\n    return 0\ndef all(xs):\n    return True\ndef range(*a):\n    return []\n"
                 "def sorted(xs):\n    return []\ndef _helper():\n    return 1\ndef root(x):\n    return 7.0\n")
     tests = """
@@ -150,7 +144,7 @@ def test_private():
 
 
 async def test_the_harness_report_and_nonce_are_out_of_the_solutions_reach(
-        sandbox: tuple[Path, JobCgroups | None]) -> None:
+        sandbox: JobCgroups | None) -> None:
     """Walking frames and objects finds no nonce or report in the solution's process; /proc gives
     nothing of the harness's (it is not dumpable); forged reports on stdout are not the harness's."""
     solution = r'''
@@ -186,7 +180,7 @@ def sort_in_place(xs):
     assert reward == 0.0 and parts["compiled"][1] == "the solution's process answered malformed data", parts
 
 
-async def test_the_solution_cannot_read_the_tests(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_the_solution_cannot_read_the_tests(sandbox: JobCgroups | None) -> None:
     solution = ("import glob, os\nseen = sorted(glob.glob('/job/*'))\n"
                 "source = open('tests.py').read() if os.path.exists('tests.py') else ''\n"
                 "def add(a, b):\n    if 'add(2, 3) == 5' in source:\n        return {(2, 3): 5, (-1, 1): 0}[(a, b)]\n"
@@ -195,7 +189,7 @@ async def test_the_solution_cannot_read_the_tests(sandbox: tuple[Path, JobCgroup
     assert reward == 0.0 and "tests.py" not in parts["tests_passed"][1] and "harness.py" in parts["tests_passed"][1]
 
 
-async def test_a_hang_costs_one_test_and_a_crash_another(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_a_hang_costs_one_test_and_a_crash_another(sandbox: JobCgroups | None) -> None:
     solution = ("import os\ndef add(a, b):\n    if a == -1:\n        while True:\n            pass\n"
                 "    if a == 'a':\n        os._exit(3)\n    return a + b\ndef sort_in_place(xs):\n    xs.sort()\n")
     reward, parts, result = await score(sandbox, solution, timeout_s=4.0)
@@ -206,7 +200,7 @@ async def test_a_hang_costs_one_test_and_a_crash_another(sandbox: tuple[Path, Jo
     assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_NONE and result.wall_seconds < 6.5, result
 
 
-async def test_a_solution_that_never_loads_or_does_not_parse(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_a_solution_that_never_loads_or_does_not_parse(sandbox: JobCgroups | None) -> None:
     reward, parts, _ = await score(sandbox, "while True:\n    pass\n", timeout_s=1.5)
     assert reward == 0.0 and parts["compiled"] == (0.0, "the solution did not finish loading in time"), parts
     reward, parts, _ = await score(sandbox, "def add(a, b):\n    return a +\n")
@@ -215,7 +209,7 @@ async def test_a_solution_that_never_loads_or_does_not_parse(sandbox: tuple[Path
     assert reward == 0.0 and "SystemExit" in parts["compiled"][1], parts
 
 
-async def test_a_reply_past_the_parsers_limits_and_a_broken_test_file(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_a_reply_past_the_parsers_limits_and_a_broken_test_file(sandbox: JobCgroups | None) -> None:
     # The solution writes a reply nested past the JSON parser's recursion limit to its own answers
     # (the descriptor is in its argv): a crashed load, not an exception a test could catch.
     deep = "import os, sys\nos.write(int(sys.argv[3]), b'[' * 100000 + b']' * 100000 + b'\\n')\n" + HONEST
@@ -227,7 +221,7 @@ async def test_a_reply_past_the_parsers_limits_and_a_broken_test_file(sandbox: t
     assert parts["tests_error"] == (1.0, "tests.py: RuntimeError: broken fixture"), parts
 
 
-async def test_output_of_the_solution_does_not_disturb_the_report(sandbox: tuple[Path, JobCgroups | None]) -> None:
+async def test_output_of_the_solution_does_not_disturb_the_report(sandbox: JobCgroups | None) -> None:
     solution = "import sys\nprint('x' * 100_000)\ndef add(a, b):\n    print(a, b)\n    sys.stdout.flush()\n" \
                "    return a + b\ndef sort_in_place(xs):\n    xs.sort()\n"
     reward, _, result = await score(sandbox, solution)

@@ -14,7 +14,6 @@ from policyloop.sandbox.runner import (
     JobUids,
     SandboxUnavailable,
     check_isolation,
-    check_scratch_root,
     effective_limits,
     run_job,
 )
@@ -25,63 +24,54 @@ except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"no namespaces here: {exc}", allow_module_level=True)
 
 
-@pytest.fixture
-def tmp_path():  # type: ignore[no-untyped-def]
-    """A scratch root the unprivileged job user can traverse (pytest's own is root-only)."""
-    import shutil
-    import tempfile
-
-    root = Path(tempfile.mkdtemp(prefix="pl-sandbox-test-"))
-    root.chmod(0o711)
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
-
-
-def test_scratch_root_must_be_traversable(tmp_path: Path) -> None:
-    import os
-
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    if os.geteuid() == 0:
-        with pytest.raises(SandboxUnavailable, match="not traversable"):
-            check_scratch_root(private / "scratch")
-    check_scratch_root(tmp_path / "scratch")
-
-
 def job(*command: str, **kw: object) -> bus_pb2.SandboxJob:
     return bus_pb2.SandboxJob(job_id="j", command=list(command), **kw)  # type: ignore[arg-type]
 
 
-async def test_runs_a_program_with_its_files_and_stdin(tmp_path: Path) -> None:
-    result = await run_job(job("python3", "main.py", files={"main.py": b"import sys; print(sys.stdin.read().upper())"},
-                               stdin=b"hello"), JobLimits(), tmp_path)
-    assert (result.exit_code, result.stdout, result.limit_hit) == (0, b"HELLO\n", bus_pb2.SANDBOX_LIMIT_NONE)
-    assert list(tmp_path.iterdir()) == []  # scratch removed
+async def test_runs_a_program_with_its_files_and_stdin() -> None:
+    files = {"main.py": b"import sys, helper; print(sys.stdin.read().upper(), helper.X)", "helper.py": b"X = 7",
+             "data/deep/in.txt": b"in"}
+    result = await run_job(job("python3", "main.py", files=files, stdin=b"hello"), JobLimits())
+    assert (result.exit_code, result.stdout, result.limit_hit) == (0, b"HELLO 7\n", bus_pb2.SANDBOX_LIMIT_NONE)
+    listed = await run_job(job("sh", "-c", "cat data/deep/in.txt; ls -A", files=files), JobLimits())
+    assert listed.stdout == b"indata\nhelper.py\nmain.py\n", listed
 
 
-async def test_no_network_and_own_pid_namespace(tmp_path: Path) -> None:
+async def test_files_outside_the_scratch_directory_are_refused() -> None:
+    for path in ("/etc/x", "../x", "a/../../x", "", "."):
+        result = await run_job(job("true", files={path: b"x"}), JobLimits())
+        assert result.error.startswith("files:") and result.exit_code == -1, (path, result)
+    # Paths that clash (a file where a directory must be) cannot be set up: a result, not a raise.
+    clash = await run_job(job("true", files={"a": b"x", "a/b": b"y"}), JobLimits())
+    assert clash.error.startswith("the job could not be set up"), clash
+
+
+async def test_no_network_and_own_pid_namespace() -> None:
     code = (b"import os, socket\nprint(os.getpid())\n"
             b"try:\n socket.create_connection(('127.0.0.1', 22), timeout=2)\n print('connected')\n"
             b"except OSError as e:\n print('refused', e.errno)\n")
-    result = await run_job(job("python3", "n.py", files={"n.py": code}), JobLimits(), tmp_path)
+    result = await run_job(job("python3", "n.py", files={"n.py": code}), JobLimits())
     pid, outcome = result.stdout.decode().split("\n")[:2]
-    assert pid == "2"  # its own pid namespace: bwrap is its init (pid 1), the job comes next
+    assert pid == "1"  # its own pid namespace, whose init the job's main process is
     assert outcome.startswith("refused")
 
 
-async def test_wall_timeout_kills_the_whole_tree(tmp_path: Path) -> None:
+async def test_wall_timeout_kills_the_whole_tree() -> None:
     marker = "sleep 4242"
-    result = await run_job(job("sh", "-c", f"({marker} &) ; {marker}"), JobLimits(wall_seconds=1), tmp_path)
+    result = await run_job(job("sh", "-c", f"({marker} &) ; {marker}"), JobLimits(wall_seconds=1))
     assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_WALL_TIME and result.exit_code < 0
-    await asyncio.sleep(0.2)
-    left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True)
-    assert left.stdout.strip() == ""
+    for _ in range(100):  # the kernel ends the namespace's processes as its init goes
+        left = subprocess.run(["pgrep", "-f", marker], capture_output=True, text=True).stdout.strip()
+        if not left:
+            break
+        await asyncio.sleep(0.1)
+    assert left == ""
 
 
-async def test_cpu_and_output_limits(tmp_path: Path) -> None:
-    spin = await run_job(job("python3", "-c", "while True: pass"), JobLimits(cpu_seconds=1, wall_seconds=10), tmp_path)
+async def test_cpu_and_output_limits() -> None:
+    spin = await run_job(job("python3", "-c", "while True: pass"), JobLimits(cpu_seconds=1, wall_seconds=10))
     assert spin.limit_hit == bus_pb2.SANDBOX_LIMIT_CPU_TIME and spin.exit_code != 0
-    loud = await run_job(job("python3", "-c", "print('x' * 100000)"), JobLimits(max_output_bytes=1000), tmp_path)
+    loud = await run_job(job("python3", "-c", "print('x' * 100000)"), JobLimits(max_output_bytes=1000))
     assert len(loud.stdout) == 1000 and loud.stdout_truncated
     assert loud.limit_hit == bus_pb2.SANDBOX_LIMIT_OUTPUT
 
@@ -92,17 +82,17 @@ def test_requested_limits_are_capped() -> None:
     assert (limits.wall_seconds, limits.cpu_seconds, limits.memory_bytes) == (60, 2, JobLimits().memory_bytes)
 
 
-async def test_every_job_has_its_own_process_budget(tmp_path: Path) -> None:
+async def test_every_job_has_its_own_process_budget() -> None:
     """Each job forks up to its limit; back to back (what bwrap leaves behind may wait for init to
     reap it) and side by side (concurrent jobs), no job is charged for another's processes."""
     forks = "for i in 1 2 3 4 5 6; do sleep 0.05 & done; wait; echo done"
     limits = JobLimits(max_processes=12, wall_seconds=10)
     uids = JobUids(base=300_000, count=64)
-    results = [await run_job(job("sh", "-c", forks), limits, tmp_path, uids=uids) for _ in range(30)]
-    results += await asyncio.gather(*(run_job(job("sh", "-c", forks), limits, tmp_path, uids=uids) for _ in range(6)))
+    results = [await run_job(job("sh", "-c", forks), limits, uids=uids) for _ in range(30)]
+    results += await asyncio.gather(*(run_job(job("sh", "-c", forks), limits, uids=uids) for _ in range(6)))
     assert [(r.exit_code, r.stdout, r.limit_hit) for r in results] == [(0, b"done\n", 0)] * 36
     # A job that forks past its own limit is still stopped by it.
-    bomb = await run_job(job("sh", "-c", "for i in $(seq 40); do sleep 1 & done; wait"), limits, tmp_path, uids=uids)
+    bomb = await run_job(job("sh", "-c", "for i in $(seq 40); do sleep 1 & done; wait"), limits, uids=uids)
     assert bomb.limit_hit == bus_pb2.SANDBOX_LIMIT_PROCESSES
 
 
@@ -145,11 +135,13 @@ def test_the_limit_reported_is_the_most_decisive_sign() -> None:
     cases = [
         (JobEnding(0, 0.1), L.SANDBOX_LIMIT_NONE),
         (JobEnding(-9, 0.1, timed_out=True, output_truncated=True), L.SANDBOX_LIMIT_WALL_TIME),
-        (JobEnding(-9, 1.0, cpu_watchdog=True, usage=usage), L.SANDBOX_LIMIT_CPU_TIME),
-        (JobEnding(128 + 24, 0.5), L.SANDBOX_LIMIT_CPU_TIME),  # SIGXCPU, through bwrap
-        # The job's total reaching the limit stops it only where the limit is the job's (cgroup).
+        (JobEnding(-9, 1.0, watchdog=L.SANDBOX_LIMIT_CPU_TIME, usage=usage), L.SANDBOX_LIMIT_CPU_TIME),
+        (JobEnding(128 + 24, 0.5), L.SANDBOX_LIMIT_CPU_TIME),  # SIGXCPU (the per-process backstop), through bwrap
+        # The limit is the whole job's, with a cgroup or without.
         (JobEnding(0, 2.0, usage=CgroupUsage(2.0, 1, 0, 0)), L.SANDBOX_LIMIT_CPU_TIME),
-        (JobEnding(0, 2.5), L.SANDBOX_LIMIT_NONE),
+        (JobEnding(0, 2.5), L.SANDBOX_LIMIT_CPU_TIME),
+        (JobEnding(-9, 0.1, watchdog=L.SANDBOX_LIMIT_PROCESSES), L.SANDBOX_LIMIT_PROCESSES),
+        (JobEnding(-9, 0.1, watchdog=L.SANDBOX_LIMIT_PROCESSES, usage=usage), L.SANDBOX_LIMIT_PROCESSES),
         (JobEnding(-9, 0.1, usage=CgroupUsage(0.1, 9, oom_kills=1, forks_refused=3)), L.SANDBOX_LIMIT_MEMORY),
         (JobEnding(0, 0.1, usage=CgroupUsage(0.1, 9, oom_kills=0, forks_refused=3)), L.SANDBOX_LIMIT_PROCESSES),
         # With a cgroup the job's stderr is not evidence; without one it is all there is.
@@ -157,6 +149,7 @@ def test_the_limit_reported_is_the_most_decisive_sign() -> None:
         (JobEnding(1, 0.1, stderr=b"MemoryError"), L.SANDBOX_LIMIT_MEMORY),
         (JobEnding(0, 0.1, stderr=b"BlockingIOError: [Errno 11]"), L.SANDBOX_LIMIT_PROCESSES),
         (JobEnding(1, 0.1, file_at_limit=True, output_truncated=True), L.SANDBOX_LIMIT_FILE_SIZE),
+        (JobEnding(1, 0.1, filesystem_full=True, usage=usage), L.SANDBOX_LIMIT_FILE_SIZE),
         (JobEnding(-25, 0.1), L.SANDBOX_LIMIT_FILE_SIZE),
         (JobEnding(0, 0.1, output_truncated=True), L.SANDBOX_LIMIT_OUTPUT),
     ]
@@ -172,3 +165,74 @@ def test_a_file_at_the_size_limit_is_found(tmp_path: Path) -> None:
     assert not file_reached(tmp_path, 100)
     (tmp_path / "deep" / "er" / "full").write_bytes(b"x" * 100)
     assert file_reached(tmp_path, 100)
+
+
+def test_a_job_tree_is_read_parents_first_from_proc(tmp_path: Path) -> None:
+    """CPU time of every process below the root and of the children each reaped; tasks as
+    RLIMIT_NPROC counts them (threads; a zombie as one)."""
+    from policyloop.sandbox.runner import CLOCK_TICKS, tree_usage
+
+    def process(pid: int, children: list[int], ticks: tuple[int, int, int, int], threads: int) -> None:
+        task = tmp_path / str(pid) / "task" / str(pid)
+        task.mkdir(parents=True)
+        (task / "children").write_text(" ".join(map(str, children)) + (" " if children else ""))
+        fields = ["S", "1", *["0"] * 9, *map(str, ticks), "20", "0", str(threads), *["0"] * 30]
+        (tmp_path / str(pid) / "stat").write_text(f"{pid} (a (weird) name) " + " ".join(fields) + "\n")
+
+    process(10, [11], (1, 1, 0, 0), 1)         # the launcher: not counted
+    process(11, [12], (2, 0, 0, 0), 1)         # bwrap
+    process(12, [13, 14, 99], (5, 5, 7, 3), 3)  # the job's main process, three threads, reaped children's time
+    process(13, [], (4, 0, 0, 0), 0)           # a zombie
+    process(14, [], (0, 6, 0, 0), 1)
+    usage = tree_usage(10, proc=tmp_path)  # 99 is listed but gone: skipped
+    assert usage.cpu_seconds == pytest.approx((2 + 20 + 4 + 6) / CLOCK_TICKS) and usage.tasks == 6
+    assert tree_usage(10, stop_above=3, proc=tmp_path).tasks == 4  # stops once over
+    assert tree_usage(77, proc=tmp_path).tasks == 0  # a root that is gone
+
+
+def test_a_refused_fork_on_stderr_is_seen_across_reads() -> None:
+    from policyloop.sandbox.runner import RefusedForkSigns
+
+    signs = RefusedForkSigns()
+    signs.feed(b"x" * 100_000 + b"sh: 1: Cannot f")
+    assert not signs.seen
+    signs.feed(b"ork\n")
+    assert signs.seen
+
+
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_seccomp_filter_denies_what_it_lists_on_each_abi(machine: str) -> None:
+    """The filter's program run by a small classic-BPF interpreter, for each ABI it knows."""
+    import errno
+    import struct
+
+    from policyloop.sandbox import seccomp
+
+    abi = seccomp.ABIS[machine]
+    encoded = seccomp.job_filter(machine)
+    assert encoded is not None and len(encoded) % 8 == 0
+    program = [struct.unpack("=HBBI", encoded[i:i + 8]) for i in range(0, len(encoded), 8)]
+
+    def run(nr: int, arch: int) -> int:
+        data, pc, a = {0: nr, 4: arch}, 0, 0
+        while True:
+            code, jt, jf, k = program[pc]
+            if code == seccomp.LD_ABS_W:
+                a = data[k]
+            elif code in (seccomp.JEQ_K, seccomp.JGE_K):
+                taken = a == k if code == seccomp.JEQ_K else a >= k
+                pc += jt if taken else jf
+            else:
+                assert code == seccomp.RET_K
+                return k
+            pc += 1
+
+    deny = seccomp.RET_ERRNO | errno.EPERM
+    for name in seccomp.DENIED:
+        assert run(abi.numbers[name], abi.audit_arch) == deny, name
+    allowed = set(range(0, 460)) - set(abi.numbers.values())
+    assert {run(nr, abi.audit_arch) for nr in allowed} == {seccomp.RET_ALLOW}
+    assert run(abi.numbers["ptrace"], 0x40000003) == seccomp.RET_KILL_PROCESS  # i386: a foreign ABI
+    if abi.x32_bit is not None:
+        assert run(abi.x32_bit | 521, abi.audit_arch) == deny  # x32's ptrace
+    assert seccomp.job_filter("mips") is None

@@ -32,8 +32,9 @@ from policyloop.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 CONTROLLERS = ("memory", "pids", "cpuacct")
-# Tasks bwrap itself adds to a job: its own process and the pid namespace's init.
-BWRAP_TASKS = 2
+# Tasks bwrap itself adds to a job: its own process outside the job's pid namespace (the job's
+# main process is that namespace's init, `--as-pid-1`).
+BWRAP_TASKS = 1
 
 
 class CgroupsUnavailable(RuntimeError):
@@ -176,12 +177,14 @@ class JobCgroup:
     def cpu_seconds(self) -> float:
         return int(self._read("cpuacct", "cpuacct.usage")) / 1e9
 
+    def forks_refused(self) -> int:
+        return _keyed(self._read("pids", "pids.events")).get("max", 0)
+
     def usage(self) -> CgroupUsage:
         oom = _keyed(self._read("memory", "memory.oom_control")).get("oom_kill", 0)
-        refused = _keyed(self._read("pids", "pids.events")).get("max", 0)
         return CgroupUsage(cpu_seconds=self.cpu_seconds(),
                            peak_memory_bytes=int(self._read("memory", "memory.max_usage_in_bytes")),
-                           oom_kills=oom, forks_refused=refused)
+                           oom_kills=oom, forks_refused=self.forks_refused())
 
     def kill(self) -> None:
         """SIGKILLs every process still in the job (bwrap's pid namespace normally takes them all

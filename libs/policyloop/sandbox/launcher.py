@@ -5,12 +5,12 @@ launcher's start, about 25 ms a job).
 Run by the runner as `python -I -S launcher.py CONFIG` (standard library only), outside the
 job's namespaces and as the sandbox's own user, so the job cannot reach it. It makes itself a
 child subreaper, forks the job's command (bwrap) into a session of its own, in its cgroups and
-under its rlimits, and reaps everything until nothing is left: bwrap's outer process exits
-without reaping the pid namespace's init, so the job's CPU time would otherwise go to whoever
-reaps that init (the host's init), not to the sandbox. Reaping it here gives the job's rusage:
-its processes and all they waited for, whatever else the sandbox runs at the same time. (Processes
-the kernel kills when the namespace ends are reaped inside it and not counted: a cgroup counts
-those too.)
+under its rlimits, and reaps everything until nothing is left (bwrap, and the job's main process
+should bwrap die first), so the job's CPU time comes to the sandbox as rusage: its processes and
+all they waited for, whatever else the sandbox runs at the same time. (Processes the kernel kills
+when the namespace ends are reaped inside it and not counted: a cgroup counts those too, and the
+runner's watchdog has seen what they used until then.) Descriptors the runner passes for bwrap
+are inherited by it.
 
 Arguments: REPORT_FD PARENT_PID RLIMITS CGROUP_PROCS... -- COMMAND..., where RLIMITS is
 `resource:soft:hard` triples joined by commas and CGROUP_PROCS are the cgroup.procs files the job

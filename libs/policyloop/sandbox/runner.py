@@ -1,87 +1,156 @@
 """Runs one job in isolation and reports how it ended.
 
-Isolation is bubblewrap's (`bwrap`, Debian package `bubblewrap`): the job gets its own user,
-network (no interfaces but a down loopback), pid, mount, ipc, uts and cgroup namespaces; its
-filesystem is a read-only root holding only /usr (and the /bin, /lib, /lib64, /sbin links),
-its own /proc and a minimal /dev, a private /tmp (a tmpfs of `tmp_bytes`) and its scratch
-directory at /job, the only place on disk it can write; no host file outside /usr is visible
-(no /etc, /home, /root, no other process's /proc). The environment is cleared. When the sandbox
-runs as root the job runs as an unprivileged uid of its own (JobUids), so rlimits on processes
-bind, and bind per job. A wall-clock timeout kills bwrap, and with it (--die-with-parent, pid
-namespace) every process of the job, background ones included, which also end when the job's
-main process exits. Output is capped.
+Isolation is bubblewrap's (`bwrap` 0.8 or later, Debian package `bubblewrap`): the job gets its
+own user, network (no interfaces but a down loopback), pid, mount, ipc, uts and cgroup
+namespaces, and cannot make user namespaces of its own (`--disable-userns`), so it cannot mount
+anything either. Its filesystem is a read-only root holding only /usr (and the /bin, /lib,
+/lib64, /sbin links), its own /proc, a read-only minimal /dev, and three size-limited tmpfs, the
+only places it can write: its scratch directory /job (`scratch_bytes`), /tmp (`tmp_bytes`) and
+/dev/shm (`shm_bytes`). The job's files are copied into /job by bwrap from memory files, so
+nothing of a job is ever on the host's disk. No host file outside /usr is visible (no /etc,
+/home, /root, no other process's /proc). The environment is cleared. When the sandbox runs as
+root the job runs as an unprivileged uid of its own (JobUids), so rlimits on processes bind, and
+bind per job.
+
+The job's main process is the init of its pid namespace (`--as-pid-1`): when it exits, the
+kernel ends every other process of the job, and bwrap reports its exit status. (Orphans are the
+main process's to reap: unreaped, they count against the process limit until it exits.) A
+seccomp filter (policyloop.sandbox.seccomp) denies ptrace, other processes' memory and System V
+shared memory, so no process of the job can stop the main process or take it over. A wall-clock
+timeout kills bwrap, and with it (--die-with-parent) the whole job. Output is capped.
 
 Limits and accounting. Where the sandbox can make cgroups (policyloop.sandbox.cgroups), each job
-runs in its own: memory (resident, /tmp included) and tasks are bounded for the whole job, CPU
-time is the kernel's count for the whole process tree and is bounded for the whole job (a
-watchdog ends it at the limit), and `limit_hit` reports what the kernel counted (an OOM kill, a
-refused fork). Without cgroups, rlimits bound each process (address space, CPU seconds) and the
-uid's processes, CPU time is what the launcher (policyloop.sandbox.launcher) counted of all it
-reaped, and memory and process limits can only be read from the job's stderr. Either way rlimits
-bound file size and open files; the file-size limit shows as a file in the scratch directory that
-reached it (Python ignores SIGXFSZ, so the signal alone would miss it). The result says which
-accounting it had.
+runs in its own: memory (resident, its tmpfs included) and tasks are bounded for the whole job,
+CPU time is the kernel's count for the whole process tree, and `limit_hit` reports what the
+kernel counted (an OOM kill, a refused fork). Without cgroups, rlimits bound each process
+(address space) and the uid's processes, CPU time is what the launcher
+(policyloop.sandbox.launcher) counted of all it reaped, and memory can only be read from the
+job's stderr. Either way a watchdog bounds the whole job's CPU time and processes: with a cgroup
+it reads the kernel's counts, without one it walks the job's process tree in /proc and reads its
+stderr as it comes. A job whose CPU time reaches the limit, or that was refused a process
+(cgroup: counted; rlimits: said on its stderr) or is seen over its process limit (RLIMIT_NPROC is
+one above it, so that this can show), is ended and reported so; per-process rlimits stay as
+backstops. The result says which accounting it had.
+
+Files. rlimits bound file size and open files. While bwrap holds the set-up job before starting
+it (`--block-fd`), the sandbox opens the job's three filesystems through /proc/PID/root; they
+stay readable after the job's namespaces are gone, so a file that reached max_file_bytes
+(Python ignores SIGXFSZ, so the signal alone would miss it) or a filesystem that filled up is
+reported as FILE_SIZE. Closing them frees them: there is nothing to remove after a job, whatever
+it left (deep trees, files it made unreadable).
+
+`run_job` never raises for anything a job does: a job that cannot be set up (files that clash or
+do not fit), started or run is a result with `error` set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
+import json
 import os
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, replace
-from pathlib import Path
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path, PurePosixPath
+from typing import Protocol
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.cgroups import BWRAP_TASKS, CgroupUsage, JobCgroup, JobCgroups
 from policyloop.sandbox.launcher import enter_job
+from policyloop.sandbox.seccomp import job_filter
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
-LAUNCHER = Path(__file__).with_name("launcher.py")  # runs each job (standard library only)
+LAUNCHER = Path(__file__).with_name("launcher.py")  # runs each job without a cgroup (standard library only)
 
 UNPRIVILEGED_UID = 65534  # nobody: the isolation probe's user
 JOB_DIR = "/job"           # the scratch directory, as the job sees it
+JOB_FILESYSTEMS = (JOB_DIR, "/tmp", "/dev/shm")  # all a job can write to: a tmpfs each
 JOB_PATH = "/usr/local/bin:/usr/bin:/bin"
+SECCOMP_FILTER = job_filter()
+SETUP_POLL_S = 0.0002      # how often the sandbox looks whether bwrap has set a job up (a few ms)
+L = bus_pb2.SandboxLimit
 
 
-def isolation_command(scratch: Path, limits: JobLimits) -> list[str]:
-    """bwrap's arguments for a job whose files are in `scratch` (see the module docstring)."""
-    command = ["bwrap", "--unshare-all", "--die-with-parent", "--new-session",
-               "--ro-bind", "/usr", "/usr"]
+@dataclass(frozen=True)
+class JobLimits:
+    wall_seconds: float = 10.0
+    cpu_seconds: float = 5.0           # the whole job's (a watchdog; per process only as a backstop)
+    memory_bytes: int = 512 * 1024**2  # resident, whole job (cgroup); else address space per process
+    max_processes: int = 32            # the job's own tasks (bwrap's one is not counted)
+    max_file_bytes: int = 16 * 1024**2
+    max_open_files: int = 64
+    max_output_bytes: int = 64 * 1024
+    scratch_bytes: int = 64 * 1024**2  # size of the job's scratch directory /job (memory)
+    tmp_bytes: int = 64 * 1024**2      # size of its /tmp (memory)
+    shm_bytes: int = 64 * 1024**2      # size of its /dev/shm (memory)
+
+
+@dataclass
+class JobFds:
+    """Descriptors bwrap reads while it sets a job up; their numbers are the same in bwrap."""
+    files: list[tuple[str, int]] = field(default_factory=list)  # the job's files: path below /job, memory file
+    seccomp: int | None = None  # the seccomp filter
+    info: int | None = None     # bwrap writes the pid of the job's main process here
+    block: int | None = None    # bwrap waits for a byte here, the job set up, before starting it
+
+    def passed(self) -> list[int]:
+        return [fd for _, fd in self.files] + [fd for fd in (self.seccomp, self.info, self.block) if fd is not None]
+
+    def close(self) -> None:
+        """Closes the sandbox's copies (once bwrap has its own)."""
+        for fd in self.passed():
+            os.close(fd)
+
+
+def isolation_command(limits: JobLimits, fds: JobFds) -> list[str]:
+    """bwrap's arguments for a job (see the module docstring)."""
+    command = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1", "--die-with-parent",
+               "--new-session", "--ro-bind", "/usr", "/usr"]
     for link in ("bin", "lib", "lib64", "sbin"):  # merged /usr: the top-level names are links
         target = Path("/") / link
         if target.is_symlink():
             command += ["--symlink", os.readlink(target), f"/{link}"]
         elif target.exists():
             command += ["--ro-bind", str(target), f"/{link}"]
-    command += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
-                "--bind", str(scratch), JOB_DIR, "--chdir", JOB_DIR, "--remount-ro", "/",
-                "--clearenv", "--setenv", "PATH", JOB_PATH, "--setenv", "HOME", JOB_DIR,
-                "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp", "--"]
+    # /dev is a tmpfs of bwrap's, unbounded: read-only, with a bounded /dev/shm of its own.
+    command += ["--proc", "/proc", "--dev", "/dev", "--size", str(limits.shm_bytes), "--tmpfs", "/dev/shm",
+                "--remount-ro", "/dev", "--size", str(limits.tmp_bytes), "--tmpfs", "/tmp",
+                "--size", str(limits.scratch_bytes), "--tmpfs", JOB_DIR]
+    for path, fd in fds.files:
+        command += ["--file", str(fd), f"{JOB_DIR}/{path}"]
+    for option, fd in (("--seccomp", fds.seccomp), ("--info-fd", fds.info), ("--block-fd", fds.block)):
+        if fd is not None:
+            command += [option, str(fd)]
+    command += ["--chdir", JOB_DIR, "--remount-ro", "/", "--clearenv", "--setenv", "PATH", JOB_PATH,
+                "--setenv", "HOME", JOB_DIR, "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp", "--"]
     return command
+
+
+def _memory_file(data: bytes) -> int:
+    """A memory file holding `data`, read from its start (bwrap copies it into the job)."""
+    fd = os.memfd_create("policyloop-sandbox", os.MFD_CLOEXEC)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class SandboxUnavailable(RuntimeError):
     """This machine cannot isolate jobs; the sandbox refuses to run them unisolated."""
-
-
-@dataclass(frozen=True)
-class JobLimits:
-    wall_seconds: float = 10.0
-    cpu_seconds: float = 5.0           # the whole job's with a cgroup, each process's without
-    memory_bytes: int = 512 * 1024**2  # resident, whole job (cgroup); else address space per process
-    max_processes: int = 32            # the job's own tasks (bwrap's two are not counted)
-    max_file_bytes: int = 16 * 1024**2
-    max_open_files: int = 64
-    max_output_bytes: int = 64 * 1024
-    tmp_bytes: int = 64 * 1024**2      # size of the job's private /tmp (memory)
 
 
 def effective_limits(requested: bus_pb2.SandboxLimits, defaults: JobLimits, ceiling: JobLimits) -> JobLimits:
@@ -98,15 +167,17 @@ def check_isolation() -> None:
     """Raises SandboxUnavailable unless bubblewrap can isolate a job here (as the job's user)."""
     if shutil.which("bwrap") is None:
         raise SandboxUnavailable("bubblewrap is not installed (Debian: apt-get install bubblewrap)")
-    scratch = Path(tempfile.mkdtemp(prefix="pl-sandbox-probe-"))
+    if SECCOMP_FILTER is None:
+        log.warning("sandbox_without_seccomp", reason="no syscall numbers for this machine's ABI",
+                    consequence="a job's processes can ptrace its main process")
+    fds = JobFds(seccomp=_memory_file(SECCOMP_FILTER) if SECCOMP_FILTER is not None else None)
     try:
-        scratch.chmod(0o777)
-        probe = subprocess.run([*_drop_privileges(), *isolation_command(scratch, JobLimits()), "true"],
-                               capture_output=True, timeout=10)
+        probe = subprocess.run([*_drop_privileges(), *isolation_command(JobLimits(), fds), "true"],
+                               capture_output=True, timeout=10, pass_fds=fds.passed())
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        fds.close()
     if probe.returncode != 0:
-        raise SandboxUnavailable(f"bwrap cannot create the job's namespaces: "
+        raise SandboxUnavailable(f"bwrap (0.8 or later) cannot create the job's namespaces: "
                                  f"{probe.stderr.decode(errors='replace').strip()}")
 
 
@@ -122,10 +193,9 @@ class JobUids:
 
     RLIMIT_NPROC counts the processes of a uid, zombies included. Were every job the same user,
     concurrent jobs would share one process budget, and so would the exited processes of earlier
-    jobs that bwrap leaves to init: where init reaps slowly (minimal container or VM inits), a
-    stream of short jobs fills the budget with zombies and later jobs fail to fork. A uid per job,
-    in turn over a large range, gives each job its own budget. Replicas sharing a kernel should
-    use disjoint ranges."""
+    jobs that are not reaped yet. A uid per job, in turn over a large range, gives each job its
+    own budget (and the sandbox's process-limit watchdog a count that is the job's alone).
+    Replicas sharing a kernel should use disjoint ranges."""
 
     def __init__(self, base: int = 200_000, count: int = 4096) -> None:
         if base <= 0 or count <= 0:
@@ -140,31 +210,19 @@ class JobUids:
 DEFAULT_UIDS = JobUids()
 
 
-def check_scratch_root(root: Path) -> None:
-    """The job runs as an unprivileged uid, so every directory above its scratch directory must
-    let others through (o+x); otherwise no job could open its own files."""
-    root = root.resolve()
-    root.mkdir(parents=True, exist_ok=True)
-    if os.geteuid() != 0:
-        return
-    for directory in [root, *root.parents]:
-        if not directory.stat().st_mode & 0o001:
-            raise SandboxUnavailable(
-                f"scratch root {root}: {directory} is not traversable by others (chmod o+x, or "
-                "choose another scratch_dir)"
-            )
-
-
-def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[tuple[int, int, int]]:
-    """The rlimits of the job's processes (resource, soft, hard)."""
+def job_rlimits(limits: JobLimits, cgrouped: bool, passed_fds: int = 0) -> list[tuple[int, int, int]]:
+    """The rlimits of the job's processes (resource, soft, hard); bwrap runs under them too, with
+    `passed_fds` descriptors to read while it sets the job up."""
     cpu = max(1, int(limits.cpu_seconds + 0.999))
     # NPROC counts per uid and binds only for non-root: the job runs as an unprivileged uid. With
-    # a cgroup it is only a backstop, above pids.max, so that the counted limit fires first.
-    nproc = limits.max_processes + BWRAP_TASKS + (16 if cgrouped else 0)
+    # a cgroup it is only a backstop, above pids.max, so that the counted limit fires first;
+    # without one it is one above the job's limit, so that the watchdog can see a job over it.
+    nproc = limits.max_processes + BWRAP_TASKS + (16 if cgrouped else 1)
+    open_files = max(limits.max_open_files, passed_fds + 16)
     rlimits = [
-        (resource.RLIMIT_CPU, cpu, cpu + 1),  # per process; with a cgroup the watchdog bounds the job
+        (resource.RLIMIT_CPU, cpu, cpu + 1),  # per process: the watchdog bounds the job
         (resource.RLIMIT_FSIZE, limits.max_file_bytes, limits.max_file_bytes),
-        (resource.RLIMIT_NOFILE, limits.max_open_files, limits.max_open_files),
+        (resource.RLIMIT_NOFILE, open_files, open_files),
         (resource.RLIMIT_CORE, 0, 0),
         (resource.RLIMIT_NPROC, nproc, nproc),
     ]
@@ -176,10 +234,13 @@ def job_rlimits(limits: JobLimits, cgrouped: bool) -> list[tuple[int, int, int]]
     return rlimits
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
+async def _read_capped(stream: asyncio.StreamReader, cap: int, watch: Callable[[bytes], None] | None = None
+                       ) -> tuple[bytes, bool]:
     kept = bytearray()
     truncated = False
     while chunk := await stream.read(65536):
+        if watch is not None:
+            watch(chunk)
         room = cap - len(kept)
         if len(chunk) > room:
             truncated = True
@@ -203,15 +264,30 @@ _PROCESS_SIGNS = (b"Resource temporarily unavailable", b"Cannot fork", b"can't f
                   b"BlockingIOError")
 
 
+class RefusedForkSigns:
+    """Whether a job's stderr has shown a refused fork so far (read as it arrives; without a
+    cgroup, nothing else says a fork was refused)."""
+
+    def __init__(self) -> None:
+        self.seen = False
+        self._tail = b""  # a sign may be split between two reads
+
+    def feed(self, chunk: bytes) -> None:
+        window = self._tail + chunk
+        self.seen = self.seen or any(sign in window for sign in _PROCESS_SIGNS)
+        self._tail = window[-64:]
+
+
 @dataclass(frozen=True)
 class JobEnding:
     """What is known of how a job ended, for telling which limit stopped it."""
     returncode: int
-    cpu_seconds: float
+    cpu_seconds: float             # the whole job's
     timed_out: bool = False
-    cpu_watchdog: bool = False     # the whole job's CPU time reached the limit (cgroup)
+    watchdog: int = L.SANDBOX_LIMIT_NONE  # the job-wide limit the watchdog ended it for (CPU, processes)
     output_truncated: bool = False
-    file_at_limit: bool = False    # a file in the scratch directory reached max_file_bytes
+    file_at_limit: bool = False    # a file of the job reached max_file_bytes
+    filesystem_full: bool = False  # its scratch directory, /tmp or /dev/shm filled up
     usage: CgroupUsage | None = None  # the kernel's count, when the job had a cgroup
     stderr: bytes = b""
 
@@ -219,35 +295,36 @@ class JobEnding:
 def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     """The limit that stopped the job (or that it ran into), most decisive first."""
     if ending.timed_out:
-        return bus_pb2.SANDBOX_LIMIT_WALL_TIME
-    # The kernel ends a process over its CPU rlimit with SIGXCPU, then SIGKILL.
-    # Without a cgroup the limit is each process's: the job's total may pass it without any process
-    # being stopped.
-    if (ending.cpu_watchdog or ending.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
-            or (ending.usage is not None and ending.cpu_seconds >= limits.cpu_seconds)):
-        return bus_pb2.SANDBOX_LIMIT_CPU_TIME
+        return L.SANDBOX_LIMIT_WALL_TIME
+    # The kernel ends a process over its CPU rlimit (the backstop) with SIGXCPU, then SIGKILL.
+    if (ending.watchdog == L.SANDBOX_LIMIT_CPU_TIME or ending.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
+            or ending.cpu_seconds >= limits.cpu_seconds):
+        return L.SANDBOX_LIMIT_CPU_TIME
+    if ending.watchdog == L.SANDBOX_LIMIT_PROCESSES:
+        return L.SANDBOX_LIMIT_PROCESSES
     if ending.usage is not None:
         if ending.usage.oom_kills:
-            return bus_pb2.SANDBOX_LIMIT_MEMORY
+            return L.SANDBOX_LIMIT_MEMORY
         if ending.usage.forks_refused:
-            return bus_pb2.SANDBOX_LIMIT_PROCESSES
+            return L.SANDBOX_LIMIT_PROCESSES
     else:
         if ending.returncode != 0 and any(sign in ending.stderr for sign in _MEMORY_SIGNS):
-            return bus_pb2.SANDBOX_LIMIT_MEMORY
+            return L.SANDBOX_LIMIT_MEMORY
         if any(sign in ending.stderr for sign in _PROCESS_SIGNS):
-            return bus_pb2.SANDBOX_LIMIT_PROCESSES
-    if ending.file_at_limit or ending.returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ):
-        return bus_pb2.SANDBOX_LIMIT_FILE_SIZE
+            return L.SANDBOX_LIMIT_PROCESSES
+    if (ending.file_at_limit or ending.filesystem_full
+            or ending.returncode in (-signal.SIGXFSZ, 128 + signal.SIGXFSZ)):
+        return L.SANDBOX_LIMIT_FILE_SIZE
     if ending.output_truncated:
-        return bus_pb2.SANDBOX_LIMIT_OUTPUT
-    return bus_pb2.SANDBOX_LIMIT_NONE
+        return L.SANDBOX_LIMIT_OUTPUT
+    return L.SANDBOX_LIMIT_NONE
 
 
 def file_reached(directory: Path, size: int, max_entries: int = 100_000) -> bool:
     """Whether a regular file below `directory` is `size` bytes or more: RLIMIT_FSIZE stops every
-    write at the limit, so a file that hit it is left exactly that long. (Files in the job's /tmp
-    are gone by then; a job could also make such a file on purpose, which only reports a limit
-    against itself.) Looks at `max_entries` entries at most."""
+    write at the limit, so a file that hit it is left exactly that long. (A job could also make
+    such a file on purpose, which only reports a limit against itself.) Looks at `max_entries`
+    entries at most, iteratively, skipping what it cannot read (paths too deep included)."""
     pending = [directory]
     while pending and max_entries > 0:
         try:
@@ -266,15 +343,204 @@ def file_reached(directory: Path, size: int, max_entries: int = 100_000) -> bool
     return False
 
 
-async def _cpu_watchdog(cgroup: JobCgroup, limit_s: float, poll_s: float = 0.05) -> None:
-    """Returns once the job's whole process tree has used `limit_s` CPU seconds (never, when the
-    count cannot be read: the wall clock still bounds the job)."""
+@dataclass
+class JobSetup:
+    """What the sandbox learnt while bwrap set a job up."""
+    filesystems: dict[str, int] = field(default_factory=dict)  # the job's JOB_FILESYSTEMS, held open
+    failed: bool = False  # bwrap ended before the job was set up (it never started)
+
+    def release(self) -> None:
+        for fd in self.filesystems.values():
+            os.close(fd)
+        self.filesystems = {}
+
+
+def hold_job_filesystems(info_fd: int, block_fd: int, deadline: float) -> JobSetup:
+    """Opens the filesystems of a job that bwrap has set up and holds before starting it, then
+    lets it start. Opened through /proc/PID/root, they stay readable after the job's namespaces
+    are gone, until released. Takes and closes both descriptors; the job always starts (a job
+    the sandbox cannot look into runs unobserved)."""
+    setup = JobSetup()
     try:
-        while cgroup.cpu_seconds() < limit_s:
-            await asyncio.sleep(poll_s)
-    except (OSError, ValueError) as exc:
-        log.warning("cpu_watchdog_blind", cgroup=str(cgroup.dirs["cpuacct"]), error=repr(exc))
+        pid = _child_pid(info_fd)
+        setup = JobSetup(failed=True) if pid is None else _open_when_set_up(pid, deadline)
+    except OSError as exc:
+        log.warning("sandbox_cannot_look_into_job", error=repr(exc),
+                    consequence="files at the size limit and full filesystems go unreported")
+    finally:
+        try:
+            os.write(block_fd, b"\0")
+        except OSError:
+            pass  # bwrap is gone
+        os.close(block_fd)
+        os.close(info_fd)
+    return setup
+
+
+def _child_pid(info_fd: int) -> int | None:
+    """The pid of the job's main process from bwrap's --info-fd JSON; None if bwrap ended first."""
+    data = b""
+    while chunk := os.read(info_fd, 4096):
+        data += chunk
+        if data.rstrip().endswith(b"}"):
+            break
+    try:
+        return int(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _open_when_set_up(pid: int, deadline: float) -> JobSetup:
+    try:
+        ended = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return JobSetup(failed=True)
+    root = f"/proc/{pid}/root"
+    try:
+        while not _is_set_up(root):
+            gone, _, _ = select.select([ended], [], [], SETUP_POLL_S)
+            if gone or time.monotonic() > deadline:
+                return JobSetup(failed=bool(gone))
+        opened: dict[str, int] = {}
+        try:
+            for path in JOB_FILESYSTEMS:
+                opened[path] = os.open(root + path, os.O_PATH | os.O_DIRECTORY)
+        except OSError:
+            JobSetup(opened).release()
+            raise
+        return JobSetup(opened)
+    finally:
+        os.close(ended)
+
+
+def _is_set_up(root: str) -> bool:
+    """Whether bwrap has moved the job into its own root (the end of its setup), /job mounted there."""
+    try:
+        top, host = os.stat(root), os.stat("/")
+        return (top.st_dev, top.st_ino) != (host.st_dev, host.st_ino) and os.stat(root + JOB_DIR).st_dev != top.st_dev
+    except FileNotFoundError:
+        return False
+
+
+def filesystems_ending(filesystems: dict[str, int], max_file_bytes: int) -> tuple[bool, bool]:
+    """(a file reached max_file_bytes, a filesystem filled up) for a job's held filesystems."""
+    full = any(_is_full(fd) for fd in filesystems.values())
+    at_limit = any(file_reached(Path(f"/proc/self/fd/{fd}"), max_file_bytes) for fd in filesystems.values())
+    return at_limit, full
+
+
+def _is_full(fd: int) -> bool:
+    stats = os.fstatvfs(fd)
+    return stats.f_bavail == 0 or stats.f_favail == 0
+
+
+@dataclass(frozen=True)
+class TreeUsage:
+    cpu_seconds: float  # of the processes below the root and of the children they reaped
+    tasks: int          # their threads, zombies as one each: what RLIMIT_NPROC counts
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def tree_usage(root: int, stop_above: int | None = None, proc: Path = Path("/proc")) -> TreeUsage:
+    """What the processes below `root` (not `root` itself) used, from /proc. Each process is read
+    before the list of its children, so that a child reaped while the tree is read counts once at
+    most (in its parent's reaped time or on its own), never twice. Stops counting tasks once they
+    are over `stop_above`."""
+    ticks = tasks = 0
+    pending = _children(proc, root)
+    while pending and (stop_above is None or tasks <= stop_above):
+        pid = pending.pop()
+        try:
+            fields = (proc / str(pid) / "stat").read_text().rpartition(")")[2].split()
+            children = _children(proc, pid)
+        except OSError:
+            continue  # it ended meanwhile
+        ticks += sum(int(value) for value in fields[11:15])  # utime, stime, cutime, cstime
+        tasks += max(1, int(fields[17]))                     # num_threads (0 for a zombie)
+        pending += children
+    return TreeUsage(ticks / CLOCK_TICKS, tasks)
+
+
+def _children(proc: Path, pid: int) -> list[int]:
+    try:
+        threads = os.listdir(proc / str(pid) / "task")
+    except FileNotFoundError:
+        return []
+    children: list[int] = []
+    for tid in threads:
+        try:
+            children += [int(child) for child in (proc / str(pid) / "task" / tid / "children").read_text().split()]
+        except FileNotFoundError:
+            continue
+    return children
+
+
+@functools.cache
+def children_listed() -> bool:
+    """Whether /proc lists a thread's children (CONFIG_PROC_CHILDREN): needed to watch a job
+    without a cgroup. Said once in the log when not."""
+    listed = Path(f"/proc/self/task/{os.getpid()}/children").exists()
+    if not listed:
+        log.warning("sandbox_watchdog_blind", reason="this kernel does not list children in /proc",
+                    consequence="without cgroups, CPU time and processes are bounded per process only")
+    return listed
+
+
+class Meter(Protocol):
+    def read(self) -> tuple[float, bool]:
+        """(the job's CPU seconds so far, whether it is over its process limit)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CgroupMeter:
+    """The kernel's counts: every fork refused for pids.max is the process limit reached."""
+    cgroup: JobCgroup
+
+    def read(self) -> tuple[float, bool]:
+        return self.cgroup.cpu_seconds(), self.cgroup.forks_refused() > 0
+
+
+@dataclass(frozen=True)
+class TreeMeter:
+    """The job's process tree below the launcher, for a job without a cgroup. The kernel counts
+    no refused fork there: a job is over its process limit when its tree holds more than
+    `max_tasks` (RLIMIT_NPROC allows one more, so that a job that keeps forking shows), or when its
+    stderr says a fork was refused (the processes whose forks failed may be gone by the next look)."""
+    launcher: int
+    max_tasks: int
+    refused: RefusedForkSigns
+
+    def read(self) -> tuple[float, bool]:
+        usage = tree_usage(self.launcher, stop_above=self.max_tasks)
+        return usage.cpu_seconds, usage.tasks > self.max_tasks or self.refused.seen
+
+
+class Watchdog:
+    """Ends a job at its limits for the whole job: CPU time and processes."""
+
+    def __init__(self, meter: Meter, cpu_limit_s: float, poll_s: float = 0.05) -> None:
+        self.meter, self.cpu_limit_s, self.poll_s = meter, cpu_limit_s, poll_s
+        self.cpu_seconds = 0.0  # the most it has seen
+
+    async def run(self) -> bus_pb2.SandboxLimit:
+        """Returns the limit once the job reaches it; never, when the counts cannot be read (the
+        wall clock and the per-process rlimits still bound the job)."""
+        try:
+            while True:
+                cpu, over_processes = self.meter.read()
+                self.cpu_seconds = max(self.cpu_seconds, cpu)
+                if cpu >= self.cpu_limit_s:
+                    return L.SANDBOX_LIMIT_CPU_TIME
+                if over_processes:
+                    return L.SANDBOX_LIMIT_PROCESSES
+                await asyncio.sleep(self.poll_s)
+        except (OSError, ValueError, IndexError) as exc:
+            log.warning("sandbox_watchdog_blind", meter=repr(self.meter), error=repr(exc))
         await asyncio.Event().wait()
+        return L.SANDBOX_LIMIT_NONE  # not reached: the job ends first
 
 
 def _failed(job: bus_pb2.SandboxJob, instance: str, error: str, **fields: object) -> bus_pb2.SandboxResult:
@@ -283,41 +549,54 @@ def _failed(job: bus_pb2.SandboxJob, instance: str, error: str, **fields: object
                                  **fields)  # type: ignore[arg-type]
 
 
-async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, scratch_root: Path,
-                  instance: str = "", uids: JobUids = DEFAULT_UIDS, cgroups: JobCgroups | None = None
-                  ) -> bus_pb2.SandboxResult:
-    """Runs `job` under `limits` in a scratch directory below `scratch_root`, in a cgroup of its
-    own when `cgroups` is given, and returns its result."""
-    scratch = Path(tempfile.mkdtemp(prefix="job-", dir=scratch_root))
-    scratch.chmod(0o700)
-    drop_to = uids.next() if os.geteuid() == 0 else None
+class BadJob(ValueError):
+    """A job the sandbox cannot set up as asked (said in its result)."""
+
+
+def job_files(job: bus_pb2.SandboxJob) -> list[tuple[str, bytes]]:
+    """The job's files as (path below the scratch directory, content); raises BadJob for a path
+    that leaves it."""
+    files = []
+    for rel, content in sorted(job.files.items()):
+        parts = PurePosixPath(rel).parts
+        if not parts or rel.startswith("/") or ".." in parts or "\0" in rel:
+            raise BadJob(f"files: {rel!r} leaves the scratch directory")
+        files.append(("/".join(parts), content))
+    return files
+
+
+_JOB_NUMBERS = itertools.count()  # names the jobs' cgroups (below this process's own directory)
+
+
+async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, *, instance: str = "", uids: JobUids = DEFAULT_UIDS,
+                  cgroups: JobCgroups | None = None) -> bus_pb2.SandboxResult:
+    """Runs `job` under `limits`, in a cgroup of its own when `cgroups` is given, and returns its
+    result. Never raises for anything the job does: a job that cannot be run is a result with
+    `error`. A job's files live in its own tmpfs, never on the host's disk."""
+    started = time.monotonic()
     cgroup: JobCgroup | None = None
     try:
-        for rel, content in job.files.items():
-            target = (scratch / rel).resolve()
-            if not target.is_relative_to(scratch.resolve()):
-                return _failed(job, instance, f"files: {rel!r} leaves the scratch directory")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(content)
-        if drop_to is not None:
-            for path in [scratch, *scratch.rglob("*")]:
-                os.chown(path, drop_to, drop_to)
+        files = job_files(job)
         if cgroups is not None:
-            cgroup = cgroups.create(scratch.name, memory_bytes=limits.memory_bytes,
+            cgroup = cgroups.create(f"job-{next(_JOB_NUMBERS)}", memory_bytes=limits.memory_bytes,
                                     max_tasks=limits.max_processes + BWRAP_TASKS)
-        return await _run(job, limits, scratch, drop_to, cgroup, instance)
+        return await _run(job, files, limits, uids.next() if os.geteuid() == 0 else None, cgroup, instance)
+    except BadJob as exc:
+        return _failed(job, instance, str(exc))
+    except Exception as exc:  # the sandbox's own trouble (no memory file, no cgroup): the job still gets a result
+        log.exception("sandbox_job_not_run", job=job.job_id)
+        return _failed(job, instance, f"the sandbox could not run the job: {exc!r}",
+                       wall_seconds=time.monotonic() - started)
     finally:
-        # Off the event loop: a job can leave many files, and a cgroup's removal may wait a little.
-        await asyncio.shield(asyncio.to_thread(_clean_up, scratch, cgroup))
+        if cgroup is not None:  # off the event loop: a cgroup's removal may wait a little
+            await asyncio.shield(asyncio.to_thread(_remove_cgroup, cgroup))
 
 
-def _clean_up(scratch: Path, cgroup: JobCgroup | None) -> None:
-    if cgroup is not None:
-        try:
-            cgroup.remove()
-        except OSError as exc:
-            log.warning("cgroup_not_removed", cgroup=str(cgroup.dirs), error=repr(exc))
-    shutil.rmtree(scratch, ignore_errors=True)
+def _remove_cgroup(cgroup: JobCgroup) -> None:
+    try:
+        cgroup.remove()
+    except OSError as exc:
+        log.warning("cgroup_not_removed", cgroup=str(cgroup.dirs), error=repr(exc))
 
 
 @dataclass
@@ -326,9 +605,9 @@ class _Started:
     report_fd: int | None  # the launcher's report (None: started directly, the cgroup counts the CPU)
 
     def kill(self) -> None:
-        """Ends the job: bwrap's death ends its pid namespace (--die-with-parent) and with it every
-        process of the job. Started directly, bwrap leads its own session; through the launcher,
-        the launcher kills it."""
+        """Ends the job: bwrap's death ends the job's main process (--die-with-parent) and with it
+        the job's pid namespace. Started directly, bwrap leads its own session; through the
+        launcher, the launcher kills it."""
         if self.process.returncode is not None:
             return  # reaped: its pid may be another process's by now
         try:
@@ -359,16 +638,17 @@ class LauncherFailed(RuntimeError):
     pass
 
 
-async def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: JobCgroup | None) -> _Started:
-    """Starts the job's command (bwrap): directly into its cgroup, or without one through the
-    launcher, which reaps all the job leaves and so can say what CPU time it used."""
-    rlimits = job_rlimits(limits, cgroup is not None)
+async def _start(command: list[str], limits: JobLimits, cgroup: JobCgroup | None, passed: list[int]) -> _Started:
+    """Starts the job's command (bwrap), handing it the descriptors `passed`: directly into its
+    cgroup, or without one through the launcher, which reaps all the job leaves and so can say
+    what CPU time it used."""
+    rlimits = job_rlimits(limits, cgroup is not None, len(passed))
     pipe = asyncio.subprocess.PIPE
     if cgroup is not None:
         procs = cgroup.procs_files
         try:
             process = await asyncio.create_subprocess_exec(
-                *command, cwd=scratch, env={"PATH": JOB_PATH}, start_new_session=True,
+                *command, cwd="/", env={"PATH": JOB_PATH}, start_new_session=True, pass_fds=passed,
                 preexec_fn=lambda: enter_job(procs, rlimits), stdin=pipe, stdout=pipe, stderr=pipe)
         except (OSError, subprocess.SubprocessError) as exc:
             raise CannotStart(f"the job could not be started in its cgroup: {exc!r}") from exc
@@ -378,7 +658,7 @@ async def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: J
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-I", "-S", str(LAUNCHER), str(report_write), str(os.getpid()),
             ",".join(":".join(map(str, triple)) for triple in rlimits), "--", *command,
-            cwd=scratch, env={"PATH": JOB_PATH}, pass_fds=(report_write,), start_new_session=True,
+            cwd="/", env={"PATH": JOB_PATH}, pass_fds=(report_write, *passed), start_new_session=True,
             stdin=pipe, stdout=pipe, stderr=pipe)
     except BaseException as exc:
         os.close(report_read)
@@ -390,29 +670,88 @@ async def _start(command: list[str], scratch: Path, limits: JobLimits, cgroup: J
     return _Started(process, report_read)
 
 
-async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_to: int | None,
+def _job_fds(files: list[tuple[str, bytes]]) -> tuple[JobFds, int, int]:
+    """The descriptors for bwrap, and the sandbox's ends of the info and block pipes."""
+    fds = JobFds()
+    ours: list[int] = []
+    try:
+        for path, content in files:
+            fds.files.append((path, _memory_file(content)))
+        if SECCOMP_FILTER is not None:
+            fds.seccomp = _memory_file(SECCOMP_FILTER)
+        info_read, fds.info = os.pipe()
+        ours.append(info_read)
+        fds.block, block_write = os.pipe()
+        ours.append(block_write)
+    except BaseException:
+        fds.close()
+        for fd in ours:
+            os.close(fd)
+        raise
+    return fds, info_read, block_write
+
+
+async def _run(job: bus_pb2.SandboxJob, files: list[tuple[str, bytes]], limits: JobLimits, drop_to: int | None,
                cgroup: JobCgroup | None, instance: str) -> bus_pb2.SandboxResult:
     started = time.monotonic()
-    command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(scratch, limits),
+    fds, info_read, block_write = _job_fds(files)
+    command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(limits, fds),
                *job.command]
     try:
-        job_process = await _start(command, scratch, limits, cgroup)
-    except CannotStart as exc:
-        return _failed(job, instance, str(exc), wall_seconds=time.monotonic() - started)
+        job_process = await _start(command, limits, cgroup, fds.passed())
+    except BaseException as exc:
+        os.close(info_read)
+        os.close(block_write)
+        if isinstance(exc, CannotStart):
+            return _failed(job, instance, str(exc), wall_seconds=time.monotonic() - started)
+        raise
+    finally:
+        fds.close()
+    # Never cancelled (awaited through shield): its thread's descriptors are always released.
+    setup = asyncio.ensure_future(asyncio.to_thread(hold_job_filesystems, info_read, block_write,
+                                                    started + limits.wall_seconds))
+    try:
+        return await _supervise(job, job_process, setup, limits, cgroup, instance, started)
+    finally:
+        _release_when_done(setup)
+
+
+def _release_when_done(setup: asyncio.Future[JobSetup]) -> None:
+    """Closes what the job's setup holds now, or as soon as the setup is done."""
+    def release(done: asyncio.Future[JobSetup]) -> None:
+        if not done.cancelled() and done.exception() is None:
+            done.result().release()
+
+    if setup.done():
+        release(setup)
+    else:
+        setup.add_done_callback(release)
+
+
+async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyncio.Future[JobSetup],
+                     limits: JobLimits, cgroup: JobCgroup | None, instance: str, started: float
+                     ) -> bus_pb2.SandboxResult:
+    """Waits for the job to end (its main process's exit, the wall clock or the watchdog) and
+    tells how it ended."""
     process = job_process.process
     assert process.stdin and process.stdout and process.stderr
+    refused = RefusedForkSigns()
     outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes),
-                             _read_capped(process.stderr, limits.max_output_bytes))
+                             _read_capped(process.stderr, limits.max_output_bytes,
+                                          refused.feed if cgroup is None else None))
     feeding = asyncio.ensure_future(_feed(process.stdin, job.stdin))
     exited = asyncio.ensure_future(process.wait())
-    watchdog = asyncio.ensure_future(_cpu_watchdog(cgroup, limits.cpu_seconds)) if cgroup is not None else None
-    timed_out = cpu_watchdog = False
+    watchdog = _watchdog(job_process, limits, cgroup, refused)
+    watching = asyncio.ensure_future(watchdog.run()) if watchdog is not None else None
+    timed_out, stopped_by = False, L.SANDBOX_LIMIT_NONE
     try:
-        waited = {exited} if watchdog is None else {exited, watchdog}
+        waited = {exited} if watching is None else {exited, watching}
         done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
         if exited not in done:
-            cpu_watchdog = watchdog is not None and watchdog in done
-            timed_out = not cpu_watchdog
+            if watching is not None and watching in done:
+                stopped_by = watching.result()
+            else:
+                timed_out = True
             job_process.kill()
         await exited
         (stdout, out_trunc), (stderr, err_trunc) = await outputs
@@ -421,7 +760,7 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
         if timed_out:  # a kill that reached the launcher before it could pass it on: still the wall clock
             return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-signal.SIGKILL, stderr=stderr,
                                          wall_seconds=time.monotonic() - started, sandbox_instance=instance,
-                                         limit_hit=bus_pb2.SANDBOX_LIMIT_WALL_TIME,
+                                         limit_hit=L.SANDBOX_LIMIT_WALL_TIME,
                                          accounting=bus_pb2.SANDBOX_ACCOUNTING_RLIMIT)
         return _failed(job, instance, str(exc), stderr=stderr, wall_seconds=time.monotonic() - started)
     except BaseException:
@@ -431,16 +770,24 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
         raise
     finally:
         feeding.cancel()
-        if watchdog is not None:
-            watchdog.cancel()
+        if watching is not None:
+            watching.cancel()
         if job_process.report_fd is not None:
             os.close(job_process.report_fd)
     wall = time.monotonic() - started
+    prepared = await asyncio.shield(setup)
+    if prepared.failed and not timed_out:
+        return _failed(job, instance, "the job could not be set up: " + stderr.decode(errors="replace").strip(),
+                       stderr=stderr, wall_seconds=wall)
+    file_at_limit, full = await asyncio.to_thread(filesystems_ending, prepared.filesystems, limits.max_file_bytes)
     usage = cgroup.usage() if cgroup is not None else None
-    cpu = usage.cpu_seconds if usage is not None else reaped_cpu or 0.0
-    ending = JobEnding(returncode=code, cpu_seconds=cpu, timed_out=timed_out, cpu_watchdog=cpu_watchdog,
+    seen_cpu = watchdog.cpu_seconds if watchdog is not None else 0.0
+    # Without a cgroup the launcher misses processes the kernel killed as the namespace ended:
+    # the watchdog may have seen more of them.
+    cpu = usage.cpu_seconds if usage is not None else max(reaped_cpu or 0.0, seen_cpu)
+    ending = JobEnding(returncode=code, cpu_seconds=cpu, timed_out=timed_out, watchdog=stopped_by,
                        output_truncated=out_trunc or err_trunc, usage=usage, stderr=stderr,
-                       file_at_limit=await asyncio.to_thread(file_reached, scratch, limits.max_file_bytes))
+                       file_at_limit=file_at_limit, filesystem_full=full)
     return bus_pb2.SandboxResult(
         job_id=job.job_id, exit_code=code, stdout=stdout, stderr=stderr,
         stdout_truncated=out_trunc, stderr_truncated=err_trunc, wall_seconds=wall, cpu_seconds=cpu,
@@ -448,6 +795,16 @@ async def _run(job: bus_pb2.SandboxJob, limits: JobLimits, scratch: Path, drop_t
         accounting=bus_pb2.SANDBOX_ACCOUNTING_RLIMIT if usage is None else bus_pb2.SANDBOX_ACCOUNTING_CGROUP,
         peak_memory_bytes=0 if usage is None else usage.peak_memory_bytes,
     )
+
+
+def _watchdog(job_process: _Started, limits: JobLimits, cgroup: JobCgroup | None, refused: RefusedForkSigns
+              ) -> Watchdog | None:
+    if cgroup is not None:
+        return Watchdog(CgroupMeter(cgroup), limits.cpu_seconds)
+    if not children_listed():
+        return None
+    meter = TreeMeter(job_process.process.pid, limits.max_processes + BWRAP_TASKS, refused)
+    return Watchdog(meter, limits.cpu_seconds)
 
 
 def _read_report(fd: int, cap: int = 4096) -> bytes:
