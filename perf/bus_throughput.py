@@ -19,6 +19,7 @@ from policyloop.bus import Bus, Delivery, PullWorker, build_topology, tasks_subj
 from policyloop.bus.topology import BusLimits
 from policyloop.cluster.local import start_nats
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.telemetry.logging import configure_logging
 
 
 def task(i: int, prompt_tokens: int) -> bus_pb2.Task:
@@ -89,4 +90,5 @@ if __name__ == "__main__":
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-tokens", type=int, default=64)
+    configure_logging(service="perf", run_id="", instance="bus_throughput", level="WARNING")  # stdout: JSON only
     print(json.dumps(asyncio.run(main(parser.parse_args())), indent=2))

@@ -95,7 +95,8 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace, model_path: Pat
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), args.eval_problems, seed=args.seed)
         async with SGLangClient(str(rollouts[0]["engine"]), timeout_s=120) as engine:
-            figures["accuracy_after"], figures["accuracy_version"] = await evaluate(engine, tokenizer, heldout)
+            measured = await evaluate(engine, tokenizer, heldout)
+        figures["accuracy_after"], figures["accuracy_version"] = measured.accuracy, measured.version
         return figures
     finally:
         await redis_client.aclose()
@@ -113,9 +114,19 @@ def run_configuration(max_lag: int, replicas: int, args: argparse.Namespace, mod
     cluster.start()
     try:
         figures = asyncio.run(drive(cluster, args, model_path))
+    except BaseException:
+        # The cluster's directory is temporary: what its processes said goes out with the error.
+        print(log_tails(root / "logs"), file=sys.stderr)
+        raise
     finally:
         cluster.stop()
     return {"max_lag": max_lag, "replicas": replicas} | figures
+
+
+def log_tails(logs: Path, lines: int = 15) -> str:
+    """The last lines of every process's log in `logs`."""
+    return "\n".join(f"--- {log.name}\n" + "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+                     for log in sorted(logs.glob("*.log")))
 
 
 def plot(results: list[dict], path: Path) -> None:

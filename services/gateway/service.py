@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import redis.asyncio as aioredis
@@ -22,11 +23,14 @@ from policyloop.bus import BusError, StreamFull, tasks_subject
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs.feeding import nth_task, tasks_total
 from policyloop.envs.validation import (
+    MAX_ENVIRONMENT_BYTES,
     MAX_TASKS_PER_ENVIRONMENT,
     FailedPrecondition,
     InvalidField,
+    ModelContext,
     check_run_against_learner,
     environment_key,
+    load_model_context,
     validate_environment,
     validate_start_run,
 )
@@ -57,17 +61,28 @@ class GatewaySettings(ServiceSettings):
         1.0, description="Pause before retrying when TASKS is full."
     )
     watch_poll_s: float = Field(0.5, description="How often WatchRun looks for changes.")
+    model_path: Path | None = Field(
+        None, description="Hugging Face directory of the cluster's base model (config.json, tokenizer.json): "
+                          "environments whose prompts cannot fit its context with max_new_tokens are refused. "
+                          "Unset: prompts are not checked against a model.")
+    max_environment_bytes: int = Field(
+        MAX_ENVIRONMENT_BYTES, gt=0, description="Largest environment (serialized) SubmitEnvironment or "
+                                                 "UploadEnvironment accepts; an upload is refused as soon as it "
+                                                 "goes past it.")
 
 
 class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
     def __init__(self, ctx: ServiceContext, environments: EnvironmentCatalog, runs: RunRegistry,
-                 versions: VersionRegistry, wake_feeder: asyncio.Event, watch_poll_s: float) -> None:
+                 versions: VersionRegistry, wake_feeder: asyncio.Event, watch_poll_s: float,
+                 model: ModelContext | None = None, max_environment_bytes: int = MAX_ENVIRONMENT_BYTES) -> None:
         self.ctx = ctx
         self.environments = environments
         self.runs = runs
         self.versions = versions
         self.wake_feeder = wake_feeder
         self.watch_poll_s = watch_poll_s
+        self.model = model
+        self.max_environment_bytes = max_environment_bytes
         self.progress = RunProgressStore(ctx.redis, ctx.settings.namespace)
         self.heartbeats = HeartbeatRegistry(ctx.redis, ctx.settings.namespace)
 
@@ -79,8 +94,13 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
                                 context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
         env: loop_pb2.Environment | None = None
         i = -1
+        received = 0
         async for message in requests:
             i += 1
+            received += message.ByteSize()
+            if received > self.max_environment_bytes:  # refused before the stream is held in memory
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"environment: larger than {self.max_environment_bytes} bytes")
             if env is None:
                 if not message.HasField("environment"):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
@@ -101,8 +121,12 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
 
     async def _store_environment(self, env: loop_pb2.Environment,
                                  context: grpc.aio.ServicerContext) -> loop_pb2.SubmitEnvironmentResponse:
+        if env.ByteSize() > self.max_environment_bytes:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"environment: larger than {self.max_environment_bytes} bytes")
         try:
-            validate_environment(env)
+            # In a thread: tokenizing a large environment's prompts must not stall other calls.
+            await asyncio.to_thread(validate_environment, env, self.model)
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = environment_key(env.name, env.version)
@@ -267,7 +291,12 @@ async def body(ctx: ServiceContext) -> None:
     runs = RunRegistry(raw, settings.namespace)
     leases = IdempotencyKeys(ctx.redis, settings.namespace)
     wake = asyncio.Event()
-    servicer = LoopServicer(ctx, environments, runs, ctx.versions, wake, settings.watch_poll_s)
+    model = await asyncio.to_thread(load_model_context, settings.model_path) if settings.model_path else None
+    if model is not None:
+        log.info("model_context", model_path=model.path, context_tokens=model.context_tokens,
+                 vocab_size=model.vocab_size, prompts_counted_by=model.measure)
+    servicer = LoopServicer(ctx, environments, runs, ctx.versions, wake, settings.watch_poll_s, model,
+                            settings.max_environment_bytes)
     server, _health, port = await start_grpc_server(
         [lambda s: loop_pb2_grpc.add_LoopServiceServicer_to_server(servicer, s)],
         [loop_pb2.DESCRIPTOR.services_by_name["LoopService"].full_name],

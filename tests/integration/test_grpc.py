@@ -3,6 +3,10 @@ through real channels: health, reflection, validation errors, tokens, durability
 
 from __future__ import annotations
 
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+
 import grpc
 import pytest
 import xxhash
@@ -11,6 +15,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from policyloop.bus import Bus, build_topology
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, weights_pb2, weights_pb2_grpc
+from policyloop.envs.tools import TOOLS_PROMPT_TOKEN
+from policyloop.envs.validation import InvalidField, check_prompts_fit, load_model_context
+from policyloop.models.tokenizer import VOCAB
 from policyloop.weights import codec
 from policyloop.weights.client import VersionPusher, WeightClient
 from tests.conftest import ServiceLauncher, fast_limits
@@ -37,7 +44,9 @@ async def reflected_services(target: str) -> set[str]:
 
 @pytest.fixture
 async def gateway(services: ServiceLauncher):  # type: ignore[no-untyped-def]
-    process = services.start("gateway", env={"POLICYLOOP_BEARER_TOKEN": "s3cret"},
+    # The launcher gives it the tiny model's directory (POLICYLOOP_MODEL_PATH) to check prompts against.
+    process = services.start("gateway", env={"POLICYLOOP_BEARER_TOKEN": "s3cret",
+                                             "POLICYLOOP_MAX_ENVIRONMENT_BYTES": str(MAX_ENVIRONMENT_BYTES)},
                              limits=fast_limits(tasks_capacity=20))
     await services.wait_healthy(process)
     target = f"127.0.0.1:{process.ports['grpc']}"
@@ -46,6 +55,7 @@ async def gateway(services: ServiceLauncher):  # type: ignore[no-untyped-def]
 
 
 AUTH = (("authorization", "Bearer s3cret"),)
+MAX_ENVIRONMENT_BYTES = 16 << 20  # the gateway's bound here: room for one 6 MB prompt, not for three
 
 
 async def test_gateway_health_reflection_and_token(gateway) -> None:  # type: ignore[no-untyped-def]
@@ -99,6 +109,122 @@ async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway)
             await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert err.value.details().startswith(field + ":"), (field, err.value.details())
+
+
+async def refusal(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment) -> str:
+    """The details of SubmitEnvironment's INVALID_ARGUMENT for `env`."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30, metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+    return err.value.details()
+
+
+def reward_code_environment(source: str, version: str = "demo") -> loop_pb2.Environment:
+    env = addition_environment(4)
+    env.version = version
+    env.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source=source, timeout_seconds=3))
+    return env
+
+
+# (reward code, what the refusal must say): code the sandbox's harness can never call
+UNRUNNABLE_REWARD_CODE = [
+    ("def reward(prompt, completion, metadata):\n    return (len(completion)\n", "does not parse: "),
+    ("import math\n\ndef reward(prompt, completion, metadata)\n    return math.pi\n", "(line 3)"),
+    ("def score(prompt, completion, metadata):\n    return 1.0\n", "defines no top-level `reward`"),
+    ("class Scorer:\n    def reward(self, prompt, completion, metadata):\n        return 1.0\n",
+     "defines no top-level `reward`"),
+    ("import math\n\nasync def reward(prompt, completion, metadata):\n    return 1.0\n", "line 3: `async def"),
+    ("def reward(completion):\n    return 1.0\n", "line 1: `reward` cannot be called"),
+    ("def reward(prompt, completion, metadata, *, scale):\n    return scale\n", "cannot be called"),
+]
+RUNNABLE_REWARD_CODE = [
+    "def reward(prompt, completion, metadata):\n    return len(completion) / 10, 'length/10'\n",
+    "def reward(*args):\n    return 1.0\n",
+    "def reward(prompt, completion, metadata=None, scale=1.0):\n    return scale\n",
+    "import math\nreward = lambda prompt, completion, metadata: math.pi\n",
+    "try:\n    from math import isclose as reward\nexcept ImportError:\n    reward = None\n",
+]
+
+
+async def test_reward_code_that_can_never_run_is_refused_naming_the_field_and_line(gateway) -> None:  # type: ignore[no-untyped-def]
+    _, _, stub = gateway
+    for source, problem in UNRUNNABLE_REWARD_CODE:
+        details = await refusal(stub, reward_code_environment(source))
+        assert details.startswith("environment.reward_code.source:"), (source, details)
+        assert problem in details, (source, details)
+    assert "(line 2)" in await refusal(stub, reward_code_environment(UNRUNNABLE_REWARD_CODE[0][0]))
+    for i, source in enumerate(RUNNABLE_REWARD_CODE):
+        reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(
+            environment=reward_code_environment(source, f"ok{i}")), timeout=10, metadata=AUTH)
+        assert reply.created, source
+
+
+async def test_prompts_that_cannot_fit_the_models_context_are_refused_naming_the_task(  # type: ignore[no-untyped-def]
+        gateway, tiny_model_dir: Path) -> None:
+    """The gateway's model (the tiny one) has a context of 256 positions; addition_environment asks
+    for 8 new tokens, so a prompt may have 248 tokens, counted by the model's own tokenizer."""
+    _, _, stub = gateway
+    context = json.loads((tiny_model_dir / "config.json").read_text())["max_position_embeddings"]
+    room = context - addition_environment(1).sampling.max_new_tokens
+
+    def spoiled(mutate: Callable[[loop_pb2.Environment], object]) -> loop_pb2.Environment:
+        env = addition_environment(5)
+        mutate(env)
+        return env
+
+    six_mb = await refusal(stub, spoiled(lambda e: setattr(e.tasks[3], "prompt_text", "7" * 6_000_000)))
+    assert six_mb.startswith("environment.tasks[3].prompt_text:") and f"context of {context} tokens" in six_mb
+    one_over = await refusal(stub, spoiled(lambda e: setattr(e.tasks[1], "prompt_text", "1" * (room + 1))))
+    assert one_over.startswith("environment.tasks[1].prompt_text:") and f"{room + 1} tokens" in one_over
+    ids_over = await refusal(stub, spoiled(lambda e: e.tasks[2].prompt_token_ids.extend([5] * (room + 1))))
+    assert ids_over.startswith("environment.tasks[2].prompt_token_ids:") and f"{room + 1} tokens" in ids_over
+    outside = await refusal(stub, spoiled(lambda e: e.tasks[4].prompt_token_ids.extend([5, len(VOCAB)])))
+    assert outside.startswith("environment.tasks[4].prompt_token_ids:") and "vocabulary" in outside
+    no_room = await refusal(stub, spoiled(lambda e: setattr(e.sampling, "max_new_tokens", context)))
+    assert no_room.startswith("environment.sampling.max_new_tokens:")
+
+    # What fits to the last token is accepted. `<tools>` is one token of seven characters: the
+    # prompt is measured in tokens, not characters.
+    def fitting(e: loop_pb2.Environment) -> None:
+        e.version = "fits"
+        e.tasks[1].prompt_text = "1" * room
+        e.tasks[2].prompt_token_ids.extend([5] * room)
+        e.tasks[3].prompt_text = TOOLS_PROMPT_TOKEN * room
+
+    reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=spoiled(fitting)),
+                                         timeout=30, metadata=AUTH)
+    assert reply.created and reply.num_tasks == 5
+
+
+async def test_an_upload_larger_than_the_bound_is_refused_before_it_is_held(gateway) -> None:  # type: ignore[no-untyped-def]
+    _, _, stub = gateway
+    big = loop_pb2.TaskSpec(prompt_text="7" * 6_000_000, answer="7")
+
+    async def messages() -> AsyncIterator[loop_pb2.UploadEnvironmentRequest]:
+        yield loop_pb2.UploadEnvironmentRequest(environment=addition_environment(1))
+        for _ in range(3):  # 18 MB against a bound of 16 MiB
+            yield loop_pb2.UploadEnvironmentRequest(tasks=[big])
+
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.UploadEnvironment(messages(), timeout=60, metadata=AUTH)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details() == f"environment: larger than {MAX_ENVIRONMENT_BYTES} bytes"
+
+
+def test_without_the_tokenizer_prompts_are_bounded_by_bytes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A model directory without tokenizer.json (or a gateway without `tokenizers`): a prompt counts
+    at least one token per MAX_BYTES_PER_TOKEN bytes, which still refuses what is far too long."""
+    (tmp_path / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    model = load_model_context(tmp_path)
+    assert model.tokenizer is None and model.context_tokens == 256
+    env = addition_environment(3)
+    check_prompts_fit(env, model)
+    env.tasks[2].prompt_text = "7" * 6_000_000
+    with pytest.raises(InvalidField) as err:
+        check_prompts_fit(env, model)
+    assert err.value.field == "environment.tasks[2].prompt_text"
+    with pytest.raises(ValueError, match="model_path: cannot read"):
+        load_model_context(tmp_path / "missing")
 
 
 async def test_runs_feed_tasks_with_backpressure_and_clear_errors(gateway, nats_server) -> None:  # type: ignore[no-untyped-def]

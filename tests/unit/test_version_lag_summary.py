@@ -1,5 +1,5 @@
-"""The version-lag harness's figures from heartbeat details (the harness itself runs whole
-clusters and is measured by hand, see perf/version_lag.py)."""
+"""The version-lag harness's figures from heartbeat details (the whole harness runs at a small
+size in tests/integration/test_perf_smoke.py; its figures are measured by hand at full size)."""
 
 from __future__ import annotations
 

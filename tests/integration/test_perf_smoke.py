@@ -1,0 +1,107 @@
+"""Every perf/ harness runs end to end at a small size and prints the JSON it promises, so a harness
+can no longer break without a test going red. Each runs as users run it (`python perf/X.py ...`),
+on the tiny test model where it takes one; the figures are checked for presence and sanity, never
+for speed (the figures themselves are measured by hand at full size, see the README).
+perf/weights_bench.py has its own smoke test (test_weights_bench.py)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
+
+ROOT = Path(__file__).resolve().parents[2]
+# Upper bounds for a run that takes seconds here, with room for a loaded machine: a harness that
+# hangs fails instead of holding up the suite.
+CLUSTER_TIMEOUT_S = 420
+TIMEOUT_S = 120
+
+
+def run_harness(script: str, *args: str, cwd: Path, timeout_s: float = TIMEOUT_S) -> dict:
+    """Runs perf/<script> with `args` and returns the JSON it printed on stdout."""
+    result = subprocess.run([sys.executable, str(ROOT / "perf" / script), *args], cwd=cwd,
+                            capture_output=True, text=True, timeout=timeout_s)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout)
+
+
+@pytest.mark.timeout(CLUSTER_TIMEOUT_S + 30)
+def test_version_lag_runs_one_configuration_on_the_local_cluster(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    summary = run_harness(
+        "version_lag.py", "--max-lags", "1", "--replicas", "1", "--steps", "2", "--groups-per-step", "2",
+        "--group-size", "4", "--eval-problems", "8", "--timeout-s", "300", "--model-path", str(tiny_model_dir),
+        "--out", str(out), cwd=tmp_path, timeout_s=CLUSTER_TIMEOUT_S)
+    assert set(summary) == {"configurations", "all_lag_within_bound", "all_dropped_within_2pct"}
+    [config] = summary["configurations"]
+    assert (config["max_lag"], config["replicas"]) == (1, 1)
+    assert config["steps"] >= 2
+    trained = sum(config["lag_histogram"].values())
+    assert trained >= 2 * 2 * 4  # two steps of two groups of four
+    assert config["lag_max"] == max(int(lag) for lag in config["lag_histogram"]) <= 1
+    assert summary["all_lag_within_bound"] is True
+    assert 0.0 <= config["dropped_fraction_total"] <= 1.0
+    assert 0.0 <= config["learner_idle_fraction"] <= 1.0
+    assert config["generated_tokens_per_s"] > 0 and config["learner_tokens_per_s"] > 0
+    assert 0.0 <= config["accuracy_after"] <= 1.0 and config["accuracy_version"] >= 0
+    assert config["wall_seconds"] > 0 and config["harness_seconds"] > 0
+    assert json.loads((out / "result.json").read_text()) == summary
+    assert (out / "version_lag.png").stat().st_size > 1000
+
+
+@pytest.mark.timeout(CLUSTER_TIMEOUT_S + 30)
+def test_chaos_kills_restarts_and_audits_the_ledger(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    result = run_harness(
+        "chaos.py", "--kills", "1", "--steps", "2", "--steps-after-kills", "1", "--min-gap-s", "0.5",
+        "--max-gap-s", "1", "--down-s", "0.5", "--groups-per-step", "2", "--group-size", "4", "--ack-wait-s", "3",
+        "--settle-s", "1", "--timeout-s", "300", "--model-path", str(tiny_model_dir), "--out", str(out),
+        cwd=tmp_path, timeout_s=CLUSTER_TIMEOUT_S)
+    assert result["kills"] == 1
+    [kill] = result["kill_log"]
+    assert kill["process"] in kill["restarted"] and kill["at_version"] >= 0
+    assert result["reached_target_steps"] and result["steps"] >= result["target_steps"] >= 2
+    # The audit: everything generated is accounted for, nothing trained twice, versions in order.
+    assert result["generated"] > 0 and result["trained"] > 0
+    assert result["generated"] == (result["trained"] + sum(result["dropped"].values()) + result["dead_lettered"]
+                                   + result["pending"] + result["lost"])
+    assert (result["lost"], result["trained_twice"], result["trained_not_generated"]) == (0, 0, 0)
+    assert result["versions_monotonic"] and result["versions_agree"] and result["ok"] is True
+    assert json.loads((out / "result.json").read_text()) == result
+
+
+def test_bus_throughput_publishes_and_consumes(tmp_path: Path) -> None:
+    result = run_harness("bus_throughput.py", "--messages", "50", "--repeats", "2", "--concurrency", "4",
+                         cwd=tmp_path)
+    assert (result["benchmark"], result["messages"], result["repeats"]) == ("bus_throughput", 50, 2)
+    assert result["payload_bytes"] > 64  # 64 prompt token ids and the task's fields
+    for figure in ("publish_acked_per_s", "consume_acked_per_s"):
+        assert len(result[figure]) == 2 and all(rate > 0 for rate in result[figure])
+        assert result[f"{figure}_median"] > 0
+
+
+def test_engine_throughput_generates_every_token(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = run_harness("engine_throughput.py", "--model-path", str(tiny_model_dir), "--requests", "3",
+                         "--max-new-tokens", "4", "--repeats", "2", cwd=tmp_path)
+    assert (result["requests"], result["max_new_tokens"], result["repeats"]) == (3, 4, 2)
+    assert [r["tokens"] for r in result["rounds"]] == [3 * 4, 3 * 4]  # ignore_eos: every request runs to the end
+    assert result["generated_tokens_per_s_median"] > 0 and result["seconds_median"] > 0
+
+
+def test_sandbox_bench_runs_jobs_and_scores(tmp_path: Path) -> None:
+    try:
+        check_isolation()
+    except SandboxUnavailable as exc:
+        pytest.skip(f"the sandbox cannot isolate jobs here: {exc}")
+    result = run_harness("sandbox_bench.py", "--jobs", "2", cwd=tmp_path)
+    assert result["jobs"] == 2
+    modes = [result["rlimit"]] + ([] if result["cgroup"] == "unavailable here" else [result["cgroup"]])
+    for mode in modes:
+        for side_by_side in ("one_at_a_time", "two_side_by_side"):
+            assert mode[side_by_side]["job_wall_ms_median"] > 0 and mode[side_by_side]["jobs_per_s"] > 0
+        assert mode["unit_test_scoring"]["score_wall_ms_median"] > 0
