@@ -6,7 +6,6 @@ memory through /proc). Timeouts and crashes cost the test they happen in, not th
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
