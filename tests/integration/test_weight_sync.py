@@ -3,8 +3,8 @@ follow them exactly, and every corruption on the way is detected and recovered b
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -172,8 +172,9 @@ async def test_replica_recovers_from_each_corruption_with_a_keyframe(publisher, 
     store_dir = tmp_path / "store" / "policy"
 
     def corrupt_stored_delta(version: int, how: str) -> None:
+        """Damage the publisher's own checks cannot see (the record rewritten to match it), so
+        that only the replica's checks can catch it."""
         path = store_dir / f"{version:012d}.bin"
-        record_path = store_dir / f"{version:012d}.json"
         payload = path.read_bytes()
         if how == "hash":        # a tensor decodes to bytes that are not the learner's
             payload = _tamper_hash(payload, "layer.0.w")
@@ -187,14 +188,19 @@ async def test_replica_recovers_from_each_corruption_with_a_keyframe(publisher, 
             payload = rewrite(payload, flip)
         elif how == "truncated":  # a short payload whose record was rewritten to match
             payload = payload[: len(payload) * 2 // 3]
-        elif how == "stream":     # bytes damaged after the publisher hashed them
-            path.write_bytes(payload[:-10] + bytes(b ^ 0xFF for b in payload[-10:]))
-            pub.library._cache.clear()
+        elif how == "stream":     # bytes damaged after the publisher checked them (in memory, on the way)
+            key = ("policy", version - 1, version)
+            served = pub.library._cache[key]
+            damaged = served.payload[:-10] + bytes(b ^ 0xFF for b in served.payload[-10:])
+            pub.library._cache[key] = replace(served, payload=damaged)
             return
         path.write_bytes(payload)
-        record = json.loads(record_path.read_text())
-        record["bytes"], record["payload_xxh3_128"] = len(payload), codec.tensor_digest(payload)
-        record_path.write_text(json.dumps(record))
+        store = pub.library.store
+        record = replace(store.get("policy", version), bytes=len(payload),
+                         payload_xxh3_128=codec.tensor_digest(payload))
+        if how == "hash":  # the manifest too, so that the publisher announces what the header says
+            record = replace(record, manifest_hash=codec.read_header(payload).manifest_hash)
+        store.write_record(record)
         pub.library._cache.clear()  # the publisher serves from disk from here on
 
     reasons: dict[str, str] = {}
@@ -239,3 +245,23 @@ async def test_fetch_names_the_bad_field(publisher) -> None:  # type: ignore[no-
             async for _ in stub.Fetch(request, timeout=10):
                 pass
         assert err.value.code() == code and err.value.details().startswith(field), request
+
+
+def test_a_payload_of_another_version_than_announced_is_refused_before_it_is_applied() -> None:
+    from policyloop.weights.client import FetchedVersion, check_labels
+
+    v1 = random_weights(1, seed=3)
+    v2 = perturbed(v1, 2, seed=4)
+    payload = codec.encode(v2, v1).payload
+
+    def fetched(version: int, manifest: str) -> FetchedVersion:
+        return FetchedVersion(weights_pb2.FetchHeader(version=version, manifest_hash=manifest), payload)
+
+    check_labels(fetched(2, v2.manifest_hash), want_version=2)
+    check_labels(fetched(2, v2.manifest_hash), want_version=0)  # the newest, whichever it is
+    with pytest.raises(codec.CorruptPayload, match="announced 3"):
+        check_labels(fetched(3, v2.manifest_hash), want_version=0)
+    with pytest.raises(codec.CorruptPayload, match="announced 2"):
+        check_labels(fetched(2, v1.manifest_hash), want_version=2)
+    with pytest.raises(codec.CorruptPayload, match="version 3 was asked for"):
+        check_labels(fetched(2, v2.manifest_hash), want_version=3)

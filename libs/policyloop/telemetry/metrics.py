@@ -88,3 +88,9 @@ LEARNER_STEP_STAT = Gauge(
     "is_weight_mean, is_weight_max, is_truncated_fraction, loss, grad_norm.",
     ["stat"],
 )
+WEIGHTS_QUARANTINED = Counter(
+    "policyloop_weights_quarantined_total",
+    "Stored weight files the publisher found damaged or missing and moved into quarantine/, by what "
+    "(record, payload, keyframe, snapshot).",
+    ["what"],
+)

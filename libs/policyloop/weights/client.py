@@ -24,6 +24,21 @@ class FetchError(Exception):
     """The fetched payload is not what its header promised."""
 
 
+# Codes that say the publisher was not reached or did not answer (retried, or left to the
+# caller), or that any request would get: everything else is the publisher refusing this one.
+_NOT_A_REFUSAL = frozenset({
+    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+})
+
+
+def refused(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether the publisher answered and refused the call, so that another payload (a keyframe
+    instead of a delta) may succeed where this one did not."""
+    transport = exc.code() == grpc.StatusCode.INTERNAL and "from Core" in (exc.details() or "")
+    return exc.code() not in _NOT_A_REFUSAL and not transport
+
+
 @dataclass(frozen=True)
 class FetchedVersion:
     header: weights_pb2.FetchHeader
@@ -108,7 +123,8 @@ async def sync_weights(client: WeightClient, model: str, held: codec.WeightSet |
     """Brings `held` (None: nothing yet) to `want_version` (0: newest) and verifies every tensor.
 
     A delta that cannot be applied — wrong base, hash mismatch, damaged or truncated payload,
-    unknown tensor, changed shape — leaves `held` untouched (codec.apply is all or nothing); the
+    unknown tensor, changed shape — or that the publisher refuses to serve (DATA_LOSS: the
+    publisher lost what it needs) leaves `held` untouched (codec.apply is all or nothing); the
     error is logged with its reason and a keyframe is fetched instead. A keyframe that fails the
     same checks raises: there is nothing better to fall back to, and the caller keeps serving."""
     fallback = ""
@@ -123,9 +139,16 @@ async def sync_weights(client: WeightClient, model: str, held: codec.WeightSet |
             fallback, have = f"transfer: {exc}", 0
             log.warning("weights_delta_refused", model=model, reason=fallback)
             continue
+        except grpc.aio.AioRpcError as exc:
+            if have == 0 or not refused(exc) or exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise
+            fallback, have = f"publisher: {exc.code().name}: {exc.details()}", 0
+            log.warning("weights_delta_refused", model=model, reason=fallback)
+            continue
         transfer_s = time.monotonic() - started
         started = time.monotonic()
         try:
+            check_labels(fetched, want_version)
             weights = await asyncio.to_thread(codec.apply, held if have else None, fetched.payload)
         except codec.CodecError as exc:
             if have == 0:
@@ -136,6 +159,18 @@ async def sync_weights(client: WeightClient, model: str, held: codec.WeightSet |
         kind = "delta" if fetched.header.kind == weights_pb2.PAYLOAD_KIND_DELTA else "keyframe"
         return weights, SyncReport(weights.version, kind, len(fetched.payload), weights.raw_bytes, transfer_s,
                                    time.monotonic() - started, fallback)
+
+
+def check_labels(fetched: FetchedVersion, want_version: int) -> None:
+    """Refuses a payload that is not the version the Fetch announced (and asked for) before it is
+    applied: its own header's version and manifest must be the ones the publisher named."""
+    header = codec.read_header(fetched.payload)
+    announced = fetched.header
+    if header.version != announced.version or header.manifest_hash != announced.manifest_hash:
+        raise codec.CorruptPayload(f"payload: it is version {header.version} (manifest {header.manifest_hash}), the "
+                                   f"publisher announced {announced.version} ({announced.manifest_hash})")
+    if want_version and header.version != want_version:
+        raise codec.CorruptPayload(f"payload: it is version {header.version}, version {want_version} was asked for")
 
 
 @dataclass(frozen=True)
@@ -151,8 +186,9 @@ class PushReport:
 
 class VersionPusher:
     """The learner's side: each new version goes to the publisher as a delta from the last
-    version the publisher confirmed, or as a keyframe when there is none or the publisher's
-    newest version is another one (a fresh or restored publisher)."""
+    version the publisher confirmed, or as a keyframe when there is none or the publisher refuses
+    the delta, whatever the reason (a fresh or restored publisher, one whose newest version was
+    damaged on disk, a delta it cannot verify). Only a refused keyframe raises."""
 
     def __init__(self, client: WeightClient, model: str, *, run_id: str = "", attempts: int = 8) -> None:
         self.client, self.model, self.run_id, self.attempts = client, model, run_id, attempts
@@ -170,10 +206,9 @@ class VersionPusher:
         try:
             await self._push_until_held(weights, encoded.payload, step)
         except grpc.aio.AioRpcError as exc:
-            refused_base = exc.code() == grpc.StatusCode.FAILED_PRECONDITION and "base_version" in (exc.details() or "")
-            if encoded.stats.kind != "delta" or not refused_base:
+            if encoded.stats.kind != "delta" or not refused(exc):
                 raise
-            log.warning("push_keyframe_instead", version=weights.version, reason=exc.details())
+            log.warning("push_keyframe_instead", version=weights.version, code=exc.code().name, reason=exc.details())
             started_keyframe = time.monotonic()
             encoded = await asyncio.to_thread(codec.encode, weights, None)
             encode_s += time.monotonic() - started_keyframe

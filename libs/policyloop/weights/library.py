@@ -10,6 +10,12 @@ by the learner, served to every replica); otherwise a delta encoded here from th
 version (rebuilt from disk; XOR composes, so one delta covers any number of steps), or a
 keyframe when the client has nothing or a version no longer kept. Built payloads are cached, and
 concurrent requests for the same one wait for a single encoding.
+
+Damage on disk (see store.py) never blocks later versions: a version is rebuilt by whatever route
+remains (a snapshot, the deltas below a damaged snapshot, the newest weights held in memory); a
+client whose version cannot be rebuilt gets a keyframe; a delta pushed onto a newest version that
+cannot be rebuilt is refused with BaseUnavailable, so the learner sends a keyframe, which is
+always accepted. A wanted version that no route rebuilds raises Unrebuildable (a DataLoss).
 """
 
 from __future__ import annotations
@@ -17,14 +23,28 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights import codec
-from policyloop.weights.store import StaleVersion, StoredVersion, UnknownVersion, VersionStore, payload_digest
+from policyloop.weights.store import (
+    DamagedEntry,
+    DataLoss,
+    StaleVersion,
+    StoredVersion,
+    StoreError,
+    UnknownVersion,
+    VersionStore,
+    payload_digest,
+)
 
 log = get_logger(__name__)
+
+# Each failed route quarantines what failed, so the routes left shrink with every try; this only
+# bounds a store that keeps changing underneath.
+_MAX_ROUTES = 32
 
 
 class PushRejected(Exception):
@@ -33,6 +53,10 @@ class PushRejected(Exception):
 
 class BaseUnavailable(PushRejected):
     """A delta whose base is not the newest version here: the pusher should send a keyframe."""
+
+
+class Unrebuildable(DataLoss):
+    """No route rebuilds the version from what is stored; the message names the version and why."""
 
 
 @dataclass(frozen=True)
@@ -70,21 +94,71 @@ class WeightLibrary:
     # ------------------------------------------------------------ rebuilding versions
 
     def materialize(self, model: str, version: int) -> codec.WeightSet:
-        """A stored version's weights, rebuilt from the nearest keyframe or snapshot (blocking)."""
-        chain: list[StoredVersion] = []
-        current = self.store.get(model, version)
-        while True:
+        """A stored version's weights, rebuilt from the nearest keyframe or snapshot (blocking).
+
+        Every file read is checked; one that fails is quarantined and the next route is tried:
+        a damaged snapshot gives way to the deltas below it, a damaged delta to its snapshot.
+        Raises UnknownVersion for a version that is not stored, Unrebuildable when no route is left."""
+        damaged: list[str] = []
+        for _ in range(_MAX_ROUTES):
+            try:
+                return self._rebuild(model, version)
+            except DamagedEntry as exc:
+                damaged.append(str(exc))
+            except Unrebuildable as exc:  # no route left: a link of the chain is gone
+                raise Unrebuildable(_with_damage(str(exc), damaged)) from exc
+            except DataLoss as exc:  # the version itself was quarantined (its reasons are in the message)
+                raise Unrebuildable(str(exc)) from exc
+        raise Unrebuildable(_with_damage(f"version {version} of {model} cannot be rebuilt: the store kept "
+                                         f"changing over {_MAX_ROUTES} tries", damaged))
+
+    def _rebuild(self, model: str, version: int) -> codec.WeightSet:
+        """One route: back from the version to a keyframe or snapshot, then the deltas forward."""
+        target = self.store.get(model, version)
+        chain: list[StoredVersion] = []  # deltas to apply, newest first
+        current = target
+        while not self.store.is_base_point(current):
             chain.append(current)
-            if self.store.is_base_point(current):
-                break
-            current = self.store.get(model, current.base_version)
-        start = chain.pop()
-        if start.kind == "delta":  # a delta with a snapshot beside it
-            weights = codec.apply(None, self.store.read_snapshot(model, start.version), pool=self.pool)
-        else:
-            weights = codec.apply(None, self.store.read_payload(model, start.version), pool=self.pool)
+            current = self._base_of(target, current)
+        weights = self._decode_base_point(current)
         for stored in reversed(chain):
-            weights = codec.apply(weights, self.store.read_payload(model, stored.version), pool=self.pool)
+            weights = self._apply_stored(weights, stored)
+        return weights
+
+    def _base_of(self, target: StoredVersion, stored: StoredVersion) -> StoredVersion:
+        try:
+            return self.store.get(stored.model, stored.base_version)
+        except DamagedEntry:
+            raise
+        except (UnknownVersion, DataLoss) as exc:
+            raise Unrebuildable(f"version {target.version} of {target.model} cannot be rebuilt: version "
+                                f"{stored.version} is a delta from version {stored.base_version}, and {exc}") from exc
+
+    def _decode_base_point(self, stored: StoredVersion) -> codec.WeightSet:
+        """A keyframe's payload or a delta's snapshot, decoded and checked against the record."""
+        if stored.kind == "keyframe":
+            payload = self.store.read_payload(stored.model, stored.version)
+            return self._checked(stored, payload, None, self.store.quarantine_payload)
+        payload = self.store.read_snapshot(stored.model, stored.version)
+        return self._checked(stored, payload, None, self.store.quarantine_snapshot)
+
+    def _apply_stored(self, weights: codec.WeightSet, stored: StoredVersion) -> codec.WeightSet:
+        payload = self.store.read_payload(stored.model, stored.version)
+        return self._checked(stored, payload, weights, self.store.quarantine_payload)
+
+    def _checked(self, stored: StoredVersion, payload: bytes, held: codec.WeightSet | None,
+                 quarantine: Callable[[StoredVersion, str], StoreError]) -> codec.WeightSet:
+        """Applies a stored payload (it matched its record's hash) and checks the result against
+        the record: one that does not give the recorded weights is quarantined."""
+        try:
+            weights = codec.apply(held, payload, pool=self.pool)
+        except codec.TooLarge as exc:  # this machine's memory bound, not damage: nothing is quarantined
+            raise MemoryError(f"version {stored.version} of {stored.model}: {exc}") from exc
+        except codec.CodecError as exc:
+            raise quarantine(stored, f"does not decode ({type(exc).__name__}: {exc})") from exc
+        problem = _mismatch(weights, stored)
+        if problem:
+            raise quarantine(stored, problem)
         return weights
 
     async def _newest(self, model: str) -> codec.WeightSet | None:
@@ -122,7 +196,7 @@ class WeightLibrary:
                 have = latest.version if latest is not None else "none"
                 raise BaseUnavailable(f"base_version: the delta is from {header.base_version}, the publisher's "
                                       f"newest version is {have}; push a keyframe")
-            held = await self._newest(meta.model) if header.kind == "delta" else None
+            held = await self._newest_as_base(meta.model) if header.kind == "delta" else None
             try:
                 weights = await asyncio.to_thread(codec.apply, held, payload, pool=self.pool)
             except codec.WrongBase as exc:
@@ -148,6 +222,13 @@ class WeightLibrary:
                 self._spawn(self._write_snapshot(stored, snapshot))
         return stored
 
+    async def _newest_as_base(self, model: str) -> codec.WeightSet | None:
+        try:
+            return await self._newest(model)
+        except (DataLoss, UnknownVersion) as exc:  # lost, or quarantined since the check above
+            raise BaseUnavailable(f"base_version: the publisher's newest version cannot be rebuilt ({exc}); "
+                                  f"push a keyframe") from exc
+
     def _write(self, record: StoredVersion, payload: bytes) -> StoredVersion:
         writer = self.store.begin(record)
         try:
@@ -165,7 +246,7 @@ class WeightLibrary:
             length += 1
             try:
                 current = self.store.get(current.model, current.base_version)
-            except UnknownVersion:
+            except StoreError:
                 break
         return length
 
@@ -175,7 +256,7 @@ class WeightLibrary:
             log.info("snapshot_written", model=stored.model, version=stored.version, bytes=len(payload))
         except UnknownVersion:
             pass  # pruned meanwhile
-        except OSError as exc:
+        except (OSError, StoreError) as exc:
             log.error("snapshot_failed", model=stored.model, version=stored.version, error=repr(exc))
 
     def _spawn(self, coro: object) -> None:
@@ -190,33 +271,34 @@ class WeightLibrary:
 
     # ------------------------------------------------------------ fetches
 
-    def _remember(self, served: Served) -> None:
-        key = (served.model, served.base_version, served.version)
-        self._cache[key] = served
-        self._cache.move_to_end(key)
+    def _remember(self, served: Served, *also: tuple[str, int, int]) -> None:
+        """Caches a payload under its own key and the keys of requests it answers (a keyframe
+        answers a request for a delta from a version that cannot be rebuilt)."""
+        for key in {(served.model, served.base_version, served.version), *also}:
+            self._cache[key] = served
+            self._cache.move_to_end(key)
         while len(self._cache) > self.cache_entries:
             self._cache.popitem(last=False)
 
     async def payload_for(self, model: str, have_version: int, want_version: int) -> Served:
         """What a client holding `have_version` (0: nothing) needs for `want_version` (0: newest).
-        Raises UnknownVersion when the wanted version is not stored."""
+        Raises UnknownVersion when the wanted version is not stored, DataLoss when it was
+        quarantined or cannot be rebuilt."""
         stored = {v.version: v for v in self.store.versions(model)}  # one listing of the records
+        if want_version and want_version not in stored:
+            stored[want_version] = self.store.get(model, want_version)  # raises what became of it
         if not stored:
             raise UnknownVersion(f"no version of {model} is stored")
-        target = stored.get(want_version or max(stored))
-        if target is None:
-            raise UnknownVersion(f"version {want_version} of {model} is not stored")
+        target = stored[want_version or max(stored)]
         base = have_version if 0 < have_version < target.version and have_version in stored else 0
         key = (model, base, target.version)
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
         if target.base_version == base and (base > 0 or target.kind == "keyframe"):
-            payload = await asyncio.to_thread(self.store.read_payload, model, target.version)
-            served = Served(model, target.version, base, target.kind, target.manifest_hash, payload,
-                            target.payload_xxh3_128)
-            self._remember(served)
-            return served
+            served = await self._stored_payload(target, base)
+            if served is not None:
+                return served
         building = self._building.get(key)
         if building is None:
             building = asyncio.ensure_future(self._build(model, base, target.version))
@@ -224,21 +306,63 @@ class WeightLibrary:
             building.add_done_callback(lambda _: self._building.pop(key, None))
         return await asyncio.shield(building)
 
-    async def _build(self, model: str, base: int, version: int) -> Served:
-        async with self._lock(model):
-            newest = await self._newest(model)
-            started = time.monotonic()
-
-            def build() -> codec.Encoded:
-                target = newest if newest is not None and newest.version == version else \
-                    self.materialize(model, version)
-                from_weights = self.materialize(model, base) if base else None
-                return codec.encode(target, from_weights, pool=self.pool)
-
-            encoded = await asyncio.to_thread(build)
-        served = Served(model, version, base, encoded.stats.kind, self.store.get(model, version).manifest_hash,
-                        encoded.payload, payload_digest(encoded.payload))
-        log.info("payload_built", model=model, version=version, base_version=base, kind=served.kind,
-                 bytes=len(served.payload), seconds=round(time.monotonic() - started, 3))
+    async def _stored_payload(self, target: StoredVersion, base: int) -> Served | None:
+        """The stored payload as the learner made it, checked against its record; None when it
+        fails the check (quarantined: the caller builds one from what remains)."""
+        try:
+            payload = await asyncio.to_thread(self.store.read_payload, target.model, target.version)
+        except DamagedEntry as exc:
+            log.warning("stored_payload_unusable", model=target.model, version=target.version, error=str(exc))
+            return None
+        served = Served(target.model, target.version, base, target.kind, target.manifest_hash, payload,
+                        target.payload_xxh3_128)
         self._remember(served)
         return served
+
+    async def _build(self, model: str, base: int, version: int) -> Served:
+        async with self._lock(model):
+            started = time.monotonic()
+            target = await self._weights_of(model, version)
+            from_weights = await self._client_base(model, base)
+            encoded = await asyncio.to_thread(codec.encode, target, from_weights, pool=self.pool)
+        served = Served(model, version, from_weights.version if from_weights else 0, encoded.stats.kind,
+                        target.manifest_hash, encoded.payload, payload_digest(encoded.payload))
+        log.info("payload_built", model=model, version=version, base_version=served.base_version, kind=served.kind,
+                 bytes=len(served.payload), seconds=round(time.monotonic() - started, 3))
+        self._remember(served, (model, base, version))
+        return served
+
+    async def _weights_of(self, model: str, version: int) -> codec.WeightSet:
+        """A version's weights: the newest held in memory when it is that one (which also serves a
+        newest version whose files were lost), else rebuilt from disk (call with the lock held)."""
+        held = self._held.get(model)
+        if held is not None and held.version == version:
+            return held
+        latest = self.store.latest(model)
+        if latest is not None and latest.version == version:
+            newest = await self._newest(model)  # kept for the pushes that follow
+            if newest is not None and newest.version == version:
+                return newest
+        return await asyncio.to_thread(self.materialize, model, version)
+
+    async def _client_base(self, model: str, base: int) -> codec.WeightSet | None:
+        """The client's version to encode a delta from; None (a keyframe) when it cannot be rebuilt."""
+        if not base:
+            return None
+        try:
+            return await asyncio.to_thread(self.materialize, model, base)
+        except (UnknownVersion, DataLoss) as exc:
+            log.warning("client_base_unavailable", model=model, base_version=base, error=str(exc))
+            return None
+
+
+def _mismatch(weights: codec.WeightSet, stored: StoredVersion) -> str:
+    """How decoded weights differ from what the version's record says ("" if they do not)."""
+    if weights.version != stored.version or weights.manifest_hash != stored.manifest_hash:
+        return (f"decodes to version {weights.version} with manifest {weights.manifest_hash}, its record says "
+                f"version {stored.version} with manifest {stored.manifest_hash}")
+    return ""
+
+
+def _with_damage(message: str, damaged: list[str]) -> str:
+    return message + (f" (quarantined on the way: {'; '.join(damaged)})" if damaged else "")

@@ -1,5 +1,11 @@
 """The WeightService servicer over a WeightLibrary. `on_stored` is called once a pushed version
-is durable (the publisher announces it on WEIGHTS from there)."""
+is durable (the publisher announces it on WEIGHTS from there).
+
+Every failure has its own status, with a message that names the field or the stored version:
+INVALID_ARGUMENT only for what the client sent, FAILED_PRECONDITION for a push that does not
+follow the stored versions, NOT_FOUND for a version never stored, DATA_LOSS for a version whose
+stored files were damaged and that nothing left rebuilds, UNAVAILABLE when the disk fails,
+RESOURCE_EXHAUSTED when memory does, INTERNAL (logged) for anything else."""
 
 from __future__ import annotations
 
@@ -11,19 +17,54 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 
 from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
+from policyloop.telemetry.logging import get_logger
 from policyloop.weights.codec import CODEC
 from policyloop.weights.library import BaseUnavailable, PushRejected, WeightLibrary
 from policyloop.weights.link import LinkLimit
 from policyloop.weights.store import (
     CHUNK_BYTES,
+    DataLoss,
+    PayloadMismatch,
     StaleVersion,
     StoredVersion,
     UnknownVersion,
     validate_model_name,
 )
 
+log = get_logger(__name__)
+
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
 OnStored = Callable[[StoredVersion], Awaitable[None]]
+
+# First match wins (subclasses before their bases): the status and the message's prefix.
+_FAILURES: tuple[tuple[type[BaseException], grpc.StatusCode, str], ...] = (
+    (BaseUnavailable, grpc.StatusCode.FAILED_PRECONDITION, ""),
+    (PushRejected, grpc.StatusCode.INVALID_ARGUMENT, ""),
+    (PayloadMismatch, grpc.StatusCode.INVALID_ARGUMENT, "data: "),
+    (StaleVersion, grpc.StatusCode.FAILED_PRECONDITION, "header.version: "),
+    (UnknownVersion, grpc.StatusCode.NOT_FOUND, "want_version: "),
+    (DataLoss, grpc.StatusCode.DATA_LOSS, "store: "),
+    (OSError, grpc.StatusCode.UNAVAILABLE, "store: the publisher's disk failed: "),
+    (MemoryError, grpc.StatusCode.RESOURCE_EXHAUSTED, "publisher: out of memory: "),
+)
+
+
+def failure_status(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and message a failed call answers with."""
+    for kind, code, prefix in _FAILURES:
+        if isinstance(exc, kind):
+            return code, prefix + (str(exc) or type(exc).__name__)
+    return grpc.StatusCode.INTERNAL, f"publisher: {type(exc).__name__}: {exc}"
+
+
+async def abort_with(context: grpc.aio.ServicerContext, call: str, exc: BaseException) -> None:
+    """Ends the call with the failure's status; what the publisher got wrong is logged too."""
+    code, message = failure_status(exc)
+    if code in (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.INTERNAL):
+        log.error("weights_call_failed", call=call, code=code.name, error=message,
+                  exc_info=code == grpc.StatusCode.INTERNAL)
+    await context.abort(code, message)
 
 
 def version_info(v: StoredVersion) -> weights_pb2.VersionInfo:
@@ -79,7 +120,10 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             bytes=header.total_bytes, payload_xxh3_128=header.payload_xxh3_128,
             created_unix_ms=int(time.time() * 1000), run_id=header.run_id,
         )
-        latest = self.store.latest(header.model)
+        try:
+            latest = self.store.latest(header.model)
+        except Exception as exc:  # each failure has its own status (failure_status)
+            await abort_with(context, "Push", exc)
         if latest is not None and latest.version >= header.version:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"header.version: version {header.version} of {header.model} is not newer "
@@ -95,13 +139,14 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         async with self._push_lock:
             try:
                 stored = await self.library.accept(meta, bytes(payload))
-            except BaseUnavailable as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except PushRejected as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            except StaleVersion as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"header.version: {exc}")
-        await self.on_stored(stored)
+            except Exception as exc:
+                await abort_with(context, "Push", exc)
+        try:
+            await self.on_stored(stored)
+        except Exception as exc:  # stored durably: the next start announces it again
+            log.error("announce_failed", model=stored.model, version=stored.version, error=repr(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"announce: version {stored.version} is stored but announcing it failed ({exc!r})")
         return weights_pb2.PushResult(model=stored.model, version=stored.version, bytes_stored=stored.bytes)
 
     async def Fetch(self, request: weights_pb2.FetchRequest,
@@ -116,8 +161,8 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_version: must not be negative")
         try:
             served = await self.library.payload_for(request.model, request.have_version, request.want_version)
-        except UnknownVersion as exc:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"want_version: {exc}")
+        except Exception as exc:
+            await abort_with(context, "Fetch", exc)
         if request.have_version and request.have_version == served.version:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"have_version: the client already holds version {served.version}")
@@ -135,13 +180,16 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
 
     async def ListVersions(self, request: weights_pb2.ListVersionsRequest,
                            context: grpc.aio.ServicerContext) -> weights_pb2.ListVersionsResponse:
-        models = [request.model] if request.model else self.store.models()
-        versions = []
-        for model in models:
+        if request.model:
             try:
-                versions.extend(version_info(v) for v in self.store.versions(model))
+                validate_model_name(request.model)
             except ValueError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {exc}")
+        try:
+            models = [request.model] if request.model else self.store.models()
+            versions = [version_info(v) for model in models for v in self.store.versions(model)]
+        except Exception as exc:  # damaged records are skipped by the store; this is the disk failing
+            await abort_with(context, "ListVersions", exc)
         return weights_pb2.ListVersionsResponse(versions=versions)
 
 

@@ -12,19 +12,34 @@ import torch
 
 from policyloop.weights.codec import TensorBytes, WeightSet
 
+# torch dtypes → the safetensors names (as safetensors.torch writes them) of the codec's dtypes.
 DTYPE_NAMES: dict[torch.dtype, str] = {
-    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8", torch.int16: "I16", torch.int32: "I32",
-    torch.int64: "I64", torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32", torch.float64: "F64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.bool: "BOOL", torch.uint8: "U8", torch.int8: "I8",
+    torch.uint16: "U16", torch.int16: "I16", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.uint32: "U32", torch.int32: "I32", torch.float32: "F32",
+    torch.uint64: "U64", torch.int64: "I64", torch.float64: "F64", torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ", torch.float8_e8m0fnu: "F8_E8M0",
 }
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The safetensors name of a torch dtype the codec carries."""
+    try:
+        return DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"{dtype} has no whole-byte safetensors dtype the weight codec carries (sub-byte and "
+                         f"packed dtypes such as torch.float4_e2m1fn_x2, and complex128, have none); the codec "
+                         f"carries {sorted(str(d) for d in DTYPE_NAMES)}") from None
+
+
 def to_bytes(tensor: torch.Tensor) -> TensorBytes:
     """A CPU copy of the tensor's bytes (the learner keeps training its own)."""
+    name = dtype_name(tensor.dtype)
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().copy() if flat.numel() else np.empty(0, dtype=np.uint8)
-    return TensorBytes(DTYPE_NAMES[tensor.dtype], tuple(tensor.shape), data)
+    return TensorBytes(name, tuple(tensor.shape), data)
 
 
 def to_tensor(tensor: TensorBytes) -> torch.Tensor:
