@@ -345,22 +345,28 @@ for pid in ({victim.pid}, {os.getpid()}, 1):
         victim.wait()
 
 
+def fill(directory: str) -> str:
+    """Job code writing 1 MiB files into `directory` until refused; prints the errno and the total."""
+    return f"""
+written = 0
+try:
+    for i in range(24):
+        with open(f"{directory}fill{{i}}", "wb") as f:
+            f.write(b"x" * 1024**2)
+        written += 1024**2
+except OSError as exc:
+    print("stopped", exc.errno)
+print("written", written)
+"""
+
+
 async def test_the_scratch_directory_is_bounded_and_a_full_one_is_reported(cgroups: JobCgroups | None) -> None:
     """The scratch directory is a tmpfs of scratch_bytes, the job's files in it: filling it stops
     at its size (no job writes to the host's disk), and is reported as the file-size limit."""
     result = await run_python("""
 import os
 print(sorted(os.listdir()), open("data/in.txt").read())
-written = 0
-try:
-    for i in range(24):
-        with open(f"fill{i}", "wb") as f:
-            f.write(b"x" * 1024**2)
-        written += 1024**2
-except OSError as exc:
-    print("stopped", exc.errno)
-print("written", written)
-""", cgroups, scratch_bytes=8 * 1024**2, max_file_bytes=2 * 1024**2, files={"data/in.txt": b"input"})
+""" + fill(""), cgroups, scratch_bytes=8 * 1024**2, max_file_bytes=2 * 1024**2, files={"data/in.txt": b"input"})
     assert result.stdout.startswith(b"['data', 'job.py'] input\n"), result
     assert f"stopped {errno.ENOSPC}\n".encode() in result.stdout, result
     assert int(result.stdout.split()[-1]) <= 8 * 1024**2, result
@@ -384,16 +390,7 @@ for path in ("/dev/evil", "/dev/pts/evil", "/evil"):
         print("denied", path)
 print("unshare", libc.unshare(0x10000000), ctypes.get_errno())  # CLONE_NEWUSER
 print("shmget", libc.shmget(0, 1 << 20, 0o1600), ctypes.get_errno())
-written = 0
-try:
-    for i in range(24):
-        with open(f"/dev/shm/fill{i}", "wb") as f:
-            f.write(b"x" * 1024**2)
-        written += 1024**2
-except OSError as exc:
-    print("stopped", exc.errno)
-print("written", written)
-""", cgroups, shm_bytes=8 * 1024**2, max_file_bytes=2 * 1024**2)
+""" + fill("/dev/shm/"), cgroups, shm_bytes=8 * 1024**2, max_file_bytes=2 * 1024**2)
     assert b"WROTE" not in result.stdout and result.stdout.count(b"denied") == 3, result
     assert b"unshare -1" in result.stdout and f"shmget -1 {errno.EPERM}".encode() in result.stdout, result
     assert f"stopped {errno.ENOSPC}\n".encode() in result.stdout, result

@@ -33,6 +33,7 @@ from policyloop.weights.store import (
     VersionStore,
 )
 from tests.helpers import eventually, perturbed, random_weights, stored
+from tests.unit.test_version_store import sealed
 
 MODEL = "policy"
 SHAPES = {"embed": (96, 32), "layer.0.w": (32, 32), "norm": (32,)}
@@ -111,12 +112,6 @@ def flip(path: Path) -> None:
 
 def truncate(path: Path) -> None:
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
-
-
-def sealed(content: dict) -> str:
-    """A record whose seal matches its content (so that only the field checks can refuse it)."""
-    canonical = json.dumps(content, sort_keys=True, separators=(",", ":"))
-    return json.dumps(content | {"record_xxh3_128": xxhash.xxh3_128_hexdigest(canonical.encode())})
 
 
 def wrong_types(path: Path) -> None:
