@@ -411,6 +411,17 @@ def encode(target: WeightSet, base: WeightSet | None = None, *, raw: bool = Fals
         if plan.encoding == "full" and plan.name not in xor_results:
             plan.changed = plan.target.numel
 
+    payload = _container(plans, target, base, kind, frame_bytes)
+    counts = {e: sum(1 for p in plans if p.encoding == e) for e in ENCODINGS}
+    return Encoded(payload, EncodeStats(
+        kind=kind, raw_bytes=target.raw_bytes, payload_bytes=len(payload), tensors=counts,
+        changed_elements=sum(p.changed for p in plans), total_elements=sum(p.target.numel for p in plans),
+    ))
+
+
+def _container(plans: list[_TensorPlan], target: WeightSet, base: WeightSet | None, kind: Kind,
+               frame_bytes: int) -> bytes:
+    """The safetensors payload of encoded plans: their frames, and the header that names them."""
     arrays: dict[str, np.ndarray] = {}
     entries: list[dict[str, Any]] = []
     for plan in plans:
@@ -436,11 +447,7 @@ def encode(target: WeightSet, base: WeightSet | None = None, *, raw: bool = Fals
     }
     fields["header_hash"] = header_digest(fields)
     payload = safetensors.numpy.save(arrays, metadata={METADATA_KEY: _canonical(fields).decode()})
-    counts = {e: sum(1 for p in plans if p.encoding == e) for e in ENCODINGS}
-    return Encoded(payload, EncodeStats(
-        kind=kind, raw_bytes=target.raw_bytes, payload_bytes=len(payload), tensors=counts,
-        changed_elements=sum(p.changed for p in plans), total_elements=sum(p.target.numel for p in plans),
-    ))
+    return payload
 
 
 def _size(frames: list[list[bytes]]) -> int:
