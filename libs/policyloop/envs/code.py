@@ -39,18 +39,20 @@ TEST_HARNESS = (Path(__file__).parent / "unit_test_harness.py").read_bytes()
 # Time for the job's own start (bwrap, two interpreters) and report, beyond the tests' budget.
 START_MARGIN_S = 2.0
 
+REWARD_FUNCTION = "reward"  # what reward code defines; the harness calls it (the gateway checks it is there)
+
 _REWARD_HARNESS = r'''
 import json, sys
 nonce = sys.stdin.readline().strip()
 args = json.loads(sys.stdin.readline())
 namespace = {"__name__": "reward_code"}
 exec(compile(open("reward.py").read(), "reward.py", "exec"), namespace)
-value = namespace["reward"](args["prompt"], args["completion"], args["metadata"])
+value = namespace[REWARD_FUNCTION](args["prompt"], args["completion"], args["metadata"])
 detail = ""
 if isinstance(value, (tuple, list)):
     value, detail = value[0], str(value[1])
 sys.stdout.write("\n" + nonce + " " + json.dumps({"reward": float(value), "detail": detail[:500]}) + "\n")
-'''
+'''.replace("REWARD_FUNCTION", repr(REWARD_FUNCTION))
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from policyloop.contracts.v1 import loop_pb2
+from policyloop.envs.code import REWARD_FUNCTION, test_functions
 from policyloop.envs.feeding import DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 
@@ -31,8 +32,6 @@ MAX_ENVIRONMENT_BYTES = 256 * 1024 * 1024
 MAX_BYTES_PER_TOKEN = 256
 # config.json keys that give a model's context length, in the order Hugging Face models use them.
 CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
-# Reward code must define this function; the sandbox's harness calls it (envs/code.py).
-REWARD_FUNCTION = "reward"
 # What the parser raises besides SyntaxError: ValueError for null bytes (before 3.12),
 # MemoryError and RecursionError for nesting deeper than its stack.
 _PARSE_ERRORS = (SyntaxError, ValueError, MemoryError, RecursionError)
@@ -270,7 +269,6 @@ def _takes_three(args: ast.arguments) -> bool:
 def _check_unit_tests(env: loop_pb2.Environment) -> None:
     """Every task must have tests to run: top-level `def test_*` functions in the shared test_code
     or its own metadata.tests (tests may come with each task), in Python that parses."""
-    from policyloop.envs.code import test_functions
 
     def tests_in(source: str, field: str) -> list[str]:
         try:
