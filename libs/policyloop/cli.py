@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import time
@@ -236,6 +237,9 @@ def bootstrap(
              "(default $POLICYLOOP_CACHE/models or ~/.cache/policyloop/models).")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even when a complete cached model exists.")] = False,
     tools: Annotated[bool, typer.Option(help="The multi-turn demo's model (it knows the python tool).")] = False,
+    link: Annotated[Path | None, typer.Option(
+        help="Also point this path at the model (a relative symlink, replaced atomically): a fixed name "
+             "such as /models/base for containers that mount the same volume.")] = None,
 ) -> None:
     """Build (or find cached) the small base model warmed up on arithmetic; prints JSON."""
     from policyloop.models.bootstrap import (
@@ -256,8 +260,24 @@ def bootstrap(
         console.print(f"[red]bootstrap failed:[/red] {exc}")
         raise typer.Exit(1) from exc
     record = read_record(path)
+    if link is not None:
+        _replace_symlink(link, path)
     print(json.dumps({"path": str(path.resolve()), "heldout_accuracy": record["heldout_accuracy"],
                       "steps": record["steps"], "seconds": record["seconds"], "cached": cached}, indent=2))
+
+
+def _replace_symlink(link: Path, target: Path) -> None:
+    """`link` -> `target`, relative so that it resolves wherever the volume is mounted; a rename
+    over the old link, so a reader sees one or the other."""
+    link = link.absolute()
+    if link.exists() and not link.is_symlink():
+        raise typer.BadParameter(f"{link} exists and is not a symlink", param_hint="--link")
+    link.parent.mkdir(parents=True, exist_ok=True)
+    relative = os.path.relpath(target.resolve(), link.parent.resolve())
+    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(relative, target_is_directory=True)
+    tmp.replace(link)
 
 
 # -- environments and runs through the gateway's LoopService ----------------------------------

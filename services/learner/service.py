@@ -35,7 +35,7 @@ from policyloop.engines.sglang_client import EngineError, SGLangClient
 from policyloop.envs.validation import RUN_LOSS_SETTINGS
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, GroupCollector, RecentSteps, sample_lag, split_stale
-from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
+from policyloop.runtime import ServiceCannotStart, ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
@@ -117,6 +117,10 @@ class LearnerSettings(ServiceSettings):
         1000, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later ones "
                           "exceed max_lag and are dropped as stale).")
     torch_threads: int = Field(1, description="torch intra-op threads of this process.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the policy trains: auto (CUDA when this torch sees a GPU, else CPU), cpu, or "
+                            "cuda — which refuses to start on a CPU-only torch or a node without a visible GPU "
+                            "instead of training on the CPU unnoticed (GPU images and overlays set it).")
     crash_after_recording_step: int = Field(
         0, description="Fault injection for recovery drills: exit at once (as if killed) right after step N is "
                        "recorded in LEDGER and before its version is published — the narrowest window of the "
@@ -154,7 +158,7 @@ def trainer_config(settings: LearnerSettings) -> TrainerConfig:
     return TrainerConfig(lr=settings.lr, loss=loss_config(settings), warmup_steps=settings.lr_warmup_steps,
                          schedule=settings.lr_schedule, decay_steps=settings.lr_decay_steps,
                          min_lr_ratio=settings.lr_min_ratio, max_grad_norm=settings.max_grad_norm,
-                         threads=settings.torch_threads)
+                         threads=settings.torch_threads, device=settings.device)
 
 
 class ColocatedEngines:
@@ -251,9 +255,13 @@ async def body(ctx: ServiceContext) -> None:
     # first, so that it is advertised while the model loads and the ledger replays too.
     ctx.detail["config"] = {"model": settings.model, "max_lag": settings.max_lag,
                             "loss": {key: getattr(settings, key) for key in RUN_LOSS_SETTINGS}}
-    from policyloop.rl.trainer import PolicyTrainer
+    from policyloop.rl.trainer import DeviceUnavailable, PolicyTrainer, resolve_device
     from policyloop.weights.torch_io import weight_set
 
+    try:
+        resolve_device(settings.device)
+    except DeviceUnavailable as exc:
+        raise ServiceCannotStart(str(exc)) from exc
     config = trainer_config(settings)
     trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, config, 0)
     try:

@@ -44,6 +44,7 @@ class TrainerConfig:
     max_grad_norm: float = 1.0
     loss: LossConfig = field(default_factory=LossConfig)
     threads: int = 1
+    device: str = "auto"                  # auto (CUDA when present) | cpu | cuda
 
 
 @dataclass(frozen=True)
@@ -66,11 +67,33 @@ class StepReport:
     is_truncated_fraction: float = 0.0
 
 
-def init_distributed() -> DeviceMesh:
+class DeviceUnavailable(RuntimeError):
+    """The configured device cannot be used by this process's torch."""
+
+
+def resolve_device(requested: str) -> str:
+    """`auto` is CUDA when this torch sees a GPU, else the CPU. `cuda` is a promise: a CPU-only
+    torch build, or a node without a visible GPU, is an error rather than a silent CPU run."""
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, not {requested!r}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        if torch.version.cuda is None:
+            why = f"this torch ({torch.__version__}) is a CPU-only build"
+        else:
+            why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU (driver, device plugin or " \
+                  f"CUDA_VISIBLE_DEVICES)"
+        raise DeviceUnavailable(f"device=cuda was asked for but {why}")
+    if requested == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return requested
+
+
+def init_distributed(device: str = "auto") -> DeviceMesh:
     """One process group per learner: torchrun's when launched by it (RANK etc. in the
     environment), else a single rank on a free local port (FSDP2 needs a process group even
     at world size 1)."""
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = resolve_device(device)
+    backend = "nccl" if device == "cuda" else "gloo"
     if not dist.is_initialized():
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend)
@@ -79,7 +102,6 @@ def init_distributed() -> DeviceMesh:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     return init_device_mesh(device, (dist.get_world_size(),))
 
 
@@ -142,7 +164,7 @@ class PolicyTrainer:
         torch.set_num_threads(config.threads)
         self.config = config
         self.model_path = Path(model_path)
-        self.mesh = init_distributed()
+        self.mesh = init_distributed(config.device)
         self.model = load_policy(self.model_path, self.mesh)
         self.keys = weight_keys(self.model_path)
         # The KL penalty's reference: the base weights, frozen (only when the penalty is on).

@@ -90,6 +90,11 @@ class ServiceContext:
 ServiceBody = Callable[[ServiceContext], Awaitable[None]]
 
 
+class ServiceCannotStart(Exception):
+    """Raised by a body before it takes work when this process cannot do its job (e.g. the
+    device it was configured for is missing): one clear log line instead of a traceback."""
+
+
 async def _heartbeat_loop(ctx: ServiceContext, registry: HeartbeatRegistry, started_ms: int) -> None:
     s = ctx.settings
     while True:
@@ -198,7 +203,7 @@ def run_main(name: str, settings_model: type[ServiceSettings], body: ServiceBody
     settings = load_settings(settings_model, list(argv or []))
     try:
         return asyncio.run(serve(name, settings, body))
-    except (BusUnavailable, StateUnavailable) as exc:
+    except (BusUnavailable, StateUnavailable, ServiceCannotStart) as exc:
         # Nothing was taken from the bus yet: say why and let the supervisor retry.
         log.error("service_cannot_start", error=str(exc))
         return 1
