@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 TORCH_CPU := torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all protos check-protos lint servers venv clean
+.PHONY: demo test test-all protos check-protos lint servers venv clean images compose-up compose-down compose-smoke podman-setup
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,25 @@ check-protos: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check libs services tests perf
+
+# Containers (docs/deploy.md). `images` builds with docker, or podman where no Docker engine runs;
+# TORCH_VARIANT=cuda builds the CUDA torch image; IMAGE_PREFIX=registry/path/ names them for a push.
+images:
+	docker/build-images.sh
+
+# A host without a Docker engine: rootful podman, its settings, debootstrap (root; Debian/Ubuntu).
+podman-setup:
+	docker/setup-podman.sh
+
+compose-up:
+	docker/compose.sh up -d --no-build
+
+compose-down:
+	docker/compose.sh down --volumes --remove-orphans
+
+# Brings the compose cluster up, trains, kills, scales, audits and tears down (several minutes).
+compose-smoke: $(STAMP)
+	$(PY) perf/compose_smoke.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

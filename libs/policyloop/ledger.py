@@ -10,6 +10,7 @@ checkpoint replay the steps taken after it (see docs/recovery.md).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
@@ -63,7 +64,7 @@ async def record_trained(bus: Bus, model: str, run_id: str, instance: str, recor
     if ack.duplicate:
         # Within the duplicate window JetStream keeps the first record of this version: it must
         # be this very step (a retry, or a replay), never another one under a used number.
-        stored = bus_pb2.LedgerEvent.FromString((await bus.js.get_msg("LEDGER", ack.seq)).data or b"")
+        stored = bus_pb2.LedgerEvent.FromString((await bus.get_msg("LEDGER", ack.seq)).data or b"")
         if stored.policy_version != record.version or stored.manifest_hash != record.manifest_hash:
             raise VersionReused(f"{model} version {record.version} is already recorded (LEDGER {ack.seq}) with "
                                 f"manifest {stored.manifest_hash}, not {record.manifest_hash}")
@@ -105,7 +106,7 @@ async def stored_trajectories(bus: Bus, sequences: Iterable[int]) -> list[bus_pb
     out = []
     for seq in sequences:
         try:
-            msg = await bus.js.get_msg("TRAJECTORIES", seq)
+            msg = await bus.get_msg("TRAJECTORIES", seq)
         except nats.js.errors.NotFoundError as exc:
             raise LookupError(f"TRAJECTORIES no longer holds sequence {seq} (trajectory_max_age_s?)") from exc
         out.append(bus_pb2.Trajectory.FromString(msg.data or b""))
@@ -233,3 +234,20 @@ async def audit_bus(bus: Bus) -> Audit:
             except DecodeError:  # garbage dead-lettered as undecodable: no trajectory to name
                 continue
     return audit([*generated, *learner], scored=scored, dead_lettered=dead, pending=pending)
+
+
+async def wait_settled(bus: Bus, quiet_s: float, timeout_s: float) -> bool:
+    """Waits until the groups in flight have moved on — ROLLOUTS empty and LEDGER unchanged for
+    `quiet_s` — so that an audit after a run stops sees finished work (a partial batch stays
+    held by the learner and is counted as pending). False when `timeout_s` passed first."""
+    deadline = time.monotonic() + timeout_s
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        ledger = (await bus.js.stream_info("LEDGER")).state.last_seq
+        rollouts = (await bus.js.stream_info("ROLLOUTS")).state.messages
+        if ledger != last or rollouts:
+            last, since = ledger, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return True
+        await asyncio.sleep(0.5)
+    return False

@@ -6,8 +6,6 @@ not the raw file; no docker engine is needed."""
 
 from __future__ import annotations
 
-import importlib
-import inspect
 import re
 import shutil
 import subprocess
@@ -19,7 +17,7 @@ import yaml
 
 from policyloop.cluster.catalogue import SERVICE_NAMES, SERVICES, ServiceEntry
 from policyloop.cluster.local import service_args
-from policyloop.runtime.settings import ServiceSettings
+from tests.helpers import setting_field, settings_model
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
@@ -54,15 +52,6 @@ def _environment(service: dict[str, Any]) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
-def _settings_model(entry: ServiceEntry) -> type[ServiceSettings]:
-    module = importlib.import_module(entry.module + ".service")
-    models = [obj for obj in vars(module).values()
-              if inspect.isclass(obj) and issubclass(obj, ServiceSettings) and obj is not ServiceSettings
-              and obj.__module__ == module.__name__]
-    assert len(models) == 1, f"{module.__name__} must define exactly one settings model"
-    return models[0]
-
-
 def test_compose_config_is_valid() -> None:
     result = _run_config()
     assert result.returncode == 0, result.stderr
@@ -71,10 +60,44 @@ def test_compose_config_is_valid() -> None:
 GPU_PROFILE = {"sglang", "rollout-sglang"}
 
 
-def test_services_are_the_catalogue_plus_nats_and_redis(config: dict[str, Any]) -> None:
+def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
     default = {name for name, service in config["services"].items() if not service.get("profiles")}
-    assert default == {"nats", "redis", *SERVICE_NAMES}
+    assert default == {"nats", "redis", "models", *SERVICE_NAMES}
     assert set(config["services"]) - default == GPU_PROFILE
+
+
+def test_the_models_job_links_the_base_policy_before_anything_loads_it(config: dict[str, Any]) -> None:
+    models = config["services"]["models"]
+    assert models["build"]["target"] == "torch" and models["restart"] == "no"
+    command = " ".join(models["command"])
+    assert "policyloop bootstrap" in command and "--link /models/base" in command
+    for name, service in config["services"].items():
+        env = _environment(service)
+        if env.get("POLICYLOOP_MODEL_PATH", "").startswith("/models/") or name == "sglang":
+            # Directly, or through the SGLang server it drives.
+            via = "models" if "models" in service["depends_on"] else "sglang"
+            condition = config["services"][via]["depends_on"]["models"]["condition"] if via == "sglang" else \
+                service["depends_on"]["models"]["condition"]
+            assert condition == "service_completed_successfully", name
+
+
+def test_every_image_comes_from_a_variable_with_the_official_default() -> None:
+    images = re.findall(r"^\s*image:\s*(\S+)\s*$", COMPOSE_FILE.read_text(), flags=re.MULTILINE)
+    assert images
+    for image in images:
+        assert re.fullmatch(r"\$\{[A-Z_]+:-[^}]+\}", image), image
+    defaults = {re.fullmatch(r"\$\{([A-Z_]+):-([^}]+)\}", i).groups() for i in images}  # type: ignore[union-attr]
+    assert ("NATS_IMAGE", "nats:2.9-alpine") in defaults and ("REDIS_IMAGE", "redis:7-alpine") in defaults
+
+
+def test_the_sandbox_gets_what_bubblewrap_needs_and_only_it_runs_as_root(config: dict[str, Any]) -> None:
+    for name, service in config["services"].items():
+        if name == "sandbox":
+            assert service["user"] == "0:0"
+            assert {"SYS_ADMIN", "SYS_PTRACE"} <= set(service["cap_add"])
+            assert {"seccomp=unconfined", "systempaths=unconfined"} <= set(service["security_opt"])
+        else:
+            assert "user" not in service and not service.get("cap_add") and not service.get("privileged"), name
 
 
 def test_gpu_profile_drives_sglang_through_a_shared_weights_volume(config: dict[str, Any]) -> None:
@@ -102,7 +125,8 @@ def test_service_matches_the_catalogue(config: dict[str, Any], entry: ServiceEnt
     service = config["services"][entry.name]
     assert service["command"] == ["policyloop", *service_args(entry)]
     build = service["build"]
-    assert build["target"] == ("torch" if entry.needs_torch else "base")
+    assert build["target"] == ("torch" if entry.needs_torch else "light")
+    assert service["image"] == ("policyloop-torch:latest" if entry.needs_torch else "policyloop-light:latest")
     assert Path(build.get("dockerfile", "Dockerfile")).as_posix().endswith("docker/Dockerfile")
     depends = service.get("depends_on") or {}
     assert {"nats", "redis"} <= set(depends)
@@ -122,19 +146,12 @@ def test_service_reaches_nats_and_redis(config: dict[str, Any], entry: ServiceEn
 
 @pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
 def test_every_policyloop_variable_is_a_setting(config: dict[str, Any], entry: ServiceEntry) -> None:
-    model = _settings_model(entry)
+    model = settings_model(entry)
     env = _environment(config["services"][entry.name])
     variables = [name for name in env if name.startswith("POLICYLOOP_")]
     assert variables
     for variable in variables:
-        path = variable.removeprefix("POLICYLOOP_").lower().split("__")
-        fields: dict[str, Any] = model.model_fields
-        for depth, part in enumerate(path):
-            assert part in fields, f"{entry.name}: {variable} sets no field of {model.__name__}"
-            annotation = fields[part].annotation
-            if depth < len(path) - 1:
-                assert inspect.isclass(annotation) and hasattr(annotation, "model_fields"), variable
-                fields = annotation.model_fields
+        assert setting_field(model, variable) is not None, f"{entry.name}: {variable} sets no field of {model.__name__}"
 
 
 def test_nats_runs_jetstream_on_a_volume(config: dict[str, Any]) -> None:
@@ -159,6 +176,37 @@ def test_learner_checkpoints_on_a_volume(config: dict[str, Any]) -> None:
     assert any(m.split(":")[1] == target for m in mounts), mounts
 
 
-def test_dockerfile_defines_base_and_torch_targets() -> None:
-    stages = re.findall(r"^\s*FROM\s+\S+\s+AS\s+(\S+)\s*$", DOCKERFILE.read_text(), flags=re.MULTILINE | re.IGNORECASE)
-    assert {"base", "torch"} <= set(stages)
+def _stages() -> dict[str, str]:
+    """Stage name -> its instructions."""
+    parts = re.split(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", DOCKERFILE.read_text(), flags=re.MULTILINE | re.IGNORECASE)
+    return dict(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_dockerfile_defines_light_and_torch_images() -> None:
+    stages = _stages()
+    assert {"light", "torch"} <= set(stages)
+    for name in ("light", "torch"):
+        body = stages[name]
+        assert re.search(r"^HEALTHCHECK .*CMD \[\"policyloop\", \"probe\"\]", body, flags=re.MULTILINE), name
+        assert re.search(r"^USER policyloop$", body, flags=re.MULTILINE), name
+        for label in ("org.opencontainers.image.version", "org.opencontainers.image.revision"):
+            assert label in body, (name, label)
+
+
+def test_dockerfile_bases_and_indexes_are_arguments_with_official_defaults() -> None:
+    text = DOCKERFILE.read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, flags=re.MULTILINE))
+    assert args["BASE_IMAGE"].startswith("python:3.11-slim") and args["TORCH_BASE_IMAGE"].startswith("python:3.11")
+    assert args["PIP_INDEX_URL"] == "https://pypi.org/simple"
+    assert args["TORCH_INDEX_URL"] == "https://download.pytorch.org/whl/cpu" and args["TORCH_VARIANT"] == "cpu"
+    assert re.search(r"^FROM \$\{BASE_IMAGE\} AS", text, flags=re.MULTILINE)
+    assert re.search(r"^FROM \$\{TORCH_BASE_IMAGE\} AS", text, flags=re.MULTILINE)
+
+
+def test_the_gpu_override_trains_on_a_gpu_with_the_cuda_image() -> None:
+    override = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())
+    learner = override["services"]["learner"]
+    assert learner["image"].endswith(":-policyloop-torch:cuda}")
+    assert learner["environment"]["POLICYLOOP_DEVICE"] == "cuda"
+    [device] = learner["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in device["capabilities"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
 from pathlib import Path
+
+import pytest
+from packaging.specifiers import SpecifierSet
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -27,7 +31,37 @@ def test_base_dependencies_exclude_torch() -> None:
     assert not any(dep.startswith(("torch", "transformers")) for dep in project["dependencies"])
     for extra in ("learner", "rollout"):
         torch_spec = next(d for d in project["optional-dependencies"][extra] if d.startswith("torch"))
-        assert "<2.14" in torch_spec  # admits the CPU wheel 2.13.0
+        # Admits the CPU wheel 2.13.0 and SGLang's torch, and nothing newer.
+        assert SpecifierSet(torch_spec.removeprefix("torch")).contains("2.13.0")
+        assert "<2.15" in torch_spec
+
+
+def _sglang_pin() -> str:
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    [pin] = [d for d in project["optional-dependencies"]["sglang"] if d.startswith("sglang")]
+    return pin
+
+
+def test_the_sglang_extra_pins_the_release_the_protocol_is_tested_against() -> None:
+    [reference] = (REPO / "tests" / "data").glob("sglang-*-api.json")
+    version = reference.name.removeprefix("sglang-").removesuffix("-api.json")
+    assert f"sglang {version} wheel" in json.loads(reference.read_text())["source"]
+    assert _sglang_pin() == f"sglang=={version}"
+
+
+@pytest.mark.slow
+def test_the_sglang_extra_resolves(tmp_path: Path) -> None:
+    """SGLang needs a GPU and is never installed here: pip resolves the extra without installing,
+    and what it would install keeps torch within the project's range."""
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+                             "--report", str(report), f"{REPO}[sglang]"],
+                            capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stderr[-3000:]
+    install = json.loads(report.read_text())["install"]
+    chosen = {i["metadata"]["name"].lower(): i["metadata"]["version"] for i in install}
+    assert f"sglang=={chosen['sglang']}" == _sglang_pin()
+    assert SpecifierSet(">=2.6,<2.15").contains(chosen["torch"].split("+")[0])
 
 
 def test_gateway_reward_sandbox_publisher_do_not_import_torch() -> None:

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Runs compose for policyloop's compose.yaml with whatever this host has: `docker compose` or
+# docker-compose against a Docker engine, else docker-compose against rootful podman's
+# Docker-compatible socket (started here if it is not running), else podman-compose.
+# The image names `make images` built (docker/images.env) are passed on.
+#
+#   docker/compose.sh up -d --no-build      # make compose-up
+#   docker/compose.sh ps
+#   docker/compose.sh down --volumes        # make compose-down
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+project=${COMPOSE_PROJECT_NAME:-policyloop}
+files=(-f compose.yaml)
+[ -n "${COMPOSE_GPU:-}" ] && files+=(-f compose.gpu.yaml)
+env_file=()
+[ -f docker/images.env ] && env_file=(--env-file docker/images.env)
+
+if command -v docker >/dev/null && docker info >/dev/null 2>&1; then
+  if docker compose version >/dev/null 2>&1; then
+    exec docker compose -p "$project" "${env_file[@]}" "${files[@]}" "$@"
+  fi
+  exec docker-compose -p "$project" "${env_file[@]}" "${files[@]}" "$@"
+fi
+
+if command -v podman >/dev/null && command -v docker-compose >/dev/null; then
+  socket=${PODMAN_SOCKET:-/run/podman/podman.sock}
+  if ! curl -sf --unix-socket "$socket" http://d/_ping >/dev/null 2>&1; then
+    mkdir -p "$(dirname "$socket")"
+    # The API service lives until the host stops it (time=0: no idle exit).
+    nohup podman system service --time=0 "unix://$socket" >/var/log/podman-service.log 2>&1 &
+    for _ in $(seq 1 50); do
+      curl -sf --unix-socket "$socket" http://d/_ping >/dev/null 2>&1 && break
+      sleep 0.2
+    done
+  fi
+  if [ ! -d /run/systemd/system ]; then
+    # No systemd to run the containers' health checks: a loop of ours does (one per project).
+    pidfile=/run/podman/policyloop-healthchecks-$project.pid
+    if ! { [ -f "$pidfile" ] && kill -0 "$(cat "$pidfile")" 2>/dev/null; }; then
+      nohup docker/podman-healthchecks.sh "$project" >/dev/null 2>&1 &
+      echo $! > "$pidfile"
+    fi
+  fi
+  DOCKER_HOST="unix://$socket" exec docker-compose -p "$project" "${env_file[@]}" "${files[@]}" "$@"
+fi
+
+if command -v podman-compose >/dev/null; then
+  exec podman-compose -p "$project" "${env_file[@]}" "${files[@]}" "$@"
+fi
+echo "no compose: install docker (with compose) or podman and docker-compose (docker/setup-podman.sh)" >&2
+exit 1

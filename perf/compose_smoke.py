@@ -1,0 +1,237 @@
+"""The compose cluster, driven from the host like a user: it must come up, learn, survive losing
+its learner and a rollout replica, scale, and leave nothing behind.
+
+1. `docker/compose.sh up -d --no-build` (the images `make images` built), then waits until every
+   service's container is healthy and the `models` job has finished.
+2. Held-out accuracy before (`policyloop evaluate` in the rollout container, against its engine).
+3. Submits the arithmetic environment and starts a run through the gateway's published gRPC port.
+4. Trains for --train-s, then SIGKILLs the learner container's and one rollout container's init
+   from the host (a crash: the restart policy brings them back) and scales rollout to 2.
+5. Waits until the learner has taken --steps-after-kills steps past the version it was killed at,
+   measures held-out accuracy again, stops the run, lets the loop settle and audits the ledger
+   (`policyloop audit`: lost, trained twice, versions monotonic), and runs hostile jobs through the
+   sandbox in its container (`policyloop sandbox-check`).
+6. `down --volumes`, and checks that no container or volume of the project is left.
+
+Prints JSON (and writes it to --out/result.json); `ok` needs all of: healthy, accuracy gain of at
+least --min-gain, recovery after the kills, two healthy rollout replicas, a clean audit, every
+hostile job contained, nothing left behind.
+
+    make images && .venv/bin/python perf/compose_smoke.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from policyloop.cluster.catalogue import SERVICE_NAMES  # noqa: E402
+from policyloop.cluster.demo import start_arithmetic_run  # noqa: E402
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+COMPOSE = str(REPO / "docker" / "compose.sh")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Compose:
+    """docker/compose.sh for one project, and the container engine underneath it."""
+
+    def __init__(self, project: str, gateway_port: int) -> None:
+        self.project = project
+        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "POLICYLOOP_GATEWAY_PORT": str(gateway_port)}
+        self.engine = "docker" if shutil.which("docker") and subprocess.run(
+            ["docker", "info"], capture_output=True).returncode == 0 else "podman"
+
+    def __call__(self, *args: str, timeout_s: float = 900, check: bool = True) -> str:
+        result = subprocess.run([COMPOSE, *args], env=self.env, capture_output=True, text=True, timeout=timeout_s)
+        if check and result.returncode != 0:
+            raise RuntimeError(f"compose {' '.join(args)} failed ({result.returncode}): {result.stderr[-2000:]}")
+        return result.stdout
+
+    def exec_json(self, service: str, *command: str, index: int = 1, timeout_s: float = 600, check: bool = True
+                  ) -> dict:
+        out = self("exec", "-T", "--index", str(index), service, *command, timeout_s=timeout_s, check=check)
+        # Log lines may come before the JSON document, which starts on a line of its own.
+        return json.loads(out[re.search(r"^\{$", out, flags=re.MULTILINE).start():])  # type: ignore[union-attr]
+
+    def containers(self, service: str | None = None, all_states: bool = False) -> list[str]:
+        label = [f"label=com.docker.compose.project={self.project}"]
+        if service:
+            label.append(f"label=com.docker.compose.service={service}")
+        command = [self.engine, "ps", "-q", *(["-a"] if all_states else [])]
+        for item in label:
+            command += ["--filter", item]
+        return subprocess.run(command, capture_output=True, text=True, check=True).stdout.split()
+
+    def inspect(self, container: str, template: str) -> str:
+        return subprocess.run([self.engine, "inspect", "-f", template, container], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    def volumes(self) -> list[str]:
+        return subprocess.run([self.engine, "volume", "ls", "-q", "--filter",
+                               f"label=com.docker.compose.project={self.project}"],
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    def health(self) -> dict[str, list[str]]:
+        """service -> the health of each of its running containers."""
+        states: dict[str, list[str]] = {}
+        for container in self.containers():
+            service = self.inspect(container, '{{index .Config.Labels "com.docker.compose.service"}}')
+            states.setdefault(service, []).append(self.inspect(container, "{{.State.Health.Status}}"))
+        return states
+
+    def kill_init(self, container: str) -> int:
+        """SIGKILL to the container's init from the host: a crash, which the restart policy
+        answers (an engine's own `kill` counts as a deliberate stop)."""
+        pid = int(self.inspect(container, "{{.State.Pid}}"))
+        os.kill(pid, 9)
+        return pid
+
+
+def until(check, timeout_s: float, poll_s: float = 3.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return True
+        except (RuntimeError, ValueError, subprocess.CalledProcessError):
+            pass  # a container being restarted
+        time.sleep(poll_s)
+    return False
+
+
+def all_healthy(compose: Compose, replicas: dict[str, int]) -> bool:
+    health = compose.health()
+    return all(health.get(name, []).count("healthy") >= replicas.get(name, 1)
+               for name in ("nats", "redis", *SERVICE_NAMES))
+
+
+def newest_version(compose: Compose) -> int:
+    return int(compose.exec_json("gateway", "policyloop", "audit")["newest_version"])
+
+
+async def start_run(gateway: str, seed: int) -> str:
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        _, run = await start_arithmetic_run(loop_pb2_grpc.LoopServiceStub(channel), 8, 8, 1.0, seed)
+        return run.run_id
+
+
+async def stop_run(gateway: str, run_id: str) -> None:
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        await loop_pb2_grpc.LoopServiceStub(channel).StopRun(loop_pb2.StopRunRequest(run_id=run_id), timeout=30)
+
+
+def drive(compose: Compose, args: argparse.Namespace, result: dict) -> None:
+    started = time.monotonic()
+
+    def mark(name: str) -> None:
+        result["timeline_s"][name] = round(time.monotonic() - started, 1)
+        print(f"[{result['timeline_s'][name]:7.1f}s] {name}", file=sys.stderr)
+
+    compose("up", "-d", "--no-build")
+    result["healthy"] = until(lambda: all_healthy(compose, {}), args.start_timeout_s)
+    mark("healthy")
+    if not result["healthy"]:
+        raise RuntimeError(f"not healthy: {compose.health()}")
+    before = compose.exec_json("rollout", "policyloop", "evaluate", "--problems", str(args.eval_problems))
+    result["accuracy_before"] = before["accuracy"]
+    mark("evaluated_before")
+    gateway = f"127.0.0.1:{result['gateway_port']}"
+    run_id = asyncio.run(start_run(gateway, args.seed))
+    mark("run_started")
+    time.sleep(args.train_s)  # the run trains meanwhile: this is the length of the first phase
+
+    killed_at = newest_version(compose)
+    learner = compose.containers("learner")[0]
+    rollout = compose.containers("rollout")[0]
+    result["kills"] = [{"service": "learner", "at_version": killed_at, "pid": compose.kill_init(learner)},
+                       {"service": "rollout", "at_version": killed_at, "pid": compose.kill_init(rollout)}]
+    mark("killed_learner_and_rollout")
+    compose("up", "-d", "--no-build", "--no-recreate", "--scale", "rollout=2")
+    mark("scaled_rollout_to_2")
+    target = killed_at + args.steps_after_kills
+    result["recovered"] = until(lambda: newest_version(compose) >= target, args.recover_timeout_s, poll_s=5)
+    mark("recovered")
+    result["rollout_replicas_healthy"] = until(
+        lambda: compose.health().get("rollout", []).count("healthy") >= 2, 300)
+    result["restarts"] = {name: int(compose.inspect(container, "{{.RestartCount}}"))
+                          for name, container in (("learner", learner), ("rollout", rollout))}
+
+    # The replica that was killed may lag a version; the evaluation names what it measured.
+    after = compose.exec_json("rollout", "policyloop", "evaluate", "--problems", str(args.eval_problems))
+    result["accuracy_after"], result["accuracy_after_version"] = after["accuracy"], after["version"]
+    mark("evaluated_after")
+    asyncio.run(stop_run(gateway, run_id))
+    report = compose.exec_json("gateway", "policyloop", "audit", "--settle-s", str(args.settle_s))
+    result["audit"] = {k: report[k] for k in ("generated", "trained", "dropped", "dead_lettered", "pending", "lost",
+                                              "trained_twice", "trained_not_generated", "steps",
+                                              "versions_monotonic", "settled", "newest_version")}
+    mark("audited")
+    check = compose.exec_json("sandbox", "policyloop", "sandbox-check", check=False)
+    result["sandbox_check"] = {"ok": check.get("ok"), **{p["name"]: p["ok"] for p in check.get("probes", [])}}
+    mark("sandbox_checked")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--project", default="policyloop-smoke", help="compose project name")
+    parser.add_argument("--train-s", type=float, default=120, help="training before the kills")
+    parser.add_argument("--steps-after-kills", type=int, default=20,
+                        help="learner steps past the version at the kills that count as recovered")
+    parser.add_argument("--eval-problems", type=int, default=300)
+    parser.add_argument("--min-gain", type=float, default=0.05, help="held-out accuracy gain that counts as learning")
+    parser.add_argument("--start-timeout-s", type=float, default=900)
+    parser.add_argument("--recover-timeout-s", type=float, default=900)
+    parser.add_argument("--settle-s", type=float, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--keep", action="store_true", help="leave the cluster up (no teardown)")
+    parser.add_argument("--out", type=Path, default=Path("runs/perf/compose_smoke"))
+    args = parser.parse_args()
+    compose = Compose(args.project, free_port())
+    result: dict = {"engine": compose.engine, "project": args.project, "gateway_port": int(compose.env[
+        "POLICYLOOP_GATEWAY_PORT"]), "timeline_s": {}}
+    started = time.monotonic()
+    compose("down", "--volumes", "--remove-orphans", check=False)  # a clean start
+    try:
+        drive(compose, args, result)
+    except Exception as exc:  # noqa: BLE001 - reported in the JSON, then torn down
+        result["error"] = repr(exc)
+    finally:
+        if not args.keep:
+            compose("down", "--volumes", "--remove-orphans", "--timeout", "30", check=False)
+            result["left_behind"] = {"containers": compose.containers(all_states=True), "volumes": compose.volumes()}
+    result["wall_seconds"] = round(time.monotonic() - started, 1)
+    audit = result.get("audit", {})
+    result["accuracy_gain"] = round(result.get("accuracy_after", 0.0) - result.get("accuracy_before", 0.0), 4)
+    result["ok"] = bool(
+        "error" not in result and result.get("healthy") and result["accuracy_gain"] >= args.min_gain
+        and result.get("recovered") and result.get("rollout_replicas_healthy")
+        and audit.get("lost") == 0 and audit.get("trained_twice") == 0 and audit.get("trained_not_generated") == 0
+        and audit.get("versions_monotonic") and result.get("sandbox_check", {}).get("ok")
+        and (args.keep or not any(result["left_behind"].values())))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "result.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

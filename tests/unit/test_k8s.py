@@ -1,0 +1,523 @@
+"""deploy/k8s runs the same topology as `policyloop up` and compose.yaml, on Kubernetes.
+
+Each overlay is rendered with `kubectl kustomize` and every object is checked against the
+Kubernetes JSON schemas of one version (kubernetes-validate ships them: no cluster, no network).
+Then the loop's own rules: every catalogue service once, with the catalogue's command and image,
+configured only through settings that exist, probed on ports it declares, given time to stop
+gracefully, its state on volumes, NATS as a 3-node JetStream cluster. The last test compares the
+three deployment paths (`policyloop up`, compose.yaml, the overlays) with each other."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+
+from policyloop.bus.topology import BusLimits
+from policyloop.cluster import local
+from policyloop.cluster.catalogue import SERVICE_NAMES, SERVICES, ServiceEntry
+from policyloop.cluster.local import LocalCluster, ManagedProcess, free_port, service_args
+from tests.helpers import setting_field, settings_model
+
+REPO = Path(__file__).resolve().parents[2]
+OVERLAYS = ("cpu-local", "gpu")
+# The schemas the objects must satisfy (strict: unknown fields are errors). 1.30 is the oldest
+# release with every field used (securityContext.appArmorProfile); newer ones accept them too.
+KUBERNETES_VERSION = "1.30"
+IMAGE_TAGS = {
+    "cpu-local": {"policyloop-light": "latest", "policyloop-torch": "latest"},
+    "gpu": {"policyloop-light": "latest", "policyloop-torch": "cuda"},
+}
+# serve() lets a stopping service's body run shutdown_grace_s plus this margin before cancelling it.
+SERVE_MARGIN_S = 5.0
+NATS_NODES = 3
+SGLANG_URL = "http://127.0.0.1:30000"
+
+
+# --- rendering and reading the objects ---------------------------------------------------------------
+
+def _kubectl() -> str:
+    binary = shutil.which("kubectl")
+    if binary is None:
+        pytest.skip("kubectl is not installed (it renders the kustomize overlays; Debian: apt-get install kubectl)")
+    return binary
+
+
+@functools.cache
+def _render(overlay: str) -> tuple[dict[str, Any], ...]:
+    result = subprocess.run([_kubectl(), "kustomize", str(REPO / "deploy" / "k8s" / "overlays" / overlay)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return tuple(obj for obj in yaml.safe_load_all(result.stdout) if obj)
+
+
+def _image(image: str) -> tuple[str, str]:
+    """(repository's last path part, tag) of an image reference."""
+    name, _, tag = image.rpartition(":") if ":" in image.rsplit("/", 1)[-1] else (image, "", "")
+    return name.rsplit("/", 1)[-1], tag
+
+
+def _is_policyloop(container: dict[str, Any]) -> bool:
+    return _image(container["image"])[0] in ("policyloop-light", "policyloop-torch")
+
+
+def _quantity(value: str | int) -> float:
+    """A Kubernetes quantity (or a NATS size such as 16Gi) in plain units."""
+    units = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "m": 1e-3}
+    match = re.fullmatch(r"([0-9.]+)([A-Za-z]*)", str(value))
+    assert match and match.group(2) in ("", *units), value
+    return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+@dataclass(frozen=True)
+class Service:
+    """One catalogue service as an overlay runs it: its workload and its policyloop container."""
+
+    entry: ServiceEntry
+    workload: dict[str, Any]
+    container: dict[str, Any]
+    env: dict[str, Any]          # name -> value (str) or valueFrom (dict), envFrom ConfigMaps applied
+
+    @property
+    def pod(self) -> dict[str, Any]:
+        return self.workload["spec"]["template"]["spec"]
+
+    def setting(self, variable: str) -> Any:
+        """The value the service runs with: set here, or the settings model's default."""
+        if variable in self.env:
+            return self.env[variable]
+        field = setting_field(settings_model(self.entry), variable)
+        assert field is not None, f"{variable} is no setting of {self.entry.name}"
+        return field.get_default(call_default_factory=True)
+
+    def mount_for(self, path: str, container: dict[str, Any] | None = None) -> tuple[dict[str, Any], Any]:
+        """The volume mount holding `path` in `container` (default: the service's) and its
+        source: a pod volume, or the StatefulSet's volumeClaimTemplate of that name."""
+        container = container or self.container
+        mounts = [m for m in container.get("volumeMounts", [])
+                  if PurePosixPath(path).is_relative_to(PurePosixPath(m["mountPath"]))]
+        assert mounts, f"{self.entry.name}: nothing is mounted at {path}"
+        mount = max(mounts, key=lambda m: len(m["mountPath"]))
+        volumes = {v["name"]: v for v in self.pod.get("volumes", [])}
+        templates = {t["metadata"]["name"]: t for t in self.workload["spec"].get("volumeClaimTemplates", [])}
+        source = volumes.get(mount["name"]) or templates.get(mount["name"])
+        assert source is not None, f"{self.entry.name}: mount {mount['name']} has no volume"
+        return mount, source
+
+
+@dataclass(frozen=True)
+class Rendered:
+    overlay: str
+    objects: tuple[dict[str, Any], ...]
+
+    def of_kind(self, *kinds: str) -> list[dict[str, Any]]:
+        return [obj for obj in self.objects if obj["kind"] in kinds]
+
+    def get(self, kind: str, name: str) -> dict[str, Any]:
+        [obj] = [o for o in self.of_kind(kind) if o["metadata"]["name"] == name]
+        return obj
+
+    @property
+    def workloads(self) -> list[dict[str, Any]]:
+        return self.of_kind("Deployment", "StatefulSet")
+
+    def pod_specs(self) -> list[tuple[str, dict[str, Any]]]:
+        return [(f"{w['kind']}/{w['metadata']['name']}", w["spec"]["template"]["spec"])
+                for w in self.of_kind("Deployment", "StatefulSet", "Job")]
+
+    def environment(self, container: dict[str, Any]) -> dict[str, Any]:
+        env: dict[str, Any] = {}
+        for source in container.get("envFrom", []):
+            assert "configMapRef" in source, f"{container['name']}: only ConfigMaps are expected in envFrom"
+            env.update(self.get("ConfigMap", source["configMapRef"]["name"]).get("data", {}))
+        for item in container.get("env", []):
+            env[item["name"]] = item["value"] if "value" in item else item["valueFrom"]
+        return env
+
+    def service_containers(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(workload, container) for every policyloop container of a long-running workload."""
+        return [(w, c) for w in self.workloads for c in w["spec"]["template"]["spec"]["containers"]
+                if _is_policyloop(c)]
+
+    @functools.cached_property
+    def services(self) -> dict[str, Service]:
+        found = {}
+        for workload, container in self.service_containers():
+            entry = next((e for e in SERVICES if e.name == container["name"]), None)
+            assert entry is not None, f"{workload['metadata']['name']}: container {container['name']} is no service"
+            assert entry.name not in found, f"{entry.name} runs in more than one workload"
+            found[entry.name] = Service(entry, workload, container, self.environment(container))
+        return found
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    return Rendered(request.param, _render(request.param))
+
+
+# --- Kubernetes accepts every object ----------------------------------------------------------------
+
+def test_every_object_matches_the_kubernetes_schemas(rendered: Rendered) -> None:
+    import kubernetes_validate
+
+    assert rendered.objects
+    errors = []
+    for obj in rendered.objects:
+        try:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        except (kubernetes_validate.ValidationError, kubernetes_validate.SchemaNotFoundError) as exc:
+            errors.append(f"{obj['kind']}/{obj['metadata'].get('name')}: {getattr(exc, 'message', exc)}")
+    assert not errors, "\n".join(errors)
+
+
+def test_every_container_has_requests_and_limits(rendered: Rendered) -> None:
+    for where, pod in rendered.pod_specs():
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            resources = container.get("resources", {})
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(resources.get(kind, {})), f"{where}/{container['name']}: {kind}"
+
+
+# --- the catalogue, once each ----------------------------------------------------------------------------
+
+def test_every_service_runs_once_with_the_catalogue_command(rendered: Rendered) -> None:
+    assert set(rendered.services) == set(SERVICE_NAMES)
+    for name, service in rendered.services.items():
+        assert service.container["command"] == ["policyloop", *service_args(service.entry)], name
+        assert not service.container.get("args"), name
+
+
+def test_images_carry_torch_exactly_where_the_catalogue_needs_it(rendered: Rendered) -> None:
+    for name, service in rendered.services.items():
+        repository, _ = _image(service.container["image"])
+        assert repository == ("policyloop-torch" if service.entry.needs_torch else "policyloop-light"), name
+    tags = IMAGE_TAGS[rendered.overlay]
+    for where, pod in rendered.pod_specs():
+        for container in pod.get("initContainers", []) + pod["containers"]:
+            if _is_policyloop(container):
+                repository, tag = _image(container["image"])
+                assert tag == tags[repository], f"{where}/{container['name']}: {container['image']}"
+
+
+@pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
+def test_every_policyloop_variable_is_a_setting(rendered: Rendered, entry: ServiceEntry) -> None:
+    service = rendered.services[entry.name]
+    model = settings_model(entry)
+    variables = [name for name in service.env if name.startswith("POLICYLOOP_")]
+    assert variables
+    unknown = [v for v in variables if setting_field(model, v) is None]
+    assert not unknown, f"{entry.name}: {unknown} set no field of {model.__name__}"
+
+
+# --- health, identity, stopping ----------------------------------------------------------------------
+
+def _probe_port(probe: dict[str, Any]) -> int | str | None:
+    for kind in ("httpGet", "tcpSocket", "grpc"):
+        if kind in probe:
+            return probe[kind]["port"]
+    return None  # exec
+
+
+def _declared(container: dict[str, Any], port: int | str) -> int | None:
+    for declared in container.get("ports", []):
+        if port in (declared["containerPort"], declared.get("name")):
+            return declared["containerPort"]
+    return None
+
+
+def test_probes_point_at_ports_the_container_declares(rendered: Rendered) -> None:
+    for where, pod in rendered.pod_specs():
+        for container in pod["containers"]:
+            for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+                port = _probe_port(container.get(kind) or {})
+                if port is not None:
+                    assert _declared(container, port), f"{where}/{container['name']} {kind}: port {port} undeclared"
+
+
+def test_services_are_probed_on_their_health_endpoints(rendered: Rendered) -> None:
+    for name, service in rendered.services.items():
+        container = service.container
+        assert all(container.get(k) for k in ("startupProbe", "livenessProbe", "readinessProbe")), name
+        assert service.setting("POLICYLOOP_HTTP_HOST") == "0.0.0.0", name
+        http_port = int(service.setting("POLICYLOOP_HTTP_PORT"))
+        ready = container["readinessProbe"]["httpGet"]
+        assert ready["path"] == "/healthz" and _declared(container, ready["port"]) == http_port, name
+        if service.entry.grpc:
+            assert service.setting("POLICYLOOP_GRPC_HOST") == "0.0.0.0", name
+            grpc_port = int(service.setting("POLICYLOOP_GRPC_PORT"))
+            probed = [container[k]["grpc"]["port"] for k in ("startupProbe", "livenessProbe") if "grpc" in container[k]]
+            assert probed and set(probed) == {grpc_port}, f"{name}: gRPC health protocol on {grpc_port}"
+
+
+def test_pods_give_services_time_to_stop_gracefully(rendered: Rendered) -> None:
+    for name, service in rendered.services.items():
+        grace = float(service.setting("POLICYLOOP_SHUTDOWN_GRACE_S"))
+        assert service.pod.get("terminationGracePeriodSeconds", 30) > grace + SERVE_MARGIN_S, name
+
+
+def test_each_replica_is_named_after_its_pod(rendered: Rendered) -> None:
+    for name, service in rendered.services.items():
+        assert service.env["POLICYLOOP_INSTANCE_ID"] == {"fieldRef": {"fieldPath": "metadata.name"}}, name
+        advertised = service.env["POLICYLOOP_ADVERTISE_HOST"]
+        if isinstance(advertised, dict):
+            assert advertised == {"fieldRef": {"fieldPath": "status.podIP"}}, name
+            continue
+        # A stable name instead (the publisher: its endpoint outlives the pod in WEIGHTS).
+        svc = rendered.get("Service", advertised)
+        labels = service.workload["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items(), name
+        grpc_port = int(service.setting("POLICYLOOP_GRPC_PORT"))
+        assert grpc_port in {p["port"] for p in svc["spec"]["ports"]}, name
+
+
+def test_grpc_services_are_reachable_through_a_service(rendered: Rendered) -> None:
+    for name, service in rendered.services.items():
+        if not service.entry.grpc:
+            continue
+        svc = rendered.get("Service", name)
+        labels = service.workload["spec"]["template"]["metadata"]["labels"]
+        assert svc["spec"]["selector"].items() <= labels.items(), name
+        assert int(service.setting("POLICYLOOP_GRPC_PORT")) in {p["port"] for p in svc["spec"]["ports"]}, name
+    assert rendered.services["learner"].setting("POLICYLOOP_PUBLISHER_ENDPOINT") == "publisher:50052"
+
+
+# --- state on volumes ---------------------------------------------------------------------------------
+
+def _is_claim(source: dict[str, Any]) -> bool:
+    return "persistentVolumeClaim" in source or "spec" in source  # a pod volume, or a volumeClaimTemplate
+
+
+def test_publisher_and_learner_keep_their_state_on_claims(rendered: Rendered) -> None:
+    for name, variable in (("publisher", "POLICYLOOP_STORE_DIR"), ("learner", "POLICYLOOP_CHECKPOINT_DIR")):
+        service = rendered.services[name]
+        path = service.setting(variable)
+        mount, source = service.mount_for(str(path))
+        assert _is_claim(source) and not mount.get("readOnly"), f"{name}: {variable}={path}"
+        workload = service.workload
+        # One writer: a StatefulSet of one, or a Deployment of one that never overlaps two pods.
+        assert workload["spec"].get("replicas", 1) == 1, name
+        if workload["kind"] == "Deployment":
+            assert workload["spec"].get("strategy", {}).get("type") == "Recreate", name
+        else:
+            assert workload["kind"] == "StatefulSet", name
+
+
+def test_the_base_model_is_read_from_the_models_claim(rendered: Rendered) -> None:
+    using = [s for s in rendered.services.values() if "POLICYLOOP_MODEL_PATH" in s.env]
+    assert {s.entry.name for s in using} == {"gateway", "rollout", "learner"}
+    for service in using:
+        path = service.env["POLICYLOOP_MODEL_PATH"]
+        assert path == "/models/base", service.entry.name
+        mount, source = service.mount_for(path)
+        assert source.get("persistentVolumeClaim", {}).get("claimName") == "models", service.entry.name
+        assert mount.get("readOnly"), service.entry.name
+    assert rendered.get("PersistentVolumeClaim", "models")
+
+
+def test_rollout_writes_versions_to_a_mounted_directory(rendered: Rendered) -> None:
+    rollout = rendered.services["rollout"]
+    mount, source = rollout.mount_for(rollout.env["POLICYLOOP_WEIGHTS_DIR"])
+    assert "emptyDir" in source and not mount.get("readOnly")
+
+
+# --- NATS and Redis --------------------------------------------------------------------------------------
+
+def test_nats_is_a_three_node_jetstream_cluster(rendered: Rendered) -> None:
+    nats = rendered.get("StatefulSet", "nats")
+    assert nats["spec"]["replicas"] == NATS_NODES
+    headless = rendered.get("Service", nats["spec"]["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"].get("publishNotReadyAddresses")
+    assert rendered.get("Service", "nats")["spec"]["ports"]
+    pod = nats["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["image"].startswith("nats:2.9-alpine")
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+    assert env["SERVER_NAME"] == {"fieldRef": {"fieldPath": "metadata.name"}}
+
+    [config_volume] = [v for v in pod["volumes"] if "configMap" in v]
+    [config_mount] = [m for m in container["volumeMounts"] if m["name"] == config_volume["name"]]
+    config_map = rendered.get("ConfigMap", config_volume["configMap"]["name"])
+    [(file_name, config)] = config_map["data"].items()
+    assert f"{config_mount['mountPath']}/{file_name}" in container["args"]
+    assert re.search(r"^server_name:\s*\$SERVER_NAME\s*$", config, re.MULTILINE)
+    routes = set(re.findall(r"nats://(nats-\d+)\.([\w-]+):6222", config))
+    assert routes == {(f"nats-{i}", headless["metadata"]["name"]) for i in range(NATS_NODES)}
+    store = re.search(r"store_dir:\s*(\S+)", config).group(1)  # type: ignore[union-attr]
+    [data] = nats["spec"]["volumeClaimTemplates"]
+    assert any(m["name"] == data["metadata"]["name"] and m["mountPath"] == store for m in container["volumeMounts"])
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = container[kind]["httpGet"]
+        assert probe["path"].startswith("/healthz") and _declared(container, probe["port"]) == 8222, kind
+
+    # JetStream refuses to place a stream whose byte bound exceeds the node's store limit.
+    assert re.search(r"max_file_store:\s*\$JS_MAX_FILE_STORE", config)
+    store_limit = _quantity(env["JS_MAX_FILE_STORE"])
+    assert store_limit <= _quantity(data["spec"]["resources"]["requests"]["storage"])
+    urls = [f"nats://nats-{i}.{headless['metadata']['name']}:4222" for i in range(NATS_NODES)]
+    for name, service in rendered.services.items():
+        assert service.env["POLICYLOOP_NATS_URL"].split(",") == urls, name
+        assert int(service.setting("POLICYLOOP_BUS__STREAM_REPLICAS")) == NATS_NODES, name
+        trajectories = int(service.env.get("POLICYLOOP_BUS__TRAJECTORY_MAX_BYTES", BusLimits().trajectory_max_bytes))
+        assert trajectories < store_limit, name
+
+
+def test_redis_appends_to_a_claim(rendered: Rendered) -> None:
+    redis = rendered.get("StatefulSet", "redis")
+    [container] = redis["spec"]["template"]["spec"]["containers"]
+    assert container["image"].startswith("redis:7-alpine")
+    command = container["command"]
+    assert command[command.index("--appendonly") + 1] == "yes"
+    [data] = redis["spec"]["volumeClaimTemplates"]
+    assert any(m["name"] == data["metadata"]["name"] for m in container["volumeMounts"])
+    for name, service in rendered.services.items():
+        assert re.fullmatch(r"redis://redis:6379/\d+", service.env["POLICYLOOP_REDIS_URL"]), name
+    assert rendered.get("Service", "redis")
+
+
+# --- privileges -------------------------------------------------------------------------------------------
+
+def test_only_the_sandbox_runs_as_root(rendered: Rendered) -> None:
+    for name, service in rendered.services.items():
+        context = service.container.get("securityContext", {})
+        if name == "sandbox":
+            # bubblewrap, as compose.yaml gives it: see the comment in deploy/k8s/base/sandbox.yaml.
+            assert "SYS_ADMIN" in context["capabilities"]["add"]
+            assert context["privileged"] is True  # an unmasked /proc for the jobs' own
+            assert context["seccompProfile"]["type"] == "Unconfined"
+            assert context["appArmorProfile"]["type"] == "Unconfined"
+            continue
+        assert context.get("runAsNonRoot") and context.get("allowPrivilegeEscalation") is False, name
+        assert context.get("capabilities", {}).get("drop") == ["ALL"], name
+
+
+# --- per overlay -------------------------------------------------------------------------------------------
+
+def _gpus(container: dict[str, Any]) -> int:
+    return int(container.get("resources", {}).get("limits", {}).get("nvidia.com/gpu", 0))
+
+
+def test_cpu_local_builds_the_model_and_runs_one_replica_each() -> None:
+    rendered = Rendered("cpu-local", _render("cpu-local"))
+    for where, pod in rendered.pod_specs():
+        assert all(_gpus(c) == 0 for c in pod["containers"]), where
+    for name, service in rendered.services.items():
+        assert service.workload["spec"].get("replicas", 1) == 1, name
+    [job] = rendered.of_kind("Job")
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] == ["policyloop", "bootstrap", "--out", "/models/cache", "--link", "/models/base"]
+    assert _image(container["image"])[0] == "policyloop-torch"
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "models" and not mount.get("readOnly")
+
+
+def test_gpu_trains_on_a_gpu_and_samples_with_sglang_beside_rollout() -> None:
+    rendered = Rendered("gpu", _render("gpu"))
+    learner = rendered.services["learner"]
+    assert _gpus(learner.container) == 1 and learner.env["POLICYLOOP_DEVICE"] == "cuda"
+
+    rollout = rendered.services["rollout"]
+    [sglang] = [c for c in rollout.pod["containers"] if c["name"] == "sglang"]
+    assert sglang["image"].startswith("lmsysorg/sglang:")
+    command = sglang["command"]
+    assert command[:3] == ["python3", "-m", "sglang.launch_server"]
+    for flag, value in (("--model-path", "/models/base"), ("--host", "127.0.0.1"), ("--port", "30000")):
+        assert command[command.index(flag) + 1] == value, flag
+    assert _gpus(sglang) == 1 and sglang.get("startupProbe")
+    _, shm = rollout.mount_for("/dev/shm", sglang)
+    assert shm["emptyDir"]["medium"] == "Memory"
+    assert _gpus(rollout.container) == 0
+
+    assert rollout.env["POLICYLOOP_ENGINE"] == "sglang"
+    assert rollout.env["POLICYLOOP_ENGINE_URL"] == SGLANG_URL
+    assert rollout.env["POLICYLOOP_WEIGHT_UPDATE_MODE"] == "in_place"
+    # SGLang loads each version from the directory the rollout container writes it to.
+    weights_dir = rollout.env["POLICYLOOP_WEIGHTS_DIR"]
+    written, source = rollout.mount_for(weights_dir)
+    read, same = rollout.mount_for(weights_dir, sglang)
+    assert source is same and "emptyDir" in source and written["mountPath"] == read["mountPath"]
+
+
+# --- three deployment paths, one topology -------------------------------------------------------------
+
+# What `policyloop up` sets that only makes sense for processes on one machine: free ports, the
+# process's name and the run directory's name. The thread counts (OMP/MKL) are not settings.
+UP_LOCAL_ONLY = {"POLICYLOOP_INSTANCE_ID", "POLICYLOOP_HTTP_PORT", "POLICYLOOP_GRPC_PORT", "POLICYLOOP_RUN_ID"}
+
+
+@pytest.fixture(scope="module")
+def up_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ManagedProcess]:
+    """The processes `policyloop up` would start (nothing is started)."""
+    def server(name: str) -> Callable[[Path], ManagedProcess]:
+        return lambda run_dir: ManagedProcess(name, [name], {}, run_dir / f"{name}.log", {"client": free_port()})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ManagedProcess, "start", lambda self: None)
+        patch.setattr(local, "start_nats", server("nats-server"))
+        patch.setattr(local, "start_redis", server("redis-server"))
+        cluster = LocalCluster(tmp_path_factory.mktemp("up"),
+                               extra_env={"POLICYLOOP_MODEL_PATH": "/models/base"})  # as cli.up adds it
+        cluster.start()
+    return {p.name.rsplit("-", 1)[0]: p for p in cluster.processes}
+
+
+def _up_settings(process: ManagedProcess, entry: ServiceEntry) -> set[str]:
+    """The settings `up` gives this service that another path must give too. One that `up` sets
+    to the model's default may be left out (unset means the same)."""
+    model = settings_model(entry)
+    required = set()
+    for name, value in process.env.items():
+        if not name.startswith("POLICYLOOP_") or name in UP_LOCAL_ONLY or os.environ.get(name) == value:
+            continue
+        field = setting_field(model, name)
+        if field is not None and str(field.get_default(call_default_factory=True)) != value:
+            required.add(name)
+    return required
+
+
+def _compose_services() -> dict[str, tuple[list[str], dict[str, str]]]:
+    binary = shutil.which("docker-compose")
+    if binary is None:
+        pytest.skip("the docker-compose binary is not installed (it resolves compose.yaml)")
+    result = subprocess.run([binary, "-f", "compose.yaml", "config"], cwd=REPO, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    services = {}
+    for service in yaml.safe_load(result.stdout)["services"].values():
+        command = service.get("command") or []
+        if service.get("profiles") or command[:2] != ["policyloop", "serve"]:
+            continue
+        env = service.get("environment") or {}
+        if isinstance(env, list):
+            env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+        assert command[2] not in services, f"compose runs {command[2]} twice"
+        services[command[2]] = (command, {k: "" if v is None else str(v) for k, v in env.items()})
+    return services
+
+
+def _k8s_services(overlay: str) -> dict[str, tuple[list[str], dict[str, Any]]]:
+    rendered = Rendered(overlay, _render(overlay))
+    return {name: (s.container["command"], s.env) for name, s in rendered.services.items()}
+
+
+@pytest.mark.parametrize("path", ["compose", *(f"k8s-{o}" for o in OVERLAYS)])
+def test_deployment_paths_run_the_same_services_alike(path: str, up_services: dict[str, ManagedProcess]) -> None:
+    deployed = _compose_services() if path == "compose" else _k8s_services(path.removeprefix("k8s-"))
+    assert set(up_services) == set(deployed) == set(SERVICE_NAMES)
+    for entry in SERVICES:
+        process = up_services[entry.name]
+        command, env = deployed[entry.name]
+        assert process.command[1:3] == ["-m", "policyloop"]
+        assert command == ["policyloop", *process.command[3:]] == ["policyloop", *service_args(entry)], entry.name
+        missing = _up_settings(process, entry) - set(env)
+        assert not missing, f"{path}: {entry.name} lacks {sorted(missing)}, which `policyloop up` sets"
