@@ -16,8 +16,20 @@ to settle (ROLLOUTS empty, LEDGER unchanged for --settle-s) and the ledger audit
   and `publisher_newest_version` (`versions_agree`: Redis and the publisher agree with the ledger);
 - `reached_target_steps` (the learner reached --steps), `wall_seconds`.
 
+With `--nats-nodes 3` NATS is a 3-node JetStream cluster (every stream and consumer on all three)
+and the NATS kills pick a node right before killing it: the current JetStream meta leader, or
+the current leader of TRAJECTORIES (both kinds are in every schedule). A killed node stays down
+`--node-down-s` while everything else goes on (and is restarted if it dies), then comes back
+and the cluster is waited on until every node is current again. Each node kill records the
+learner steps the ledger gained while the node was down (`steps_while_node_down`); `ok` then
+also requires at least one step during every node's absence and the cluster whole again after
+each restart (`cluster_whole_after_restart_s`). Prints `nats_nodes`,
+`steps_while_node_down` (per node kill) and `steps_while_node_down_total`,
+`meta_leader_kills` and `trajectories_leader_kills` (kills of the node leading it then).
+
     .venv/bin/python perf/chaos.py --kills 10
     .venv/bin/python perf/chaos.py --kills 3 --steps 20     # a quicker look
+    .venv/bin/python perf/chaos.py --nats-nodes 3 --kills 8
 """
 
 from __future__ import annotations
@@ -39,19 +51,80 @@ from policyloop.bus import Bus  # noqa: E402
 from policyloop.cluster.catalogue import SERVICES  # noqa: E402
 from policyloop.cluster.demo import start_arithmetic_run, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
+from policyloop.cluster.nats_cluster import meta_leader, stream_leader, wait_cluster_ready  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
-from policyloop.ledger import audit_bus, trained_steps  # noqa: E402
+from policyloop.ledger import audit_bus, trained_steps, wait_settled  # noqa: E402
 from policyloop.state import VersionRegistry, connect_redis  # noqa: E402
 from policyloop.weights.client import WeightClient  # noqa: E402
 
 KINDS = ("nats-server", "redis-server", *(f"{s.name}-0" for s in SERVICES))
+# In a NATS cluster a node is named when it is killed: the one leading then.
+META_LEADER, TRAJECTORIES_LEADER = "nats:meta-leader", "nats:trajectories-leader"
+CLUSTER_KINDS = (META_LEADER, TRAJECTORIES_LEADER, "redis-server", *(f"{s.name}-0" for s in SERVICES))
 
 
-def kill_schedule(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS) -> list[str]:
-    """`kills` process names: every kind once (shuffled) while the budget lasts, then at random."""
+def kill_schedule(kills: int, rng: random.Random, kinds: tuple[str, ...] = KINDS,
+                  required: tuple[str, ...] = ()) -> list[str]:
+    """`kills` process names: every kind once (shuffled) while the budget lasts, then at random;
+    the `required` kinds among the first whatever the budget."""
     first = list(kinds)
     rng.shuffle(first)
+    if required:
+        first = [k for k in first if k in required] + [k for k in first if k not in required]
+        head = first[:kills]
+        rng.shuffle(head)
+        first = head + first[kills:]
     return first[:kills] + [rng.choice(kinds) for _ in range(kills - len(first))]
+
+
+async def nats_leaders(cluster: LocalCluster, timeout_s: float = 60.0) -> dict[str, str]:
+    """The node names leading now: the JetStream meta leader (from /jsz) and the leader of
+    TRAJECTORIES (from its stream info). Asked again while an election is under way."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            meta = await asyncio.to_thread(meta_leader, cluster.nats_monitor_urls)
+            bus = await Bus.connect(cluster.nats_url, name="chaos-leaders", connect_timeout_s=10)
+            try:
+                trajectories = await stream_leader(bus.js, "TRAJECTORIES")
+            finally:
+                await bus.close()
+            if meta and trajectories:
+                return {"meta_leader": meta, "trajectories_leader": trajectories}
+        except Exception:  # noqa: BLE001 - an election or a restart under way: ask again
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("no JetStream meta leader or TRAJECTORIES leader")
+        await asyncio.sleep(0.5)
+
+
+async def kill_node(cluster: LocalCluster, kind: str, version: int, args: argparse.Namespace,
+                    started: float) -> dict:
+    """Kills the node leading what `kind` names, keeps it down --node-down-s while the rest is
+    supervised as usual, restarts it and waits until the cluster is whole again."""
+    leaders = await nats_leaders(cluster)
+    name = leaders["meta_leader"] if kind == META_LEADER else leaders["trajectories_leader"]
+    node = cluster.process(name)
+    killed_at = time.monotonic()
+    node.signal(signal.SIGKILL)
+    await asyncio.to_thread(node.proc.wait)  # type: ignore[union-attr]
+    restarted_while_down: list[str] = []
+    while time.monotonic() - killed_at < args.node_down_s:
+        restarted_while_down += cluster.supervise(keep_down={name})
+        await asyncio.sleep(1.0)
+    version_at_restart = await learner_version(cluster)
+    down_s = time.monotonic() - killed_at
+    restarted = cluster.supervise()
+    try:
+        await asyncio.to_thread(wait_cluster_ready, cluster.nats_monitor_urls, args.catch_up_timeout_s)
+        whole_after_s: float | None = round(time.monotonic() - killed_at - down_s, 1)
+    except TimeoutError:
+        whole_after_s = None
+    return {"process": name, "picked": kind, **leaders, "at_version": version,
+            "version_at_restart": version_at_restart, "steps_while_node_down": version_at_restart - version,
+            "down_s": round(down_s, 1), "cluster_whole_after_restart_s": whole_after_s,
+            "restarted_while_down": restarted_while_down, "restarted": restarted,
+            "at_s": round(killed_at - started, 1)}
 
 
 async def learner_version(cluster: LocalCluster, attempts: int = 30) -> int:
@@ -95,9 +168,16 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         _, run = await start_arithmetic_run(loop_pb2_grpc.LoopServiceStub(channel), args.group_size, 8, 1.0,
                                             args.seed)
     kills = []
-    for name in kill_schedule(args.kills, rng):
+    clustered = args.nats_nodes > 1
+    schedule = (kill_schedule(args.kills, rng, CLUSTER_KINDS, (META_LEADER, TRAJECTORIES_LEADER)) if clustered
+                else kill_schedule(args.kills, rng))
+    for name in schedule:
         await asyncio.sleep(rng.uniform(args.min_gap_s, args.max_gap_s))
         version = await learner_version(cluster)
+        if name.startswith("nats:"):
+            kills.append(await kill_node(cluster, name, version, args, started))
+            print(json.dumps(kills[-1]), file=sys.stderr)
+            continue
         cluster.process(name).signal(signal.SIGKILL)
         await asyncio.to_thread(cluster.process(name).proc.wait)  # type: ignore[union-attr]
         await asyncio.sleep(rng.uniform(0.0, args.down_s))     # stays dead a little while
@@ -113,7 +193,7 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
     bus = await Bus.connect(cluster.nats_url, name="chaos-audit", connect_timeout_s=30)
     redis_client = await connect_redis(cluster.redis_url)
     try:
-        settled = await settle(bus, args.settle_s, timeout_s=120)
+        settled = await wait_settled(bus, args.settle_s, timeout_s=120)
         report = await audit_bus(bus)
         registry = await VersionRegistry(redis_client, cluster.namespace).get("policy")
         publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
@@ -124,8 +204,13 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
     finally:
         await bus.close()
         await redis_client.aclose()
+    node_kills = [k for k in kills if "picked" in k]
     return {
-        "kills": len(kills), "kill_log": kills,
+        "kills": len(kills), "kill_log": kills, "nats_nodes": args.nats_nodes,
+        "steps_while_node_down": [k["steps_while_node_down"] for k in node_kills],
+        "steps_while_node_down_total": sum(k["steps_while_node_down"] for k in node_kills),
+        "meta_leader_kills": sum(k["process"] == k["meta_leader"] for k in node_kills),
+        "trajectories_leader_kills": sum(k["process"] == k["trajectories_leader"] for k in node_kills),
         **{k: v for k, v in report.as_dict().items() if k not in ("steps",)},
         "steps": report.steps, "registry_version": registry,
         "publisher_newest_version": held[-1] if held else 0,
@@ -134,23 +219,6 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         "reached_target_steps": reached, "target_steps": target, "settled_before_audit": settled,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
-
-
-async def settle(bus: Bus, quiet_s: float, timeout_s: float) -> bool:
-    """After StopRun: waits until the groups in flight have moved on — ROLLOUTS empty and LEDGER
-    unchanged for quiet_s — so the audit sees finished work (a partial batch stays held by the
-    learner, counted as pending)."""
-    deadline = time.monotonic() + timeout_s
-    last, since = -1, time.monotonic()
-    while time.monotonic() < deadline:
-        ledger = (await bus.js.stream_info("LEDGER")).state.last_seq
-        rollouts = (await bus.js.stream_info("ROLLOUTS")).state.messages
-        if ledger != last or rollouts:
-            last, since = ledger, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return True
-        await asyncio.sleep(0.5)
-    return False
 
 
 async def _reached(cluster: LocalCluster, steps: int) -> bool:
@@ -167,6 +235,12 @@ def main() -> None:
     parser.add_argument("--min-gap-s", type=float, default=4.0, help="least time between kills")
     parser.add_argument("--max-gap-s", type=float, default=15.0, help="most time between kills")
     parser.add_argument("--down-s", type=float, default=3.0, help="most time a killed process stays down")
+    parser.add_argument("--nats-nodes", type=int, default=1, choices=(1, 3, 5),
+                        help="NATS servers: 1, or a JetStream cluster whose nodes are killed too")
+    parser.add_argument("--node-down-s", type=float, default=20.0,
+                        help="how long a killed NATS node stays down (a cluster): the learner must step meanwhile")
+    parser.add_argument("--catch-up-timeout-s", type=float, default=120.0,
+                        help="after a node's restart, most time to wait for the cluster to be whole again")
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--checkpoint-every", type=int, default=5)
@@ -196,7 +270,9 @@ def main() -> None:
         **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
            for kind in ("rollout", "reward", "learner", "sandbox")},
     }
-    cluster = LocalCluster(root, extra_env=env, fresh=True)
+    cluster = LocalCluster(root, extra_env=env, fresh=True, nats_nodes=args.nats_nodes)
+    # SIGTERM stops the cluster too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     cluster.start()
     try:
         result = asyncio.run(drive(cluster, args))
@@ -204,7 +280,11 @@ def main() -> None:
         cluster.stop()
     result["ok"] = (result["lost"] == 0 and result["trained_twice"] == 0 and result["versions_monotonic"]
                     and result["reached_target_steps"] and result["versions_agree"]
-                    and result["trained_not_generated"] == 0)
+                    and result["trained_not_generated"] == 0
+                    # In a cluster the loop trained while each killed node was down, and the
+                    # node caught up after its restart.
+                    and all(steps > 0 for steps in result["steps_while_node_down"])
+                    and all(k.get("cluster_whole_after_restart_s", 0) is not None for k in result["kill_log"]))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "result.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))

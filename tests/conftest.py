@@ -20,7 +20,14 @@ import redis as sync_redis
 
 from policyloop.bus import Bus, build_topology
 from policyloop.bus.topology import BusLimits
-from policyloop.cluster.local import ManagedProcess, free_port, start_nats, start_redis, wait_for_port
+from policyloop.cluster.local import (
+    ManagedProcess,
+    free_port,
+    start_nats,
+    start_nats_cluster,
+    start_redis,
+    wait_for_port,
+)
 from policyloop.state import connect_redis
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,6 +57,44 @@ def nats_server(tmp_path: Path) -> Iterator[Server]:
     yield server
     if managed.alive:
         server.stop()
+
+
+@dataclass
+class NatsCluster:
+    """A 3-node JetStream cluster; nodes by server name (nats-0, nats-1, nats-2)."""
+
+    nodes: dict[str, ManagedProcess]
+
+    @property
+    def url(self) -> str:
+        return ",".join(f"nats://127.0.0.1:{m.ports['client']}" for m in self.nodes.values())
+
+    @property
+    def monitor_urls(self) -> list[str]:
+        return [f"http://127.0.0.1:{m.ports['monitor']}" for m in self.nodes.values()]
+
+    def kill(self, name: str) -> None:
+        managed = self.nodes[name]
+        managed.signal(signal.SIGKILL)
+        assert managed.proc is not None
+        managed.proc.wait(timeout=15)
+
+    def restart(self, name: str) -> None:
+        """Starts a stopped node again on its ports and store."""
+        managed = self.nodes[name]
+        managed.start()
+        wait_for_port("127.0.0.1", managed.ports["client"], 15, managed.proc)
+
+
+@pytest.fixture
+def nats_cluster(tmp_path: Path) -> Iterator[NatsCluster]:
+    cluster = NatsCluster({m.name: m for m in start_nats_cluster(tmp_path / "nats-cluster", 3)})
+    yield cluster
+    for managed in cluster.nodes.values():
+        managed.signal(signal.SIGTERM)
+    for managed in cluster.nodes.values():
+        if managed.proc is not None:
+            managed.proc.wait(timeout=15)
 
 
 @pytest.fixture

@@ -118,3 +118,37 @@ def cgroups_available() -> bool:
         return False
     cgroups.remove_parents()
     return True
+
+
+def settings_model(entry):  # type: ignore[no-untyped-def]
+    """The one ServiceSettings subclass a catalogue entry's service module defines."""
+    import importlib
+    import inspect
+
+    from policyloop.runtime.settings import ServiceSettings
+
+    module = importlib.import_module(entry.module + ".service")
+    models = [obj for obj in vars(module).values()
+              if inspect.isclass(obj) and issubclass(obj, ServiceSettings) and obj is not ServiceSettings
+              and obj.__module__ == module.__name__]
+    assert len(models) == 1, f"{module.__name__} must define exactly one settings model"
+    return models[0]
+
+
+def setting_field(model, variable: str):  # type: ignore[no-untyped-def]
+    """The pydantic field a POLICYLOOP_* variable sets in `model` (nested with `__`), or None
+    when it sets none."""
+    import inspect
+
+    path = variable.removeprefix("POLICYLOOP_").lower().split("__")
+    fields = model.model_fields
+    for depth, part in enumerate(path):
+        if part not in fields:
+            return None
+        if depth == len(path) - 1:
+            return fields[part]
+        annotation = fields[part].annotation
+        if not (inspect.isclass(annotation) and hasattr(annotation, "model_fields")):
+            return None
+        fields = annotation.model_fields
+    return None

@@ -39,6 +39,114 @@ def serve(ctx: typer.Context, name: Annotated[str, typer.Argument(help=f"one of:
     raise typer.Exit(service_main(name)(list(ctx.args)))
 
 
+@app.command()
+def probe(
+    http_port: Annotated[int, typer.Option(envvar="POLICYLOOP_HTTP_PORT", help="The service's /healthz port.")] = 9100,
+    grpc_port: Annotated[int, typer.Option(
+        envvar="POLICYLOOP_GRPC_PORT", help="Also check the gRPC health protocol on this port (0: no gRPC).")] = 0,
+    host: Annotated[str, typer.Option(help="Where the service listens, seen from the probe.")] = "127.0.0.1",
+    timeout_s: Annotated[float, typer.Option(help="Deadline of each check.")] = 3.0,
+) -> None:
+    """Exit 0 when the service in this container is healthy (image HEALTHCHECK, probes)."""
+    from policyloop.runtime.probe import probe_grpc, probe_http
+
+    results = [probe_http(host, http_port, timeout_s)]
+    if grpc_port:
+        results.append(probe_grpc(host, grpc_port, timeout_s))
+    for result in results:
+        print(f"{'ok' if result.ok else 'FAIL'} {result.what} {result.detail}")
+    raise typer.Exit(0 if all(r.ok for r in results) else 1)
+
+
+@app.command("sandbox-check")
+def sandbox_check(
+    cgroups: Annotated[str, typer.Option(help="auto, required or off: as the sandbox service's setting.")] = "auto",
+) -> None:
+    """Run hostile jobs through the sandbox here (e.g. in its container) and show each is contained; exit 1 if not."""
+    from policyloop.sandbox.selfcheck import SandboxUnavailable, self_check
+
+    try:
+        outcomes = asyncio.run(self_check(cgroups))
+    except SandboxUnavailable as exc:
+        print(json.dumps({"ok": False, "isolation": str(exc)}, indent=2))
+        raise typer.Exit(1) from exc
+    ok = all(outcome.ok for outcome in outcomes)
+    print(json.dumps({"ok": ok, "probes": [asdict(outcome) for outcome in outcomes]}, indent=2))
+    raise typer.Exit(0 if ok else 1)
+
+
+@app.command()
+def audit(
+    nats_url: Annotated[str, typer.Option(envvar="POLICYLOOP_NATS_URL", help="The cluster's NATS (a list: a,b,c).")
+                        ] = "nats://127.0.0.1:4222",
+    settle_s: Annotated[float, typer.Option(
+        help="First wait until ROLLOUTS is empty and LEDGER unchanged this long (0: audit at once).")] = 0.0,
+    model: Annotated[str, typer.Option(help="Model whose trained steps are listed.")] = "policy",
+) -> None:
+    """Every generated trajectory's fate from the bus (lost, trained twice, steps…); prints JSON."""
+    from policyloop.bus import Bus
+    from policyloop.ledger import audit_bus, trained_steps, wait_settled
+
+    async def run() -> dict[str, object]:
+        bus = await Bus.connect(nats_url, name="policyloop-audit", connect_timeout_s=30)
+        try:
+            settled = await wait_settled(bus, settle_s, timeout_s=max(60.0, settle_s * 10)) if settle_s else None
+            report = await audit_bus(bus)
+            steps = await trained_steps(bus, model)
+            return {**report.as_dict(), "settled": settled, "newest_version": steps[-1].version if steps else 0}
+        finally:
+            await bus.close()
+
+    print(json.dumps(asyncio.run(run()), indent=2))
+
+
+@app.command()
+def evaluate(
+    engine_url: Annotated[str | None, typer.Option(
+        help="An SGLang-protocol engine (default: the embedded engine of the rollout replica on this host, "
+             "found through its heartbeat in Redis).")] = None,
+    model_path: Annotated[Path, typer.Option(envvar="POLICYLOOP_MODEL_PATH", help="The policy's tokenizer.")
+                          ] = Path("model"),
+    problems: Annotated[int, typer.Option(help="Held-out arithmetic problems.")] = 200,
+    seed: Annotated[int, typer.Option()] = 0,
+    redis_url: Annotated[str, typer.Option(envvar="POLICYLOOP_REDIS_URL")] = "redis://127.0.0.1:6379/0",
+    namespace: Annotated[str, typer.Option(envvar="POLICYLOOP_NAMESPACE")] = "default",
+) -> None:
+    """Greedy held-out arithmetic accuracy of what an engine serves now; prints JSON."""
+    import socket
+
+    from transformers import AutoTokenizer
+
+    from policyloop.cluster.demo import evaluate as evaluate_engine
+    from policyloop.engines.sglang_client import SGLangClient
+    from policyloop.envs import arithmetic
+    from policyloop.state import HeartbeatRegistry, connect_redis
+
+    async def find_engine() -> str:
+        client = await connect_redis(redis_url)
+        try:
+            beats = [b for b in await HeartbeatRegistry(client, namespace).alive() if b.service == "rollout"]
+        finally:
+            await client.aclose()
+        here = [b for b in beats if b.instance.startswith(socket.gethostname())]
+        if not (here or beats):
+            raise typer.BadParameter("no rollout replica is alive to ask for its engine", param_hint="--engine-url")
+        return str((here or beats)[0].detail["engine"])
+
+    async def run() -> dict[str, object]:
+        url = engine_url or await find_engine()
+        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), problems, seed=seed)
+        client = SGLangClient(url, timeout_s=120)
+        try:
+            measured = await evaluate_engine(client, tokenizer, heldout)
+        finally:
+            await client.close()
+        return {"engine": url, "problems": len(heldout), "accuracy": measured.accuracy, "version": measured.version}
+
+    print(json.dumps(asyncio.run(run()), indent=2))
+
+
 def _parse_replicas(values: list[str]) -> dict[str, int]:
     out = {}
     for value in values:
@@ -56,7 +164,7 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
     table.add_row("nats", info.nats_url)
     table.add_row("redis", info.redis_url)
     for name, ports in sorted(info.processes.items()):
-        if name in ("nats-server", "redis-server"):
+        if name == "redis-server" or name.startswith("nats-"):  # nats-server, or nodes nats-0, nats-1, …
             continue
         where = []
         if "grpc" in ports:
@@ -69,22 +177,29 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
 @app.command()
 def up(
     run_dir: Annotated[Path, typer.Option(help="Where logs, NATS/Redis data and weights go.")] = DEFAULT_RUN_DIR,
-    nats_url: Annotated[str | None, typer.Option(help="Use this NATS instead of starting one.")] = None,
+    nats_url: Annotated[str | None, typer.Option(
+        help="Use this NATS instead of starting one (a cluster: its servers comma-separated, and "
+             "POLICYLOOP_BUS__STREAM_REPLICAS set).")] = None,
     redis_url: Annotated[str | None, typer.Option(help="Use this Redis instead of starting one.")] = None,
     namespace: Annotated[str, typer.Option(help="Redis key namespace of this cluster.")] = "default",
     replicas: Annotated[list[str], typer.Option("--replicas", help="e.g. --replicas rollout=2")] = [],  # noqa: B006
     wait_s: Annotated[float, typer.Option(help="How long to wait for every service to be healthy.")] = 60.0,
     model_path: Annotated[Path | None, typer.Option(help="Base policy directory (default: bootstrap).")] = None,
+    nats_nodes: Annotated[int, typer.Option(
+        min=1, max=5, help="NATS servers to start: 1, or 3 for a JetStream cluster that survives losing one "
+                           "(every stream kept on all three).")] = 1,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cluster.local import LocalCluster
 
+    if nats_url and nats_nodes > 1:
+        raise typer.BadParameter("--nats-nodes starts a NATS cluster; --nats-url uses one already running")
     if model_path is None:
         from policyloop.models.bootstrap import BootstrapConfig, bootstrap
 
         model_path = bootstrap(BootstrapConfig())
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
-                           replicas=_parse_replicas(replicas),
+                           replicas=_parse_replicas(replicas), nats_nodes=nats_nodes,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())})
     stopping = False
 
@@ -137,6 +252,14 @@ def _print_status(status) -> None:  # type: ignore[no-untyped-def]
     for name in status.missing:
         table.add_row(name, "—", "[red]no instance[/red]", "—", "—", "")
     console.print(table)
+    if status.replicated:
+        streams = Table(title="streams (NATS cluster)")
+        for col in ("stream", "replicas", "leader", "copies behind"):
+            streams.add_column(col)
+        for name, replicas in status.streams.items():
+            streams.add_row(name, str(replicas.replicas), replicas.leader or "[red]electing[/red]",
+                            ", ".join(replicas.behind) or "—")
+        console.print(streams)
 
 
 def _notes(detail: dict[str, object]) -> str:
@@ -171,6 +294,7 @@ def status(
             "all_healthy": result.all_healthy,
             "missing": result.missing,
             "instances": [asdict(i) for i in result.instances],
+            "streams": {name: asdict(s) for name, s in result.streams.items()},
         }, indent=2, default=str))
     else:
         _print_status(result)

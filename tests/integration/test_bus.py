@@ -128,7 +128,7 @@ async def test_undecodable_message_is_dead_lettered_and_worker_continues(bus: Bu
     await run_until(worker, done)
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     assert letter.origin_stream == "TASKS"
-    assert letter.origin_subject == "pl.tasks.addition@v1"
+    assert letter.origin_subject == "pl.tasks.addition_v1"
     assert letter.payload == garbage
     assert letter.reason.startswith("invalid: cannot decode")
     assert letter.delivery_count == 1 and letter.service == "test" and letter.consumer == "rollout"

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
 
+from policyloop.bus.connection import nats_servers
 from policyloop.bus.consume import retry_delay
 from policyloop.bus.topology import (
+    BusLimits,
     _subject_matches,
     build_topology,
     dlq_subject,
@@ -62,7 +65,7 @@ def test_ledger_subjects_name_the_kind_and_scope() -> None:
 
 
 def test_subject_token() -> None:
-    assert subject_token("addition@v1.2") == "addition@v1_2"
+    assert subject_token("addition@v1.2") == "addition_v1_2"
     assert subject_token("a b*c>d") == "a_b_c_d"
     with pytest.raises(ValueError):
         subject_token("")
@@ -70,3 +73,35 @@ def test_subject_token() -> None:
 
 def test_retry_delays_grow_and_are_bounded() -> None:
     assert [retry_delay(n, (1, 2, 3)) for n in (1, 2, 3, 9)] == [1, 2, 3, 3]
+
+
+def test_stream_replicas_reach_every_stream_and_consumer() -> None:
+    assert BusLimits().stream_replicas == 1
+    topo = build_topology(BusLimits(stream_replicas=3))
+    assert {s.config().num_replicas for s in topo.streams.values()} == {3}
+    # Consumers state the stream's count rather than inherit it, so a change reaches them.
+    assert {c.config().num_replicas for c in topo.consumers.values()} == {3}
+    assert {c.config().num_replicas for c in build_topology().consumers.values()} == {1}
+
+
+@pytest.mark.parametrize("replicas", [0, 6])
+def test_stream_replicas_are_bounded(replicas: int) -> None:
+    with pytest.raises(ValidationError, match="stream_replicas"):
+        BusLimits(stream_replicas=replicas)
+
+
+def test_stream_replicas_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from policyloop.runtime.settings import ServiceSettings
+
+    monkeypatch.setenv("POLICYLOOP_BUS__STREAM_REPLICAS", "3")
+    monkeypatch.setenv("POLICYLOOP_NATS_URL", "nats://a:4222,nats://b:4222,nats://c:4222")
+    settings = ServiceSettings()
+    assert settings.bus.stream_replicas == 3
+    assert nats_servers(settings.nats_url) == ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+
+
+def test_nats_servers_split_a_list() -> None:
+    assert nats_servers("nats://h:1") == ["nats://h:1"]
+    assert nats_servers(" nats://a:1 , nats://b:2,") == ["nats://a:1", "nats://b:2"]
+    with pytest.raises(ValueError):
+        nats_servers(" , ")

@@ -199,7 +199,13 @@ class PullWorker(Generic[M]):
 
     async def _handle(self, msg: Msg) -> None:
         stream, durable = self.consumer.stream, self.consumer.durable
-        meta = msg.metadata
+        try:
+            meta = msg.metadata
+        except (ValueError, nats.errors.Error) as exc:
+            # An ack subject that does not parse cannot be acked either: say so once per delivery.
+            log.error("delivery_without_metadata", stream=stream, subject=msg.subject, reply=msg.reply,
+                      error=repr(exc))
+            return
         started = time.monotonic()
         try:
             message = decode_message(msg, self.message_type)

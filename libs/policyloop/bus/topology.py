@@ -11,7 +11,7 @@ for a holder that died, by the ack wait.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from google.protobuf.message import Message
 from nats.js import api
@@ -58,6 +58,12 @@ class BusLimits(BaseModel):
     duplicate_window_s: float = Field(
         600.0, description="Window in which a repeated Nats-Msg-Id is recognised as a duplicate."
     )
+    stream_replicas: int = Field(
+        1, ge=1, le=5,
+        description="Copies JetStream keeps of every stream and durable consumer: 1 on a single "
+                    "nats-server, 3 in a 3-node cluster (survives losing one node). At most the "
+                    "cluster's size; an existing stream is brought to it at start-up.",
+    )
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class StreamSpec:
     max_age_s: float = 0.0
     max_msgs_per_subject: int = -1
     duplicate_window_s: float = 120.0
+    num_replicas: int = 1
     description: str = ""
 
     def config(self) -> api.StreamConfig:
@@ -87,6 +94,7 @@ class StreamSpec:
             max_msgs_per_subject=self.max_msgs_per_subject,
             duplicate_window=self.duplicate_window_s,
             storage=api.StorageType.FILE,
+            num_replicas=self.num_replicas,
         )
 
 
@@ -98,6 +106,9 @@ class ConsumerSpec:
     ack_wait_s: float
     max_deliver: int
     max_ack_pending: int = 1000
+    # Stated (equal to the stream's) rather than left at 0, "inherit": re-creating a consumer
+    # then carries a change of the count to consumers that already exist.
+    num_replicas: int = 1
     description: str = ""
 
     def config(self) -> api.ConsumerConfig:
@@ -111,6 +122,7 @@ class ConsumerSpec:
             ack_wait=self.ack_wait_s,
             max_deliver=self.max_deliver,
             max_ack_pending=self.max_ack_pending,
+            num_replicas=self.num_replicas,
         )
 
 
@@ -170,8 +182,11 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
         ),
     ]
 
+    streams = [replace(s, num_replicas=lim.stream_replicas) for s in streams]
+
     def consumer(stream: str, durable: str, subject: str, ack_wait: float, what: str) -> ConsumerSpec:
-        return ConsumerSpec(stream, durable, subject, ack_wait, lim.max_deliver, description=what)
+        return ConsumerSpec(stream, durable, subject, ack_wait, lim.max_deliver,
+                            num_replicas=lim.stream_replicas, description=what)
 
     consumers = [
         consumer("TASKS", "rollout", f"{p}.tasks.>", lim.rollout_ack_wait_s,
@@ -186,11 +201,15 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
     return Topology({s.name: s for s in streams}, {c.durable: c for c in consumers})
 
 
-_TOKEN_RE = re.compile(r"[^A-Za-z0-9_@\-]")
+# '@' goes too: nats-server before 2.11 delivers a message whose subject holds '@' to a client
+# not connected to the consumer's leader with the subject cut at the '@' and an ack subject
+# that acks nothing (nats-server#6777), so a cluster would redeliver it forever.
+_TOKEN_RE = re.compile(r"[^A-Za-z0-9_\-]")
 
 
 def subject_token(value: str) -> str:
-    """Makes `value` one valid subject token ('.', '*', '>' and spaces become '_')."""
+    """Makes `value` one valid subject token (anything but letters, digits, '_' and '-', such
+    as '.', '*', '>', '@' and spaces, becomes '_')."""
     token = _TOKEN_RE.sub("_", value)
     if not token:
         raise ValueError("empty subject token")

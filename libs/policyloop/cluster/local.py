@@ -1,8 +1,10 @@
 """The local cluster: nats-server, redis-server and every service as plain processes.
 
 `policyloop up` uses it; so do the tests. NATS and Redis start on free ports with their data
-under the run directory, unless URLs of running ones are given. Services are supervised: one
-that exits unexpectedly is restarted (it recovers its work from the bus).
+under the run directory, unless URLs of running ones are given. NATS is one server, or with
+`nats_nodes=3` a JetStream cluster of three (every stream and consumer then kept on all three,
+so the loop survives losing one). Every process is supervised: one that exits unexpectedly is
+restarted on the same ports and data (a service recovers its work from the bus).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from policyloop.cluster.catalogue import SERVICES, ServiceEntry
+from policyloop.cluster.nats_cluster import node_command, plan_nodes, wait_cluster_ready
 
 
 class ClusterError(RuntimeError):
@@ -98,6 +102,30 @@ def start_nats(run_dir: Path, port: int | None = None) -> ManagedProcess:
     return managed
 
 
+def start_nats_cluster(run_dir: Path, nodes: int, ready_timeout_s: float = 60.0) -> list[ManagedProcess]:
+    """`nodes` nats-servers forming one JetStream cluster on loopback, named nats-0, nats-1, …,
+    each storing under run_dir/nats/<name>; returns when a meta leader is elected."""
+    binary = require_binary("nats-server")
+    planned = plan_nodes(nodes, run_dir / "nats", [(free_port(), free_port(), free_port()) for _ in range(nodes)])
+    started: list[ManagedProcess] = []
+    try:
+        for node in planned:
+            node.store_dir.mkdir(parents=True, exist_ok=True)
+            managed = ManagedProcess(node.name, node_command(binary, node, planned), dict(os.environ),
+                                     run_dir / "logs" / f"{node.name}.log", node.ports)
+            managed.start()
+            started.append(managed)
+        for managed in started:
+            wait_for_port("127.0.0.1", managed.ports["client"], 15, managed.proc)
+        wait_cluster_ready([node.monitor_url for node in planned], ready_timeout_s)
+    except BaseException:
+        for managed in started:
+            managed.signal(signal.SIGKILL)
+        _wait_all(started, 5)
+        raise
+    return started
+
+
 def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
     """redis-server with an append-only file in the run directory (survives restarts)."""
     port = port or free_port()
@@ -164,6 +192,7 @@ class ClusterInfo:
     launcher_pid: int
     processes: dict[str, dict[str, int]]   # name -> ports
     pids: dict[str, int] = field(default_factory=dict)
+    nats_nodes: int = 1                    # >1: nats_url lists the nodes nats-0, nats-1, …
 
     def save(self) -> None:
         path = Path(self.run_dir) / "cluster.json"
@@ -192,7 +221,12 @@ class LocalCluster:
         extra_env: dict[str, str] | None = None,
         stop_grace_s: float = 20.0,
         fresh: bool = False,
+        nats_nodes: int = 1,
     ) -> None:
+        if nats_nodes < 1:
+            raise ValueError("nats_nodes must be at least 1")
+        if nats_nodes > 1 and nats_url:
+            raise ValueError("nats_nodes starts a NATS cluster: give no nats_url with it")
         self.run_dir = Path(run_dir).resolve()
         self.given_nats_url = nats_url
         self.given_redis_url = redis_url
@@ -202,7 +236,8 @@ class LocalCluster:
         self.extra_env = extra_env or {}
         self.stop_grace_s = stop_grace_s
         self.fresh = fresh
-        self.nats: ManagedProcess | None = None
+        self.nats_nodes = nats_nodes
+        self.nats_servers: list[ManagedProcess] = []   # one, or the cluster's nodes
         self.redis: ManagedProcess | None = None
         self.processes: list[ManagedProcess] = []
         self.nats_url = nats_url or ""
@@ -215,16 +250,22 @@ class LocalCluster:
                 shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            if not self.given_nats_url:
-                self.nats = start_nats(self.run_dir)
-                self.nats_url = f"nats://127.0.0.1:{self.nats.ports['client']}"
+            if not self.given_nats_url and self.nats_nodes == 1:
+                self.nats_servers = [start_nats(self.run_dir)]
+                self.nats_url = f"nats://127.0.0.1:{self.nats_servers[0].ports['client']}"
+            elif not self.given_nats_url:
+                self.nats_servers = start_nats_cluster(self.run_dir, self.nats_nodes)
+                self.nats_url = ",".join(f"nats://127.0.0.1:{m.ports['client']}" for m in self.nats_servers)
+            # Every stream and consumer on every node (extra_env may say otherwise).
+            replicas = {"POLICYLOOP_BUS__STREAM_REPLICAS": str(self.nats_nodes)} if self.nats_nodes > 1 else {}
+            extra_env = replicas | self.extra_env
             if not self.given_redis_url:
                 self.redis = start_redis(self.run_dir)
                 self.redis_url = f"redis://127.0.0.1:{self.redis.ports['client']}/0"
             for entry in self.services:
                 for index in range(self.replicas.get(entry.name, 1)):
                     self.processes.append(service_process(entry, index, self.run_dir, self.nats_url,
-                                                          self.redis_url, self.namespace, self.extra_env))
+                                                          self.redis_url, self.namespace, extra_env))
             publishers = [p for p in self.processes if p.name.startswith("publisher-")]
             for proc in self.processes:
                 if publishers and "POLICYLOOP_PUBLISHER_ENDPOINT" not in self.extra_env:
@@ -238,22 +279,37 @@ class LocalCluster:
         info.save()
         return info
 
+    @property
+    def infrastructure(self) -> list[ManagedProcess]:
+        """The NATS server(s) and Redis this cluster started."""
+        return self.nats_servers + ([self.redis] if self.redis is not None else [])
+
+    @property
+    def nats_monitor_urls(self) -> list[str]:
+        """Monitoring endpoints of the cluster's nodes (empty for one server)."""
+        return [f"http://127.0.0.1:{m.ports['monitor']}" for m in self.nats_servers if "monitor" in m.ports]
+
     def info(self) -> ClusterInfo:
-        managed = [p for p in (self.nats, self.redis) if p is not None] + self.processes
+        managed = self.infrastructure + self.processes
         return ClusterInfo(
             str(self.run_dir), self.nats_url, self.redis_url, self.namespace, os.getpid(),
             processes={p.name: p.ports for p in managed},
             pids={p.name: p.proc.pid for p in managed if p.proc is not None},
+            nats_nodes=self.nats_nodes,
         )
 
-    def supervise(self) -> list[str]:
-        """Restarts processes that exited; returns the names restarted."""
+    def supervise(self, keep_down: Collection[str] = ()) -> list[str]:
+        """Restarts processes that exited, except those named in `keep_down`; returns the names
+        restarted."""
         restarted = []
-        for managed in [p for p in (self.nats, self.redis) if p is not None] + self.processes:
+        infrastructure = self.infrastructure
+        for managed in infrastructure + self.processes:
+            if managed.name in keep_down:
+                continue
             if managed.proc is not None and managed.proc.poll() is not None:
                 managed.restarts += 1
                 managed.start()
-                if managed in (self.nats, self.redis):
+                if managed in infrastructure:
                     wait_for_port("127.0.0.1", managed.ports["client"], 15, managed.proc)
                 restarted.append(managed.name)
         if restarted:
@@ -261,7 +317,7 @@ class LocalCluster:
         return restarted
 
     def process(self, name: str) -> ManagedProcess:
-        for managed in [p for p in (self.nats, self.redis) if p is not None] + self.processes:
+        for managed in self.infrastructure + self.processes:
             if managed.name == name:
                 return managed
         raise KeyError(name)
@@ -271,7 +327,7 @@ class LocalCluster:
         for managed in self.processes:
             managed.signal(signal.SIGTERM)
         _wait_all(self.processes, self.stop_grace_s)
-        infra = [p for p in (self.redis, self.nats) if p is not None]
+        infra = list(reversed(self.infrastructure))
         for managed in infra:
             managed.signal(signal.SIGTERM)
         _wait_all(infra, 10)

@@ -1,6 +1,7 @@
 """What `policyloop status` reports: every service instance that is alive (by its Redis
 heartbeat), whether it is healthy (its own report, plus the gRPC health protocol for gRPC
-services), its policy version, and the backlog of the consumer it reads."""
+services), its policy version, and the backlog of the consumer it reads; and for each stream,
+its replicas: which NATS node leads it and which copies lag or are offline."""
 
 from __future__ import annotations
 
@@ -29,10 +30,22 @@ class InstanceStatus:
 
 
 @dataclass
+class StreamReplicas:
+    replicas: int                   # configured copies (1: a single server)
+    leader: str | None              # the node that orders its writes (None: being elected)
+    behind: list[str] = field(default_factory=list)   # copies offline or not current
+
+
+@dataclass
 class ClusterStatus:
     instances: list[InstanceStatus]
     missing: list[str]              # services with no live instance
     backlogs: dict[str, Backlog]
+    streams: dict[str, StreamReplicas] = field(default_factory=dict)
+
+    @property
+    def replicated(self) -> bool:
+        return any(s.replicas > 1 for s in self.streams.values())
 
     @property
     def all_healthy(self) -> bool:
@@ -77,9 +90,23 @@ async def cluster_status(nats_url: str, redis_url: str, namespace: str,
             except Exception:  # noqa: BLE001 - a consumer not created yet has no backlog
                 pass
         instances = list(await asyncio.gather(*(_instance_status(b, backlogs) for b in beats)))
+        streams = await _stream_replicas(bus)
     finally:
         await bus.close()
         await client.aclose()
     present = {i.service for i in instances}
     missing = [s.name for s in SERVICES if s.name not in present]
-    return ClusterStatus(instances, missing, backlogs)
+    return ClusterStatus(instances, missing, backlogs, streams)
+
+
+async def _stream_replicas(bus: Bus) -> dict[str, StreamReplicas]:
+    out = {}
+    for name in bus.topology.streams:
+        try:
+            info = await bus.js.stream_info(name)
+        except Exception:  # noqa: BLE001 - not created yet, or its leader being elected
+            continue
+        cluster = info.cluster
+        behind = [p.name for p in (cluster.replicas or []) if p.offline or not p.current] if cluster else []
+        out[name] = StreamReplicas(info.config.num_replicas or 1, cluster.leader if cluster else None, behind)
+    return out

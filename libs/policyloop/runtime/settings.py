@@ -27,7 +27,11 @@ class ServiceSettings(BaseSettings):
         extra="ignore",
     )
 
-    nats_url: str = Field("nats://127.0.0.1:4222", description="NATS server with JetStream.")
+    nats_url: str = Field(
+        "nats://127.0.0.1:4222",
+        description="NATS server with JetStream. A cluster: its servers comma-separated "
+                    "(nats://a:4222,nats://b:4222,nats://c:4222); the client fails over between them.",
+    )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for shared state.")
     namespace: str = Field(
         "default",
