@@ -18,13 +18,14 @@ to settle (ROLLOUTS empty, LEDGER unchanged for --settle-s) and the ledger audit
 
 With `--nats-nodes 3` NATS is a 3-node JetStream cluster (every stream and consumer on all three)
 and the NATS kills pick a node right before killing it: the current JetStream meta leader, or
-the current leader of TRAJECTORIES (both kinds are in every schedule). A killed node stays down
-`--node-down-s` while everything else goes on (and is restarted if it dies), then comes back
-and the cluster is waited on until every node is current again. Each node kill records the
-learner steps the ledger gained while the node was down (`steps_while_node_down`); `ok` then
-also requires at least one step during every node's absence and the cluster whole again after
-each restart (`cluster_whole_after_restart_s`). Prints `nats_nodes`,
-`steps_while_node_down` (per node kill) and `steps_while_node_down_total`,
+the current leader of TRAJECTORIES (both kinds are in every schedule), once the learner is
+stepping (`waited_for_training_s`: a process killed just before may still be coming back). A
+killed node stays down `--node-down-s` while everything else goes on (and is restarted if it
+dies), then comes back and the cluster is waited on until every node is current again. Each
+node kill records the learner steps the ledger gained while the node was down
+(`steps_while_node_down`); `ok` then also requires at least one step during every node's
+absence and the cluster whole again after each restart (`cluster_whole_after_restart_s`).
+Prints `nats_nodes`, `steps_while_node_down` (per node kill) and `steps_while_node_down_total`,
 `meta_leader_kills` and `trajectories_leader_kills` (kills of the node leading it then).
 
     .venv/bin/python perf/chaos.py --kills 10
@@ -100,8 +101,18 @@ async def nats_leaders(cluster: LocalCluster, timeout_s: float = 60.0) -> dict[s
 
 async def kill_node(cluster: LocalCluster, kind: str, version: int, args: argparse.Namespace,
                     started: float) -> dict:
-    """Kills the node leading what `kind` names, keeps it down --node-down-s while the rest is
+    """Once the learner is stepping (a process killed just before may still be coming back),
+    kills the node leading what `kind` names, keeps it down --node-down-s while the rest is
     supervised as usual, restarts it and waits until the cluster is whole again."""
+    waited_from = time.monotonic()
+
+    async def stepped() -> bool:
+        cluster.supervise()
+        return await learner_version(cluster) > version
+
+    await until(stepped, args.catch_up_timeout_s, poll_s=0.5)
+    waited_for_training_s = round(time.monotonic() - waited_from, 1)
+    version = await learner_version(cluster)
     leaders = await nats_leaders(cluster)
     name = leaders["meta_leader"] if kind == META_LEADER else leaders["trajectories_leader"]
     node = cluster.process(name)
@@ -120,7 +131,8 @@ async def kill_node(cluster: LocalCluster, kind: str, version: int, args: argpar
         whole_after_s: float | None = round(time.monotonic() - killed_at - down_s, 1)
     except TimeoutError:
         whole_after_s = None
-    return {"process": name, "picked": kind, **leaders, "at_version": version,
+    return {"process": name, "picked": kind, **leaders, "waited_for_training_s": waited_for_training_s,
+            "at_version": version,
             "version_at_restart": version_at_restart, "steps_while_node_down": version_at_restart - version,
             "down_s": round(down_s, 1), "cluster_whole_after_restart_s": whole_after_s,
             "restarted_while_down": restarted_while_down, "restarted": restarted,

@@ -7,6 +7,7 @@ import asyncio
 from pathlib import Path
 
 from policyloop.bus import Bus, Delivery, PullWorker, build_topology, trajectories_subject
+from policyloop.bus.connection import retry_transient
 from policyloop.cluster.local import ClusterInfo, LocalCluster
 from policyloop.cluster.nats_cluster import meta_leader, node_stream_state, stream_leader
 from policyloop.contracts.v1 import bus_pb2
@@ -39,15 +40,22 @@ async def test_replicated_bus_survives_losing_the_stream_leader(nats_cluster: Na
     running = asyncio.create_task(worker.run(stop))
     try:
         await bus.ensure_topology()
-        for name in topology.streams:
-            info = await bus.js.stream_info(name)
-            assert info.config.num_replicas == 3, name
-            assert info.cluster is not None and len(info.cluster.replicas or []) == 2, name  # the followers
+
+        async def led_with_two_followers() -> bool:
+            # Just created, a stream may still be electing its leader (all three then listed).
+            for name in topology.streams:
+                info = await retry_transient(lambda n=name: bus.js.stream_info(n), 30, "stream info")
+                assert info.config.num_replicas == 3, name
+                if info.cluster is None or not info.cluster.leader or len(info.cluster.replicas or []) != 2:
+                    return False
+            return True
+
+        await eventually(led_with_two_followers, what="every stream led, with two followers")
         for spec in topology.consumers.values():
             assert (await bus.js.consumer_info(spec.stream, spec.durable)).config.num_replicas == 3
 
         async def acked(count: int) -> bool:
-            info = await bus.js.consumer_info("TRAJECTORIES", "learner")
+            info = await retry_transient(lambda: bus.js.consumer_info("TRAJECTORIES", "learner"), 30, "info")
             return info.ack_floor.stream_seq == count and not info.num_ack_pending
 
         await publish(bus, range(10))
@@ -62,8 +70,12 @@ async def test_replicated_bus_survives_losing_the_stream_leader(nats_cluster: Na
         await eventually(lambda: acked(20), timeout_s=60, what="second half acked")
         assert sorted(handled) == sorted(f"traj-{i}" for i in range(20))  # none lost, none twice
         assert (await bus.js.stream_info("TRAJECTORIES")).state.messages == 20
-        new_leader = await stream_leader(bus.js, "TRAJECTORIES")
-        assert new_leader not in (None, leader)
+
+        async def led_by_a_survivor() -> bool:
+            return await retry_transient(lambda: stream_leader(bus.js, "TRAJECTORIES"), 30, "leader") not in (
+                None, leader)
+
+        await eventually(led_by_a_survivor, what="TRAJECTORIES led by a survivor")
 
         # A client given the dead node first connects to a survivor.
         survivors = [n for n in nats_cluster.nodes if n != leader]
@@ -80,7 +92,10 @@ async def test_replicated_bus_survives_losing_the_stream_leader(nats_cluster: Na
         monitor = f"http://127.0.0.1:{nats_cluster.nodes[leader].ports['monitor']}"
 
         async def caught_up() -> bool:
-            state = await asyncio.to_thread(node_stream_state, monitor, "TRAJECTORIES")
+            try:
+                state = await asyncio.to_thread(node_stream_state, monitor, "TRAJECTORIES")
+            except OSError:  # its monitoring port not open yet
+                return False
             return state is not None and state.get("messages") == 20 and state.get("last_seq") == 20
 
         await eventually(caught_up, timeout_s=60, what=f"{leader} caught up")

@@ -21,7 +21,7 @@ import nats.js.errors
 from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
 
-from policyloop.bus.connection import MSG_ID_HEADER, TYPE_HEADER, Bus
+from policyloop.bus.connection import MSG_ID_HEADER, TYPE_HEADER, Bus, is_transient
 from policyloop.bus.deadletter import dead_letter_delivered, watch_max_deliveries
 from policyloop.bus.topology import ConsumerSpec
 from policyloop.telemetry.logging import get_logger
@@ -32,6 +32,8 @@ log = get_logger(__name__)
 M = TypeVar("M", bound=Message)
 
 DEFAULT_RETRY_DELAYS_S: tuple[float, ...] = (0.5, 2.0, 5.0, 15.0, 30.0)
+ENSURE_TIMEOUT_S = 3.0  # creating/updating the stream and consumer on (re)bind
+ENSURE_AGAIN_S = 2.0    # after binding to a consumer that could not be ensured
 
 
 class PermanentError(Exception):
@@ -110,6 +112,7 @@ class PullWorker(Generic[M]):
         self.processed = 0
         self.last_error: str | None = None
         self._bound_generation = -1
+        self._ensure_again_at: float | None = None  # bound without having ensured the consumer
         self._sub = None
         self._advisory_sub = None
 
@@ -124,8 +127,17 @@ class PullWorker(Generic[M]):
     async def _bind(self) -> None:
         """(Re)creates the consumer and the pull subscription: after a server restart the
         consumer may be gone, and a subscription made before it would wait forever."""
-        await self.bus.ensure_stream(self.bus.topology.streams[self.consumer.stream])
-        await self.bus.ensure_consumer(self.consumer)
+        try:
+            await asyncio.wait_for(self._ensure(), timeout=ENSURE_TIMEOUT_S)
+            self._ensure_again_at = None
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            # In a cluster electing its meta leader nothing can be created for seconds, while
+            # the (replicated) consumer goes on serving pulls: bind to it now, and bind again
+            # (creating it, were it gone) shortly.
+            log.warning("consumer_not_ensured", consumer=self.consumer.durable, error=repr(exc))
+            self._ensure_again_at = time.monotonic() + ENSURE_AGAIN_S
         if self._sub is not None:
             try:
                 await self._sub.unsubscribe()
@@ -141,12 +153,17 @@ class PullWorker(Generic[M]):
         self._bound_generation = self.bus.reconnects
         log.info("consumer_bound", stream=self.consumer.stream, consumer=self.consumer.durable)
 
+    async def _ensure(self) -> None:
+        await self.bus.ensure_stream(self.bus.topology.streams[self.consumer.stream])
+        await self.bus.ensure_consumer(self.consumer)
+
     async def run(self, stop: asyncio.Event) -> None:
         """Fetches and handles messages until `stop` is set. Does not wait for in-flight
         handlers: call `drain` after."""
         while not stop.is_set():
             try:
-                if self._sub is None or self._bound_generation != self.bus.reconnects:
+                if (self._sub is None or self._bound_generation != self.bus.reconnects
+                        or (self._ensure_again_at is not None and time.monotonic() >= self._ensure_again_at)):
                     await self._bind()
                 if self.ready is not None and not self.ready():
                     await _sleep_or_stop(stop, min(0.2, self.fetch_timeout_s))
