@@ -28,7 +28,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -40,16 +39,11 @@ import grpc  # noqa: E402
 
 from policyloop.cluster.catalogue import SERVICE_NAMES  # noqa: E402
 from policyloop.cluster.demo import start_arithmetic_run  # noqa: E402
+from policyloop.cluster.local import free_port  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = str(REPO / "docker" / "compose.sh")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Compose:

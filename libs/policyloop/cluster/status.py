@@ -9,11 +9,9 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from policyloop.bus import Backlog, Bus
 from policyloop.cluster.catalogue import SERVICES, entry
+from policyloop.runtime.probe import grpc_serving
 from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
 
 
@@ -50,18 +48,6 @@ class ClusterStatus:
     @property
     def all_healthy(self) -> bool:
         return not self.missing and all(i.healthy for i in self.instances)
-
-
-async def grpc_serving(target: str, timeout_s: float = 2.0) -> tuple[bool, str]:
-    async with grpc.aio.insecure_channel(target) as channel:
-        try:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
-            )
-        except grpc.aio.AioRpcError as exc:
-            return False, f"grpc health: {exc.code().name}"
-    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
-    return serving, "" if serving else f"grpc health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
 
 
 async def _instance_status(beat: Heartbeat, backlogs: dict[str, Backlog]) -> InstanceStatus:

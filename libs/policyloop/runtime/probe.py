@@ -4,6 +4,7 @@ of heavy imports: a probe runs every few seconds."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -29,19 +30,26 @@ def probe_http(host: str, port: int, timeout_s: float = 3.0) -> ProbeResult:
         return ProbeResult(False, url, repr(exc))
 
 
-def probe_grpc(host: str, port: int, timeout_s: float = 3.0, service: str = "") -> ProbeResult:
+async def grpc_serving(target: str, timeout_s: float = 2.0) -> tuple[bool, str]:
+    """The gRPC health protocol's overall status ("" service) at `target`: (serving, why not)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    target = f"{host}:{port}"
-    with grpc.insecure_channel(target) as channel:
+    async with grpc.aio.insecure_channel(target) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
-        except grpc.RpcError as exc:
-            return ProbeResult(False, f"grpc://{target}", f"{exc.code().name}: {exc.details()}")
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return ProbeResult(reply.status == health_pb2.HealthCheckResponse.SERVING, f"grpc://{target}", status)
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            return False, f"grpc health: {exc.code().name}"
+    serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+    return serving, "" if serving else f"grpc health: {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+
+
+def probe_grpc(host: str, port: int, timeout_s: float = 3.0) -> ProbeResult:
+    target = f"{host}:{port}"
+    serving, reason = asyncio.run(grpc_serving(target, timeout_s))
+    return ProbeResult(serving, f"grpc://{target}", reason or "SERVING")
 
 
 def _brief(body: bytes) -> str:

@@ -116,6 +116,12 @@ async def _heartbeat_loop(ctx: ServiceContext, registry: HeartbeatRegistry, star
         except (redis.exceptions.RedisError, OSError) as exc:
             ctx.redis_ok = False
             log.warning("heartbeat_failed", error=repr(exc))
+        # redis-py can absorb a cancellation that lands during a call (the call returns or fails
+        # instead): without this check the loop would go on beating and the service's stop,
+        # which waits for it, would never end (seen when a body fails at once).
+        task = asyncio.current_task()
+        if task is not None and task.cancelling():
+            raise asyncio.CancelledError
         await asyncio.sleep(s.heartbeat_interval_s)
 
 
@@ -154,7 +160,10 @@ async def serve(name: str, settings: ServiceSettings, body: ServiceBody) -> int:
                 await asyncio.gather(body_task, return_exceptions=True)
         if body_task.done() and not body_task.cancelled() and body_task.exception() is not None:
             exc = body_task.exception()
-            log.error("service_failed", error=repr(exc), exc_info=exc)
+            if isinstance(exc, ServiceCannotStart):
+                log.error("service_cannot_start", error=str(exc))
+            else:
+                log.error("service_failed", error=repr(exc), exc_info=exc)
             exit_code = 1
     finally:
         stop_wait.cancel()
@@ -203,7 +212,7 @@ def run_main(name: str, settings_model: type[ServiceSettings], body: ServiceBody
     settings = load_settings(settings_model, list(argv or []))
     try:
         return asyncio.run(serve(name, settings, body))
-    except (BusUnavailable, StateUnavailable, ServiceCannotStart) as exc:
+    except (BusUnavailable, StateUnavailable) as exc:
         # Nothing was taken from the bus yet: say why and let the supervisor retry.
         log.error("service_cannot_start", error=str(exc))
         return 1
