@@ -277,7 +277,7 @@ def main() -> None:
         "POLICYLOOP_MODEL_PATH": str(model_path),
         "POLICYLOOP_GROUPS_PER_STEP": str(args.groups_per_step),
         "POLICYLOOP_MAX_LAG": str(args.max_lag),
-        "POLICYLOOP_CHECKPOINT_EVERY": str(args.checkpoint_every),
+        "POLICYLOOP_CHECKPOINT__EVERY": str(args.checkpoint_every),
         "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
         **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
            for kind in ("rollout", "reward", "learner", "sandbox")},

@@ -39,7 +39,7 @@ import grpc  # noqa: E402
 
 from policyloop.cluster.catalogue import SERVICE_NAMES  # noqa: E402
 from policyloop.cluster.demo import start_arithmetic_run  # noqa: E402
-from policyloop.cluster.local import free_port  # noqa: E402
+from policyloop.common.ports import free_port  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]

@@ -15,7 +15,7 @@ import statistics
 import time
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
+from policyloop.reward.registry import sandbox_job, score_result
 from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.runner import JobLimits, check_isolation, run_job
 
@@ -40,7 +40,8 @@ async def scoring(cgroups: JobCgroups | None, jobs: int) -> dict:
     walls, cpus = [], []
     for i in range(jobs):
         traj = bus_pb2.Trajectory(trajectory_id=f"t{i}", response_text="def add(a, b):\n    return a + b\n",
-                                  metadata={"scorer": UNIT_TESTS, "tests": TESTS, "timeout_seconds": "5"})
+                                  metadata={"tests": TESTS},
+                                  scorer=bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(timeout_seconds=5)))
         code_job = sandbox_job(traj)
         result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=10), cgroups=cgroups)
         assert score_result(traj, code_job, result)[0] == 1.0, result

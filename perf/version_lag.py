@@ -37,31 +37,32 @@ import grpc  # noqa: E402
 
 from policyloop.cluster.demo import evaluate, start_arithmetic_run, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc, status_pb2  # noqa: E402
 from policyloop.engines.sglang_client import SGLangClient  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
 
 
-def summarise(learner: dict, rollouts: list[dict], run_started_unix: float) -> dict:
-    """One configuration's figures from the learner's and the replicas' heartbeat details."""
-    histogram = {int(k): int(v) for k, v in dict(learner.get("lag_histogram", {})).items()}
-    dropped = {k: int(v) for k, v in dict(learner.get("dropped", {})).items()}
+def summarise(learner: status_pb2.LearnerStatus, rollouts: list[status_pb2.RolloutStatus],
+              run_started_unix: float) -> dict:
+    """One configuration's figures from the learner's and the replicas' statuses."""
+    histogram = dict(learner.lag_histogram)
+    dropped = {f.name: v for f, v in learner.dropped.ListFields()}
     trained = sum(histogram.values())
     seen = trained + sum(dropped.values())
-    first, last = float(learner.get("first_trajectory_at", 0.0)), float(learner.get("last_step_at", 0.0))
+    first, last = learner.first_trajectory_at, learner.last_step_at
     window = max(1e-9, last - first)
-    generated = sum(int(r.get("generated_tokens", 0)) for r in rollouts)
+    generated = sum(r.generated_tokens for r in rollouts)
     return {
         "lag_histogram": {str(k): v for k, v in sorted(histogram.items())},
         "lag_max": max(histogram) if histogram else 0,
         "dropped_fraction": {reason: round(count / max(1, seen), 4) for reason, count in dropped.items()},
         "dropped_fraction_total": round(sum(dropped.values()) / max(1, seen), 4),
         "generated_tokens_per_s": round(generated / window, 1),
-        "learner_tokens_per_s": round(int(learner.get("trained_tokens", 0)) / window, 1),
-        "learner_idle_fraction": round(max(0.0, 1.0 - float(learner.get("busy_s", 0.0)) / window), 4),
+        "learner_tokens_per_s": round(learner.trained_tokens / window, 1),
+        "learner_idle_fraction": round(max(0.0, 1.0 - learner.busy_s / window), 4),
         "wall_seconds": round(last - run_started_unix, 1),
-        "steps": int(learner.get("step", 0)),
+        "steps": learner.step,
     }
 
 
@@ -83,18 +84,18 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace, model_path: Pat
             while True:
                 await asyncio.sleep(1.0)
                 beats = await registry.alive()
-                learner = next((b.detail for b in beats if b.service == "learner"), {})
-                if int(learner.get("step", 0)) >= args.steps or time.monotonic() > deadline:
+                step = next((b.learner.step for b in beats if b.service == "learner"), 0)
+                if step >= args.steps or time.monotonic() > deadline:
                     break
             await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
         beats = await registry.alive()
-        learner = next(b.detail for b in beats if b.service == "learner")
-        rollouts = [b.detail for b in beats if b.service == "rollout"]
+        learner = next(b.learner for b in beats if b.service == "learner")
+        rollouts = [b.rollout for b in beats if b.service == "rollout"]
         figures = summarise(learner, rollouts, run_started)
         # Held-out accuracy of what the first replica serves at the end.
         tokenizer = AutoTokenizer.from_pretrained(str(model_path))
         heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), args.eval_problems, seed=args.seed)
-        async with SGLangClient(str(rollouts[0]["engine"]), timeout_s=120) as engine:
+        async with SGLangClient(rollouts[0].engine_url, timeout_s=120) as engine:
             measured = await evaluate(engine, tokenizer, heldout)
         figures["accuracy_after"], figures["accuracy_version"] = measured.accuracy, measured.version
         return figures
@@ -107,7 +108,7 @@ def run_configuration(max_lag: int, replicas: int, args: argparse.Namespace, mod
         "POLICYLOOP_MODEL_PATH": str(model_path),
         "POLICYLOOP_MAX_LAG": str(max_lag),
         "POLICYLOOP_GROUPS_PER_STEP": str(args.groups_per_step),
-        "POLICYLOOP_LR": str(args.lr),
+        "POLICYLOOP_OPTIMIZER__LR": str(args.lr),
         "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
     }
     cluster = LocalCluster(root, extra_env=env, replicas={"rollout": replicas}, fresh=True)

@@ -131,7 +131,7 @@ def evaluate(
         here = [b for b in beats if b.instance.startswith(socket.gethostname())]
         if not (here or beats):
             raise typer.BadParameter("no rollout replica is alive to ask for its engine", param_hint="--engine-url")
-        return str((here or beats)[0].detail["engine"])
+        return (here or beats)[0].rollout.engine_url
 
     async def run() -> dict[str, object]:
         url = engine_url or await find_engine()
@@ -248,7 +248,7 @@ def _print_status(status) -> None:  # type: ignore[no-untyped-def]
     for inst in status.instances:
         backlog = f"{inst.backlog.pending} / {inst.backlog.ack_pending}" if inst.backlog else "—"
         healthy = "[green]yes[/green]" if inst.healthy else f"[red]no[/red] {inst.reason}"
-        table.add_row(inst.service, inst.instance, healthy, str(inst.policy_version), backlog, _notes(inst.detail))
+        table.add_row(inst.service, inst.instance, healthy, str(inst.policy_version), backlog, _notes(inst.heartbeat))
     for name in status.missing:
         table.add_row(name, "—", "[red]no instance[/red]", "—", "—", "")
     console.print(table)
@@ -262,9 +262,14 @@ def _print_status(status) -> None:  # type: ignore[no-untyped-def]
         console.print(streams)
 
 
-def _notes(detail: dict[str, object]) -> str:
-    skip = {"nats", "redis"}
-    return ", ".join(f"{k}={v}" for k, v in detail.items() if k not in skip and not k.startswith("consumer:"))
+def _notes(beat) -> str:  # type: ignore[no-untyped-def]
+    """Failing health checks, then the role's own scalar figures (its status message's top level)."""
+    from google.protobuf import json_format
+
+    failing = [f"{name}: {reason}" for name, reason in sorted(beat.checks.items()) if reason != "ok"]
+    role = beat.WhichOneof("status")
+    figures = json_format.MessageToDict(getattr(beat, role), preserving_proto_field_name=True) if role else {}
+    return ", ".join(failing + [f"{k}={v}" for k, v in figures.items() if not isinstance(v, dict | list)])
 
 
 @app.command()
@@ -333,24 +338,21 @@ def demo(
     before and after (summary.json and a plot). --tools: the multi-turn environment."""
     from policyloop.cluster.demo import DemoConfig, run_demo
     from policyloop.engines.protocol import PAUSE_MODES
+    from policyloop.rl.settings import LossConfig
 
-    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
-                        eval_problems=eval_problems, eval_interval_s=eval_interval_s,
-                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
-                        normalization=normalization, advantages=advantages, off_policy=off_policy, tis_cap=tis_cap,
-                        kl_coef=kl_coef, clip_high=clip_high, max_lag=max_lag,
-                        weight_update_mode=weight_update_mode, tools=tools)
     if weight_update_mode not in PAUSE_MODES:
         console.print(f"[red]--weight-update-mode must be one of {', '.join(PAUSE_MODES)}[/red]")
         raise typer.Exit(2)
     try:
-        from policyloop.rl.objective import LossConfig
-
-        LossConfig(kind=loss, normalization=normalization, advantages=advantages,  # type: ignore[arg-type]
-                   off_policy=off_policy, tis_cap=tis_cap, kl_coef=kl_coef, clip_high=clip_high)
+        objective = LossConfig(kind=loss, normalization=normalization, advantages=advantages, off_policy=off_policy,
+                               tis_cap=tis_cap, kl_coef=kl_coef, clip_high=clip_high)
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
+    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
+                        eval_problems=eval_problems, eval_interval_s=eval_interval_s,
+                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=objective,
+                        max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools)
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 

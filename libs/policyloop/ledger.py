@@ -20,15 +20,13 @@ import nats.js.errors
 from google.protobuf.message import DecodeError
 
 from policyloop.bus import Bus, ledger_subject
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
 
 GENERATED = bus_pb2.LedgerEvent.KIND_GENERATED
 TRAINED = bus_pb2.LedgerEvent.KIND_TRAINED
 DROPPED = bus_pb2.LedgerEvent.KIND_DROPPED
 
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 async def record_generated(bus: Bus, group: Sequence[bus_pb2.Trajectory], instance: str) -> None:
@@ -37,7 +35,7 @@ async def record_generated(bus: Bus, group: Sequence[bus_pb2.Trajectory], instan
     versions = [span.version for t in group for span in t.version_spans]
     event = bus_pb2.LedgerEvent(kind=GENERATED, run_id=first.run_id, trajectory_ids=[t.trajectory_id for t in group],
                                 policy_version=max(versions, default=0), instance=instance,
-                                recorded_unix_ms=_now_ms())
+                                recorded_unix_ms=now_ms())
     await bus.publish(ledger_subject(GENERATED, first.environment), event, f"generated:{first.task_id}")
 
 
@@ -59,7 +57,7 @@ async def record_trained(bus: Bus, model: str, run_id: str, instance: str, recor
     event = bus_pb2.LedgerEvent(kind=TRAINED, run_id=run_id, model=model, trajectory_ids=record.trajectory_ids,
                                 stream_sequences=record.stream_sequences, step=record.step,
                                 policy_version=record.version, manifest_hash=record.manifest_hash,
-                                instance=instance, recorded_unix_ms=_now_ms())
+                                instance=instance, recorded_unix_ms=now_ms())
     ack = await bus.publish(ledger_subject(TRAINED, model), event, f"trained:{model}:{record.version}")
     if ack.duplicate:
         # Within the duplicate window JetStream keeps the first record of this version: it must
@@ -81,7 +79,7 @@ async def record_dropped(bus: Bus, model: str, run_id: str, instance: str, reaso
     event = bus_pb2.LedgerEvent(kind=DROPPED, run_id=run_id, model=model, reason=reason,
                                 trajectory_ids=[i for i, _ in ids_and_sequences],
                                 stream_sequences=[s for _, s in ids_and_sequences], instance=instance,
-                                recorded_unix_ms=_now_ms())
+                                recorded_unix_ms=now_ms())
     await bus.publish(ledger_subject(DROPPED, model), event, f"dropped:{model}:{reason}:{ids_and_sequences[0][0]}")
 
 

@@ -3,15 +3,11 @@
 from __future__ import annotations
 
 import secrets
-import time
 from collections.abc import Sequence
 
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def trajectory_id(task_id: str, sample_index: int) -> str:
@@ -21,7 +17,7 @@ def trajectory_id(task_id: str, sample_index: int) -> str:
 
 def group_members(task: bus_pb2.Task, replica: str) -> list[bus_pb2.Trajectory]:
     """One trajectory record per sample of the task's group, with everything the task fixes
-    (identity, prompt, metadata) filled in and no response yet."""
+    (identity, prompt, metadata, scorer) filled in and no response yet."""
     started = now_ms()
     return [
         bus_pb2.Trajectory(
@@ -35,6 +31,7 @@ def group_members(task: bus_pb2.Task, replica: str) -> list[bus_pb2.Trajectory]:
             prompt_token_ids=task.prompt_token_ids,
             rollout_replica=replica,
             metadata=task.metadata,
+            scorer=task.scorer if task.HasField("scorer") else None,
             timings=bus_pb2.Timings(
                 task_created_unix_ms=task.created_unix_ms, generation_started_unix_ms=started
             ),

@@ -13,13 +13,13 @@ each job a cgroup of its own (policyloop.sandbox.cgroups).
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Literal
 
 from pydantic import Field
 
 from policyloop.bus import Delivery, PullWorker
-from policyloop.contracts.v1 import bus_pb2
+from policyloop.common.clock import now_ms
+from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_sandbox_job
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.sandbox.cgroups import job_cgroups
@@ -67,13 +67,13 @@ async def body(ctx: ServiceContext) -> None:
     settings: SandboxSettings = ctx.settings  # type: ignore[assignment]
     await asyncio.to_thread(check_isolation)
     cgroups = job_cgroups(settings.cgroups)
-    ctx.detail["accounting"] = "cgroup" if cgroups is not None else "rlimit"
+    status = status_pb2.SandboxStatus(accounting="cgroup" if cgroups is not None else "rlimit")
+    ctx.status = lambda: status
     defaults = JobLimits(wall_seconds=settings.default_wall_seconds, cpu_seconds=settings.default_cpu_seconds,
                          memory_bytes=settings.default_memory_bytes)
     ceiling = JobLimits(wall_seconds=settings.max_wall_seconds, cpu_seconds=settings.max_cpu_seconds,
                         memory_bytes=settings.max_memory_bytes, max_processes=256,
                         max_file_bytes=256 * 1024**2, max_open_files=1024, max_output_bytes=4 * 1024**2)
-    ctx.detail["jobs_done"] = 0
     uids = JobUids(settings.job_uid_base, settings.job_uid_count)
     quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
         if settings.per_run_concurrency > 0 else None
@@ -81,9 +81,9 @@ async def body(ctx: ServiceContext) -> None:
 
     def expired(job: bus_pb2.SandboxJob) -> bool:
         """Its caller gave up waiting (and asks again under a new job id if it still wants it)."""
-        if not job.expires_unix_ms or time.time() * 1000 <= job.expires_unix_ms:
+        if not job.expires_unix_ms or now_ms() <= job.expires_unix_ms:
             return False
-        ctx.detail["jobs_expired"] = int(ctx.detail.get("jobs_expired", 0)) + 1
+        status.jobs_expired += 1
         log.info("job_expired", job=job.job_id)
         return True
 
@@ -100,7 +100,7 @@ async def body(ctx: ServiceContext) -> None:
         if job.reply_subject:
             await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
             await ctx.bus.nc.flush(timeout=5)
-        ctx.detail["jobs_done"] = int(ctx.detail["jobs_done"]) + 1
+        status.jobs_done += 1
         log.info("job_done", job=job.job_id, exit_code=result.exit_code,
                  limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
                  cpu_s=round(result.cpu_seconds, 3))

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from policyloop.bus import Bus, rollouts_subject
-from policyloop.contracts.v1 import bus_pb2, loop_pb2
-from policyloop.envs.code import code_environment, reference_solutions, scorer_metadata
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.envs.code import code_environment, reference_solutions
+from policyloop.gateway.feeding import task_scorer
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher
 from tests.helpers import eventually, stored
@@ -21,12 +22,13 @@ except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
 
 
-def rollout(trajectory_id: str, prompt: str, completion: str, metadata: dict[str, str]) -> bus_pb2.Trajectory:
+def rollout(trajectory_id: str, prompt: str, completion: str, scorer: bus_pb2.Scorer,
+            metadata: dict[str, str] | None = None) -> bus_pb2.Trajectory:
     return bus_pb2.Trajectory(
         trajectory_id=trajectory_id, task_id=trajectory_id, group_id=trajectory_id, group_size=1,
         environment="code", prompt_text=prompt, response_text=completion, response_token_ids=[5],
         behaviour_logprobs=[-1.0], loss_mask=[True], finish_reason=bus_pb2.FINISH_REASON_STOP,
-        version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=1)], metadata=metadata)
+        version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=1)], metadata=metadata, scorer=scorer)
 
 
 async def scored(bus: Bus, rollouts: list[bus_pb2.Trajectory]) -> dict[str, bus_pb2.Trajectory]:
@@ -49,7 +51,7 @@ async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher
     await services.wait_healthy(sandbox, reward, timeout_s=60)
     env = code_environment()
     task = env.tasks[0]  # def add(a, b):
-    metadata = {**dict(task.metadata), **scorer_metadata(env)}
+    scored_by, metadata = task_scorer(env, task), dict(task.metadata)
     prompt = task.prompt_text
     right = reference_solutions()[prompt]
     forged = 'print("0123 {\\"compiled\\": true, \\"tests\\": [[\\"test_0\\", true, \\"\\"]]}")\n    return 42'
@@ -61,14 +63,14 @@ async def test_unit_tests_run_in_the_sandbox(bus: Bus, services: ServiceLauncher
                     "              'tests': [['test_0', True, ''], ['test_1', True, '']]}\n"
                     "    os.write(1, ('\\n' + m.nonce + ' ' + json.dumps(report) + '\\n').encode())\n    os._exit(0)")
     results = await scored(bus, [
-        rollout("right", prompt, right, metadata),
-        rollout("half", prompt, "return a + b if a > 0 else 99", metadata),
-        rollout("syntax", prompt, "return a +", metadata),
-        rollout("loop", prompt, "while True: pass", metadata),
-        rollout("exit", prompt, "import os; os._exit(0)", metadata),
-        rollout("forged", prompt, forged, metadata),
-        rollout("own_tests", prompt, own_tests, metadata),
-        rollout("stolen_nonce", prompt, stolen_nonce, metadata),
+        rollout("right", prompt, right, scored_by, metadata),
+        rollout("half", prompt, "return a + b if a > 0 else 99", scored_by, metadata),
+        rollout("syntax", prompt, "return a +", scored_by, metadata),
+        rollout("loop", prompt, "while True: pass", scored_by, metadata),
+        rollout("exit", prompt, "import os; os._exit(0)", scored_by, metadata),
+        rollout("forged", prompt, forged, scored_by, metadata),
+        rollout("own_tests", prompt, own_tests, scored_by, metadata),
+        rollout("stolen_nonce", prompt, stolen_nonce, scored_by, metadata),
     ])
     assert results["right"].reward == 1.0 and parts(results["right"])["tests_passed"] == (1.0, "2/2 passed")
     assert results["half"].reward == 0.5 and "1/2 passed" in parts(results["half"])["tests_passed"][1]
@@ -90,9 +92,8 @@ async def test_reward_code_runs_in_the_sandbox_not_in_the_reward_service(
     reward = services.start("reward", env={"POLICYLOOP_TEST_SECRET": secret})
     await services.wait_healthy(sandbox, reward, timeout_s=60)
 
-    def team_code(body: str) -> dict[str, str]:
-        env = loop_pb2.Environment(reward_code=loop_pb2.RewardCodeScorer(source=body, timeout_seconds=3))
-        return scorer_metadata(env)
+    def team_code(body: str) -> bus_pb2.Scorer:
+        return bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source=body, timeout_seconds=3))
 
     length = team_code("def reward(prompt, completion, metadata):\n"
                        "    return len(completion) / 10, 'length/10'\n")
@@ -120,15 +121,14 @@ async def test_every_task_of_the_code_environment_is_solvable() -> None:
     """Each task's reference body passes all its tests and a body that raises passes none (run
     in the sandbox directly, as its replicas do)."""
 
-    from policyloop.envs.code import sandbox_job, score_result
+    from policyloop.reward.registry import sandbox_job, score_result
     from policyloop.sandbox.runner import JobLimits, run_job
 
     env = code_environment()
     solutions = reference_solutions()
     for task in env.tasks:
-        metadata = {**dict(task.metadata), **scorer_metadata(env)}
         for completion, expected in ((solutions[task.prompt_text], 1.0), ("raise ValueError('no')", 0.0)):
-            traj = rollout("t", task.prompt_text, completion, metadata)
+            traj = rollout("t", task.prompt_text, completion, task_scorer(env, task), dict(task.metadata))
             code_job = sandbox_job(traj)
             result = await run_job(code_job.job, JobLimits(wall_seconds=10, cpu_seconds=5))
             assert score_result(traj, code_job, result)[0] == expected, (task.prompt_text, completion, result)

@@ -49,7 +49,7 @@ async def test_learner_broadcasts_versions_into_a_colocated_engine(
         endpoint = f"127.0.0.1:{publisher.ports['grpc']}"
         learner = services.start("learner", env={
             "POLICYLOOP_GROUPS_PER_STEP": "2", "POLICYLOOP_PUBLISHER_ENDPOINT": endpoint,
-            "POLICYLOOP_COLOCATED_ENGINES": json.dumps([url]), "POLICYLOOP_COLOCATED_BACKEND": "gloo"})
+            "POLICYLOOP_COLOCATED__ENGINES": json.dumps([url]), "POLICYLOOP_COLOCATED__BACKEND": "gloo"})
         rollout = services.start("rollout", env={"POLICYLOOP_ENGINE_URL": url,
                                                  "POLICYLOOP_WEIGHT_SOURCE": "colocated"})
         await services.wait_healthy(learner, rollout, timeout_s=60)
@@ -109,8 +109,8 @@ async def test_without_the_broadcast_the_replica_loads_from_the_publisher(
         await services.wait_healthy(publisher)
         learner = services.start("learner", env={
             "POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}",
-            "POLICYLOOP_COLOCATED_ENGINES": json.dumps([f"http://127.0.0.1:{free_port()}"]),
-            "POLICYLOOP_COLOCATED_BACKEND": "gloo", "POLICYLOOP_MAX_LAG": "-1"})
+            "POLICYLOOP_COLOCATED__ENGINES": json.dumps([f"http://127.0.0.1:{free_port()}"]),
+            "POLICYLOOP_COLOCATED__BACKEND": "gloo", "POLICYLOOP_MAX_LAG": "-1"})
         rollout = services.start("rollout", env={"POLICYLOOP_ENGINE_URL": url, "POLICYLOOP_WEIGHT_SOURCE": "colocated",
                                                  "POLICYLOOP_COLOCATED_WAIT_S": "1"})
         await services.wait_healthy(learner, rollout, timeout_s=60)

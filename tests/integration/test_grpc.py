@@ -16,7 +16,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from policyloop.bus import Bus, build_topology
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, weights_pb2, weights_pb2_grpc
 from policyloop.envs.tools import TOOLS_PROMPT_TOKEN
-from policyloop.envs.validation import InvalidField, check_prompts_fit, load_model_context
+from policyloop.gateway.errors import InvalidField
+from policyloop.gateway.model_context import load_model_context
+from policyloop.gateway.validation import check_prompts_fit
 from policyloop.models.tokenizer import VOCAB
 from policyloop.weights import codec
 from policyloop.weights.client import VersionPusher, WeightClient
@@ -293,7 +295,7 @@ async def _runs_feed_tasks(stub: loop_pb2_grpc.LoopServiceStub, bus: Bus) -> Non
     await eventually(rest_enqueued)
     tasks = [bus_pb2.Task.FromString(m.data) for m in taken] + await stored(bus, "TASKS", bus_pb2.Task)
     assert sorted(t.task_id for t in tasks) == [f"run1:{i:09d}" for i in range(30)]
-    assert all(t.group_size == 2 and t.metadata["answer"] and t.prompt_text for t in tasks)
+    assert all(t.group_size == 2 and t.scorer.answer and t.scorer.HasField("builtin") and t.prompt_text for t in tasks)
 
     watch = stub.WatchRun(loop_pb2.WatchRunRequest(run_id="run1"), timeout=10, metadata=AUTH)
     first_update = await watch.read()
@@ -413,7 +415,7 @@ async def test_rollout_replicas_hear_of_published_versions(publisher, services: 
     try:
         async def heard() -> bool:
             beats = await HeartbeatRegistry(redis_client, "default").alive("rollout")
-            return bool(beats) and beats[0].detail.get("announced_version") == 2
+            return bool(beats) and beats[0].rollout.announced_version == 2
 
         await eventually(heard)
     finally:

@@ -47,8 +47,8 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
     learner = services.start("learner", env={
-        "POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "0", "POLICYLOOP_LOSS": "cispo",
-        "POLICYLOOP_OFF_POLICY": "tis", "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
+        "POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "0", "POLICYLOOP_LOSS__KIND": "cispo",
+        "POLICYLOOP_LOSS__OFF_POLICY": "tis", "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
     await services.wait_healthy(learner, timeout_s=60)
     for i in range(2):
         await bus.publish(trajectories_subject("e"), scored_group("a")[i], f"a/{i}")
@@ -66,13 +66,13 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
         backlog = await bus.backlog("learner")
         beats = await HeartbeatRegistry(redis_client, "default").alive("learner")
         return backlog.pending == 0 and backlog.ack_pending == 0 and bool(beats) and \
-            beats[0].detail.get("dropped", {}).get("stale") == 4
+            beats[0].learner.dropped.stale == 4
 
     await eventually(settled, timeout_s=30)
     assert await versions.get("policy") == 1  # nothing was trained on them
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("learner")
-    assert beat.detail["lag_histogram"] == {"0": 2} and beat.detail["entropy"] > 0
-    assert beat.detail["is_weight_mean"] > 0
+    assert dict(beat.learner.lag_histogram) == {0: 2} and beat.learner.last_step.entropy > 0
+    assert beat.learner.last_step.is_weight_mean > 0
 
 
 async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durable(
@@ -101,7 +101,7 @@ async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durab
 
     async def all_handled() -> bool:  # the learner has seen all three, the copy included
         beats = await HeartbeatRegistry(redis_client, "default").alive("learner")
-        return bool(beats) and int(beats[0].detail.get("trajectories_seen", 0)) == 3
+        return bool(beats) and beats[0].learner.trajectories_seen == 3
 
     await eventually(all_handled, timeout_s=30)
     assert (await bus.backlog("learner")).ack_pending == 3  # the copy is held too, not acked
@@ -116,8 +116,8 @@ async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durab
 
     async def reported() -> bool:
         beats = await HeartbeatRegistry(redis_client, "default").alive("learner")
-        return bool(beats) and beats[0].detail.get("step") == 1
+        return bool(beats) and beats[0].learner.step == 1
 
     await eventually(reported, timeout_s=30)
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("learner")
-    assert beat.detail["trained_samples"] == 4  # the copy was not trained again
+    assert beat.learner.trained_samples == 4  # the copy was not trained again

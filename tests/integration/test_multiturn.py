@@ -39,7 +39,8 @@ def tool_task(task_id: str, prompt: str, max_turns: int = 3, seed: int = 11) -> 
     return bus_pb2.Task(
         task_id=task_id, run_id="r", environment="tools@v1", prompt_text=f"<tools>{prompt}", group_size=8,
         sampling=bus_pb2.SamplingParams(max_new_tokens=24, temperature=1.0, seed=seed),
-        metadata={"scorer": "exact_answer", "answer": str(eval(prompt.removesuffix("=")))},  # noqa: S307 - digits
+        scorer=bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+                              answer=str(eval(prompt.removesuffix("=")))),  # noqa: S307 - digits
         max_turns=max_turns, tools=["python"])
 
 

@@ -39,7 +39,7 @@ async def test_learner_killed_between_steps_resumes_from_checkpoint_and_ledger(
     versions = VersionRegistry(redis_client, "default")
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT_EVERY": "2",
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT__EVERY": "2",
            "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
     first = services.start("learner", env=env)
     await services.wait_healthy(first, timeout_s=60)
@@ -68,7 +68,7 @@ async def test_learner_killed_between_steps_resumes_from_checkpoint_and_ledger(
     assert resumed["checkpoint_version"] == 7 and resumed["replayed"] == 0 and resumed["version"] == 7
     # Without resume, the learner refuses to train the base weights under version 7.
     third.kill()
-    fourth = services.start("learner", env={**env, "POLICYLOOP_RESUME": "false"})
+    fourth = services.start("learner", env={**env, "POLICYLOOP_CHECKPOINT__RESUME": "false"})
     assert await asyncio.to_thread(fourth.proc.wait, 60) == 1
 
 
@@ -81,7 +81,7 @@ async def test_learner_dead_between_recording_a_step_and_publishing_it(
     versions = VersionRegistry(redis_client, "default")
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT_EVERY": "2",
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT__EVERY": "2",
            "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
     first = services.start("learner", env={**env, "POLICYLOOP_CRASH_AFTER_RECORDING_STEP": "3"})
     await services.wait_healthy(first, timeout_s=60)
@@ -112,7 +112,7 @@ async def test_learner_killed_mid_step_trains_nothing_twice(
     versions = VersionRegistry(redis_client, "default")
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    env = {"POLICYLOOP_GROUPS_PER_STEP": "24", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT_EVERY": "0",
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "24", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT__EVERY": "0",
            "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
     shape = {"size": 8, "response_len": 96}  # a step of a second or so
     first = services.start("learner", env=env)
@@ -152,7 +152,8 @@ async def test_rollout_killed_mid_generation_loses_nothing(
     for task_id in tasks:
         await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
             task_id=task_id, run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=4,
-            metadata={"answer": "46", "scorer": "exact_answer"},
+            scorer=bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+                                  answer="46"),
             sampling=bus_pb2.SamplingParams(max_new_tokens=48, temperature=1.0, seed=3)), task_id)
 
     async def generating() -> bool:

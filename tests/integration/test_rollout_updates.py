@@ -20,6 +20,8 @@ from policyloop.weights.torch_io import weight_set
 from tests.conftest import HEARTBEAT_INTERVAL_S, ServiceLauncher
 from tests.helpers import eventually, stored
 
+EXACT_46 = bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER), answer="46")
+
 # Fixed-length samples (ignore_eos): every wave decodes TOKENS steps.
 TASKS, GROUP, TOKENS = 16, 8, 200
 
@@ -37,7 +39,7 @@ async def test_engine_embedded_a_version_that_aborts_requests_in_flight_resumes_
     rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_WEIGHT_UPDATE_MODE": "abort"})
     await services.wait_healthy(rollout, timeout_s=60)
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("rollout")
-    engine = SGLangClient(str(beat.detail["engine"]), timeout_s=30)
+    engine = SGLangClient(beat.rollout.engine_url, timeout_s=30)
     try:
         await _update_mid_generation("abort", _holding(engine), bus, services, redis_client, publisher, rollout)
     finally:
@@ -109,7 +111,7 @@ async def _update_mid_generation(mode: str, generating, bus: Bus, services: Serv
     for n in range(TASKS):
         await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
             task_id=f"t{n}", run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=GROUP,
-            metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(
+            scorer=EXACT_46, sampling=bus_pb2.SamplingParams(
                 max_new_tokens=TOKENS, temperature=1.0, seed=n, ignore_eos=True)), f"t{n}")
 
     await eventually(generating, timeout_s=60, interval_s=0.02, what="tokens being generated")
@@ -139,7 +141,7 @@ async def _update_mid_generation(mode: str, generating, bus: Bus, services: Serv
         assert traj.finish_reason == bus_pb2.FINISH_REASON_LENGTH
     assert straddling > 0, f"no sample was in flight across the update: {kinds}"
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("rollout")
-    resubmitted = int(beat.detail.get("resubmitted", 0))
+    resubmitted = beat.rollout.resubmitted
     assert (resubmitted > 0) if mode == "abort" else (resubmitted == 0)
     assert beat.policy_version == 1
 
@@ -158,7 +160,7 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
     def task(task_id: str) -> bus_pb2.Task:
         return bus_pb2.Task(
             task_id=task_id, run_id="r", environment="addition@v1", prompt_text="12+34=", group_size=2,
-            metadata={"answer": "46", "scorer": "exact_answer"}, sampling=bus_pb2.SamplingParams(max_new_tokens=6))
+            scorer=EXACT_46, sampling=bus_pb2.SamplingParams(max_new_tokens=6))
 
     port = free_port()
     engine = await start_engine(services.model_dir, port=port)  # boots at "default", like SGLang

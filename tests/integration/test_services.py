@@ -15,10 +15,13 @@ from policyloop.contracts.v1 import bus_pb2
 from tests.conftest import Server, ServiceLauncher
 from tests.helpers import cgroups_available, eventually, stored, stored_messages
 
+# How the reward service scores "12+34=": the exact answer, typed on the Task and its Trajectories.
+EXACT_46 = bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER), answer="46")
+
 
 def task(task_id: str, group_size: int = 3) -> bus_pb2.Task:
     return bus_pb2.Task(task_id=task_id, run_id="r1", environment="addition@v1", prompt_text="12+34=",
-                        group_size=group_size, metadata={"answer": "46", "scorer": "exact_answer"},
+                        group_size=group_size, scorer=EXACT_46, metadata={"source": "test"},
                         sampling=bus_pb2.SamplingParams(max_new_tokens=6, temperature=1.0, seed=7))
 
 
@@ -40,7 +43,8 @@ async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: Ser
     assert {t.rollout_replica for t in trajectories} == {rollout.instance}
     for t in trajectories:
         n = len(t.response_token_ids)
-        assert t.group_id == "t1" and t.metadata["answer"] == "46" and t.prompt_text == "12+34="
+        assert t.group_id == "t1" and t.scorer == EXACT_46 and t.metadata["source"] == "test"
+        assert t.prompt_text == "12+34="
         assert 1 <= n <= 6 and len(t.behaviour_logprobs) == n and all(lp <= 0 for lp in t.behaviour_logprobs)
         assert list(t.loss_mask) == [True] * n
         assert [(s.version, s.start, s.end) for s in t.version_spans] == [(0, 0, n)]
@@ -66,24 +70,31 @@ async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: Ser
 async def test_undecodable_message_is_dead_lettered_and_the_service_keeps_running(
     bus: Bus, services: ServiceLauncher
 ) -> None:
+    """So are a rollout with a malformed scorer and one that names no scorer, each with its reason."""
     reward = services.start("reward")
     await services.wait_healthy(reward)
     await bus.publish_bytes(rollouts_subject("addition@v1"), b"\x08\x96\x01\xff\xff", {"Nats-Msg-Id": "bad"})
-    good = bus_pb2.Trajectory(trajectory_id="t1/0", task_id="t1", group_id="t1", group_size=1,
-                              environment="addition@v1", response_text="46",
-                              finish_reason=bus_pb2.FINISH_REASON_STOP,
-                              metadata={"scorer": "exact_answer", "answer": "46"})
-    await bus.publish(rollouts_subject("addition@v1"), good, "t1/0")
+
+    def rollout(trajectory_id: str, scorer: bus_pb2.Scorer | None) -> bus_pb2.Trajectory:
+        return bus_pb2.Trajectory(trajectory_id=trajectory_id, task_id="t1", group_id="t1", group_size=1,
+                                  environment="addition@v1", response_text="46",
+                                  finish_reason=bus_pb2.FINISH_REASON_STOP, scorer=scorer)
+
+    malformed = bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_REGEX))
+    for traj in (rollout("t1/0", EXACT_46), rollout("malformed/0", malformed), rollout("unscored/0", None)):
+        await bus.publish(rollouts_subject("addition@v1"), traj, traj.trajectory_id)
 
     async def settled() -> bool:
-        return await trajectory_ids(bus) == ["t1/0"] and len(await stored_messages(bus, "DLQ")) == 1
+        return await trajectory_ids(bus) == ["t1/0"] and len(await stored_messages(bus, "DLQ")) == 3
 
     await eventually(settled)
-    [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+    letters = {letter.headers.get("Nats-Msg-Id"): letter for letter in await stored(bus, "DLQ", bus_pb2.DeadLetter)}
     [scored] = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
     assert scored.scored and scored.reward == pytest.approx(1.1)
-    assert letter.service == "reward" and letter.origin_stream == "ROLLOUTS"
-    assert "cannot decode" in letter.reason and letter.payload == b"\x08\x96\x01\xff\xff"
+    assert all(letter.service == "reward" and letter.origin_stream == "ROLLOUTS" for letter in letters.values())
+    assert "cannot decode" in letters["bad"].reason and letters["bad"].payload == b"\x08\x96\x01\xff\xff"
+    assert "scorer.builtin.pattern: a regex verifier needs a pattern" in letters["malformed/0"].reason
+    assert "scorer: the trajectory names none" in letters["unscored/0"].reason
     assert reward.proc.poll() is None
 
 
@@ -213,7 +224,7 @@ async def test_embedded_engine_dies_with_its_rollout_replica(bus: Bus, services:
         [beat] = await HeartbeatRegistry(client, "default").alive("rollout")
     finally:
         await client.aclose()
-    port = str(beat.detail["engine"]).rsplit(":", 1)[1]
+    port = beat.rollout.engine_url.rsplit(":", 1)[1]
     assert len(engine_pids(port)) == 1
     rollout.kill()  # SIGKILL: the replica cannot stop its engine itself
 
@@ -358,7 +369,7 @@ async def test_a_stopped_runs_queued_tasks_are_acked_unsampled(
     for run_id in ("stopped", "going"):
         await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
             task_id=f"{run_id}-t", run_id=run_id, environment="addition@v1", prompt_text="12+34=", group_size=2,
-            metadata={"answer": "46", "scorer": "exact_answer"},
+            scorer=EXACT_46,
             sampling=bus_pb2.SamplingParams(max_new_tokens=4)), f"{run_id}-t")
     rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1"})
     await services.wait_healthy(rollout, timeout_s=60)
@@ -367,7 +378,7 @@ async def test_a_stopped_runs_queued_tasks_are_acked_unsampled(
         backlog = await bus.backlog("rollout")
         beats = await HeartbeatRegistry(redis_client, "default").alive("rollout")
         return backlog.pending == 0 and backlog.ack_pending == 0 and bool(beats) and \
-            beats[0].detail.get("tasks_skipped") == 1 and beats[0].detail.get("tasks_done") == 1
+            beats[0].rollout.tasks_skipped == 1 and beats[0].rollout.tasks_done == 1
 
     await eventually(done, timeout_s=60)
     assert {t.run_id for t in await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)} == {"going"}

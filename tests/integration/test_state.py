@@ -65,15 +65,16 @@ async def test_only_one_of_racing_writers_wins(redis_client) -> None:  # type: i
 
 async def test_heartbeats_expire_with_their_ttl(redis_client) -> None:  # type: ignore[no-untyped-def]
     registry = HeartbeatRegistry(redis_client, "ns")
-    await registry.beat(Heartbeat("rollout", "r-0", True, policy_version=3), ttl_s=30)
-    await registry.beat(Heartbeat("reward", "w-0", False), ttl_s=30)
+    await registry.beat(Heartbeat(service="rollout", instance="r-0", healthy=True, policy_version=3), ttl_s=30)
+    await registry.beat(Heartbeat(service="reward", instance="w-0", healthy=False), ttl_s=30)
     alive = await registry.alive()
     assert [(b.service, b.instance, b.healthy, b.policy_version) for b in alive] == [
         ("reward", "w-0", False, 0), ("rollout", "r-0", True, 3),
     ]
     assert alive[1].beat_unix_ms > 0
     assert [b.instance for b in await registry.alive("rollout")] == ["r-0"]
-    await registry.beat(Heartbeat("rollout", "r-0", True, policy_version=3), ttl_s=0.2)  # a last, short beat
+    last = Heartbeat(service="rollout", instance="r-0", healthy=True, policy_version=3)
+    await registry.beat(last, ttl_s=0.2)  # a last, short beat
 
     async def only_reward_left() -> bool:
         return [b.instance for b in await registry.alive()] == ["w-0"]

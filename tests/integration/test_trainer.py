@@ -11,7 +11,7 @@ import torch
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import pack, token_logprobs
-from policyloop.rl.objective import LossConfig
+from policyloop.rl.settings import LossConfig
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.envs.code import UNIT_TESTS, sandbox_job, score_result
+from policyloop.reward.registry import sandbox_job, score_result
 from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
 
@@ -47,8 +47,8 @@ def sandbox() -> Iterator[JobCgroups | None]:
 
 async def score(sandbox: JobCgroups | None, solution: str, tests: str = TESTS,
                 timeout_s: float = 4.0) -> tuple[float, dict[str, tuple[float, str]], bus_pb2.SandboxResult]:
-    traj = bus_pb2.Trajectory(trajectory_id="t", response_text=solution,
-                              metadata={"scorer": UNIT_TESTS, "tests": tests, "timeout_seconds": repr(timeout_s)})
+    traj = bus_pb2.Trajectory(trajectory_id="t", response_text=solution, metadata={"tests": tests},
+                              scorer=bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(timeout_seconds=timeout_s)))
     code_job = sandbox_job(traj)
     limits = JobLimits(wall_seconds=code_job.job.limits.wall_seconds, cpu_seconds=code_job.job.limits.cpu_seconds)
     result = await run_job(code_job.job, limits, cgroups=sandbox)

@@ -9,8 +9,8 @@ import pytest
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--loss", "dpo"], "kind must be one of ppo, gspo, cispo"),
-    (["--off-policy", "sometimes"], "off_policy must be one of"),
+    (["--loss", "dpo"], "Input should be 'ppo', 'gspo' or 'cispo'"),
+    (["--off-policy", "sometimes"], "Input should be 'none', 'tis' or 'decoupled'"),
     (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
     (["--weight-update-mode", "sideways"], "--weight-update-mode must be one of"),
 ])

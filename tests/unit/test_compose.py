@@ -171,7 +171,7 @@ def test_redis_keeps_its_data_on_a_volume(config: dict[str, Any]) -> None:
 
 def test_learner_checkpoints_on_a_volume(config: dict[str, Any]) -> None:
     learner = config["services"]["learner"]
-    target = learner["environment"]["POLICYLOOP_CHECKPOINT_DIR"]
+    target = learner["environment"]["POLICYLOOP_CHECKPOINT__DIR"]
     mounts = [v if isinstance(v, str) else f"{v.get('source')}:{v.get('target')}" for v in learner["volumes"]]
     assert any(m.split(":")[1] == target for m in mounts), mounts
 

@@ -9,6 +9,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import (
     InvalidMessage,
     validate_sandbox_job,
+    validate_scorer,
     validate_task,
     validate_trajectory,
 )
@@ -71,3 +72,47 @@ def test_task_and_job_checks() -> None:
                    bus_pb2.SandboxLimits(wall_seconds=float("inf"))):
         with pytest.raises(InvalidMessage, match=r"limits\.(wall|cpu)_seconds"):
             validate_sandbox_job(bus_pb2.SandboxJob(job_id="j", command=["true"], limits=limits))
+
+
+KIND = bus_pb2.BuiltinVerifier.Kind
+
+
+def builtin(kind: int, answer: str = "", **parameters: object) -> bus_pb2.Scorer:
+    return bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=kind, **parameters), answer=answer)  # type: ignore[arg-type]
+
+
+def test_valid_scorers_pass() -> None:
+    for scorer in (builtin(KIND.KIND_EXACT_ANSWER, "46"), builtin(KIND.KIND_NUMERIC_TOLERANCE, "3.1", tolerance=0.1),
+                   builtin(KIND.KIND_REGEX, pattern=r"\d+"),
+                   bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(test_code="def test_a(): pass")),
+                   bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
+                                                                       timeout_seconds=3))):
+        validate_scorer(scorer)
+        validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x", group_size=1, scorer=scorer))
+        validate_trajectory(trajectory(scorer=scorer))
+    validate_trajectory(trajectory())  # no scorer is valid: the reward service dead-letters it as unscorable
+
+
+@pytest.mark.parametrize(("scorer", "field"), [
+    (bus_pb2.Scorer(answer="46"), "scorer"),
+    (builtin(KIND.KIND_UNSPECIFIED, "46"), "scorer.builtin.kind"),
+    (builtin(9, "46"), "scorer.builtin.kind"),
+    (builtin(KIND.KIND_EXACT_ANSWER), "scorer.answer"),
+    (builtin(KIND.KIND_EXACT_ANSWER, "46", format_weight=float("nan")), "scorer.builtin.format_weight"),
+    (builtin(KIND.KIND_NUMERIC_TOLERANCE, "forty"), "scorer.answer"),
+    (builtin(KIND.KIND_NUMERIC_TOLERANCE, "46", tolerance=-1), "scorer.builtin.tolerance"),
+    (builtin(KIND.KIND_REGEX), "scorer.builtin.pattern"),
+    (builtin(KIND.KIND_REGEX, pattern="(unclosed"), "scorer.builtin.pattern"),
+    (bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(timeout_seconds=float("inf"))),
+     "scorer.unit_tests.timeout_seconds"),
+    (bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer()), "scorer.reward_code.source"),
+    (bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="x", timeout_seconds=-2)),
+     "scorer.reward_code.timeout_seconds"),
+])
+def test_invalid_scorer_names_the_field(scorer: bus_pb2.Scorer, field: str) -> None:
+    for validate, message in ((validate_task, bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x",
+                                                            group_size=1, scorer=scorer)),
+                              (validate_trajectory, trajectory(scorer=scorer))):
+        with pytest.raises(InvalidMessage) as err:
+            validate(message)  # type: ignore[operator]
+        assert err.value.field == field

@@ -297,7 +297,7 @@ def _is_claim(source: dict[str, Any]) -> bool:
 
 
 def test_publisher_and_learner_keep_their_state_on_claims(rendered: Rendered) -> None:
-    for name, variable in (("publisher", "POLICYLOOP_STORE_DIR"), ("learner", "POLICYLOOP_CHECKPOINT_DIR")):
+    for name, variable in (("publisher", "POLICYLOOP_STORE_DIR"), ("learner", "POLICYLOOP_CHECKPOINT__DIR")):
         service = rendered.services[name]
         path = service.setting(variable)
         mount, source = service.mount_for(str(path))

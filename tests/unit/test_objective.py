@@ -164,7 +164,7 @@ def test_advantage_options() -> None:
 
 
 def test_configuration_is_checked() -> None:
-    with pytest.raises(ValueError, match="kind must be one of"):
+    with pytest.raises(ValueError, match="kind\n.*'ppo', 'gspo' or 'cispo'"):
         LossConfig(kind="dpo")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="normalization"):
         LossConfig(normalization="batch")  # type: ignore[arg-type]

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.versions import sample_lag
 from policyloop.rl.advantages import group_advantages
-from policyloop.rl.batching import Admission, GroupCollector, sample_lag
+from policyloop.rl.batching import Admission, GroupCollector
 from policyloop.rl.logprobs import pack, response_values
 
 

@@ -1,4 +1,5 @@
-"""The reward service's verifiers."""
+"""The reward service's scorers: the built-in verifiers, the registry keyed by the typed scorer's
+kind, and the gateway's checks of what a run asks of the learner."""
 
 from __future__ import annotations
 
@@ -7,48 +8,109 @@ import re
 import pytest
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.envs.scoring import UnscorableTrajectory, score_trajectory
+from policyloop.reward.registry import ScorerRegistry, default_registry, sandbox_job
+from policyloop.reward.score import UnscorableTrajectory, scorer_kind
+from policyloop.reward.verifiers import verify
 
 STOP, LENGTH = bus_pb2.FINISH_REASON_STOP, bus_pb2.FINISH_REASON_LENGTH
+KIND = bus_pb2.BuiltinVerifier.Kind
 
 
-def traj(text: str, finish: int = STOP, **metadata: str) -> bus_pb2.Trajectory:
-    return bus_pb2.Trajectory(response_text=text, finish_reason=finish, metadata=metadata)
+def builtin(kind: int, answer: str = "", **parameters: object) -> bus_pb2.Scorer:
+    return bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=kind, **parameters), answer=answer)  # type: ignore[arg-type]
+
+
+def traj(text: str, scorer: bus_pb2.Scorer | None, finish: int = STOP) -> bus_pb2.Trajectory:
+    return bus_pb2.Trajectory(trajectory_id="t/0", response_text=text, finish_reason=finish, scorer=scorer)
 
 
 def breakdown(t: bus_pb2.Trajectory) -> dict[str, float]:
-    reward, parts = score_trajectory(t)
+    reward, parts = verify(t)
     assert reward == pytest.approx(sum(p.value * p.weight for p in parts))
     return {p.name: p.value for p in parts}
 
 
+EXACT_46 = builtin(KIND.KIND_EXACT_ANSWER, "46")
+
+
 def test_exact_integer_answer_is_strict() -> None:
-    assert score_trajectory(traj("46", scorer="exact_answer", answer="46"))[0] == pytest.approx(1.1)
-    assert breakdown(traj("47", scorer="exact_answer", answer="46")) == {"format": 1.0, "exact_answer": 0.0}
-    assert breakdown(traj("46 ", scorer="exact_answer", answer="46")) == {"format": 0.0, "exact_answer": 0.0}
-    assert breakdown(traj("46", LENGTH, scorer="exact_answer", answer="46")) == {"format": 0.0, "exact_answer": 0.0}
+    assert verify(traj("46", EXACT_46))[0] == pytest.approx(1.1)
+    assert breakdown(traj("47", EXACT_46)) == {"format": 1.0, "exact_answer": 0.0}
+    assert breakdown(traj("46 ", EXACT_46)) == {"format": 0.0, "exact_answer": 0.0}
+    assert breakdown(traj("46", EXACT_46, LENGTH)) == {"format": 0.0, "exact_answer": 0.0}
 
 
 def test_other_verifiers() -> None:
-    assert breakdown(traj(" Paris", scorer="exact_answer", answer="Paris"))["exact_answer"] == 1.0
-    assert breakdown(traj("3.14", scorer="numeric_tolerance", answer="3.14159", tolerance="0.01"))[
-        "within_tolerance"] == 1.0
-    assert breakdown(traj("3.2", scorer="numeric_tolerance", answer="3.14159", tolerance="0.01"))[
-        "within_tolerance"] == 0.0
-    assert breakdown(traj("abc123", scorer="regex", pattern=r"[a-z]+\d+"))["regex"] == 1.0
+    assert breakdown(traj(" Paris", builtin(KIND.KIND_EXACT_ANSWER, "Paris")))["exact_answer"] == 1.0
+    near = builtin(KIND.KIND_NUMERIC_TOLERANCE, "3.14159", tolerance=0.01)
+    assert breakdown(traj("3.14", near))["within_tolerance"] == 1.0
+    assert breakdown(traj("3.2", near))["within_tolerance"] == 0.0
+    assert breakdown(traj("abc123", builtin(KIND.KIND_REGEX, pattern=r"[a-z]+\d+")))["regex"] == 1.0
+
+
+def test_the_format_weight_is_the_scorers() -> None:
+    weighted = builtin(KIND.KIND_EXACT_ANSWER, "Paris", format_weight=0.5)
+    assert verify(traj("Paris", weighted))[0] == pytest.approx(1.5)
+    assert verify(traj("Paris", builtin(KIND.KIND_EXACT_ANSWER, "Paris")))[0] == pytest.approx(1.1)  # 0: 0.1
 
 
 def test_unscorable_names_what_is_missing() -> None:
-    with pytest.raises(UnscorableTrajectory, match="metadata.scorer"):
-        score_trajectory(traj("1", scorer="unit_tests"))
-    with pytest.raises(UnscorableTrajectory, match="metadata.answer"):
-        score_trajectory(traj("1", scorer="exact_answer"))
+    with pytest.raises(UnscorableTrajectory, match="^scorer: 'unit_tests' is not a built-in verifier"):
+        verify(traj("1", bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer())))
+    with pytest.raises(UnscorableTrajectory, match="^scorer.answer: the exact_answer verifier needs it"):
+        verify(traj("1", builtin(KIND.KIND_EXACT_ANSWER)))
+    with pytest.raises(UnscorableTrajectory, match="^scorer.answer: 'x' is not a number"):
+        verify(traj("1", builtin(KIND.KIND_NUMERIC_TOLERANCE, "x")))
+    with pytest.raises(UnscorableTrajectory, match="^scorer: 'exact_answer' is not a code scorer"):
+        sandbox_job(traj("1", EXACT_46))
+
+
+def test_scorer_kinds_key_the_registry() -> None:
+    assert scorer_kind(EXACT_46) == "exact_answer"
+    assert scorer_kind(bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="x"))) == "reward_code"
+    assert scorer_kind(bus_pb2.Scorer()) == ""
+    assert scorer_kind(builtin(7, "1")) == "unknown_7"  # a kind from a newer contract
+
+    async def never(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+        raise AssertionError("the built-in verifiers run no sandbox job")
+
+    registry = default_registry(never)
+    assert registry.kinds == ["exact_answer", "numeric_tolerance", "regex", "reward_code", "unit_tests"]
+    assert registry.scorer_for(traj("46", EXACT_46)) is not registry.scorer_for(
+        traj("1", bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer())))
+    with pytest.raises(UnscorableTrajectory, match="^scorer: the trajectory names none"):
+        registry.scorer_for(traj("1", None))
+    with pytest.raises(UnscorableTrajectory, match="^scorer: 'unknown_7' is not one this service runs"):
+        registry.scorer_for(traj("1", builtin(7, "1")))
+    with pytest.raises(UnscorableTrajectory, match="is not one this service runs"):
+        ScorerRegistry().scorer_for(traj("46", EXACT_46))
+
+
+async def test_the_registry_scores_by_kind_and_code_scorers_go_to_the_sandbox() -> None:
+    jobs: list[bus_pb2.SandboxJob] = []
+
+    async def sandbox(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+        jobs.append(job)
+        nonce = job.stdin.decode().splitlines()[0]
+        return bus_pb2.SandboxResult(job_id=job.job_id, stdout=f'\n{nonce} {{"reward": 0.25}}\n'.encode())
+
+    registry = default_registry(sandbox)
+    assert (await registry.score(traj("46", EXACT_46)))[0] == pytest.approx(1.1) and not jobs
+    coded = traj("x", bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="def reward(p, c, m): ..."),
+                                     answer="7"))
+    coded.metadata["mine"] = "kept"
+    reward, parts = await registry.score(coded)
+    assert reward == 0.25 and [p.name for p in parts] == ["reward_code"]
+    [job] = jobs
+    assert job.files["reward.py"] == b"def reward(p, c, m): ..." and job.limits.wall_seconds == 10.0
+    call = job.stdin.decode().splitlines()[1]
+    assert '"metadata": {"mine": "kept", "answer": "7"}' in call  # the task's metadata and its answer
 
 
 def test_the_code_environment_is_one_the_gateway_takes() -> None:
     """Its tests come with each task (metadata.tests), with no shared test_code."""
     from policyloop.envs.code import code_environment
-    from policyloop.envs.validation import validate_environment
+    from policyloop.gateway.validation import validate_environment
 
     env = code_environment()
     assert not env.unit_tests.test_code and all(t.metadata["tests"] for t in env.tasks)
@@ -56,10 +118,12 @@ def test_the_code_environment_is_one_the_gateway_takes() -> None:
 
 
 def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
-    from policyloop.contracts.v1 import loop_pb2
-    from policyloop.envs.validation import FailedPrecondition, InvalidField, check_run_against_learner
+    from policyloop.contracts.v1 import loop_pb2, status_pb2
+    from policyloop.gateway.errors import FailedPrecondition, InvalidField
+    from policyloop.gateway.validation import check_run_against_learner
 
-    learner = {"model": "policy", "max_lag": 1, "loss": {"loss": "ppo", "tis_cap": 2.0, "kl_coef": 0.0}}
+    learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1),
+                                       loss=status_pb2.LossSettings(kind="ppo", tis_cap=2.0, kl_coef=0.0))
 
     def run(**fields: object) -> loop_pb2.StartRunRequest:
         return loop_pb2.StartRunRequest(environments=[loop_pb2.EnvironmentMix(environment="a@v1", weight=1)],
@@ -78,7 +142,7 @@ def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
 
 
 def test_the_harness_runs_each_top_level_test_function_once() -> None:
-    from policyloop.envs.code import test_functions
+    from policyloop.envs.code_scorers import test_functions
 
     source = "def test_b():\n    pass\ndef test_a():\n    pass\ndef test_a():\n    pass\n" \
              "async def test_async():\n    pass\ntest_assigned = lambda: None\ndef helper():\n    pass\n" \

@@ -69,11 +69,47 @@ def test_each_service_starts_by_module_and_by_cli_and_documents_its_flags() -> N
 
 
 def test_rollout_refuses_engine_settings_that_cannot_work() -> None:
-    from policyloop.services.rollout.service import RolloutSettings, check_engine_settings
+    from policyloop.rollout.settings import RolloutSettings
 
     with pytest.raises(ValueError, match="engine=sglang needs engine_url"):
-        check_engine_settings(load_settings(RolloutSettings, ["--engine", "sglang"]))
+        load_settings(RolloutSettings, ["--engine", "sglang"]).check_engine()
     with pytest.raises(ValueError, match="colocated needs engine_url"):
-        check_engine_settings(load_settings(RolloutSettings, ["--weight-source", "colocated"]))
-    check_engine_settings(load_settings(RolloutSettings, ["--engine", "sglang", "--engine-url", "http://sglang:30000"]))
-    check_engine_settings(load_settings(RolloutSettings, []))  # embedded: the replica starts its own
+        load_settings(RolloutSettings, ["--weight-source", "colocated"]).check_engine()
+    load_settings(RolloutSettings, ["--engine", "sglang", "--engine-url", "http://sglang:30000"]).check_engine()
+    load_settings(RolloutSettings, []).check_engine()  # embedded: the replica starts its own
+
+
+def test_the_advertised_objective_carries_every_loss_knob() -> None:
+    """LossConfig (the settings) and status.proto's LossSettings (what the learner advertises)
+    name the same fields, so a new knob cannot be advertised half."""
+    from policyloop.contracts.v1 import status_pb2
+    from policyloop.rl.settings import RUN_LOSS_KEYS, LossConfig
+
+    proto = [f.name for f in status_pb2.LossSettings.DESCRIPTOR.fields]
+    assert proto == list(LossConfig.model_fields)
+    assert set(RUN_LOSS_KEYS.values()) == set(LossConfig.model_fields)
+
+
+def test_the_loop_settings_are_shared_and_checked() -> None:
+    from policyloop.contracts.v1 import status_pb2
+    from policyloop.learner.settings import LearnerSettings
+    from policyloop.rollout.settings import RolloutSettings
+
+    learner = load_settings(LearnerSettings, ["--max-lag", "2", "--groups-per-step", "8"])
+    rollout = load_settings(RolloutSettings, ["--max-lag", "1", "--groups-per-step", "8"])
+    assert rollout.loop_disagreement(learner.loop_config()) == "max_lag is 2 there, 1 here"
+    assert load_settings(RolloutSettings, ["--max-lag", "2", "--groups-per-step", "8"]).loop_disagreement(
+        learner.loop_config()) is None
+    assert isinstance(learner.loop_config(), status_pb2.LoopConfig)
+
+
+def test_nested_learner_settings_from_flags_and_env(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.learner.settings import LearnerSettings
+
+    monkeypatch.setenv("POLICYLOOP_LOSS__TIS_CAP", "3.5")
+    settings = load_settings(LearnerSettings, ["--loss.kind", "gspo", "--optimizer.lr", "3e-5",
+                                               "--no-checkpoint.resume"])
+    assert (settings.loss.kind, settings.loss.tis_cap, settings.optimizer.lr) == ("gspo", 3.5, 3e-5)
+    assert settings.checkpoint.resume is False
+    config = settings.trainer_config()
+    assert config.loss == settings.loss and config.lr == 3e-5

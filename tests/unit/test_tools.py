@@ -7,12 +7,12 @@ import pytest
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.contracts.validate import InvalidMessage, validate_trajectory
 from policyloop.envs.arithmetic import Problem
-from policyloop.envs.feeding import nth_task
 from policyloop.envs.multiturn import Tokenizer, ToolSetupError, close_ids, tool_turn_ids, transcript
-from policyloop.envs.scoring import score_trajectory
 from policyloop.envs.tools import TOOL_FORMATS, UnknownTool, find_call, result_text, tool_formats, tool_job
+from policyloop.gateway.feeding import nth_task
 from policyloop.models.bootstrap import PLAIN, TOOLS_CALL, TOOLS_DIRECT, tool_modes, training_batch
 from policyloop.models.tokenizer import EOS_ID, VOCAB, build_tokenizer
+from policyloop.reward.verifiers import verify
 from tests.helpers import addition_environment
 
 PYTHON = TOOL_FORMATS["python"]
@@ -76,7 +76,8 @@ def episode(**replaced: list) -> bus_pb2.Trajectory:
         behaviour_logprobs=[-0.5] * 5 + [0.0] * 3 + [-0.5] * 2, loss_mask=[True] * 5 + [False] * 3 + [True] * 2,
         version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=10)], turns=turns,
         finish_reason=bus_pb2.FINISH_REASON_STOP, response_text=transcript(turns, [PYTHON]),
-        metadata={"scorer": "exact_answer", "answer": "3"})
+        scorer=bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+                              answer="3"))
     for field, values in replaced.items():
         traj.ClearField(field)
         getattr(traj, field).extend(values)
@@ -87,7 +88,7 @@ def test_multi_turn_trajectories_are_checked_and_scored_on_the_last_model_turn()
     traj = episode()
     validate_trajectory(traj)
     assert traj.response_text == "<python>1+2</python><output>3</output>3"
-    reward, parts = score_trajectory(traj)
+    reward, parts = verify(traj)
     assert reward == 1.0 + parts[0].weight and {p.name for p in parts} == {"format", "exact_answer"}
     with pytest.raises(InvalidMessage, match=r"turns\[1\]: a tool turn's tokens must have loss_mask false"):
         validate_trajectory(episode(loss_mask=[True] * 10))

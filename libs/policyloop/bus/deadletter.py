@@ -13,7 +13,6 @@ original, which would otherwise sit there forever). Both paths use the message i
 from __future__ import annotations
 
 import json
-import time
 
 import nats.errors
 import nats.js.errors
@@ -23,6 +22,7 @@ from nats.js import api
 
 from policyloop.bus.connection import Bus
 from policyloop.bus.topology import dlq_subject
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import BUS_DEAD_LETTERED
@@ -60,7 +60,7 @@ async def publish_dead_letter(
         reason=f"{kind}: {reason}",
         delivery_count=delivery_count,
         service=service,
-        dead_lettered_unix_ms=int(time.time() * 1000),
+        dead_lettered_unix_ms=now_ms(),
     )
     await bus.publish(dlq_subject(origin_stream), letter, dead_letter_id(origin_stream, stream_seq))
     BUS_DEAD_LETTERED.labels(stream=origin_stream, kind=kind).inc()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -28,14 +29,15 @@ from rich.console import Console
 from policyloop.bus import Bus
 from policyloop.cluster.local import LocalCluster
 from policyloop.cluster.status import ClusterStatus, cluster_status
-from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, status_pb2
 from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs import arithmetic
 from policyloop.envs.multiturn import from_hf, run_episode, sandbox_tools
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
-from policyloop.state import HeartbeatRegistry, connect_redis
+from policyloop.rl.settings import LossConfig
+from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
 
 
 @dataclass
@@ -54,14 +56,8 @@ class DemoConfig:
     max_new_tokens: int = 8
     seed: int = 0
     start_timeout_s: float = 180.0
-    # The objective and the staleness bound (learner and rollout settings of the same names).
-    loss: str = "ppo"
-    normalization: str = "token"
-    advantages: str = "group"
-    off_policy: str = "none"
-    tis_cap: float = 2.0
-    kl_coef: float = 0.0
-    clip_high: float = 0.2
+    # The objective (the learner's loss settings) and the staleness bound.
+    loss: LossConfig = field(default_factory=LossConfig)
     max_lag: int = 1
     weight_update_mode: str = "in_place"  # how versions reach requests in flight (rollout setting)
     tools: bool = False                  # the multi-turn environment (python tool in the sandbox)
@@ -179,15 +175,15 @@ LEARNER_STATS = ("entropy", "approx_kl", "kl_reference", "clip_fraction", "is_we
                  "is_truncated_fraction")
 
 
-def weight_sync_summary(pushed: dict) -> dict[str, float]:
+def weight_sync_summary(pushed: status_pb2.WeightPushTotals) -> dict[str, float]:
     """The learner's push totals as delta vs full bytes."""
-    if not pushed:
+    if not pushed.versions_pushed:
         return {}
-    full, sent = int(pushed.get("full_bytes", 0)), int(pushed.get("pushed_bytes", 0))
-    return {"versions": int(pushed.get("versions_pushed", 0)), "keyframes": int(pushed.get("keyframes", 0)),
-            "full_bytes": full, "delta_bytes": int(pushed.get("delta_bytes", 0)), "sent_bytes": sent,
+    full, sent = pushed.full_bytes, pushed.pushed_bytes
+    return {"versions": pushed.versions_pushed, "keyframes": pushed.keyframes, "full_bytes": full,
+            "delta_bytes": pushed.delta_bytes, "sent_bytes": sent,
             "full_over_sent": round(full / sent, 2) if sent else 0.0,
-            "last_changed_fraction": float(pushed.get("last_changed_fraction", 0.0))}
+            "last_changed_fraction": round(pushed.last_changed_fraction, 4)}
 
 
 async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: int, max_new_tokens: int,
@@ -203,8 +199,10 @@ async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: 
     return reply, run
 
 
-async def _heartbeat_details(registry: HeartbeatRegistry) -> dict[str, dict]:
-    return {b.service: b.detail | {"policy_version": b.policy_version} for b in await registry.alive()}
+async def _heartbeats(registry: HeartbeatRegistry) -> dict[str, Heartbeat]:
+    """The newest heartbeat of each service (an empty one for a service not up)."""
+    beats = {b.service: b for b in await registry.alive()}
+    return defaultdict(Heartbeat, beats)
 
 
 async def wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
@@ -226,8 +224,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
     console.print("[green]all six services are healthy[/green]")
     redis_client = await connect_redis(cluster.redis_url)  # one connection for all the polling
     heartbeats = HeartbeatRegistry(redis_client, cluster.namespace)
-    details = await _heartbeat_details(heartbeats)
-    engine_url = str(details["rollout"]["engine"])
+    engine_url = (await _heartbeats(heartbeats))["rollout"].rollout.engine_url
     tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
     heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), config.eval_problems, seed=config.seed)
     client = SGLangClient(engine_url, timeout_s=120)
@@ -263,15 +260,15 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
             while True:
                 await asyncio.sleep(2.0)
                 t = time.monotonic() - started
-                details = await _heartbeat_details(heartbeats)
-                learner, rollout = details.get("learner", {}), details.get("rollout", {})
-                tokens = int(rollout.get("generated_tokens", 0))
+                beats = await _heartbeats(heartbeats)
+                learner = beats["learner"]
+                tokens = beats["rollout"].rollout.generated_tokens
                 rate = (tokens - last_tokens) / max(1e-6, t - last_t)
                 last_tokens, last_t = tokens, t
-                progress = Progress(round(t, 1), int(learner.get("step", 0)), int(learner.get("policy_version", 0)),
-                                    float(learner.get("mean_reward", 0.0)), tokens, round(rate, 1))
+                progress = Progress(round(t, 1), learner.learner.step, learner.policy_version,
+                                    learner.learner.last_step.mean_reward, tokens, round(rate, 1))
                 result.progress.append(progress)
-                lag = learner.get("lag_histogram", {})
+                lag = dict(sorted(learner.learner.lag_histogram.items()))
                 line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
                         f"lag {lag}  {rate:7.0f} tok/s")
                 if t >= next_eval:
@@ -283,22 +280,22 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
                     break
             await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
             result.wall_seconds = round(time.monotonic() - started, 1)
-        details = await _heartbeat_details(heartbeats)
-        learner = details.get("learner", {})
-        result.steps = int(learner.get("step", 0))
-        result.version_lag_histogram = dict(learner.get("lag_histogram", {}))
-        result.generated_tokens = int(details.get("rollout", {}).get("generated_tokens", 0))
-        result.resubmitted = int(details.get("rollout", {}).get("resubmitted", 0))
-        result.weight_sync = weight_sync_summary(learner.get("weights", {}))
-        result.learner_stats = {k: float(learner[k]) for k in LEARNER_STATS if k in learner}
-        result.dropped = {k: int(v) for k, v in dict(learner.get("dropped", {})).items()}
+        beats = await _heartbeats(heartbeats)
+        learner = beats["learner"].learner
+        result.steps = learner.step
+        result.version_lag_histogram = {str(k): v for k, v in sorted(learner.lag_histogram.items())}
+        result.generated_tokens = beats["rollout"].rollout.generated_tokens
+        result.resubmitted = beats["rollout"].rollout.resubmitted
+        result.weight_sync = weight_sync_summary(learner.weights)
+        result.learner_stats = {k: round(getattr(learner.last_step, k), 6) for k in LEARNER_STATS}
+        result.dropped = {f.name: v for f, v in learner.dropped.ListFields()}
         # The engine loads the last published version shortly after the learner's last step.
         deadline = time.monotonic() + 30
-        while int(details.get("rollout", {}).get("policy_version", 0)) < int(learner.get("policy_version", 0)):
+        while beats["rollout"].policy_version < beats["learner"].policy_version:
             if time.monotonic() > deadline:
                 break
             await asyncio.sleep(0.5)
-            details = await _heartbeat_details(heartbeats)
+            beats = await _heartbeats(heartbeats)
         after = await held_out(result.wall_seconds)
         result.accuracy_after, result.tool_use_after = after.accuracy, after.tool_use
         console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version})")
@@ -345,14 +342,8 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     env = {
         "POLICYLOOP_MODEL_PATH": str(config.model_path),
         "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
-        "POLICYLOOP_LR": str(config.lr),
-        "POLICYLOOP_LOSS": config.loss,
-        "POLICYLOOP_NORMALIZATION": config.normalization,
-        "POLICYLOOP_ADVANTAGES": config.advantages,
-        "POLICYLOOP_OFF_POLICY": config.off_policy,
-        "POLICYLOOP_TIS_CAP": str(config.tis_cap),
-        "POLICYLOOP_KL_COEF": str(config.kl_coef),
-        "POLICYLOOP_CLIP_HIGH": str(config.clip_high),
+        "POLICYLOOP_OPTIMIZER__LR": str(config.lr),
+        **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
         "POLICYLOOP_MAX_LAG": str(config.max_lag),
         "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
         "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),

@@ -23,16 +23,11 @@ from pathlib import Path
 
 from policyloop.cluster.catalogue import SERVICES, ServiceEntry
 from policyloop.cluster.nats_cluster import node_command, plan_nodes, wait_cluster_ready
+from policyloop.common.ports import free_port
 
 
 class ClusterError(RuntimeError):
     pass
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
@@ -173,7 +168,7 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
     if entry.name == "rollout":
         env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "rollout-weights")
     if entry.name == "learner":
-        env["POLICYLOOP_CHECKPOINT_DIR"] = str(run_dir / "checkpoints")
+        env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "checkpoints")
     env.update(extra_env or {})
     return ManagedProcess(
         instance, [sys.executable, "-m", "policyloop", *service_args(entry)], env,

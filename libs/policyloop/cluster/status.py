@@ -23,7 +23,7 @@ class InstanceStatus:
     policy_version: int
     reason: str = ""
     backlog: Backlog | None = None
-    detail: dict[str, object] = field(default_factory=dict)
+    heartbeat: Heartbeat = field(default_factory=Heartbeat)
     age_s: float = 0.0
 
 
@@ -54,12 +54,12 @@ async def _instance_status(beat: Heartbeat, backlogs: dict[str, Backlog]) -> Ins
     healthy, reason = beat.healthy, "" if beat.healthy else "reports unhealthy"
     known = beat.service in {s.name for s in SERVICES}
     if healthy and known and entry(beat.service).grpc:
-        target = str(beat.detail.get("grpc", ""))
+        target = beat.grpc_endpoint
         healthy, reason = await grpc_serving(target) if target else (False, "no gRPC address")
     return InstanceStatus(
         service=beat.service, instance=beat.instance, healthy=healthy, reason=reason,
         policy_version=beat.policy_version, backlog=backlogs.get(beat.service),
-        detail=beat.detail, age_s=max(0.0, time.time() - beat.beat_unix_ms / 1000),
+        heartbeat=beat, age_s=max(0.0, time.time() - beat.beat_unix_ms / 1000),
     )
 
 

@@ -17,7 +17,8 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 PROTO_ROOT = REPO_ROOT / "protos"
 PROTO_PACKAGE_DIR = PROTO_ROOT / "policyloop" / "v1"
 OUTPUT_DIR = Path(__file__).resolve().parent / "v1"
-_IMPORT_RE = re.compile(r"^from policyloop\.v1 import ", re.MULTILINE)
+# `from policyloop.v1 import x_pb2` and, for a public import, `from policyloop.v1.x_pb2 import ...`.
+_IMPORT_RE = re.compile(r"^from policyloop\.v1(?=[. ])", re.MULTILINE)
 
 
 def generate() -> dict[str, str]:
@@ -41,7 +42,7 @@ def generate() -> dict[str, str]:
             raise SystemExit("protoc failed")
         generated = Path(out) / "policyloop" / "v1"
         return {
-            p.name: _IMPORT_RE.sub("from policyloop.contracts.v1 import ", p.read_text())
+            p.name: _IMPORT_RE.sub("from policyloop.contracts.v1", p.read_text())
             for p in sorted(generated.iterdir())
             if p.suffix in {".py", ".pyi"}
         }

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from policyloop.contracts.v1 import bus_pb2
 
@@ -25,6 +26,8 @@ def validate_task(task: bus_pb2.Task) -> None:
         raise InvalidMessage("group_size", "must be at least 1")
     if task.tools and task.sampling.ignore_eos:
         raise InvalidMessage("sampling.ignore_eos", "cannot be combined with tools (a tool call ends at a stop token)")
+    if task.HasField("scorer"):
+        validate_scorer(task.scorer)
 
 
 def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
@@ -47,6 +50,8 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
     if traj.version_spans and position != n:
         raise InvalidMessage("version_spans", f"cover {position} of {n} response tokens")
     _validate_turns(traj)
+    if traj.HasField("scorer"):
+        validate_scorer(traj.scorer)
 
 
 def _validate_turns(traj: bus_pb2.Trajectory) -> None:
@@ -64,6 +69,50 @@ def _validate_turns(traj: bus_pb2.Trajectory) -> None:
         position = turn.end
     if position != len(traj.response_token_ids):
         raise InvalidMessage("turns", f"cover {position} of {len(traj.response_token_ids)} response tokens")
+
+
+_VERIFIER = bus_pb2.BuiltinVerifier
+
+
+def validate_scorer(scorer: bus_pb2.Scorer) -> None:
+    """A scorer the reward service can run as it stands (a message without one is valid: it is
+    unscorable, which the reward service dead-letters as such)."""
+    kind = scorer.WhichOneof("kind")
+    if kind is None:
+        raise InvalidMessage("scorer", "names no scorer (builtin, unit_tests or reward_code)")
+    if kind == "builtin":
+        _validate_verifier(scorer)
+        return
+    seconds = getattr(scorer, kind).timeout_seconds
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidMessage(f"scorer.{kind}.timeout_seconds", f"{seconds} is not a number of seconds (0: the default)")
+    if kind == "reward_code" and not scorer.reward_code.source:
+        raise InvalidMessage("scorer.reward_code.source", "is empty")
+
+
+def _validate_verifier(scorer: bus_pb2.Scorer) -> None:
+    verifier = scorer.builtin
+    if verifier.kind not in (_VERIFIER.KIND_EXACT_ANSWER, _VERIFIER.KIND_NUMERIC_TOLERANCE, _VERIFIER.KIND_REGEX):
+        raise InvalidMessage("scorer.builtin.kind", f"{verifier.kind} is not a built-in verifier")
+    if not math.isfinite(verifier.format_weight):
+        raise InvalidMessage("scorer.builtin.format_weight", "is not a finite number")
+    if verifier.kind == _VERIFIER.KIND_REGEX:
+        if not verifier.pattern:
+            raise InvalidMessage("scorer.builtin.pattern", "a regex verifier needs a pattern")
+        try:
+            re.compile(verifier.pattern)
+        except re.error as exc:
+            raise InvalidMessage("scorer.builtin.pattern", f"not a valid regex: {exc}") from exc
+        return
+    if not scorer.answer:
+        raise InvalidMessage("scorer.answer", "is empty: the verifier compares against it")
+    if verifier.kind == _VERIFIER.KIND_NUMERIC_TOLERANCE:
+        if not (math.isfinite(verifier.tolerance) and verifier.tolerance >= 0):
+            raise InvalidMessage("scorer.builtin.tolerance", "must be a finite number >= 0")
+        try:
+            float(scorer.answer)
+        except ValueError:
+            raise InvalidMessage("scorer.answer", f"{scorer.answer[:32]!r} is not a number") from None
 
 
 def validate_sandbox_job(job: bus_pb2.SandboxJob) -> None:

@@ -1,1 +1,1 @@
-"""Environments: validation of user submissions and how a run's tasks are drawn from them."""
+"""Environments: the built-in task sets (arithmetic, code) and multi-turn episodes with tools."""

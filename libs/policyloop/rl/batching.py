@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.versions import oldest_version, sample_lag
 
 
 class Admission(Enum):
@@ -77,19 +78,6 @@ class GroupCollector:
         records what it trained (`trained.add_step`)."""
         order = sorted(self.complete, key=lambda gid: oldest_version(self.complete[gid]))  # stable
         return [self.complete.pop(group_id) for group_id in order[:count]]
-
-
-def oldest_version(group: list[bus_pb2.Trajectory]) -> int:
-    """The oldest policy version among a group's tokens (0 when none is recorded)."""
-    versions = [span.version for t in group for span in t.version_spans]
-    return min(versions) if versions else 0
-
-
-def sample_lag(traj: bus_pb2.Trajectory, trained_version: int) -> int:
-    """Training version minus the oldest policy version that generated any of its tokens."""
-    if not traj.version_spans:
-        return 0
-    return trained_version - min(span.version for span in traj.version_spans)
 
 
 def split_stale(groups: list[list[bus_pb2.Trajectory]], training_version: int, max_lag: int

@@ -20,54 +20,19 @@ over ranks gives the same loss (summed over ranks) as on one rank.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from policyloop.rl.advantages import group_advantages, leave_one_out_advantages
-
-LossKind = Literal["ppo", "gspo", "cispo"]
-Normalization = Literal["token", "sequence", "constant"]
-AdvantageKind = Literal["group", "group_no_std", "leave_one_out", "none"]
-OffPolicy = Literal["none", "tis", "decoupled"]
-KLEstimator = Literal["k1", "k2", "k3"]
-
-LOSS_KINDS: tuple[str, ...] = ("ppo", "gspo", "cispo")
-NORMALIZATIONS: tuple[str, ...] = ("token", "sequence", "constant")
-ADVANTAGE_KINDS: tuple[str, ...] = ("group", "group_no_std", "leave_one_out", "none")
-OFF_POLICY_KINDS: tuple[str, ...] = ("none", "tis", "decoupled")
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """Which objective the learner optimises. Named presets: GRPO = ppo + sequence + group;
-    DAPO = ppo + token + clip_high > clip_low; Dr.GRPO = ppo + constant + group_no_std."""
-
-    kind: LossKind = "ppo"
-    normalization: Normalization = "token"
-    constant: float = 0.0                 # "constant" normaliser (the generation budget); 0: batch width
-    clip_low: float = 0.2                 # ppo: ratio clipped to [1 - clip_low, 1 + clip_high]
-    clip_high: float = 0.2                # ppo and cispo (CISPO's ε_high)
-    gspo_clip_low: float = 3e-4
-    gspo_clip_high: float = 4e-4
-    advantages: AdvantageKind = "group"
-    off_policy: OffPolicy = "none"
-    tis_cap: float = 2.0                  # tis: cap of the IS weight; decoupled: cap if > 0
-    kl_coef: float = 0.0                  # weight of the KL to the reference policy (0: none)
-    kl_estimator: KLEstimator = "k3"
-
-    def __post_init__(self) -> None:
-        for name, value, allowed in (("kind", self.kind, LOSS_KINDS),
-                                     ("normalization", self.normalization, NORMALIZATIONS),
-                                     ("advantages", self.advantages, ADVANTAGE_KINDS),
-                                     ("off_policy", self.off_policy, OFF_POLICY_KINDS),
-                                     ("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, not {value!r}")
-        if self.clip_low < 0 or self.clip_high < 0 or self.tis_cap < 0 or self.kl_coef < 0:
-            raise ValueError("clip_low, clip_high, tis_cap and kl_coef must not be negative")
-        if self.off_policy == "tis" and self.tis_cap <= 0:
-            raise ValueError("off_policy=tis needs tis_cap > 0")
+from policyloop.rl.settings import (
+    ADVANTAGE_KINDS,
+    LOSS_KINDS,
+    NORMALIZATIONS,
+    AdvantageKind,
+    KLEstimator,
+    LossConfig,
+    Normalization,
+)
 
 
 @dataclass(frozen=True)

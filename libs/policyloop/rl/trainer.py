@@ -12,39 +12,31 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import safetensors.torch
 import torch
 import torch.distributed as dist
+from pydantic import Field
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import pack, response_values, token_logprobs, token_logprobs_and_entropy
-from policyloop.rl.objective import BatchCounts, LossConfig, compute_advantages, policy_objective
+from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
+from policyloop.rl.settings import LossConfig, OptimizerSettings
 
 if TYPE_CHECKING:
     from policyloop.rl.checkpoint import TrainerState
 
 
-@dataclass(frozen=True)
-class TrainerConfig:
-    lr: float = 1e-4
-    weight_decay: float = 0.0
-    # Learning-rate schedule over optimizer steps: linear warmup from 0 over `warmup_steps`,
-    # then constant, or cosine down to lr × min_lr_ratio at `decay_steps` (and flat after).
-    warmup_steps: int = 0
-    schedule: str = "constant"            # constant | cosine
-    decay_steps: int = 0
-    min_lr_ratio: float = 0.0
-    max_grad_norm: float = 1.0
-    loss: LossConfig = field(default_factory=LossConfig)
+class TrainerConfig(OptimizerSettings):
+    loss: LossConfig = Field(default_factory=LossConfig)
     threads: int = 1
-    device: str = "auto"                  # auto (CUDA when present) | cpu | cuda
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present
 
 
 @dataclass(frozen=True)
@@ -141,13 +133,7 @@ def weight_keys(model_path: Path) -> list[str]:
 class LrSchedule:
     """The multiplier of the base learning rate at optimizer step `step` (0-based)."""
 
-    config: TrainerConfig
-
-    def __post_init__(self) -> None:
-        if self.config.schedule not in ("constant", "cosine"):
-            raise ValueError(f"schedule must be constant or cosine, got {self.config.schedule!r}")
-        if self.config.schedule == "cosine" and self.config.decay_steps <= self.config.warmup_steps:
-            raise ValueError("a cosine schedule needs decay_steps > warmup_steps")
+    config: OptimizerSettings
 
     def __call__(self, step: int) -> float:
         c = self.config

@@ -12,15 +12,17 @@ import functools
 import os
 import signal
 import socket
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from google.protobuf import json_format
+from google.protobuf.message import Message
 
 from policyloop.bus import Bus, BusUnavailable, PullWorker
 from policyloop.bus.topology import build_topology
+from policyloop.common.clock import now_ms
 from policyloop.runtime.settings import ServiceSettings
 from policyloop.state import Heartbeat, HeartbeatRegistry, StateUnavailable, VersionRegistry, connect_redis
 from policyloop.telemetry.http import HealthReport, start_http
@@ -40,12 +42,14 @@ class ServiceContext:
     redis: aioredis.Redis
     stop: asyncio.Event = field(default_factory=asyncio.Event)
     http_port: int = 0
-    # Extra figures for heartbeats and /healthz (e.g. messages handled).
-    detail: dict[str, object] = field(default_factory=dict)
+    # The role's typed status (contracts status.proto), reported in every heartbeat and in
+    # /healthz. A callable, so that figures kept outside the role's own code are read fresh.
+    status: Callable[[], Message] | None = None
     _probes: dict[str, HealthProbe] = field(default_factory=dict)
     _policy_version: int = 0
     redis_ok: bool = True
     health_url: str = ""
+    grpc_endpoint: str = ""  # host:port of this process's gRPC server, if it has one (heartbeats)
     # False until the body says it can do its work (engine up, consumers bound, servers listening).
     ready: bool = False
 
@@ -80,11 +84,26 @@ class ServiceContext:
             checks[name] = "ok" if ok else reason
             healthy = healthy and ok
         SERVICE_UP.labels(self.name).set(1 if healthy else 0)
+        status = {} if self.status is None else json_format.MessageToDict(
+            self.status(), preserving_proto_field_name=True)
         return HealthReport(
             healthy,
             {"service": self.name, "instance": self.settings.instance_id,
-             "policy_version": self.policy_version, "checks": checks, **self.detail},
+             "policy_version": self.policy_version, "checks": checks, **status},
         )
+
+    def heartbeat(self, started_ms: int) -> Heartbeat:
+        report = self.health()
+        beat = Heartbeat(service=self.name, instance=self.settings.instance_id, healthy=report.healthy,
+                         policy_version=self.policy_version, health_url=self.health_url,
+                         checks=report.detail["checks"], pid=os.getpid(), host=socket.gethostname(),
+                         started_unix_ms=started_ms, grpc_endpoint=self.grpc_endpoint)
+        if self.status is not None:
+            status = self.status()
+            field = next(f for f in Heartbeat.DESCRIPTOR.oneofs_by_name["status"].fields
+                         if f.message_type is status.DESCRIPTOR)
+            getattr(beat, field.name).CopyFrom(status)
+        return beat
 
 
 ServiceBody = Callable[[ServiceContext], Awaitable[None]]
@@ -98,20 +117,8 @@ class ServiceCannotStart(Exception):
 async def _heartbeat_loop(ctx: ServiceContext, registry: HeartbeatRegistry, started_ms: int) -> None:
     s = ctx.settings
     while True:
-        report = ctx.health()
-        beat = Heartbeat(
-            service=ctx.name,
-            instance=s.instance_id,
-            healthy=report.healthy,
-            policy_version=ctx.policy_version,
-            health_url=ctx.health_url,
-            detail=dict(report.detail.get("checks", {})) | ctx.detail,  # type: ignore[arg-type]
-            pid=os.getpid(),
-            host=socket.gethostname(),
-            started_unix_ms=started_ms,
-        )
         try:
-            await registry.beat(beat, s.heartbeat_ttl_s)
+            await registry.beat(ctx.heartbeat(started_ms), s.heartbeat_ttl_s)
             ctx.redis_ok = True
         except (redis.exceptions.RedisError, OSError) as exc:
             ctx.redis_ok = False
@@ -129,7 +136,7 @@ async def serve(name: str, settings: ServiceSettings, body: ServiceBody) -> int:
     """Runs one service until SIGTERM/SIGINT; returns the process exit code."""
     configure_logging(service=name, run_id=settings.run_id, instance=settings.instance_id,
                       level=settings.log_level)
-    started_ms = int(time.time() * 1000)
+    started_ms = now_ms()
     bus = await Bus.connect(settings.nats_url, name=f"{name}:{settings.instance_id}",
                             topology=build_topology(settings.bus),
                             connect_timeout_s=settings.connect_timeout_s)

@@ -12,6 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from policyloop.bus.topology import BusLimits
+from policyloop.contracts.v1 import status_pb2
 
 
 def default_instance_id() -> str:
@@ -63,6 +64,28 @@ class ServiceSettings(BaseSettings):
     bus: BusLimits = Field(
         default_factory=BusLimits, description="Sizes and timings of the stream topology."
     )
+    # The loop's shared settings: every service of a cluster must be started with the same values.
+    # The learner advertises its own in its status; rollout replicas refuse to sample against a
+    # learner that disagrees, and the gateway refuses runs asking for other values.
+    model: str = Field("policy", description="Name of the model the loop trains and serves (WEIGHTS subject, "
+                                             "versions).")
+    max_lag: int = Field(
+        1, ge=-1, description="Samples whose oldest token is more than max_lag versions behind the version being "
+                              "trained are dropped with their group (counted as stale); rollout replicas do not "
+                              "start groups that would be (pacing). -1: no bound.")
+    groups_per_step: int = Field(32, ge=1, description="Complete groups (prompts) per optimizer step.")
+
+    def loop_config(self) -> status_pb2.LoopConfig:
+        """The shared settings as the status messages carry them."""
+        return status_pb2.LoopConfig(model=self.model, max_lag=self.max_lag, groups_per_step=self.groups_per_step)
+
+    def loop_disagreement(self, advertised: status_pb2.LoopConfig) -> str | None:
+        """Why this service's shared settings differ from what the learner advertises (None: same)."""
+        mine = self.loop_config()
+        names = [f.name for f in status_pb2.LoopConfig.DESCRIPTOR.fields]
+        wrong = [f"{name} is {getattr(advertised, name)!r} there, {getattr(mine, name)!r} here"
+                 for name in names if getattr(advertised, name) != getattr(mine, name)]
+        return "; ".join(wrong) or None
 
 
 S = TypeVar("S", bound=ServiceSettings)

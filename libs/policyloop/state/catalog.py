@@ -11,6 +11,7 @@ import time
 
 import redis.asyncio as aioredis
 
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import loop_pb2
 
 TERMINAL_STATES = frozenset({
@@ -58,7 +59,7 @@ class RunRegistry:
         self.index = f"pl:{namespace}:runs"
 
     async def create(self, run_id: str, request: loop_pb2.StartRunRequest, tasks_total: int) -> None:
-        now = str(int(time.time() * 1000))
+        now = str(now_ms())
         key = self.prefix + run_id
         created = await self.client.hsetnx(key, "definition", request.SerializeToString(deterministic=True))
         if not created:
@@ -104,12 +105,12 @@ class RunRegistry:
 
     async def set_state(self, run_id: str, state: int, error: str = "") -> None:
         await self.client.hset(self.prefix + run_id, mapping={
-            "state": str(state), "error": error, "updated": str(int(time.time() * 1000)),
+            "state": str(state), "error": error, "updated": str(now_ms()),
         })
 
     async def set_enqueued(self, run_id: str, count: int) -> None:
         await self.client.hset(self.prefix + run_id, mapping={
-            "tasks_enqueued": str(count), "updated": str(int(time.time() * 1000)),
+            "tasks_enqueued": str(count), "updated": str(now_ms()),
         })
 
     async def run_ids(self) -> list[str]:

@@ -8,18 +8,14 @@ recorded when it was first taken and is not recorded again.
 
 from __future__ import annotations
 
-import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 
 import redis.asyncio as aioredis
 
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
-from policyloop.rl.batching import sample_lag
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
+from policyloop.contracts.versions import sample_lag
 
 
 class RunProgressStore:
@@ -32,7 +28,7 @@ class RunProgressStore:
         by_run: defaultdict[str, list[bus_pb2.Trajectory]] = defaultdict(list)
         for traj in samples:
             by_run[traj.run_id].append(traj)
-        now = _now_ms()
+        now = now_ms()
         pipe = self.client.pipeline(transaction=False)
         for run_id, trajs in by_run.items():
             key = self.prefix + run_id
@@ -64,7 +60,7 @@ class RunProgressStore:
         await pipe.execute()
 
     async def record_generated(self, run_id: str, tokens: int) -> None:
-        key, now = self.prefix + run_id, _now_ms()
+        key, now = self.prefix + run_id, now_ms()
         pipe = self.client.pipeline(transaction=False)
         pipe.hincrby(key, "generated_tokens", tokens)
         pipe.hsetnx(key, "first_generated_ms", now)

@@ -6,11 +6,12 @@ them, so a job waiting for its run's quota does not hold a running slot."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import redis.asyncio as aioredis
+
+from policyloop.common.clock import now_ms
 
 # KEYS[1] = the run's leases. ARGV: [1] now (ms), [2] this lease's expiry (ms), [3] holder,
 # [4] limit, [5] key TTL (ms). Returns 1 when the holder has a slot.
@@ -36,7 +37,7 @@ class RunQuota:
         self._acquire = client.register_script(_ACQUIRE)
 
     async def acquire(self, run_id: str, holder: str, lease_s: float) -> bool:
-        now = int(time.time() * 1000)
+        now = now_ms()
         lease_ms = max(1, int(lease_s * 1000))
         return bool(await self._acquire(keys=[self.prefix + run_id],
                                         args=[now, now + lease_ms, holder, self.limit, lease_ms]))
@@ -45,7 +46,7 @@ class RunQuota:
         await self.client.zrem(self.prefix + run_id, holder)
 
     async def holders(self, run_id: str) -> int:
-        await self.client.zremrangebyscore(self.prefix + run_id, "-inf", int(time.time() * 1000))
+        await self.client.zremrangebyscore(self.prefix + run_id, "-inf", now_ms())
         return int(await self.client.zcard(self.prefix + run_id))
 
 

@@ -9,12 +9,14 @@ tests) can share one Redis without seeing each other.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from dataclasses import asdict, dataclass, field
 
 import redis.asyncio as aioredis
 import redis.exceptions
+from google.protobuf import json_format
+
+from policyloop.common.clock import now_ms
+from policyloop.contracts.v1 import status_pb2
 
 
 class StateUnavailable(Exception):
@@ -104,7 +106,7 @@ class VersionRegistry:
         if new <= expected:
             raise ValueError(f"a new version must be greater than {expected}, got {new}")
         ok, actual = await self._cas(
-            keys=[self.prefix + model], args=[expected, new, int(time.time() * 1000)]
+            keys=[self.prefix + model], args=[expected, new, now_ms()]
         )
         if not ok:
             raise VersionConflict(model, expected, int(actual))
@@ -114,7 +116,7 @@ class VersionRegistry:
         """Moves the version forward to `new` from wherever it is below it (a Redis restarted
         from an append-only file a second old may be behind the learner); returns the previous
         version. Raises VersionConflict when it is already `new` or later: another learner."""
-        ok, current = await self._advance(keys=[self.prefix + model], args=[new, int(time.time() * 1000)])
+        ok, current = await self._advance(keys=[self.prefix + model], args=[new, now_ms()])
         if not ok:
             raise VersionConflict(model, new - 1, int(current))
         return int(current)
@@ -131,18 +133,8 @@ class VersionRegistry:
         return out
 
 
-@dataclass
-class Heartbeat:
-    service: str
-    instance: str
-    healthy: bool
-    policy_version: int = 0
-    health_url: str = ""          # where /healthz or the gRPC health service answers
-    detail: dict[str, object] = field(default_factory=dict)
-    pid: int = 0
-    host: str = ""
-    started_unix_ms: int = 0
-    beat_unix_ms: int = 0
+# A service instance's heartbeat: the typed record every service writes (contracts status.proto).
+Heartbeat = status_pb2.ServiceHeartbeat
 
 
 class HeartbeatRegistry:
@@ -154,9 +146,10 @@ class HeartbeatRegistry:
         self.prefix = _prefix(namespace) + "hb:"
 
     async def beat(self, heartbeat: Heartbeat, ttl_s: float) -> None:
-        heartbeat.beat_unix_ms = int(time.time() * 1000)
+        heartbeat.beat_unix_ms = now_ms()
         key = f"{self.prefix}{heartbeat.service}:{heartbeat.instance}"
-        await self.client.set(key, json.dumps(asdict(heartbeat)), px=max(1, int(ttl_s * 1000)))
+        # The message's JSON mapping: typed by its schema, and readable with redis-cli.
+        await self.client.set(key, json_format.MessageToJson(heartbeat, indent=None), px=max(1, int(ttl_s * 1000)))
 
     async def remove(self, service: str, instance: str) -> None:
         await self.client.delete(f"{self.prefix}{service}:{instance}")
@@ -169,7 +162,7 @@ class HeartbeatRegistry:
         beats = []
         for raw in await self.client.mget(keys):
             if raw is not None:  # expired between SCAN and MGET
-                beats.append(Heartbeat(**json.loads(raw)))
+                beats.append(json_format.Parse(raw, Heartbeat(), ignore_unknown_fields=True))
         return sorted(beats, key=lambda b: (b.service, b.instance))
 
 

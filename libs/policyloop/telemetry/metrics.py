@@ -84,8 +84,8 @@ WEIGHT_SYNC_FALLBACKS = Counter(
 )
 LEARNER_STEP_STAT = Gauge(
     "policyloop_learner_step_stat",
-    "The last step's statistics: entropy, kl_behaviour, kl_reference, clip_fraction, ratio_mean, "
-    "is_weight_mean, is_weight_max, is_truncated_fraction, loss, grad_norm.",
+    "The last step's statistics: mean_reward, loss, grad_norm, clip_fraction, kl_behaviour, entropy, "
+    "kl_reference, ratio_mean, is_weight_mean, is_weight_max, is_truncated_fraction.",
     ["stat"],
 )
 WEIGHTS_QUARANTINED = Counter(

@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
-from policyloop.cluster.local import free_port
+from policyloop.common.ports import free_port
 from policyloop.engines.protocol import PAUSE_MODES
 from policyloop.engines.sglang_client import EngineError, SGLangClient, WeightUpdateError
 

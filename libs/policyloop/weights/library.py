@@ -27,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
+from policyloop.common.clock import now_ms
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights import codec
 from policyloop.weights.store import (
@@ -205,7 +206,7 @@ class WeightLibrary:
                 raise PushRejected(f"data: {exc}") from exc
             record = StoredVersion(
                 model=meta.model, version=meta.version, step=meta.step, codec=codec.CODEC, bytes=meta.bytes,
-                payload_xxh3_128=digest, created_unix_ms=int(time.time() * 1000), run_id=meta.run_id,
+                payload_xxh3_128=digest, created_unix_ms=now_ms(), run_id=meta.run_id,
                 kind=header.kind, base_version=header.base_version, manifest_hash=header.manifest_hash,
                 raw_bytes=weights.raw_bytes,
             )

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import re
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.codec import CODEC
@@ -118,7 +118,7 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         meta = StoredVersion(
             model=header.model, version=header.version, step=header.step, codec=header.codec,
             bytes=header.total_bytes, payload_xxh3_128=header.payload_xxh3_128,
-            created_unix_ms=int(time.time() * 1000), run_id=header.run_id,
+            created_unix_ms=now_ms(), run_id=header.run_id,
         )
         try:
             latest = self.store.latest(header.model)

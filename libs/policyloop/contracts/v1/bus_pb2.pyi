@@ -64,8 +64,58 @@ class SamplingParams(_message.Message):
     ignore_eos: bool
     def __init__(self, max_new_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
+class BuiltinVerifier(_message.Message):
+    __slots__ = ("kind", "tolerance", "pattern", "format_weight")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[BuiltinVerifier.Kind]
+        KIND_EXACT_ANSWER: _ClassVar[BuiltinVerifier.Kind]
+        KIND_NUMERIC_TOLERANCE: _ClassVar[BuiltinVerifier.Kind]
+        KIND_REGEX: _ClassVar[BuiltinVerifier.Kind]
+    KIND_UNSPECIFIED: BuiltinVerifier.Kind
+    KIND_EXACT_ANSWER: BuiltinVerifier.Kind
+    KIND_NUMERIC_TOLERANCE: BuiltinVerifier.Kind
+    KIND_REGEX: BuiltinVerifier.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
+    PATTERN_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    kind: BuiltinVerifier.Kind
+    tolerance: float
+    pattern: str
+    format_weight: float
+    def __init__(self, kind: _Optional[_Union[BuiltinVerifier.Kind, str]] = ..., tolerance: _Optional[float] = ..., pattern: _Optional[str] = ..., format_weight: _Optional[float] = ...) -> None: ...
+
+class UnitTestScorer(_message.Message):
+    __slots__ = ("test_code", "timeout_seconds")
+    TEST_CODE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    test_code: str
+    timeout_seconds: float
+    def __init__(self, test_code: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RewardCodeScorer(_message.Message):
+    __slots__ = ("source", "timeout_seconds")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    timeout_seconds: float
+    def __init__(self, source: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class Scorer(_message.Message):
+    __slots__ = ("builtin", "unit_tests", "reward_code", "answer")
+    BUILTIN_FIELD_NUMBER: _ClassVar[int]
+    UNIT_TESTS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    builtin: BuiltinVerifier
+    unit_tests: UnitTestScorer
+    reward_code: RewardCodeScorer
+    answer: str
+    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
+
 class Task(_message.Message):
-    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools")
+    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +134,7 @@ class Task(_message.Message):
     CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    SCORER_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     environment: str
@@ -95,7 +146,8 @@ class Task(_message.Message):
     created_unix_ms: int
     max_turns: int
     tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    scorer: Scorer
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -156,7 +208,7 @@ class Turn(_message.Message):
     def __init__(self, role: _Optional[_Union[Turn.Role, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "turns", "scored", "reward", "reward_breakdown")
+    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "turns", "scored", "reward", "reward_breakdown", "scorer")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +238,7 @@ class Trajectory(_message.Message):
     SCORED_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
+    SCORER_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     task_id: str
     group_id: str
@@ -208,7 +261,8 @@ class Trajectory(_message.Message):
     scored: bool
     reward: float
     reward_breakdown: _containers.RepeatedCompositeFieldContainer[RewardComponent]
-    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ...) -> None: ...
+    scorer: Scorer
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ...) -> None: ...
 
 class WeightsPublished(_message.Message):
     __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id")

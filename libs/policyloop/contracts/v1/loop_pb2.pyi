@@ -5,8 +5,43 @@ from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from policyloop.contracts.v1.bus_pb2 import SamplingParams as SamplingParams
+from policyloop.contracts.v1.bus_pb2 import BuiltinVerifier as BuiltinVerifier
+from policyloop.contracts.v1.bus_pb2 import UnitTestScorer as UnitTestScorer
+from policyloop.contracts.v1.bus_pb2 import RewardCodeScorer as RewardCodeScorer
+from policyloop.contracts.v1.bus_pb2 import Scorer as Scorer
+from policyloop.contracts.v1.bus_pb2 import Task as Task
+from policyloop.contracts.v1.bus_pb2 import VersionSpan as VersionSpan
+from policyloop.contracts.v1.bus_pb2 import Timings as Timings
+from policyloop.contracts.v1.bus_pb2 import RewardComponent as RewardComponent
+from policyloop.contracts.v1.bus_pb2 import Turn as Turn
+from policyloop.contracts.v1.bus_pb2 import Trajectory as Trajectory
+from policyloop.contracts.v1.bus_pb2 import WeightsPublished as WeightsPublished
+from policyloop.contracts.v1.bus_pb2 import DeadLetter as DeadLetter
+from policyloop.contracts.v1.bus_pb2 import LedgerEvent as LedgerEvent
+from policyloop.contracts.v1.bus_pb2 import SandboxLimits as SandboxLimits
+from policyloop.contracts.v1.bus_pb2 import SandboxJob as SandboxJob
+from policyloop.contracts.v1.bus_pb2 import SandboxResult as SandboxResult
+from policyloop.contracts.v1.bus_pb2 import FinishReason as FinishReason
+from policyloop.contracts.v1.bus_pb2 import SandboxLimit as SandboxLimit
+from policyloop.contracts.v1.bus_pb2 import SandboxAccounting as SandboxAccounting
 
 DESCRIPTOR: _descriptor.FileDescriptor
+FINISH_REASON_UNSPECIFIED: _bus_pb2.FinishReason
+FINISH_REASON_STOP: _bus_pb2.FinishReason
+FINISH_REASON_LENGTH: _bus_pb2.FinishReason
+FINISH_REASON_ABORT: _bus_pb2.FinishReason
+FINISH_REASON_ERROR: _bus_pb2.FinishReason
+SANDBOX_LIMIT_NONE: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_WALL_TIME: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_CPU_TIME: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_MEMORY: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_PROCESSES: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_FILE_SIZE: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_OUTPUT: _bus_pb2.SandboxLimit
+SANDBOX_ACCOUNTING_UNSPECIFIED: _bus_pb2.SandboxAccounting
+SANDBOX_ACCOUNTING_CGROUP: _bus_pb2.SandboxAccounting
+SANDBOX_ACCOUNTING_RLIMIT: _bus_pb2.SandboxAccounting
 
 class RunState(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,44 +77,6 @@ class TaskSpec(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
-class BuiltinVerifier(_message.Message):
-    __slots__ = ("kind", "tolerance", "pattern", "format_weight")
-    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-        __slots__ = ()
-        KIND_UNSPECIFIED: _ClassVar[BuiltinVerifier.Kind]
-        KIND_EXACT_ANSWER: _ClassVar[BuiltinVerifier.Kind]
-        KIND_NUMERIC_TOLERANCE: _ClassVar[BuiltinVerifier.Kind]
-        KIND_REGEX: _ClassVar[BuiltinVerifier.Kind]
-    KIND_UNSPECIFIED: BuiltinVerifier.Kind
-    KIND_EXACT_ANSWER: BuiltinVerifier.Kind
-    KIND_NUMERIC_TOLERANCE: BuiltinVerifier.Kind
-    KIND_REGEX: BuiltinVerifier.Kind
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    TOLERANCE_FIELD_NUMBER: _ClassVar[int]
-    PATTERN_FIELD_NUMBER: _ClassVar[int]
-    FORMAT_WEIGHT_FIELD_NUMBER: _ClassVar[int]
-    kind: BuiltinVerifier.Kind
-    tolerance: float
-    pattern: str
-    format_weight: float
-    def __init__(self, kind: _Optional[_Union[BuiltinVerifier.Kind, str]] = ..., tolerance: _Optional[float] = ..., pattern: _Optional[str] = ..., format_weight: _Optional[float] = ...) -> None: ...
-
-class UnitTestScorer(_message.Message):
-    __slots__ = ("test_code", "timeout_seconds")
-    TEST_CODE_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    test_code: str
-    timeout_seconds: float
-    def __init__(self, test_code: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
-
-class RewardCodeScorer(_message.Message):
-    __slots__ = ("source", "timeout_seconds")
-    SOURCE_FIELD_NUMBER: _ClassVar[int]
-    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
-    source: str
-    timeout_seconds: float
-    def __init__(self, source: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
-
 class Environment(_message.Message):
     __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools")
     NAME_FIELD_NUMBER: _ClassVar[int]
@@ -95,14 +92,14 @@ class Environment(_message.Message):
     name: str
     version: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
-    builtin: BuiltinVerifier
-    unit_tests: UnitTestScorer
-    reward_code: RewardCodeScorer
+    builtin: _bus_pb2.BuiltinVerifier
+    unit_tests: _bus_pb2.UnitTestScorer
+    reward_code: _bus_pb2.RewardCodeScorer
     group_size: int
     sampling: _bus_pb2.SamplingParams
     max_turns: int
     tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("environment",)

@@ -8,30 +8,21 @@ import bisect
 import itertools
 import random
 
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
-from policyloop.envs import code
-from policyloop.trajectories import now_ms
 
 DEFAULT_GROUP_SIZE = 8
 DEFAULT_MAX_NEW_TOKENS = 32
 
 
-def scorer_metadata(env: loop_pb2.Environment) -> dict[str, str]:
-    """What the reward service needs to know to score the task's samples."""
-    scorer = env.WhichOneof("scorer")
-    if scorer == "builtin":
-        b = env.builtin
-        out = {"scorer": loop_pb2.BuiltinVerifier.Kind.Name(b.kind).removeprefix("KIND_").lower()}
-        if b.pattern:
-            out["pattern"] = b.pattern
-        if b.tolerance:
-            out["tolerance"] = repr(b.tolerance)
-        if b.format_weight:
-            out["format_weight"] = repr(b.format_weight)
-        return out
-    if scorer in (code.UNIT_TESTS, code.REWARD_CODE):
-        return code.scorer_metadata(env)
-    return {"scorer": scorer or ""}
+def task_scorer(env: loop_pb2.Environment, spec: loop_pb2.TaskSpec) -> bus_pb2.Scorer:
+    """How the reward service scores the task's samples: the environment's scorer, with the
+    task's answer."""
+    scorer = bus_pb2.Scorer(answer=spec.answer)
+    kind = env.WhichOneof("scorer")
+    if kind is not None:
+        getattr(scorer, kind).CopyFrom(getattr(env, kind))
+    return scorer
 
 
 def task_id(run_id: str, index: int) -> str:
@@ -63,10 +54,6 @@ def nth_task(
         sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     if not sampling.HasField("seed"):
         sampling.seed = rng.getrandbits(48)
-    metadata = dict(spec.metadata)
-    if spec.answer:
-        metadata["answer"] = spec.answer
-    metadata.update(scorer_metadata(env))
     return bus_pb2.Task(
         task_id=task_id(run_id, index),
         run_id=run_id,
@@ -75,8 +62,9 @@ def nth_task(
         prompt_text=spec.prompt_text,
         group_size=env.group_size or DEFAULT_GROUP_SIZE,
         sampling=sampling,
-        metadata=metadata,
+        metadata=spec.metadata,
         created_unix_ms=now_ms(),
         max_turns=env.max_turns,
         tools=env.tools,
+        scorer=task_scorer(env, spec),
     )

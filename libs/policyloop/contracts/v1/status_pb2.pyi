@@ -1,0 +1,241 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LoopConfig(_message.Message):
+    __slots__ = ("model", "max_lag", "groups_per_step")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_LAG_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    max_lag: int
+    groups_per_step: int
+    def __init__(self, model: _Optional[str] = ..., max_lag: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
+
+class LossSettings(_message.Message):
+    __slots__ = ("kind", "normalization", "constant", "clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high", "advantages", "off_policy", "tis_cap", "kl_coef", "kl_estimator")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
+    CONSTANT_FIELD_NUMBER: _ClassVar[int]
+    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    GSPO_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    GSPO_CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    OFF_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    normalization: str
+    constant: float
+    clip_low: float
+    clip_high: float
+    gspo_clip_low: float
+    gspo_clip_high: float
+    advantages: str
+    off_policy: str
+    tis_cap: float
+    kl_coef: float
+    kl_estimator: str
+    def __init__(self, kind: _Optional[str] = ..., normalization: _Optional[str] = ..., constant: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., gspo_clip_low: _Optional[float] = ..., gspo_clip_high: _Optional[float] = ..., advantages: _Optional[str] = ..., off_policy: _Optional[str] = ..., tis_cap: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ...) -> None: ...
+
+class DroppedCounts(_message.Message):
+    __slots__ = ("stale", "duplicate", "invalid")
+    STALE_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    stale: int
+    duplicate: int
+    invalid: int
+    def __init__(self, stale: _Optional[int] = ..., duplicate: _Optional[int] = ..., invalid: _Optional[int] = ...) -> None: ...
+
+class WeightPushTotals(_message.Message):
+    __slots__ = ("versions_pushed", "keyframes", "full_bytes", "pushed_bytes", "delta_bytes", "last_changed_fraction")
+    VERSIONS_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    KEYFRAMES_FIELD_NUMBER: _ClassVar[int]
+    FULL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DELTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHANGED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    versions_pushed: int
+    keyframes: int
+    full_bytes: int
+    pushed_bytes: int
+    delta_bytes: int
+    last_changed_fraction: float
+    def __init__(self, versions_pushed: _Optional[int] = ..., keyframes: _Optional[int] = ..., full_bytes: _Optional[int] = ..., pushed_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., last_changed_fraction: _Optional[float] = ...) -> None: ...
+
+class StepStats(_message.Message):
+    __slots__ = ("mean_reward", "loss", "grad_norm", "clip_fraction", "approx_kl", "entropy", "kl_reference", "ratio_mean", "is_weight_mean", "is_weight_max", "is_truncated_fraction")
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
+    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    APPROX_KL_FIELD_NUMBER: _ClassVar[int]
+    ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    KL_REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    RATIO_MEAN_FIELD_NUMBER: _ClassVar[int]
+    IS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
+    IS_WEIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
+    IS_TRUNCATED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    mean_reward: float
+    loss: float
+    grad_norm: float
+    clip_fraction: float
+    approx_kl: float
+    entropy: float
+    kl_reference: float
+    ratio_mean: float
+    is_weight_mean: float
+    is_weight_max: float
+    is_truncated_fraction: float
+    def __init__(self, mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., approx_kl: _Optional[float] = ..., entropy: _Optional[float] = ..., kl_reference: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ...) -> None: ...
+
+class LearnerStatus(_message.Message):
+    __slots__ = ("loop", "loss", "step", "trajectories_seen", "groups_complete", "dropped", "lag_histogram", "trained_samples", "trained_tokens", "busy_s", "first_trajectory_at", "last_step_at", "checkpoint_version", "resumed_checkpoint_version", "replayed_steps", "weights", "last_step")
+    class LagHistogramEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    LOOP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_SEEN_FIELD_NUMBER: _ClassVar[int]
+    GROUPS_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    LAG_HISTOGRAM_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TRAJECTORY_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_AT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_CHECKPOINT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_STEPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    loop: LoopConfig
+    loss: LossSettings
+    step: int
+    trajectories_seen: int
+    groups_complete: int
+    dropped: DroppedCounts
+    lag_histogram: _containers.ScalarMap[int, int]
+    trained_samples: int
+    trained_tokens: int
+    busy_s: float
+    first_trajectory_at: float
+    last_step_at: float
+    checkpoint_version: int
+    resumed_checkpoint_version: int
+    replayed_steps: int
+    weights: WeightPushTotals
+    last_step: StepStats
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
+
+class WeightFetch(_message.Message):
+    __slots__ = ("kind", "bytes", "raw_bytes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    bytes: int
+    raw_bytes: int
+    def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
+
+class RolloutStatus(_message.Message):
+    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch")
+    LOOP_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCED_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DONE_FIELD_NUMBER: _ClassVar[int]
+    TASKS_SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RESUBMITTED_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    PACED_FIELD_NUMBER: _ClassVar[int]
+    LAST_FETCH_FIELD_NUMBER: _ClassVar[int]
+    loop: LoopConfig
+    engine_url: str
+    announced_version: int
+    tasks_done: int
+    tasks_skipped: int
+    generated_tokens: int
+    resubmitted: int
+    tool_calls: int
+    paced: bool
+    last_fetch: WeightFetch
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ...) -> None: ...
+
+class GatewayStatus(_message.Message):
+    __slots__ = ("backpressure",)
+    BACKPRESSURE_FIELD_NUMBER: _ClassVar[int]
+    backpressure: bool
+    def __init__(self, backpressure: _Optional[bool] = ...) -> None: ...
+
+class RewardStatus(_message.Message):
+    __slots__ = ("rollouts_done",)
+    ROLLOUTS_DONE_FIELD_NUMBER: _ClassVar[int]
+    rollouts_done: int
+    def __init__(self, rollouts_done: _Optional[int] = ...) -> None: ...
+
+class SandboxStatus(_message.Message):
+    __slots__ = ("accounting", "jobs_done", "jobs_expired")
+    ACCOUNTING_FIELD_NUMBER: _ClassVar[int]
+    JOBS_DONE_FIELD_NUMBER: _ClassVar[int]
+    JOBS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    accounting: str
+    jobs_done: int
+    jobs_expired: int
+    def __init__(self, accounting: _Optional[str] = ..., jobs_done: _Optional[int] = ..., jobs_expired: _Optional[int] = ...) -> None: ...
+
+class ServiceHeartbeat(_message.Message):
+    __slots__ = ("service", "instance", "healthy", "policy_version", "health_url", "checks", "pid", "host", "started_unix_ms", "beat_unix_ms", "grpc_endpoint", "learner", "rollout", "gateway", "sandbox", "reward")
+    class ChecksEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    SERVICE_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_URL_FIELD_NUMBER: _ClassVar[int]
+    CHECKS_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    STARTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    BEAT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    GRPC_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUT_FIELD_NUMBER: _ClassVar[int]
+    GATEWAY_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    service: str
+    instance: str
+    healthy: bool
+    policy_version: int
+    health_url: str
+    checks: _containers.ScalarMap[str, str]
+    pid: int
+    host: str
+    started_unix_ms: int
+    beat_unix_ms: int
+    grpc_endpoint: str
+    learner: LearnerStatus
+    rollout: RolloutStatus
+    gateway: GatewayStatus
+    sandbox: SandboxStatus
+    reward: RewardStatus
+    def __init__(self, service: _Optional[str] = ..., instance: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., health_url: _Optional[str] = ..., checks: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., beat_unix_ms: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., learner: _Optional[_Union[LearnerStatus, _Mapping]] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., gateway: _Optional[_Union[GatewayStatus, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxStatus, _Mapping]] = ..., reward: _Optional[_Union[RewardStatus, _Mapping]] = ...) -> None: ...

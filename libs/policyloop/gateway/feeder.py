@@ -1,0 +1,89 @@
+"""Feeds running runs' Tasks into TASKS. Feeding a run is owned by one replica at a time through
+a lease in Redis; the i-th task of a run is a pure function of the run (policyloop.gateway.feeding),
+so a replica that takes over re-publishes under the same ids and nothing is enqueued twice. A
+full TASKS stream (backpressure) pauses feeding; it never drops a task."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import redis.exceptions
+
+from policyloop.bus import Bus, BusError, StreamFull, tasks_subject
+from policyloop.contracts.v1 import loop_pb2
+from policyloop.gateway.feeding import nth_task
+from policyloop.state import IdempotencyKeys
+from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class RunFeeder:
+    """`owner` names this replica on the leases; `lease_s` is the lease on feeding one run (another
+    replica takes over after it lapses); `backpressure_wait_s` the pause before retrying when TASKS
+    is full; `on_backpressure` hears whether TASKS was full at the last publish."""
+
+    def __init__(self, bus: Bus, environments: EnvironmentCatalog, runs: RunRegistry, leases: IdempotencyKeys,
+                 *, owner: str, lease_s: float, backpressure_wait_s: float, stop: asyncio.Event,
+                 wake: asyncio.Event, on_backpressure: Callable[[bool], None] = lambda full: None) -> None:
+        self.bus = bus
+        self.environments = environments
+        self.runs = runs
+        self.leases = leases
+        self.owner = owner
+        self.lease_s = lease_s
+        self.backpressure_wait_s = backpressure_wait_s
+        self.stop = stop
+        self.wake = wake
+        self.on_backpressure = on_backpressure
+
+    async def run(self) -> None:
+        """Looks for running runs with tasks left to feed (new ones, or ones whose feeder died)
+        until stopped; `wake` starts a look at once."""
+        while not self.stop.is_set():
+            self.wake.clear()
+            try:
+                for run_id in await self.runs.run_ids():
+                    run = await self.runs.get(run_id)
+                    if run and run.state == loop_pb2.RUN_STATE_RUNNING and run.tasks_enqueued < run.tasks_total:
+                        await self.feed(run_id)
+            except (redis.exceptions.RedisError, BusError, OSError) as exc:
+                log.warning("feeder_error", error=repr(exc))
+            try:
+                await asyncio.wait_for(self.wake.wait(), timeout=self.lease_s / 2)
+            except TimeoutError:
+                pass
+
+    async def feed(self, run_id: str) -> None:
+        """Publishes the run's remaining tasks while this replica holds the run's lease."""
+        lease = f"feeder:{run_id}"
+        if not await self.leases.claim(lease, self.lease_s, self.owner) \
+                and await self.leases.owner(lease) != self.owner:
+            return
+        try:
+            request = await self.runs.definition(run_id)
+            run = await self.runs.get(run_id)
+            if request is None or run is None:
+                return
+            envs = {m.environment: await self.environments.get(m.environment) for m in request.environments}
+            index = run.tasks_enqueued
+            while index < run.tasks_total and not self.stop.is_set():
+                if not await self.leases.extend(lease, self.lease_s, self.owner):
+                    return  # another replica took over
+                current = await self.runs.get(run_id)
+                if current is None or current.state != loop_pb2.RUN_STATE_RUNNING:
+                    return
+                task = nth_task(run_id, request, envs, index)  # type: ignore[arg-type]
+                try:
+                    await self.bus.publish(tasks_subject(task.environment), task, task.task_id)
+                except StreamFull:
+                    self.on_backpressure(True)
+                    await asyncio.sleep(self.backpressure_wait_s)
+                    continue
+                self.on_backpressure(False)
+                index += 1
+                await self.runs.set_enqueued(run_id, index)
+        finally:
+            await self.leases.release(lease, self.owner)

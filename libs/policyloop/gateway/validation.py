@@ -1,0 +1,206 @@
+"""Validation of LoopService requests. Every error names the offending field (InvalidField,
+FailedPrecondition), so the gateway can answer with a message a user can act on."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from policyloop.contracts.v1 import loop_pb2, status_pb2
+from policyloop.envs.tools import TOOL_FORMATS
+from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
+from policyloop.gateway.errors import FailedPrecondition, InvalidField
+from policyloop.gateway.feeding import DEFAULT_MAX_NEW_TOKENS
+from policyloop.gateway.model_context import ModelContext
+from policyloop.rl.settings import RUN_LOSS_KEYS
+
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
+VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
+MAX_TASKS_PER_ENVIRONMENT = 1_000_000
+MAX_GROUP_SIZE = 1024
+MAX_TURNS = 16
+MAX_CODE_TIMEOUT_S = 600.0  # a code scorer's job; the sandbox caps it again by its own ceiling
+# An environment is stored as one Redis value, and Redis refuses values over 512 MB.
+MAX_ENVIRONMENT_BYTES = 256 * 1024 * 1024
+
+_VERIFIER = loop_pb2.BuiltinVerifier
+
+
+def environment_key(name: str, version: str) -> str:
+    return f"{name}@{version}"
+
+
+def validate_environment(env: loop_pb2.Environment, model: ModelContext | None = None) -> None:
+    """Raises InvalidField for the first thing wrong with `env`. With `model`, prompts must fit
+    its context together with the generation budget, and token ids its vocabulary."""
+    if not NAME_RE.match(env.name):
+        raise InvalidField("environment.name", f"{env.name!r} must match {NAME_RE.pattern}")
+    if not VERSION_RE.match(env.version):
+        raise InvalidField("environment.version", f"{env.version!r} must match {VERSION_RE.pattern}")
+    _validate_tasks(env)
+    _validate_scorer(env)
+    if env.group_size > MAX_GROUP_SIZE:
+        raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE}")
+    sampling = env.sampling
+    if sampling.temperature < 0 or not math.isfinite(sampling.temperature):
+        raise InvalidField("environment.sampling.temperature", "must be a finite number >= 0")
+    if not 0 <= sampling.top_p <= 1:
+        raise InvalidField("environment.sampling.top_p", "must be within [0, 1] (0: engine default)")
+    _validate_turns(env)
+    if model is not None:
+        check_prompts_fit(env, model)
+
+
+def _validate_tasks(env: loop_pb2.Environment) -> None:
+    if not env.tasks:
+        raise InvalidField("environment.tasks", "an environment needs at least one task")
+    if len(env.tasks) > MAX_TASKS_PER_ENVIRONMENT:
+        raise InvalidField("environment.tasks", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
+    for i, task in enumerate(env.tasks):
+        if not task.prompt_text and not task.prompt_token_ids:
+            raise InvalidField(f"environment.tasks[{i}].prompt_text", "the task has no prompt")
+        if any(t < 0 for t in task.prompt_token_ids):
+            raise InvalidField(f"environment.tasks[{i}].prompt_token_ids", "token ids must not be negative")
+
+
+def _validate_scorer(env: loop_pb2.Environment) -> None:
+    scorer = env.WhichOneof("scorer")
+    if scorer is None:
+        raise InvalidField("environment.scorer", "choose builtin, unit_tests or reward_code")
+    if scorer == "builtin":
+        _validate_verifier(env)
+    elif scorer == "unit_tests":
+        check_unit_tests(env)
+        _check_timeout("environment.unit_tests.timeout_seconds", env.unit_tests.timeout_seconds)
+    elif scorer == "reward_code":
+        check_reward_code(env.reward_code.source)
+        _check_timeout("environment.reward_code.timeout_seconds", env.reward_code.timeout_seconds)
+
+
+def _validate_verifier(env: loop_pb2.Environment) -> None:
+    verifier = env.builtin
+    if verifier.kind == _VERIFIER.KIND_UNSPECIFIED:
+        raise InvalidField("environment.builtin.kind", "is unspecified")
+    if verifier.kind == _VERIFIER.KIND_NUMERIC_TOLERANCE and not (
+        math.isfinite(verifier.tolerance) and verifier.tolerance >= 0
+    ):
+        raise InvalidField("environment.builtin.tolerance", "must be a finite number >= 0")
+    if verifier.kind == _VERIFIER.KIND_REGEX and not verifier.pattern:
+        raise InvalidField("environment.builtin.pattern", "a regex verifier needs a pattern")
+    if verifier.pattern:
+        try:
+            re.compile(verifier.pattern)
+        except re.error as exc:
+            raise InvalidField("environment.builtin.pattern", f"not a valid regex: {exc}") from exc
+    if verifier.kind != _VERIFIER.KIND_REGEX:
+        for i, task in enumerate(env.tasks):
+            if not task.answer:
+                raise InvalidField(f"environment.tasks[{i}].answer", "the verifier needs an answer")
+
+
+def check_prompts_fit(env: loop_pb2.Environment, model: ModelContext) -> None:
+    """Every task's prompt plus the environment's max_new_tokens must fit the model's context (the
+    engine refuses what does not, sample by sample), and token ids must be in its vocabulary.
+    A task's token ids are what the rollout generates from when it has them, else its text."""
+    for i, task in enumerate(env.tasks):
+        top = max(task.prompt_token_ids, default=0)
+        if model.vocab_size is not None and top >= model.vocab_size:
+            raise InvalidField(f"environment.tasks[{i}].prompt_token_ids",
+                               f"token id {top} is outside the model's vocabulary of {model.vocab_size}")
+    context = model.context_tokens
+    if context is None:
+        return
+    budget = env.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS
+    if budget >= context:
+        raise InvalidField("environment.sampling.max_new_tokens",
+                           f"{budget} new tokens leave no room for a prompt in the model's context of {context} "
+                           f"tokens ({model.path})")
+    room = context - budget
+    texts = {i: task.prompt_text for i, task in enumerate(env.tasks) if not task.prompt_token_ids}
+    counts = dict(zip(texts, model.text_tokens(list(texts.values()), room), strict=True))
+    for i, task in enumerate(env.tasks):
+        if task.prompt_token_ids:
+            field, tokens = f"environment.tasks[{i}].prompt_token_ids", len(task.prompt_token_ids)
+            size = f"{tokens} tokens"
+        else:
+            field, tokens = f"environment.tasks[{i}].prompt_text", counts[i]
+            size = f"at least {tokens} tokens"
+            if tokens == 0:
+                raise InvalidField(field, "the model's tokenizer gives no tokens for it (give prompt_token_ids)")
+        if tokens > room:
+            raise InvalidField(field, f"the prompt is {size}; with {budget} new tokens (max_new_tokens) it cannot "
+                                      f"fit the model's context of {context} tokens ({model.path})")
+
+
+def _check_timeout(field: str, seconds: float) -> None:
+    if not math.isfinite(seconds) or not 0 <= seconds <= MAX_CODE_TIMEOUT_S:
+        raise InvalidField(field, f"must be a number of seconds in [0, {MAX_CODE_TIMEOUT_S:g}] (0: the default)")
+
+
+def _validate_turns(env: loop_pb2.Environment) -> None:
+    if env.max_turns > MAX_TURNS:
+        raise InvalidField("environment.max_turns", f"at most {MAX_TURNS}")
+    for i, tool in enumerate(env.tools):
+        if tool not in TOOL_FORMATS:
+            raise InvalidField(f"environment.tools[{i}]", f"{tool!r} is not a tool; known: {sorted(TOOL_FORMATS)}")
+    if len(set(env.tools)) != len(env.tools):
+        raise InvalidField("environment.tools", "lists a tool twice")
+    if env.tools and env.max_turns < 2:
+        raise InvalidField("environment.max_turns", "tools need at least 2 turns (a call and the answer after it)")
+    if env.max_turns > 1 and not env.tools:
+        raise InvalidField("environment.tools", f"max_turns {env.max_turns} needs a tool to run between turns")
+    if env.tools and env.sampling.ignore_eos:
+        raise InvalidField("environment.sampling.ignore_eos", "cannot be combined with tools: a tool call ends at "
+                                                              "its closing token, which ignore_eos would not stop at")
+
+
+def validate_start_run(request: loop_pb2.StartRunRequest) -> None:
+    if request.run_id and not NAME_RE.match(request.run_id):
+        raise InvalidField("run_id", f"{request.run_id!r} must match {NAME_RE.pattern}")
+    if not request.environments:
+        raise InvalidField("environments", "a run needs at least one environment")
+    seen = set()
+    for i, mix in enumerate(request.environments):
+        name, _, version = mix.environment.partition("@")
+        if not NAME_RE.match(name) or not VERSION_RE.match(version):
+            raise InvalidField(f"environments[{i}].environment", f"{mix.environment!r} is not name@version")
+        if mix.environment in seen:
+            raise InvalidField(f"environments[{i}].environment", f"{mix.environment} is listed twice")
+        seen.add(mix.environment)
+        if not (math.isfinite(mix.weight) and mix.weight > 0):
+            raise InvalidField(f"environments[{i}].weight", "must be a finite number > 0")
+    if request.max_lag < -1:
+        raise InvalidField("max_lag", "must be -1 (unbounded) or >= 0")
+
+
+def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status_pb2.LearnerStatus | None) -> None:
+    """Refuses a run whose model, max_lag or loss settings differ from what the running learner
+    does (`learner`: the status it advertises; None: no learner is up yet, so only the names are
+    checked). One learner serves the cluster: settings it would silently ignore are an error,
+    not a wish."""
+    for key in sorted(request.loss):
+        if key not in RUN_LOSS_KEYS:
+            raise InvalidField(f"loss[{key}]", f"not a learner loss setting (one of {', '.join(RUN_LOSS_KEYS)})")
+    if learner is None:
+        return
+    if request.model and request.model != learner.loop.model:
+        raise FailedPrecondition("model", f"the cluster's learner trains {learner.loop.model!r}, "
+                                          f"not {request.model!r}")
+    if request.HasField("max_lag") and request.max_lag != learner.loop.max_lag:
+        raise FailedPrecondition("max_lag", f"the cluster runs with max_lag {learner.loop.max_lag}, not "
+                                            f"{request.max_lag} (start the learner and rollout with --max-lag)")
+    for key, wanted in sorted(request.loss.items()):
+        field = RUN_LOSS_KEYS[key]
+        running = getattr(learner.loss, field)
+        if not _same_setting(running, wanted):
+            raise FailedPrecondition(f"loss[{key}]", f"the cluster's learner runs {key}={running}, not {wanted} "
+                                                     f"(start it with --loss.{field.replace('_', '-')} {wanted})")
+
+
+def _same_setting(running: object, wanted: str) -> bool:
+    if isinstance(running, bool) or not isinstance(running, int | float):
+        return str(running) == wanted
+    try:
+        return math.isclose(float(wanted), float(running), rel_tol=1e-9, abs_tol=0.0)
+    except ValueError:
+        return False

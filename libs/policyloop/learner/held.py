@@ -1,0 +1,77 @@
+"""The trajectories a learner holds: taken from TRAJECTORIES, not acknowledged until the step
+that trains on them has made a version the publisher stored (or they were dropped as stale)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.batching import Admission, GroupCollector, RecentSteps, split_stale
+
+Groups = list[list[bus_pb2.Trajectory]]
+
+
+class HeldTrajectories:
+    """Groups filling and complete, each sample's TRAJECTORIES sequence (for the ledger), and a
+    future per sample that its handler waits on: resolved by `release`, after which the pull
+    worker acks the message."""
+
+    def __init__(self, groups_per_step: int, trained: RecentSteps) -> None:
+        self.groups_per_step = groups_per_step
+        self.collector = GroupCollector(trained=trained)
+        self._sequences: dict[str, int] = {}
+        self._released: dict[str, asyncio.Future[None]] = {}
+        self._enough = asyncio.Event()
+
+    @property
+    def trained(self) -> RecentSteps:
+        return self.collector.trained
+
+    def add(self, traj: bus_pb2.Trajectory, stream_seq: int) -> Admission:
+        """Holds a new sample; a DUPLICATE (held, in the step under way, or trained) is not held."""
+        admission = self.collector.add(traj)
+        if admission is Admission.DUPLICATE:
+            return admission
+        self._sequences[traj.trajectory_id] = stream_seq
+        self._released[traj.trajectory_id] = asyncio.get_running_loop().create_future()
+        if self.collector.complete_groups >= self.groups_per_step:
+            self._enough.set()
+        return admission
+
+    async def until_released(self, trajectory_id: str) -> bool:
+        """Waits while the sample is held; False at once when it is not held (any more)."""
+        future = self._released.get(trajectory_id)
+        if future is None:
+            return False
+        await asyncio.shield(future)  # a cancelled handler must not cancel it for the others
+        return True
+
+    def sequence(self, trajectory_id: str) -> int:
+        return self._sequences.get(trajectory_id, 0)
+
+    def release(self, samples: list[bus_pb2.Trajectory]) -> None:
+        """Lets the handlers holding these samples return, and their messages be acked."""
+        for traj in samples:
+            self._sequences.pop(traj.trajectory_id, None)
+            future = self._released.pop(traj.trajectory_id, None)
+            if future is not None and not future.done():
+                future.set_result(None)
+
+    async def wait_for_batch(self, stop: asyncio.Event) -> bool:
+        """Waits until a step's worth of complete groups is held; False when stopping first."""
+        waiter = asyncio.create_task(self._enough.wait())
+        stopper = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        stopper.cancel()
+        return not stop.is_set()
+
+    def take(self, training_version: int, max_lag: int) -> tuple[Groups, Groups]:
+        """(fresh, stale): one step's groups, oldest versions first; the fresh ones count as
+        trained from now on, so a redelivery arriving during the step is a duplicate."""
+        self._enough.clear()
+        fresh, stale = split_stale(self.collector.take(self.groups_per_step), training_version, max_lag)
+        self.collector.trained.add_step(t.trajectory_id for group in fresh for t in group)
+        if self.collector.complete_groups >= self.groups_per_step:
+            self._enough.set()
+        return fresh, stale

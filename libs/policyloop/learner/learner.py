@@ -1,0 +1,198 @@
+"""The learner: TRAJECTORIES → GRPO steps → policy versions, pushed to the publisher.
+
+Trajectories are held (unacknowledged) until the step that trains on them has made a version
+the publisher stored; then they are acked. Each step is recorded in LEDGER before its version
+is published, so a learner that dies anywhere in a step loses nothing: the step was recorded
+(and is replayed on resume, policyloop.rl.recovery) or not (and its trajectories, never acked,
+are redelivered). Redeliveries of what is held or trained are recognised by trajectory id and
+acked without training. The rules are in docs/recovery.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from redis.exceptions import RedisError
+
+from policyloop.bus import Bus, Delivery, PermanentError, PullWorker
+from policyloop.contracts.v1 import bus_pb2, status_pb2
+from policyloop.contracts.validate import validate_trajectory
+from policyloop.learner.figures import LearnerFigures, advertised_status
+from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.ledger import StepRecord, record_dropped, record_trained
+from policyloop.rl.batching import Admission, RecentSteps
+from policyloop.telemetry.logging import get_logger
+
+if TYPE_CHECKING:
+    import torch
+
+    from policyloop.learner.colocated import ColocatedEngines
+    from policyloop.learner.settings import LearnerSettings
+    from policyloop.rl.recovery import Resumed
+    from policyloop.rl.trainer import PolicyTrainer, StepReport
+    from policyloop.state import VersionRegistry
+    from policyloop.state.progress import RunProgressStore
+    from policyloop.weights.client import VersionPusher
+    from policyloop.weights.codec import WeightSet
+
+log = get_logger(__name__)
+
+
+class Learner:
+    """One learner rank 0: holds trajectories, takes steps, publishes versions. `on_version` is
+    told each version the learner stands at (the service reports it in health and logs)."""
+
+    def __init__(self, settings: LearnerSettings, trainer: PolicyTrainer, bus: Bus, *, versions: VersionRegistry,
+                 pusher: VersionPusher, colocated: ColocatedEngines, progress: RunProgressStore,
+                 resumed: Resumed, on_version: Callable[[int], None] = lambda _: None) -> None:
+        self.settings, self.trainer, self.bus = settings, trainer, bus
+        self.versions, self.pusher, self.colocated, self.progress = versions, pusher, colocated, progress
+        self.on_version = on_version
+        self.held = HeldTrajectories(settings.groups_per_step, RecentSteps(settings.dedupe_steps, resumed.recent_steps))
+        self.ledger_seq = resumed.ledger_seq  # LEDGER position of the newest recorded step
+        self.checkpointed = resumed.checkpoint_version
+        self.saving: asyncio.Future[Path] | None = None  # a checkpoint being written
+        self.status = advertised_status(settings)
+        self.status.MergeFrom(status_pb2.LearnerStatus(
+            step=trainer.steps, checkpoint_version=resumed.checkpoint_version,
+            resumed_checkpoint_version=resumed.checkpoint_version, replayed_steps=len(resumed.replayed)))
+        self.figures = LearnerFigures(self.status)
+        self.worker: PullWorker[bus_pb2.Trajectory] | None = None
+
+    def pull_worker(self) -> PullWorker[bus_pb2.Trajectory]:
+        """The consumer of TRAJECTORIES: it must hold a whole step's samples (unacked) plus the
+        groups still filling, so its concurrency is the consumer's max_ack_pending."""
+        consumer = self.bus.topology.consumers["learner"]
+        self.worker = PullWorker(self.bus, consumer, bus_pb2.Trajectory, self.admit, service="learner",
+                                 validator=validate_trajectory, concurrency=consumer.max_ack_pending)
+        return self.worker
+
+    async def publish_resumed(self, resumed: Resumed) -> None:
+        """After a resume: the newest replayed version may not have reached the publisher before
+        the crash (the ledger is written first), so it is pushed again (a copy the publisher holds
+        is recognised); the next version then goes as a delta from the resumed weights."""
+        if resumed.weights is None:
+            return
+        if resumed.replayed:
+            self.pusher.confirmed = None
+            self.figures.pushed(await self.pusher.push(resumed.weights, self.trainer.steps))
+        self.pusher.confirmed = resumed.weights
+
+    def current_status(self) -> status_pb2.LearnerStatus:
+        """The status as of now (the heartbeat asks before each beat)."""
+        if self.worker is not None:
+            self.figures.dead_lettered(self.worker.dead_lettered["invalid"])
+        return self.status
+
+    async def admit(self, delivery: Delivery[bus_pb2.Trajectory]) -> None:
+        """Handles one delivery; returns (and the worker acks) once the sample is trained into a
+        published version, dropped, or recognised as a copy of one that was."""
+        traj = delivery.message
+        if not traj.scored:
+            raise PermanentError("trajectory was not scored by the reward service")
+        self.figures.saw_trajectory()
+        admission = self.held.add(traj, delivery.stream_seq)
+        if admission is Admission.DUPLICATE:
+            # A copy of a sample still held or in the step under way (an ack wait that lapsed, a
+            # reconnect) waits for it: acking now would ack the message before its step is durable.
+            if not await self.held.until_released(traj.trajectory_id):
+                self.figures.dropped("duplicate")
+            return
+        if admission is Admission.COMPLETE:
+            self.status.groups_complete += 1
+        await self.held.until_released(traj.trajectory_id)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Steps whenever a batch is held, until `stop`; then checkpoints the last step."""
+        while await self.held.wait_for_batch(stop):
+            groups, stale = self.held.take(self.trainer.version, self.settings.max_lag)
+            await self.drop_stale(stale)
+            if groups:
+                await self.step(groups)
+        await self.checkpoint()  # the next learner then replays nothing
+
+    async def step(self, groups: Groups) -> None:
+        """One optimizer step, in the write-ahead order that makes a crash anywhere safe:
+        train → record in LEDGER → broadcast to colocated engines → push to the publisher →
+        advance the version registry → release the trajectories (acks)."""
+        started = time.monotonic()
+        samples = [t for group in groups for t in group]
+        report, tensors, weights = await self._train(groups)
+        await self._record(report, weights, samples)
+        await self.colocated.send(tensors, self.trainer.version)
+        self.figures.pushed(await self.pusher.push(weights, report.step))
+        await self.versions.advance(self.settings.model, self.trainer.version)
+        self.on_version(self.trainer.version)
+        self.held.release(samples)
+        await self._after_step(report, samples, started)
+
+    async def _train(self, groups: Groups) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
+        from policyloop.weights.torch_io import weight_set
+
+        report = await asyncio.to_thread(self.trainer.step, groups)
+        tensors = await asyncio.to_thread(self.trainer.export_tensors)
+        weights = await asyncio.to_thread(weight_set, self.trainer.version, tensors)
+        return report, tensors, weights
+
+    async def _record(self, report: StepReport, weights: WeightSet, samples: list[bus_pb2.Trajectory]) -> None:
+        """The write-ahead record: the step is in LEDGER before anyone can see its version."""
+        self.ledger_seq = await record_trained(
+            self.bus, self.settings.model, self.settings.run_id, self.settings.instance_id, StepRecord(
+                step=report.step, version=self.trainer.version, manifest_hash=weights.manifest_hash,
+                trajectory_ids=tuple(t.trajectory_id for t in samples),
+                stream_sequences=tuple(self.held.sequence(t.trajectory_id) for t in samples)))
+        if report.step == self.settings.crash_after_recording_step:
+            log.warning("crashing_on_purpose", step=report.step, version=self.trainer.version)
+            os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
+
+    async def _after_step(self, report: StepReport, samples: list[bus_pb2.Trajectory], started: float) -> None:
+        self.figures.trained(samples, self.trainer.version - 1)
+        await self._record_progress(self.progress.record_step(report.step, self.trainer.version - 1, samples))
+        every = self.settings.checkpoint.every
+        if every and self.trainer.version % every == 0:
+            await self.checkpoint()
+        self.figures.stepped(report, time.monotonic() - started)
+        log.info("step", step=report.step, version=self.trainer.version, mean_reward=round(report.mean_reward, 4),
+                 loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
+                 step_s=round(time.monotonic() - started, 3))
+
+    async def drop_stale(self, stale: Groups) -> None:
+        """Groups beyond the lag bound: recorded in LEDGER and acked, never trained."""
+        for group in stale:
+            await record_dropped(self.bus, self.settings.model, self.settings.run_id, self.settings.instance_id,
+                                 "stale", [(t.trajectory_id, self.held.sequence(t.trajectory_id)) for t in group])
+            self.figures.dropped("stale", len(group))
+            await self._record_progress(self.progress.record_dropped(group))
+            self.held.release(group)
+
+    async def checkpoint(self) -> None:
+        if self.trainer.version == self.checkpointed:
+            return
+        started = time.monotonic()
+        # Shielded: a stop that cancels the training loop must not close the trainer under a
+        # save still writing in its thread (`close` waits for it).
+        self.saving = asyncio.ensure_future(asyncio.to_thread(
+            self.trainer.save, self.settings.checkpoint.dir, list(self.held.trained.steps),
+            {"ledger_seq": self.ledger_seq}, self.settings.checkpoint.kept))
+        directory = await asyncio.shield(self.saving)
+        self.checkpointed = self.status.checkpoint_version = self.trainer.version
+        log.info("checkpoint_written", version=self.checkpointed, path=str(directory),
+                 seconds=round(time.monotonic() - started, 3))
+
+    async def wait_for_checkpoint(self, timeout_s: float) -> None:
+        if self.saving is not None and not self.saving.done():
+            log.info("waiting_for_checkpoint")
+            await asyncio.wait({self.saving}, timeout=timeout_s)
+
+    @staticmethod
+    async def _record_progress(update: Awaitable[None]) -> None:
+        # Figures for GetRun/WatchRun: never worth stopping training for.
+        try:
+            await update
+        except RedisError as exc:
+            log.warning("progress_not_recorded", error=repr(exc))

@@ -1,0 +1,83 @@
+"""The learner's settings: one tree of documented models. Flags are `--<field>` and
+`--<group>.<field>` (e.g. `--loss.kind gspo`, `--optimizer.lr 3e-5`); env vars
+`POLICYLOOP_<FIELD>` and `POLICYLOOP_<GROUP>__<FIELD>`. `model`, `max_lag` and
+`groups_per_step` are the loop's shared settings (runtime.settings.ServiceSettings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.runtime.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from policyloop.rl.trainer import TrainerConfig
+
+
+class CheckpointSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    dir: Path = Field(
+        Path("runs/local/checkpoints"), description="Where checkpoints (model, optimizer, RNG, version, LEDGER "
+                                                    "position, recently trained ids) are written.")
+    every: int = Field(
+        50, ge=0, description="Steps between checkpoints (one is also written on SIGTERM); 0: only on SIGTERM. "
+                              "Steps after the newest checkpoint are replayed from the ledger on resume, so this "
+                              "trades checkpoint time against replay time, never data.")
+    kept: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
+    resume: bool = Field(
+        True, description="Start from the newest checkpoint and replay the steps LEDGER recorded after it, "
+                          "continuing the version sequence. --no-checkpoint.resume: start from the base weights, "
+                          "refused unless the model's version is 0.")
+
+
+class ColocatedSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    engines: list[str] = Field(
+        default_factory=list,
+        description="Base URLs of engines on this node that take every version straight from the learner by "
+                    "broadcast (SGLang init_weights_update_group / update_weights_from_distributed), as a JSON "
+                    "list; their replicas run with weight_source=colocated. Versions still go to the publisher.")
+    backend: Literal["nccl", "gloo"] = Field(
+        "nccl", description="torch.distributed backend of the colocated broadcast (gloo: CPU engines).")
+    master_address: str = Field(
+        "127.0.0.1", description="Address the colocated engines reach this learner at (it hosts the group).")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel ranks of each colocated engine.")
+    bucket_mb: int = Field(512, ge=1, description="Most bytes per broadcast bucket, in MiB.")
+    retry_s: float = Field(
+        60.0, ge=0, description="After a failed broadcast, versions go by the publisher only for this long before "
+                                "the weight-update group is formed again.")
+
+
+class LearnerSettings(ServiceSettings):
+    model_path: Path = Field(Path("model"), description="Hugging Face directory of the base policy.")
+    publisher_endpoint: str = Field("127.0.0.1:50052", description="host:port of the publisher's WeightService.")
+    publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")
+    optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="AdamW and its schedule.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="The objective.")
+    checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints and resume.")
+    colocated: ColocatedSettings = Field(
+        default_factory=ColocatedSettings, description="Engines on this node fed by broadcast.")
+    dedupe_steps: int = Field(
+        1000, ge=1, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later "
+                                "ones exceed max_lag and are dropped as stale).")
+    torch_threads: int = Field(1, ge=1, description="torch intra-op threads of this process.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the policy trains: auto (CUDA when this torch sees a GPU, else CPU), cpu, or "
+                            "cuda — which refuses to start on a CPU-only torch or a node without a visible GPU "
+                            "instead of training on the CPU unnoticed (GPU images and overlays set it).")
+    crash_after_recording_step: int = Field(
+        0, ge=0, description="Fault injection for recovery drills: exit at once (as if killed) right after step N "
+                             "is recorded in LEDGER and before its version is published — the narrowest window of "
+                             "the write-ahead rule. 0: never.")
+
+    def trainer_config(self) -> TrainerConfig:
+        from policyloop.rl.trainer import TrainerConfig  # torch: only where a trainer is made
+
+        return TrainerConfig(**self.optimizer.model_dump(), loss=self.loss, threads=self.torch_threads,
+                             device=self.device)

@@ -1,0 +1,44 @@
+"""One Rollout in, one scored Trajectory out. The Rollout is acked (by the pull worker) only
+after TRAJECTORIES acknowledged the Trajectory, published under the same trajectory id, so a
+redelivery is stored once. A trajectory no scorer here can score is dead-lettered with the
+reason (PermanentError)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from policyloop.bus import Bus, Delivery, PermanentError, trajectories_subject
+from policyloop.common.clock import now_ms
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.reward.registry import ScorerRegistry
+from policyloop.reward.score import Score, UnscorableTrajectory
+from policyloop.telemetry.metrics import REWARD
+
+
+def record_score(traj: bus_pb2.Trajectory, score: Score) -> None:
+    reward, breakdown = score
+    traj.scored = True
+    traj.reward = reward
+    del traj.reward_breakdown[:]
+    traj.reward_breakdown.extend(breakdown)
+    traj.timings.scored_unix_ms = now_ms()
+
+
+class RolloutScorer:
+    """The reward service's handler of ROLLOUTS deliveries."""
+
+    def __init__(self, bus: Bus, registry: ScorerRegistry, on_scored: Callable[[], None] = lambda: None) -> None:
+        self.bus = bus
+        self.registry = registry
+        self.on_scored = on_scored
+
+    async def handle(self, delivery: Delivery[bus_pb2.Trajectory]) -> None:
+        traj = delivery.message
+        try:
+            score = await self.registry.score(traj)
+        except UnscorableTrajectory as exc:
+            raise PermanentError(str(exc)) from exc
+        record_score(traj, score)
+        await self.bus.publish(trajectories_subject(traj.environment), traj, traj.trajectory_id)
+        REWARD.labels(traj.environment).observe(traj.reward)
+        self.on_scored()

@@ -1,0 +1,3 @@
+"""The rollout role: settings (settings.py), the replica's work on TASKS (replica.py), following
+WEIGHTS into the engine (follower.py), engine health (health.py) and the embedded engine as a
+child process (engine_process.py). services/rollout wires it to a process."""

@@ -1,0 +1,68 @@
+"""The replica's engine: the embedded one started as a child process, and the version label an
+engine serves."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import time
+
+from policyloop.engines.protocol import ModelInfo
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.rollout.settings import RolloutSettings
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def _die_with_parent() -> None:
+    """Runs in the engine child before exec: the kernel sends it SIGTERM when the rollout
+    process dies, even by SIGKILL, so no engine outlives its replica."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def start_embedded_engine(settings: RolloutSettings, port: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "policyloop.engines.embedded", "--model-path", str(settings.model_path),
+         "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(settings.engine_max_batch),
+         "--threads", str(settings.engine_threads)],
+        stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+    )
+
+
+async def wait_for_engine(client: SGLangClient, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the embedded engine exited with {proc.returncode}")
+        if await client.health(timeout_s=2):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the engine at {client.base_url} did not become healthy within {timeout_s}s")
+        await asyncio.sleep(0.25)
+
+
+def engine_version(info: ModelInfo) -> int:
+    """The engine's weight version as a policy version (0 for SGLang's "default" and the like)."""
+    try:
+        return int(info.weight_version or 0)
+    except ValueError:
+        return 0
+
+
+async def name_base_version(client: SGLangClient) -> int:
+    """The policy version the engine serves. An engine that has not been told one (SGLang boots
+    at "default") serves the base weights it was started with: it is relabelled "0", so that
+    every sample it makes carries a policy version."""
+    info = await client.model_info()
+    if info.weight_version and info.weight_version.isdigit():
+        return int(info.weight_version)
+    log.info("engine_version_named", was=info.weight_version, now="0")
+    await client.update_weight_version("0", abort_all_requests=False)
+    return 0
+

@@ -1,0 +1,216 @@
+"""Following WEIGHTS: the newest announced version is fetched (a delta from the held one when
+possible), verified tensor by tensor, and loaded into the engine, one load at a time. Versions
+announced meanwhile are skipped, never applied out of order."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import nats.errors
+from nats.js import api
+
+from policyloop.bus import weights_subject
+from policyloop.contracts.v1 import bus_pb2, status_pb2
+from policyloop.engines.sglang_client import EngineUnavailable, SGLangClient
+from policyloop.rollout.engine_process import engine_version, name_base_version
+from policyloop.rollout.settings import RolloutSettings
+from policyloop.runtime import ServiceContext
+from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import WEIGHT_PAYLOAD_BYTES, WEIGHT_SYNC_FALLBACKS, WEIGHT_SYNC_SECONDS
+from policyloop.weights.client import WeightClient, sync_weights
+from policyloop.weights.codec import WeightSet
+
+log = get_logger(__name__)
+
+
+def write_version_dir(root: Path, base: Path, weights: WeightSet) -> Path:
+    """A Hugging Face directory for the held weights: the base config plus model.safetensors."""
+    from policyloop.weights.torch_io import save_safetensors
+
+    target = root / f"v{weights.version:09d}"
+    tmp = root / f".v{weights.version:09d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json"):
+        if (base / name).exists():
+            shutil.copy2(base / name, tmp / name)
+    save_safetensors(weights, tmp / "model.safetensors")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+class WeightFollower:
+    """Loads the newest announced version into the engine, one load at a time."""
+
+    def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient,
+                 status: status_pb2.RolloutStatus) -> None:
+        self.ctx, self.settings, self.client, self.status = ctx, settings, client, status
+        self.latest: bus_pb2.WeightsPublished | None = None
+        self.announced = asyncio.Event()
+        self.loaded_dir: Path | None = None
+        self.held: WeightSet | None = None  # the served version's bytes: the base of the next delta
+        self._publishers: dict[str, WeightClient] = {}
+        self._resyncing = asyncio.Lock()  # the health loop and waiting samples may all ask at once
+
+    def publisher(self, endpoint: str) -> WeightClient:
+        """One channel per publisher endpoint, kept across versions (one fetch per step)."""
+        if endpoint not in self._publishers:
+            self._publishers[endpoint] = WeightClient(endpoint, bearer_token=self.settings.publisher_token)
+        return self._publishers[endpoint]
+
+    async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
+        event = bus_pb2.WeightsPublished()
+        event.ParseFromString(msg.data)
+        if self.latest is None or event.version > self.latest.version:
+            self.latest = event
+            self.status.announced_version = event.version
+            log.info("weights_announced", version=event.version, endpoint=event.fetch_endpoint)
+            self.announced.set()
+
+    async def resubscribe(self, old):  # type: ignore[no-untyped-def]
+        """(Re)makes the ordered consumer of WEIGHTS; None when it cannot be made now (a server
+        restarting; in a cluster, making a consumer needs the meta leader). Meanwhile the newest
+        announcement is read directly, which needs only the stream's leader: a replica that
+        missed its subscription would otherwise never see a new version, and pacing would
+        keep it idle."""
+        if old is not None:
+            try:
+                await old.unsubscribe()
+            except (TimeoutError, nats.errors.Error):
+                pass
+        subject = weights_subject(self.settings.model)
+        try:
+            return await self.ctx.bus.js.subscribe(
+                subject, cb=self.on_event, ordered_consumer=True, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            )
+        except (TimeoutError, nats.errors.Error) as exc:
+            log.warning("weights_subscribe_failed", error=repr(exc))
+        try:
+            stream = self.ctx.bus.topology.stream_for_subject(subject).name
+            await self.on_event(await self.ctx.bus.js.get_last_msg(stream, subject))
+        except (TimeoutError, nats.errors.Error):
+            pass
+        return None
+
+    async def run(self) -> None:
+        sub = None
+        generation = -1
+        try:
+            while not self.ctx.stop.is_set():
+                if sub is None or generation != self.ctx.bus.reconnects:
+                    # First, after a failed attempt, or reconnected (maybe to another server of
+                    # a cluster): a fresh consumer rather than trusting the old one's recovery.
+                    generation = self.ctx.bus.reconnects
+                    sub = await self.resubscribe(sub)
+                waiter = asyncio.create_task(self.announced.wait())
+                stopper = asyncio.create_task(self.ctx.stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
+                waiter.cancel()
+                stopper.cancel()
+                if not self.announced.is_set():
+                    continue
+                self.announced.clear()
+                event = self.latest
+                if event is None or event.version <= self.ctx.policy_version or self.ctx.stop.is_set():
+                    continue
+                try:
+                    await self.load(event)
+                except Exception as exc:  # noqa: BLE001 - keep serving the current version, retry
+                    log.error("weights_load_failed", version=event.version, error=repr(exc))
+                    await asyncio.sleep(1.0)
+                    self.announced.set()
+        finally:
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except nats.errors.Error:
+                    pass
+            for client in self._publishers.values():
+                await client.close()
+
+    async def resync(self) -> None:
+        """After the engine answered again: it may have restarted on its base weights, so the
+        newest version is loaded again before the engine counts as recovered, and nothing is
+        sampled on stale weights. Raises EngineUnavailable when that takes too long."""
+        async with self._resyncing:
+            served = await name_base_version(self.client)
+            if served != self.ctx.policy_version:
+                log.warning("engine_version_lost", was=self.ctx.policy_version, now=served)
+                self.ctx.policy_version = served
+                self.announced.set()
+            newest = self.latest.version if self.latest is not None else 0
+            deadline = time.monotonic() + self.settings.engine_start_timeout_s
+            while self.ctx.policy_version < newest and time.monotonic() < deadline and not self.ctx.stop.is_set():
+                await asyncio.sleep(0.1)
+            if self.ctx.policy_version < newest:
+                raise EngineUnavailable(f"the restarted engine did not load version {newest} in time")
+
+    async def load(self, event: bus_pb2.WeightsPublished) -> None:
+        if self.settings.weight_source == "colocated":
+            if await self.wait_for_broadcast(event.version):
+                return
+            log.warning("weights_broadcast_missing", version=event.version, waited_s=self.settings.colocated_wait_s)
+            await self.fetch_and_load(event)
+            await self.client.continue_generation()  # a failed broadcast leaves the engine paused
+            return
+        await self.fetch_and_load(event)
+
+    async def wait_for_broadcast(self, version: int) -> bool:
+        """Whether the engine reports `version` (or a later one) within colocated_wait_s."""
+        started = time.monotonic()
+        while time.monotonic() - started < self.settings.colocated_wait_s and not self.ctx.stop.is_set():
+            served = engine_version(await self.client.model_info())
+            if served >= version:
+                self.held = None  # the engine's bytes came by broadcast: a later fetch starts from a keyframe
+                self.ctx.policy_version = served
+                log.info("weights_loaded", version=served, kind="colocated",
+                         seconds=round(time.monotonic() - started, 3))
+                return True
+            await asyncio.sleep(0.05)
+        return False
+
+    async def fetch_and_load(self, event: bus_pb2.WeightsPublished) -> None:
+        """Fetch (a delta from the held version when possible), verify every tensor, load into
+        the engine. Until the engine confirms the new version, the old one keeps serving."""
+        started = time.monotonic()
+        if self.held is not None and self.held.version == event.version:
+            # The engine lost a version this replica still holds verified (it restarted on its
+            # base weights): load it again, nothing to fetch.
+            weights, report = self.held, None
+        else:
+            client = self.publisher(event.fetch_endpoint)
+            weights, report = await sync_weights(client, event.model, self.held, event.version)
+            self.held = weights  # verified: the next delta applies to these bytes
+            if report.fallback_reason:
+                WEIGHT_SYNC_FALLBACKS.inc()
+        loading = time.monotonic()
+        directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
+                                            self.settings.model_path, weights)
+        # pause → update → continue, as SGLang wants it; the update checks /model_info afterwards.
+        mode = self.settings.weight_update_mode
+        await self.client.pause_generation(mode)
+        try:
+            await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version),
+                                                       flush_cache=mode == "abort")
+        finally:
+            await self.client.continue_generation()
+        previous, self.loaded_dir = self.loaded_dir, directory
+        self.ctx.policy_version = weights.version
+        if previous is not None and previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+        if report is None:
+            log.info("weights_loaded", version=weights.version, kind="held",
+                     seconds=round(time.monotonic() - started, 3))
+            return
+        WEIGHT_SYNC_SECONDS.labels("fetch").observe(report.transfer_s)
+        WEIGHT_SYNC_SECONDS.labels("apply").observe(report.apply_s + time.monotonic() - loading)
+        WEIGHT_PAYLOAD_BYTES.labels(report.kind).inc(report.payload_bytes)
+        self.status.last_fetch.CopyFrom(status_pb2.WeightFetch(kind=report.kind, bytes=report.payload_bytes,
+                                                               raw_bytes=report.raw_bytes))
+        log.info("weights_loaded", version=weights.version, kind=report.kind, bytes=report.payload_bytes,
+                 fallback=report.fallback_reason or None, seconds=round(time.monotonic() - started, 3))
+

@@ -1,0 +1,171 @@
+"""A rollout replica's work on TASKS: admission (stopped runs, pacing), sampling a group through
+the engine (single-turn, or multi-turn episodes whose tool calls run in the sandbox), and
+storing the group in ROLLOUTS and LEDGER before the Task is acked.
+
+Each Task becomes `group_size` generate requests sent together (the engine batches them); each
+response becomes a Rollout stamped with the engine's weight version over its tokens and the
+behaviour logprob of every token. A replica that dies mid-generation leaves its Task unacked: it
+is redelivered and sampled again under the same trajectory ids, so what was already stored is
+deduplicated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from redis.exceptions import RedisError
+
+from policyloop.bus import Delivery, PermanentError, PullWorker, rollouts_subject
+from policyloop.contracts.v1 import bus_pb2, status_pb2
+from policyloop.contracts.validate import validate_task
+from policyloop.engines.partial import Completion, generate_resumable
+from policyloop.engines.protocol import GenerateRequest
+from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
+from policyloop.envs.multiturn import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
+from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
+from policyloop.ledger import record_generated
+from policyloop.rollout.health import EngineHealth
+from policyloop.rollout.settings import RolloutSettings
+from policyloop.runtime import ServiceContext
+from policyloop.state.catalog import RunRegistry, StoppedRuns
+from policyloop.state.pacing import Pacer
+from policyloop.state.progress import RunProgressStore
+from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS
+from policyloop.trajectories import generate_request, group_members, record_response
+
+log = get_logger(__name__)
+
+
+class RolloutReplica:
+    def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient, tokenizer: Any,
+                 engine_health: EngineHealth, status: status_pb2.RolloutStatus,
+                 ready: Callable[[], bool] | None = None) -> None:
+        self.ctx, self.settings, self.client, self.tokenizer = ctx, settings, client, tokenizer
+        self.engine_health, self.status = engine_health, status
+        self.ready = ready or engine_health.ready  # whether to take a new Task now
+        self.stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+        self.episode_tokenizer = from_hf(tokenizer)
+        self.progress = RunProgressStore(ctx.redis, settings.namespace)
+        self.stopped_runs = StoppedRuns(RunRegistry(ctx.redis, settings.namespace))
+        self.pacer = None if settings.max_lag < 0 else Pacer(
+            ctx.redis, settings.namespace, settings.model, groups_per_step=settings.groups_per_step,
+            max_lag=settings.max_lag)
+
+    def pull_worker(self) -> PullWorker[bus_pb2.Task]:
+        return PullWorker(self.ctx.bus, self.ctx.bus.topology.consumers["rollout"], bus_pb2.Task, self.handle,
+                          service="rollout", concurrency=self.settings.concurrency, validator=validate_task,
+                          ready=self.ready)
+
+    async def handle(self, delivery: Delivery[bus_pb2.Task]) -> None:
+        task = delivery.message
+        if not await self._admit(task, delivery.delivery_count):
+            return
+        group = group_members(task, self.settings.instance_id)
+        prompt_ids = self._prompt_ids(task)
+        for traj in group:
+            traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
+        await asyncio.gather(*(self.sample(task, traj) for traj in group))
+        await self._store(task, group)
+
+    async def _admit(self, task: bus_pb2.Task, delivery_count: int) -> bool:
+        """False for a first delivery of a stopped run's Task (acked unsampled: never generated,
+        so in no ledger count; a redelivery is finished instead, as it may have published part of
+        its group before a crash). Otherwise waits for a pacing slot: when the learner is behind,
+        waiting beats sampling what would be dropped as stale."""
+        if delivery_count == 1 and await self._run_ended(task.run_id):
+            self.status.tasks_skipped += 1
+            return False
+        while self.pacer is not None and not await self.pacer.try_admit(task.task_id, self.ctx.policy_version):
+            self.status.paced = True
+            await asyncio.sleep(self.settings.pacing_poll_s)
+        self.status.paced = False
+        return True
+
+    async def _run_ended(self, run_id: str) -> bool:
+        try:
+            return await self.stopped_runs.ended(run_id)
+        except RedisError as exc:  # unknown: sample it (a stopped run's extra groups are harmless)
+            log.warning("run_state_unknown", run=run_id, error=repr(exc))
+            return False
+
+    def _prompt_ids(self, task: bus_pb2.Task) -> list[int]:
+        prompt_ids = list(task.prompt_token_ids) or self.tokenizer(task.prompt_text, add_special_tokens=False).input_ids
+        if not prompt_ids:
+            raise PermanentError("prompt_text: the model's tokenizer gives no tokens for it (give prompt_token_ids)")
+        return prompt_ids
+
+    async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory]) -> None:
+        """ROLLOUTS, then LEDGER; only then may the Task be acked."""
+        for traj in group:
+            await self.ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
+        await record_generated(self.ctx.bus, group, self.settings.instance_id)
+        generated = sum(len(t.response_token_ids) for t in group)
+        try:
+            await self.progress.record_generated(task.run_id, generated)
+        except RedisError as exc:  # figures only: the group is stored and recorded already
+            log.warning("progress_not_recorded", error=repr(exc))
+        GENERATED_TOKENS.labels(task.environment).inc(generated)
+        self.status.tasks_done += 1
+        self.status.generated_tokens += generated
+
+    async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> None:
+        request = generate_request(task, traj, self.stop_ids)
+        if task.max_turns > 1:
+            await self._episode(task, traj, request)
+        else:
+            result = (await self.generate(request)).result
+            text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
+            record_response(traj, result, text)
+        traj.prompt_text = task.prompt_text
+
+    async def _episode(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, request: GenerateRequest) -> None:
+        """Model turns and tool turns; a tool call runs as a job on the SANDBOX stream, and its
+        result's tokens are in the response with loss_mask false."""
+        settings = self.settings
+        try:
+            formats = tool_formats(list(task.tools))
+            episode = await run_episode(
+                request, generate=self.generate,
+                run_tool=sandbox_tools(self.ctx.bus, job_id=f"tool:{traj.trajectory_id}", run_id=task.run_id,
+                                       timeout_s=settings.tool_timeout_s, reply_timeout_s=settings.tool_reply_timeout_s,
+                                       max_chars=settings.max_tool_chars, on_result=self._count_tool_call),
+                tokenizer=self.episode_tokenizer, formats=formats, max_turns=task.max_turns,
+                max_tool_tokens=settings.max_tool_tokens)
+        except (UnknownTool, ToolSetupError) as exc:
+            raise PermanentError(str(exc)) from exc
+        record_response(traj, episode.result, transcript(episode.turns, formats), episode.loss_mask)
+        traj.turns.extend(episode.turns)
+
+    def _count_tool_call(self, call: ToolCall, status: str) -> None:
+        TOOL_CALLS.labels(call.tool.name, status).inc()
+        self.status.tool_calls += 1
+
+    async def generate(self, request: GenerateRequest) -> Completion:
+        """One sample, resumed across weight updates that abort it. When the engine goes away
+        under it, the Task (its message still ours) waits for the engine to come back rather
+        than spend one of its deliveries."""
+        outage_deadline = time.monotonic() + self.settings.engine_outage_wait_s  # over all retries
+        for attempt in itertools.count():
+            try:
+                completion = await generate_resumable(
+                    self.client, request if not attempt else replace(request, rid=f"{request.rid}.e{attempt}"),
+                    max_resubmits=self.settings.max_resubmits)
+                break
+            except EngineUnavailable as exc:
+                log.warning("engine_unavailable_mid_sample", rid=request.rid, error=str(exc))
+                if not await self.engine_health.wait_recovered(outage_deadline, self.ctx.stop):
+                    raise
+            except EngineError as exc:
+                if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
+                    raise PermanentError(f"the engine refused the task's request: {exc}") from exc
+                raise
+        if completion.resubmits:
+            RESUBMITTED.inc(completion.resubmits)
+            self.status.resubmitted += completion.resubmits
+        return completion

@@ -1,0 +1,65 @@
+"""The rollout replica's settings (`model`, `max_lag` and `groups_per_step` are the loop's
+shared settings, runtime.settings.ServiceSettings)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from policyloop.runtime.settings import ServiceSettings
+
+
+class RolloutSettings(ServiceSettings):
+    concurrency: int = Field(8, description="Tasks (groups) this replica samples at once.")
+    model_path: Path = Field(
+        Path("model"), description="Hugging Face directory of the base policy (tokenizer, config)."
+    )
+    engine: Literal["embedded", "sglang"] = Field("embedded", description="Which engine serves the policy.")
+    engine_url: str = Field(
+        "", description="Base URL of the engine's HTTP API; empty with engine=embedded starts one as a child process."
+    )
+    engine_max_batch: int = Field(64, description="Most sequences the embedded engine decodes together.")
+    engine_threads: int = Field(1, description="torch threads of the embedded engine process.")
+    engine_start_timeout_s: float = Field(120.0, description="How long the engine may take to answer /health.")
+    generate_timeout_s: float = Field(300.0, description="Deadline of one generate request.")
+    weights_dir: Path = Field(
+        Path("runs/local/rollout-weights"),
+        description="Where fetched versions are written for the engine to load (one directory per version).",
+    )
+    publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    weight_source: Literal["publisher", "colocated"] = Field(
+        "publisher", description="publisher: fetch each version (a delta) and load it into the engine. colocated: "
+                                 "the learner broadcasts it into the engine (its colocated_engines lists engine_url); "
+                                 "the replica waits for the engine to report it, and fetches from the publisher "
+                                 "only if that takes longer than colocated_wait_s.")
+    colocated_wait_s: float = Field(30.0, description="How long a colocated replica waits for the broadcast.")
+    weight_update_mode: Literal["in_place", "retract", "abort"] = Field(
+        "in_place", description="How a new version reaches requests in flight (SGLang's pause modes around "
+                                "update_weights_from_disk): in_place — paused between two steps, they go on with the "
+                                "new weights and keep their KV cache; retract — the same, their cache recomputed with "
+                                "the new weights; abort — they end, and the replica resubmits prompt + tokens so far "
+                                "with the rest of the budget (partial rollouts). The cache is flushed only with abort "
+                                "(SGLang cannot flush while requests are held).")
+    max_resubmits: int = Field(8, description="Most resubmissions of one sample cut short by weight updates.")
+    engine_health_interval_s: float = Field(
+        2.0, description="How often the engine's /health is checked; the replica reports unhealthy while it fails, "
+                         "and takes no new Task until it answers again.")
+    engine_outage_wait_s: float = Field(
+        600.0, description="How long a Task whose engine went away mid-sample waits (holding its message) for the "
+                           "engine to answer again before it is handed back; an outage uses up none of its deliveries.")
+    pacing_poll_s: float = Field(0.05, description="How often a paced replica asks again for a slot.")
+    tool_timeout_s: float = Field(10.0, description="Wall and CPU seconds of one tool call's sandbox job.")
+    tool_reply_timeout_s: float = Field(
+        120.0, description="How long a tool call waits for a sandbox's result (queueing included) before the task "
+                           "is given back to be sampled again.")
+    max_tool_tokens: int = Field(64, ge=3, description="Most tokens of one tool turn (its result is cut to fit).")
+    max_tool_chars: int = Field(2000, description="Most characters of a tool's result kept before tokenizing.")
+
+    def check_engine(self) -> None:
+        """Refuses engine settings that cannot work, before anything starts."""
+        if self.weight_source == "colocated" and not self.engine_url:
+            raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
+        if self.engine == "sglang" and not self.engine_url:
+            raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")

@@ -1,0 +1,133 @@
+"""The learner's step order, with the Learner class itself against real NATS, Redis and an
+in-process publisher on loopback gRPC (no service processes): a step is in LEDGER before its
+version can be seen, and its trajectories are acked only after the publisher stored it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from policyloop.bus import Bus, trajectories_subject
+from policyloop.learner.colocated import ColocatedEngines
+from policyloop.learner.learner import Learner
+from policyloop.learner.settings import CheckpointSettings, LearnerSettings
+from policyloop.ledger import trained_steps
+from policyloop.rl.recovery import Resumed
+from policyloop.state import VersionRegistry
+from policyloop.state.progress import RunProgressStore
+from policyloop.weights.client import VersionPusher, WeightClient
+from policyloop.weights.library import WeightLibrary
+from policyloop.weights.server import WeightServicer, start_weight_server
+from policyloop.weights.store import VersionStore
+from tests.helpers import eventually, scored_group
+
+
+class HeldPushes(WeightServicer):
+    """A publisher whose Push waits until the test lets it through."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.entered = asyncio.Event()
+        self.let_through = asyncio.Event()
+
+    async def Push(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        await self.let_through.wait()
+        return await super().Push(request_iterator, context)
+
+
+async def _announce(_: object) -> None:
+    pass
+
+
+@asynccontextmanager
+async def running_learner(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
+                          servicer: type[WeightServicer]) -> AsyncIterator[tuple[Learner, WeightServicer]]:
+    from policyloop.rl.trainer import PolicyTrainer
+
+    library = WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=2)
+    publisher = servicer(library, on_stored=_announce)
+    server, port = await start_weight_server(publisher, host="127.0.0.1", port=0)
+    settings = LearnerSettings(model_path=model_dir, groups_per_step=1, max_lag=-1, device="cpu",
+                               publisher_endpoint=f"127.0.0.1:{port}",
+                               checkpoint=CheckpointSettings(dir=root / "checkpoints", every=0))
+    trainer = await asyncio.to_thread(PolicyTrainer, model_dir, settings.trainer_config(), 0)
+    client = WeightClient(settings.publisher_endpoint, deadline_s=60)
+    learner = Learner(settings, trainer, bus, versions=VersionRegistry(redis_client, "default"),
+                      pusher=VersionPusher(client, settings.model), colocated=ColocatedEngines(settings.colocated),
+                      progress=RunProgressStore(redis_client, "default"),
+                      resumed=Resumed(checkpoint=None, checkpoint_version=0))
+    stop = asyncio.Event()
+    worker = learner.pull_worker()
+    tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(learner.run(stop))]
+    try:
+        yield learner, publisher
+    finally:
+        stop.set()
+        if isinstance(publisher, HeldPushes):
+            publisher.let_through.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await worker.drain(5)
+        await client.close()
+        await server.stop(None)
+        await library.drain()
+        trainer.close()
+
+
+async def publish_group(bus: Bus, task: str) -> None:
+    for traj in scored_group(task):
+        await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+
+
+@pytest.mark.timeout(180)
+async def test_a_step_is_recorded_before_its_version_is_published_and_acked_after(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    versions = VersionRegistry(redis_client, "default")
+    async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, HeldPushes) as (learner, publisher):
+        await publish_group(bus, "a")
+        assert isinstance(publisher, HeldPushes)
+        await asyncio.wait_for(publisher.entered.wait(), 120)  # trained, now pushing: held there
+
+        [record] = await trained_steps(bus, "policy")
+        assert record.version == 1 and record.trajectory_ids == ("a/0", "a/1")  # write-ahead
+        assert await versions.get("policy") == 0            # not advanced before the push
+        assert (await bus.backlog("learner")).ack_pending == 2  # still held, not acked
+        assert learner.status.trained_samples == 0
+
+        publisher.let_through.set()
+
+        async def published() -> bool:
+            return await versions.get("policy") == 1 and (await bus.backlog("learner")).ack_pending == 0
+
+        await eventually(published, timeout_s=60)
+        assert learner.status.step == 1 and learner.status.trained_samples == 2
+        assert dict(learner.status.lag_histogram) == {0: 2}
+        assert learner.status.weights.versions_pushed == 1 and learner.status.weights.keyframes == 1
+        stored = await asyncio.to_thread(publisher.library.store.get, "policy", 1)
+        assert stored.manifest_hash == record.manifest_hash
+
+
+@pytest.mark.timeout(180)
+async def test_a_copy_of_a_trained_sample_is_acked_without_training(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    versions = VersionRegistry(redis_client, "default")
+    async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, WeightServicer) as (learner, _):
+        await publish_group(bus, "a")
+
+        async def trained() -> bool:
+            return await versions.get("policy") == 1 and (await bus.backlog("learner")).ack_pending == 0
+
+        await eventually(trained, timeout_s=120)
+        [first] = scored_group("a")[:1]
+        await bus.publish(trajectories_subject("e"), first, "a/0-again")
+
+        async def dropped() -> bool:
+            backlog = await bus.backlog("learner")
+            return learner.status.dropped.duplicate == 1 and backlog.pending == 0 and backlog.ack_pending == 0
+
+        await eventually(dropped, timeout_s=30)
+        assert learner.status.step == 1 and await versions.get("policy") == 1
