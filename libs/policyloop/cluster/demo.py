@@ -205,6 +205,27 @@ async def _heartbeats(registry: HeartbeatRegistry) -> dict[str, Heartbeat]:
     return defaultdict(Heartbeat, beats)
 
 
+def record_final_figures(result: DemoResult, beats: dict[str, Heartbeat]) -> None:
+    """The run's totals from the learner's and the replica's statuses."""
+    learner, rollout = beats["learner"].learner, beats["rollout"].rollout
+    result.steps = learner.step
+    result.version_lag_histogram = {str(k): v for k, v in sorted(learner.lag_histogram.items())}
+    result.generated_tokens = rollout.generated_tokens
+    result.resubmitted = rollout.resubmitted
+    result.weight_sync = weight_sync_summary(learner.weights)
+    result.learner_stats = {k: round(getattr(learner.last_step, k), 6) for k in LEARNER_STATS}
+    result.dropped = {f.name: v for f, v in learner.dropped.ListFields()}
+
+
+async def wait_for_last_version(heartbeats: HeartbeatRegistry, timeout_s: float) -> None:
+    """The engine loads the last published version shortly after the learner's last step."""
+    deadline = time.monotonic() + timeout_s
+    beats = await _heartbeats(heartbeats)
+    while beats["rollout"].policy_version < beats["learner"].policy_version and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        beats = await _heartbeats(heartbeats)
+
+
 async def wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
     deadline = time.monotonic() + timeout_s
     while True:
@@ -280,22 +301,8 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
                     break
             await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
             result.wall_seconds = round(time.monotonic() - started, 1)
-        beats = await _heartbeats(heartbeats)
-        learner = beats["learner"].learner
-        result.steps = learner.step
-        result.version_lag_histogram = {str(k): v for k, v in sorted(learner.lag_histogram.items())}
-        result.generated_tokens = beats["rollout"].rollout.generated_tokens
-        result.resubmitted = beats["rollout"].rollout.resubmitted
-        result.weight_sync = weight_sync_summary(learner.weights)
-        result.learner_stats = {k: round(getattr(learner.last_step, k), 6) for k in LEARNER_STATS}
-        result.dropped = {f.name: v for f, v in learner.dropped.ListFields()}
-        # The engine loads the last published version shortly after the learner's last step.
-        deadline = time.monotonic() + 30
-        while beats["rollout"].policy_version < beats["learner"].policy_version:
-            if time.monotonic() > deadline:
-                break
-            await asyncio.sleep(0.5)
-            beats = await _heartbeats(heartbeats)
+        record_final_figures(result, await _heartbeats(heartbeats))
+        await wait_for_last_version(heartbeats, timeout_s=30)
         after = await held_out(result.wall_seconds)
         result.accuracy_after, result.tool_use_after = after.accuracy, after.tool_use
         console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version})")
