@@ -121,7 +121,8 @@ def cgroups_available() -> bool:
 
 
 def settings_model(entry):  # type: ignore[no-untyped-def]
-    """The one ServiceSettings subclass a catalogue entry's service module defines."""
+    """The one ServiceSettings subclass a catalogue entry's service module serves (defined there or
+    imported from its role package)."""
     import importlib
     import inspect
 
@@ -129,9 +130,8 @@ def settings_model(entry):  # type: ignore[no-untyped-def]
 
     module = importlib.import_module(entry.module + ".service")
     models = [obj for obj in vars(module).values()
-              if inspect.isclass(obj) and issubclass(obj, ServiceSettings) and obj is not ServiceSettings
-              and obj.__module__ == module.__name__]
-    assert len(models) == 1, f"{module.__name__} must define exactly one settings model"
+              if inspect.isclass(obj) and issubclass(obj, ServiceSettings) and obj is not ServiceSettings]
+    assert len(models) == 1, f"{module.__name__} must serve exactly one settings model"
     return models[0]
 
 
