@@ -27,7 +27,9 @@ from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams, error_message
 from policyloop.engines.sglang_client import SGLangClient, WeightUpdateError
 from policyloop.models.tokenizer import VOCAB
-from policyloop.weights.distributed import DistributedWeightSender, EngineTarget, WeightGroupError
+from policyloop.weights.broadcast.engine_control import WeightSyncError
+from policyloop.weights.broadcast.group import WeightGroupError
+from policyloop.weights.broadcast.sender import DistributedWeightSender, EngineTarget
 
 DIGITS = [VOCAB[c] for c in "0123456789"]
 PROMPTS = [[DIGITS[(7 * i + 3 * k) % 10] for k in range(4 + i)] + [VOCAB["+"], DIGITS[i], VOCAB["="]]
@@ -64,7 +66,7 @@ def perturbed_weights(model_dir: Path, seed: int, scale: float = 0.05) -> dict[s
 
 def served_parameters(engine: EmbeddedEngine) -> dict[str, torch.Tensor]:
     """A copy of what the engine serves (read from the engine object: the test shares its process)."""
-    return {name: t.detach().clone() for name, t in engine._model.state_dict().items()}
+    return {name: t.detach().clone() for name, t in engine.served.parameters().items()}
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -197,7 +199,7 @@ async def test_bad_tensors_are_refused_and_the_old_weights_keep_serving(
     await sender.init([client])
     try:
         unknown = {**weights, "model.layers.0.not_a_weight": torch.zeros(3)}
-        with pytest.raises(WeightUpdateError, match="not_a_weight") as info:
+        with pytest.raises(WeightSyncError, match="not_a_weight") as info:
             await sender.send(unknown, weight_version="1")
         assert "still usable" in str(info.value) and "stay paused" in str(info.value)
         assert_serving(engine, original)
@@ -205,7 +207,7 @@ async def test_bad_tensors_are_refused_and_the_old_weights_keep_serving(
 
         name = "model.layers.0.mlp.up_proj.weight"
         reshaped = {**weights, name: torch.zeros(weights[name].shape[0], 3)}
-        with pytest.raises(WeightUpdateError, match=f"shape mismatch for '{name}'"):
+        with pytest.raises(WeightSyncError, match=f"shape mismatch for '{name}'"):
             await sender.send(reshaped, weight_version="1")
         assert_serving(engine, original)
         assert (await client.model_info()).weight_version == "0"
@@ -226,11 +228,11 @@ async def test_an_engine_refusing_before_receiving_puts_the_group_out_of_step(
     sender = DistributedWeightSender(backend="gloo", timeout_s=5, settle_s=0.5)
     await sender.init([client])
     await client.destroy_weights_update_group()  # behind the sender's back: the engine cannot receive
-    with pytest.raises(WeightUpdateError, match="out of step"):
+    with pytest.raises(WeightSyncError, match="out of step"):
         await sender.send(weights, weight_version="1")
     with pytest.raises(WeightGroupError, match="out of step"):
         await sender.send(weights, weight_version="1")
-    with pytest.raises(WeightUpdateError, match="out of step"):
+    with pytest.raises(WeightSyncError, match="out of step"):
         await sender.close()
     assert_serving(engine, original)
     assert (await client.model_info()).weight_version == "0"

@@ -307,7 +307,7 @@ async def test_update_while_generating_waits_for_the_requests_in_flight(
     ids = prompt(6, 4)
     running = await decoding(engine, client, "first", ids, 120)
     update = asyncio.create_task(client.update_weights_from_disk(str(perturbed_model), weight_version="1"))
-    await wait_for(lambda: engine._writers == 1, what="the update waiting")
+    await wait_for(lambda: engine.scheduler.writers == 1, what="the update waiting")
     later = asyncio.create_task(client.generate(greedy(prompt(9, 5), 6)))
     first = await running
     assert [s.version for s in first.weight_versions or []] == ["0"] and len(first.output_ids) == 120
@@ -372,7 +372,7 @@ async def test_pause_abort_then_continue(engine: EmbeddedEngine, client: SGLangC
 
     # While paused, new requests wait (the engine counts them queued); continue lets them run.
     waiting = asyncio.create_task(client.generate(greedy(prompt(9, 5), 6)))
-    await wait_for(lambda: len(engine._held) == 1, what="the request held")
+    await wait_for(lambda: len(engine.scheduler.held) == 1, what="the request held")
     metrics = await engine_metrics(client)
     assert metrics["sglang:num_queue_reqs"] == 1 and metrics["sglang:num_running_reqs"] == 0
     assert not waiting.done()

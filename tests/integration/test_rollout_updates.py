@@ -183,7 +183,7 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
     await bus.publish(tasks_subject("addition@v1"), task("held"), "held")
 
     async def in_engine() -> bool:
-        return len(engine._requests) == 2
+        return len(engine.scheduler.requests) == 2
 
     await eventually(in_engine, timeout_s=30, what="the first task's samples inside the engine")
     await engine.stop()

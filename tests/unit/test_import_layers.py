@@ -19,9 +19,9 @@ LAYERS: list[set[str]] = [
     {"cluster", "cli", "__main__", "services"},
 ]
 ROLES = LAYERS[4]
-# Same-layer imports that are refused: (importer, imported). Empty until the broadcast sender
-# drives engines through a protocol of its own (then: ("weights", "engines")).
-APART: list[tuple[str, str]] = []
+# Same-layer imports that are refused: (importer, imported). The broadcast sender drives engines
+# through its own EngineControl protocol; engines use the weights' layout and group.
+APART: list[tuple[str, str]] = [("weights", "engines")]
 
 
 def layer_of(package: str) -> int:
@@ -95,17 +95,20 @@ def test_every_package_has_a_layer() -> None:
 
 def test_a_planted_violation_is_found(tmp_path: Path) -> None:
     library, services = tmp_path / "policyloop", tmp_path / "services"
-    for package in ("bus", "learner", "rollout", "weights"):
+    for package in ("bus", "learner", "rollout", "weights", "engines"):
         (library / package).mkdir(parents=True)
         (library / package / "__init__.py").write_text("")
     (library / "bus" / "wire.py").write_text("def f():\n    from policyloop.learner.learner import Learner\n")
     (library / "learner" / "step.py").write_text("from policyloop.rollout import replica\n")
     (library / "rollout" / "ok.py").write_text("from policyloop.bus import Bus\n")
+    (library / "weights" / "send.py").write_text("from policyloop.engines.sglang_client import SGLangClient\n")
+    (library / "engines" / "receive.py").write_text("from policyloop.weights.broadcast import layout\n")  # allowed
     (services / "learner").mkdir(parents=True)
     (services / "learner" / "service.py").write_text(
         "from policyloop.services.rollout.service import body\nfrom policyloop.cluster.local import free_port\n")
     found = violations(library, services)
-    assert len(found) == 4, found
+    assert len(found) == 5, found
+    assert any("weights/send.py imports policyloop.engines: weights must not depend on engines" in f for f in found)
     assert any("bus/wire.py imports policyloop.learner: a higher layer" in f for f in found)
     assert any("roles do not import each other" in f for f in found)
     assert any("imports another service" in f for f in found)

@@ -1,4 +1,4 @@
-"""The bucket planner and byte layout of the colocated weight sync (policyloop.weights.distributed):
+"""The bucket planner and byte layout of the colocated weight sync (policyloop.weights.broadcast.layout):
 size limits, one dtype per bucket, order, oversize tensors, offsets; flatten → unflatten returns
 exactly the bytes sent, for every dtype and odd shapes; the rank layout of several engines; and
 the weight-sync requests send only fields SGLang 0.5.23 has."""
@@ -18,7 +18,7 @@ from policyloop.engines.protocol import (
     RequestError,
     UpdateWeightsFromDistributedRequest,
 )
-from policyloop.weights.distributed import (
+from policyloop.weights.broadcast.layout import (
     Bucket,
     TensorSpec,
     dtype_name,

@@ -47,11 +47,12 @@ from policyloop.engines.protocol import (
     UpdateWeightVersionRequest,
     error_message,
 )
+from policyloop.weights.broadcast.engine_control import EngineControlError, WeightSyncError
 
 R = TypeVar("R", UpdateWeightsResult, ControlResult)
 
 
-class EngineError(Exception):
+class EngineError(EngineControlError):
     """The engine answered with an error."""
 
     def __init__(self, message: str, status: int | None = None, body: str = "") -> None:
@@ -68,7 +69,7 @@ class EngineProtocolError(EngineError):
     """The engine answered something that is not the SGLang API's answer."""
 
 
-class WeightUpdateError(EngineError):
+class WeightUpdateError(EngineError, WeightSyncError):
     """A weight update failed (from disk or distributed, or a step of the distributed path: the
     group, the session), or the engine does not report the new weight version."""
 
@@ -254,7 +255,7 @@ class SGLangClient:
         status, body = await self._call("POST", "/abort_request", payload, idempotent=True)
         self._raise_for_status("POST", "/abort_request", status, body)
 
-    # -- the colocated weight sync (see policyloop.weights.distributed) --------------------------
+    # -- the colocated weight sync (see policyloop.weights.broadcast) --------------------------
 
     async def _control(self, path: str, payload: dict[str, Any], what: str) -> ControlResult:
         """Sends one weight-sync request (never resent once it may have reached the engine) and

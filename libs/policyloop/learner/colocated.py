@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from policyloop.weights.distributed import DistributedWeightSender
+    from policyloop.weights.broadcast.sender import DistributedWeightSender
 
 log = get_logger(__name__)
 
@@ -34,14 +34,15 @@ class ColocatedEngines:
     async def send(self, tensors: Mapping[str, torch.Tensor], version: int) -> None:
         if not self.settings.engines or (self.sender is None and time.monotonic() < self.retry_at):
             return
-        from policyloop.weights.distributed import WeightGroupError
+        from policyloop.weights.broadcast.engine_control import WeightSyncError
+        from policyloop.weights.broadcast.group import WeightGroupError
 
         try:
             if self.sender is None:
                 await self._connect()
             assert self.sender is not None
             stats = await self.sender.send(tensors, weight_version=str(version))
-        except (EngineError, WeightGroupError, OSError) as exc:
+        except (EngineError, WeightSyncError, WeightGroupError, OSError) as exc:
             log.error("weights_broadcast_failed", version=version, error=str(exc), retry_in_s=self.settings.retry_s)
             await self.close()
             # A group that could not form leaves its rendezvous waiting in a thread until its
@@ -53,7 +54,7 @@ class ColocatedEngines:
                  bytes=stats.nbytes, seconds=round(stats.seconds, 3))
 
     async def _connect(self) -> None:
-        from policyloop.weights.distributed import DistributedWeightSender, EngineTarget
+        from policyloop.weights.broadcast.sender import DistributedWeightSender, EngineTarget
 
         self.clients = [SGLangClient(url, timeout_s=600) for url in self.settings.engines]
         sender = DistributedWeightSender(backend=self.settings.backend, master_address=self.settings.master_address,
@@ -66,13 +67,14 @@ class ColocatedEngines:
         self.sender = sender
 
     async def close(self) -> None:
-        from policyloop.weights.distributed import WeightGroupError
+        from policyloop.weights.broadcast.engine_control import WeightSyncError
+        from policyloop.weights.broadcast.group import WeightGroupError
 
         sender, self.sender = self.sender, None
         if sender is not None:
             try:
                 await sender.close()
-            except (EngineError, WeightGroupError) as exc:
+            except (EngineError, WeightSyncError, WeightGroupError) as exc:
                 log.warning("weights_group_close_failed", error=str(exc))
         await self._close_clients()
 

@@ -1,0 +1,111 @@
+"""The model the embedded engine serves: a Hugging Face causal-LM directory loaded with
+transformers in float32, what the engine needs to know of it (EOS ids, pad id, vocabulary,
+context length), its version label, and one forward pass with the KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from policyloop.engines.protocol import GenerateRequest, ModelInfo, RequestError, SamplingParams
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger("policyloop.engines.embedded")
+
+
+class ServedModel:
+    """Loaded by `load()` on the compute thread; every method that touches the weights runs there."""
+
+    def __init__(self, model_path: str | Path, *, threads: int, weight_version: str) -> None:
+        self.model_path = str(model_path)
+        self.threads = threads
+        self.weight_version = str(weight_version)
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.eos_ids: frozenset[int] = frozenset()
+        self.pad_id = 0
+        self.vocab_size = 0
+        self.max_context: int | None = None
+
+    def load(self) -> None:
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        torch.set_num_threads(self.threads)
+        transformers.utils.logging.disable_progress_bar()
+        dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
+                                                     **{dtype_kw: torch.float32})
+        model.eval()
+        model.requires_grad_(False)
+        self.model = model
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+        except Exception as exc:  # ids in, ids out still works; `text` prompts do not
+            log.warning("engine_no_tokenizer", model_path=self.model_path, error=str(exc))
+            self.tokenizer = None
+        eos: set[int] = set()
+        for source in (model.config, getattr(model, "generation_config", None), self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if isinstance(value, int):
+                eos.add(value)
+            elif isinstance(value, list | tuple):
+                eos.update(int(v) for v in value)
+        self.eos_ids = frozenset(eos)
+        pad = getattr(self.tokenizer, "pad_token_id", None) or getattr(model.config, "pad_token_id", None)
+        self.pad_id = int(pad) if isinstance(pad, int) else 0
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        self.max_context = getattr(model.config, "max_position_embeddings", None)
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The served tensors by name (tied ones appear under each of their names)."""
+        return self.model.state_dict()
+
+    def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
+                cache: Any) -> tuple[torch.Tensor, Any]:
+        """The next-token logits of every row, and the grown cache."""
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True, logits_to_keep=1)
+        return out.logits[:, -1].float(), out.past_key_values
+
+    def info(self) -> ModelInfo:
+        config = self.model.config
+        return ModelInfo(model_path=self.model_path, tokenizer_path=self.model_path,
+                         weight_version=self.weight_version, model_type=getattr(config, "model_type", None),
+                         architectures=getattr(config, "architectures", None))
+
+    # -- a request's prompt and budget, checked against the model -------------------------------
+
+    def prompt_ids(self, parsed: GenerateRequest) -> list[int]:
+        if parsed.text is not None:
+            if self.tokenizer is None:
+                raise RequestError("text", "this engine has no tokenizer: send input_ids")
+            ids = list(self.tokenizer(parsed.text)["input_ids"])
+            if not ids:
+                raise RequestError("text", "the prompt is empty")
+            return ids
+        ids = list(parsed.input_ids or [])
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError("input_ids", f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def max_new_tokens(self, params: SamplingParams, prompt_len: int) -> int:
+        room = None if self.max_context is None else self.max_context - prompt_len
+        if room is not None and room < 0:
+            raise RequestError("input_ids", f"the prompt has {prompt_len} tokens, more than the model's context "
+                                            f"length of {self.max_context}")
+        if params.max_new_tokens is None:
+            return room if room is not None else 1 << 30
+        if room is not None and params.max_new_tokens > room:
+            raise RequestError("sampling_params.max_new_tokens",
+                               f"{prompt_len} prompt tokens + {params.max_new_tokens} new tokens exceed the model's "
+                               f"context length of {self.max_context}")
+        return params.max_new_tokens
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -1,0 +1,77 @@
+"""Choosing each row's next token (pure functions of logits, the request's parameters and its
+generator; the compute thread calls them).
+
+temperature 0 is greedy (argmax); otherwise logits are divided by the temperature, then top-k and
+top-p truncate, and one uniform number from the request's own `torch.Generator` (seeded with
+`sampling_seed`, or at random) picks the token by inverse CDF, so a seeded request gives the same
+tokens whatever else shares its wave. The logprob returned for each token is
+`log_softmax(logits / temperature)` (`log_softmax(logits)` when greedy) taken BEFORE top-k/top-p
+truncation — as SGLang reports it by default; at temperature 1 it is the model's plain
+log-probability, equal to a teacher-forced forward pass over prompt + response.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+
+import torch
+
+from policyloop.engines.protocol import FinishReason, SamplingParams
+
+
+def request_generator(params: SamplingParams) -> torch.Generator | None:
+    """The request's own random stream: seeded with `sampling_seed`, or at random (None when greedy)."""
+    if params.temperature <= 0:
+        return None
+    seed = params.sampling_seed if params.sampling_seed is not None else secrets.randbits(63)
+    return torch.Generator().manual_seed(seed % (1 << 64))
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
+                generators: Sequence[torch.Generator | None]) -> list[tuple[int, float]]:
+    """Each row's token and its logprob under the row's temperature (before truncation)."""
+    temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
+    logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
+    out = []
+    for i, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
+        if row_params.temperature == 0:
+            token = int(torch.argmax(logits[i]))
+        else:
+            assert generator is not None
+            token = draw(logprobs[i], row_params.top_k, row_params.top_p, generator)
+        out.append((token, float(logprobs[i, token])))
+    return out
+
+
+def draw(logprobs: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> int:
+    """Inverse-CDF sampling with one uniform draw from `generator`, after top-k and top-p
+    truncation (ties broken by token id: a stable sort)."""
+    probs = logprobs.double().exp()
+    ids: torch.Tensor | None = None
+    if (top_k == -1 or top_k >= probs.numel()) and top_p >= 1.0:
+        values = probs
+    else:
+        values, ids = torch.sort(probs, descending=True, stable=True)
+        if 0 < top_k < values.numel():
+            values, ids = values[:top_k], ids[:top_k]
+        if top_p < 1.0:
+            keep = (values.cumsum(0) - values) < top_p
+            keep[0] = True
+            values, ids = values[keep], ids[keep]
+    cdf = values.cumsum(0)
+    u = torch.rand((1,), generator=generator, dtype=torch.float64) * cdf[-1]
+    j = min(int(torch.searchsorted(cdf, u, right=True)), cdf.numel() - 1)
+    return j if ids is None else int(ids[j])
+
+
+def finish_after(token: int, produced: int, max_new_tokens: int, params: SamplingParams,
+                 eos_ids: frozenset[int]) -> FinishReason | None:
+    """Whether the request ends with `token` (its `produced`-th output token), as SGLang's
+    Req.check_finished: the length check first; ignore_eos turns off every stop token, the
+    request's stop_token_ids as well as the model's EOS."""
+    if produced >= max_new_tokens:
+        return FinishReason(type="length", length=max_new_tokens)
+    if not params.ignore_eos and (token in params.stop_token_ids or token in eos_ids):
+        return FinishReason(type="stop", matched=token)
+    return None

@@ -1,0 +1,366 @@
+"""The embedded engine's HTTP server: SGLang's routes, each parsed with `policyloop.engines.protocol`
+and handed to the scheduler, the weight loaders or the broadcast receiver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from policyloop.engines.embedded.model import ServedModel
+from policyloop.engines.embedded.receiver import WeightReceiver
+from policyloop.engines.embedded.sampling import request_generator
+from policyloop.engines.embedded.scheduler import EngineRequest, Scheduler
+from policyloop.engines.embedded.weight_loading import load_from_disk
+from policyloop.engines.protocol import (
+    DEFAULT_WEIGHT_VERSION,
+    SCHEMA,
+    AbortRequest,
+    BeginWeightUpdateRequest,
+    ControlResult,
+    DestroyWeightsUpdateGroupRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerateResult,
+    InitWeightsUpdateGroupRequest,
+    RequestError,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightVersionRequest,
+    WeightVersionSpan,
+    error_body,
+    parse_continue,
+    parse_end_weight_update,
+    parse_pause,
+)
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger("policyloop.engines.embedded")
+
+_FLUSH_ANSWER = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                 "requests, the operation will not be performed.)\n")
+
+
+class _EngineMetrics(Collector):
+    """The engine's figures, read from its state at each scrape (no bookkeeping of their own)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        scheduler = self.scheduler
+        requests = list(scheduler.requests.values())
+        running = sum(r.state == "running" for r in requests)
+        yield GaugeMetricFamily("sglang:num_running_reqs", "Requests being decoded (paused ones included).",
+                                value=running)
+        yield GaugeMetricFamily("sglang:num_queue_reqs", "Requests waiting for a wave (held while paused included).",
+                                value=len(scheduler.waiting) + len(scheduler.held))
+        yield CounterMetricFamily("sglang:prompt_tokens", "Prompt tokens of the requests admitted.",
+                                  value=scheduler.prompt_tokens)
+        yield CounterMetricFamily("sglang:generation_tokens", "Tokens decoded.", value=scheduler.generated_tokens)
+        yield GaugeMetricFamily("policyloop_engine_in_flight_output_tokens",
+                                "Tokens decoded so far by the requests not yet done.",
+                                value=sum(len(r.output_ids) for r in requests if r.state != "done"))
+
+
+def _refusal(error: str | RequestError, status: int = 400) -> web.Response:
+    """SGLang's answer to a refused request (a RequestError carries its kind and field)."""
+    if isinstance(error, RequestError):
+        text = error.message if error.status == SCHEMA else str(error)  # 422 says where apart
+        return web.json_response(error_body(text, error.status, error.field), status=error.status)
+    return web.json_response(error_body(error, status), status=status)
+
+
+def _control(result: ControlResult) -> web.Response:
+    return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+
+async def _json_body(request: web.Request, *, empty_ok: bool) -> Any:
+    raw = await request.read()
+    if not raw.strip():
+        if empty_ok:
+            return {}
+        raise RequestError("body", "a JSON object is required", SCHEMA)
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise RequestError("body", f"invalid JSON ({exc})", SCHEMA) from None
+
+
+class EmbeddedEngine:
+    """The engine and its HTTP server. `await start()` loads the model and listens (port 0 picks a
+    free port: read `port` / `base_url` afterwards); `await stop()` aborts what is in flight and
+    closes. Usable in-process (tests, perf) or through `python -m policyloop.engines.embedded`."""
+
+    def __init__(self, model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
+                 threads: int = 1, weight_version: str = DEFAULT_WEIGHT_VERSION, batch_window_s: float = 0.005,
+                 weights_group_timeout_s: float = 600.0) -> None:
+        self.host = host
+        self.port = port
+        self.served = ServedModel(model_path, threads=threads, weight_version=weight_version)
+        self.scheduler = Scheduler(self.served, max_batch=max_batch, batch_window_s=batch_window_s)
+        self.receiver = WeightReceiver(self.served, self.scheduler, group_timeout_s=weights_group_timeout_s)
+        self._metrics = CollectorRegistry(auto_describe=False)
+        self._metrics.register(_EngineMetrics(self.scheduler))
+        self._runner: web.AppRunner | None = None
+        self.app = self._build_app()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def weight_version(self) -> str:
+        return self.served.weight_version
+
+    @property
+    def vocab_size(self) -> int:
+        return self.served.vocab_size
+
+    def progress(self, rid: str) -> int | None:
+        """How many output tokens request `rid` has so far (None when it is not in flight)."""
+        req = self.scheduler.requests.get(rid)
+        return None if req is None else len(req.output_ids)
+
+    def in_flight(self) -> dict[str, int]:
+        """Output tokens so far of every request the engine holds, by rid."""
+        return {rid: len(req.output_ids) for rid, req in self.scheduler.requests.items()}
+
+    async def start(self) -> None:
+        await self.scheduler.compute(self.served.load)
+        self.scheduler.start()
+        # handler_cancellation: a client that disconnects cancels its handler, which aborts the
+        # request (as SGLang does) instead of decoding for no one.
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+        log.info("engine_listening", url=self.base_url, model_path=self.served.model_path,
+                 weight_version=self.served.weight_version, max_batch=self.scheduler.max_batch,
+                 threads=self.served.threads)
+
+    async def stop(self) -> None:
+        await self.scheduler.stop()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        self.receiver.close()
+        self.scheduler.close_compute()
+
+    async def __aenter__(self) -> EmbeddedEngine:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _build_app(self) -> web.Application:
+        app = web.Application(client_max_size=256 * 1024 * 1024)
+        routes = [
+            ("POST", "/generate", self._generate), ("PUT", "/generate", self._generate),
+            ("GET", "/model_info", self._model_info), ("GET", "/get_model_info", self._model_info),
+            ("GET", "/health", self._health), ("GET", "/health_generate", self._health),
+            ("POST", "/update_weights_from_disk", self._update_from_disk),
+            ("POST", "/update_weight_version", self._update_weight_version),
+            ("POST", "/pause_generation", self._pause), ("POST", "/continue_generation", self._continue),
+            ("GET", "/flush_cache", self._flush_cache), ("POST", "/flush_cache", self._flush_cache),
+            ("POST", "/abort_request", self._abort),
+            ("POST", "/init_weights_update_group", self._init_weights_group),
+            ("POST", "/begin_weight_update", self._begin_weight_update),
+            ("POST", "/update_weights_from_distributed", self._update_from_distributed),
+            ("POST", "/end_weight_update", self._end_weight_update),
+            ("POST", "/destroy_weights_update_group", self._destroy_weights_group),
+            ("GET", "/metrics", self._metrics_page),
+        ]
+        for method, path, handler in routes:
+            if method == "GET":
+                app.router.add_get(path, handler)  # and HEAD, as aiohttp's add_get does
+            else:
+                app.router.add_route(method, path, handler)
+        return app
+
+    # -- generation -----------------------------------------------------------------------------
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        if self.scheduler.closing:
+            return _refusal("the engine is stopping", 503)
+        started = time.perf_counter()
+        try:
+            parsed = GenerateRequest.from_json(await _json_body(request, empty_ok=False))
+            prompt = self.served.prompt_ids(parsed)
+            max_new_tokens = self.served.max_new_tokens(parsed.sampling_params, len(prompt))
+        except RequestError as exc:
+            return _refusal(exc)
+        rid = parsed.rid or uuid.uuid4().hex
+        if rid in self.scheduler.requests:
+            return _refusal(f"rid: a request with id {rid!r} is already in flight")
+        req = EngineRequest(rid=rid, input_ids=prompt, params=parsed.sampling_params, max_new_tokens=max_new_tokens,
+                            return_logprob=parsed.return_logprob,
+                            return_text_in_logprobs=parsed.return_text_in_logprobs,
+                            future=asyncio.get_running_loop().create_future(),
+                            generator=request_generator(parsed.sampling_params), received=started)
+        try:
+            self.scheduler.admit(req)
+            await asyncio.shield(req.future)
+        except asyncio.CancelledError:  # the client went away: stop spending compute on it
+            self.scheduler.abort(req, "client disconnected")
+            raise
+        finally:
+            self.scheduler.requests.pop(rid, None)
+        if req.error is not None:
+            return _refusal(f"generation failed: {req.error!r}", 500)
+        return web.json_response(self._response(req, time.perf_counter() - started))
+
+    def _response(self, req: EngineRequest, latency: float) -> dict[str, Any]:
+        spans = [WeightVersionSpan(version=v, start=s, end=e) for v, s, e in req.spans] or [
+            WeightVersionSpan(version=self.served.weight_version, start=0, end=0)]
+        finish = req.finish or FinishReason(type="abort", message="unfinished")
+        text_ids = req.output_ids
+        if finish.type == "stop" and text_ids:  # SGLang trims the matched stop token from the text
+            text_ids = text_ids[:-1]
+        text = self.served.decode(text_ids, skip_special_tokens=req.params.skip_special_tokens)
+        token_texts = None
+        if req.return_logprob and req.return_text_in_logprobs and self.served.tokenizer is not None:
+            token_texts = [self.served.decode([t], skip_special_tokens=False) for t in req.output_ids]
+        result = GenerateResult(
+            rid=req.rid, output_ids=req.output_ids, output_logprobs=req.logprobs if req.return_logprob else None,
+            finish_reason=finish.type, finish_detail=finish, weight_version=spans[-1].version,
+            prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids), weight_versions=spans,
+            text=text)
+        return result.to_json(token_texts=token_texts, e2e_latency=latency)
+
+    async def _pause(self, request: web.Request) -> web.Response:
+        try:
+            mode = parse_pause(await _json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return _refusal(exc)
+        await self.scheduler.pause(mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue(self, request: web.Request) -> web.Response:
+        try:
+            parse_continue(await _json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return _refusal(exc)
+        self.scheduler.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        try:
+            parsed = AbortRequest.from_json(await _json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return _refusal(exc)
+        message = parsed.abort_message or "aborted by /abort_request"
+        if parsed.abort_all:
+            self.scheduler.abort_all(message)
+        elif parsed.rid is not None and parsed.rid in self.scheduler.requests:
+            self.scheduler.abort(self.scheduler.requests[parsed.rid], message)
+        return web.Response(status=200)
+
+    async def _flush_cache(self, _: web.Request) -> web.Response:
+        # There is no prefix cache to drop here, but the answer follows SGLang's rule: refused
+        # (400) while any request is queued or running, paused ones included.
+        return web.Response(status=400 if self.scheduler.pending() else 200, text=_FLUSH_ANSWER)
+
+    # -- information ----------------------------------------------------------------------------
+
+    async def _model_info(self, _: web.Request) -> web.Response:
+        return web.json_response(self.served.info().to_json())
+
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.Response(status=200 if self.scheduler.alive else 503)
+
+    async def _metrics_page(self, _: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._metrics), content_type="text/plain", charset="utf-8")
+
+    # -- weights --------------------------------------------------------------------------------
+
+    async def _update_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UpdateWeightsFromDiskRequest.from_json(await _json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return _refusal(exc)
+        async with self.scheduler.load_lock, self.scheduler.weight_update(parsed.abort_all_requests):
+            if parsed.flush_cache and self.scheduler.pending():
+                return _refusal(self.scheduler.flush_refusal("flush_cache"))
+            result = await self.scheduler.compute(load_from_disk, self.served, parsed)
+        log.info("engine_weights_update", model_path=parsed.model_path, success=result.success,
+                 message=result.message, weight_version=self.served.weight_version)
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    async def _update_weight_version(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UpdateWeightVersionRequest.from_json(await _json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return _refusal(exc)
+        if parsed.abort_all_requests:
+            self.scheduler.abort_all(f"aborted by /update_weight_version to {parsed.new_version}")
+        self.served.weight_version = parsed.new_version
+        return web.json_response({"success": True, "message": f"Weight version updated to {parsed.new_version}",
+                                  "new_version": parsed.new_version})
+
+    async def _init_weights_group(self, request: web.Request) -> web.Response:
+        try:
+            parsed = InitWeightsUpdateGroupRequest.from_json(await _json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return _refusal(exc)
+        result = await self.receiver.join(parsed)
+        log.info("engine_weights_group_init", group=parsed.group_name, backend=parsed.backend,
+                 rank=parsed.rank_offset, world_size=parsed.world_size, success=result.success,
+                 message=result.message)
+        return _control(result)
+
+    async def _begin_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            BeginWeightUpdateRequest.from_json(await _json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return _refusal(exc)
+        return _control(self.receiver.begin())
+
+    async def _end_weight_update(self, request: web.Request) -> web.Response:
+        try:
+            parse_end_weight_update(await _json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return _refusal(exc)
+        return _control(self.receiver.end())
+
+    async def _update_from_distributed(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UpdateWeightsFromDistributedRequest.from_json(await _json_body(request, empty_ok=False))
+            specs = self.receiver.specs(parsed)
+        except RequestError as exc:
+            return _refusal(exc)
+        result = await self.receiver.update(parsed, specs)
+        log.info("engine_weights_distributed", group=parsed.group_name, tensors=len(specs), success=result.success,
+                 message=result.message, weight_version=self.served.weight_version)
+        return _control(result)
+
+    async def _destroy_weights_group(self, request: web.Request) -> web.Response:
+        try:
+            parsed = DestroyWeightsUpdateGroupRequest.from_json(await _json_body(request, empty_ok=True))
+        except RequestError as exc:
+            return _refusal(exc)
+        result = await self.receiver.destroy(parsed.group_name)
+        log.info("engine_weights_group_destroy", group=parsed.group_name, existed=result.success)
+        return _control(result)
+
+
+async def start_engine(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
+                       threads: int = 1, weight_version: str = DEFAULT_WEIGHT_VERSION, batch_window_s: float = 0.005,
+                       weights_group_timeout_s: float = 600.0) -> EmbeddedEngine:
+    """Loads the model, starts the server and returns the running engine (stop it with `stop()`)."""
+    engine = EmbeddedEngine(model_path, host=host, port=port, max_batch=max_batch, threads=threads,
+                            weight_version=weight_version, batch_window_s=batch_window_s,
+                            weights_group_timeout_s=weights_group_timeout_s)
+    await engine.start()
+    return engine
