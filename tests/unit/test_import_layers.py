@@ -14,7 +14,7 @@ LAYERS: list[set[str]] = [
     {"common"},
     {"contracts", "telemetry"},
     {"bus", "state"},
-    {"ledger", "weights", "engines", "rl", "envs", "models", "sandbox", "runtime", "trajectories"},
+    {"ledger", "weights", "engines", "rl", "envs", "models", "sandbox", "runtime"},
     {"learner", "rollout", "gateway", "reward", "publisher"},
     {"cluster", "cli", "__main__", "services"},
 ]

@@ -142,7 +142,7 @@ def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
 
 
 def test_the_harness_runs_each_top_level_test_function_once() -> None:
-    from policyloop.envs.code_scorers import test_functions
+    from policyloop.contracts.code_scorer import test_functions
 
     source = "def test_b():\n    pass\ndef test_a():\n    pass\ndef test_a():\n    pass\n" \
              "async def test_async():\n    pass\ntest_assigned = lambda: None\ndef helper():\n    pass\n" \

@@ -7,7 +7,7 @@ import pytest
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.protocol import GenerateResult, WeightVersionSpan
-from policyloop.trajectories import EngineResultError, generate_request, group_members, record_response
+from policyloop.rollout.records import EngineResultError, generate_request, group_members, record_response
 
 
 def result(**kw: object) -> GenerateResult:

@@ -34,9 +34,9 @@ from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs import arithmetic
-from policyloop.envs.multiturn import from_hf, run_episode, sandbox_tools
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
 from policyloop.rl.settings import LossConfig
+from policyloop.rollout.episodes import from_hf, run_episode, sandbox_tools
 from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
 
 

@@ -1,1 +1,3 @@
-"""Environments: the built-in task sets (arithmetic, code) and multi-turn episodes with tools."""
+"""Environments: the built-in task sets (arithmetic, code) and the tools a multi-turn environment
+offers the policy (their markers and formats). Running episodes is the rollout's
+(`policyloop.rollout.episodes`); scoring is the reward's."""

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import ast
 
+from policyloop.contracts.code_scorer import REWARD_FUNCTION, test_functions
 from policyloop.contracts.v1 import loop_pb2
-from policyloop.envs.code_scorers import REWARD_FUNCTION, test_functions
 from policyloop.gateway.errors import InvalidField
 
 # What the parser raises besides SyntaxError: ValueError for null bytes (before 3.12),

@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import math
 
+from policyloop.contracts.code_scorer import REWARD_FUNCTION
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.envs.code_scorers import REWARD_FUNCTION
+from policyloop.reward.answer import answer_text
 from policyloop.reward.sandboxed import DEFAULT_TIMEOUT_S, CodeJob, code_job, limits, new_nonce, reported, why_stopped
 from policyloop.reward.score import Score, component
-from policyloop.trajectories import answer_text
 
 _HARNESS = r'''
 import json, sys

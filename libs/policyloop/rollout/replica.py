@@ -26,10 +26,11 @@ from policyloop.contracts.validate import validate_task
 from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
-from policyloop.envs.multiturn import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
+from policyloop.rollout.episodes import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
+from policyloop.rollout.records import generate_request, group_members, record_response
 from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
 from policyloop.state.catalog import RunRegistry, StoppedRuns
@@ -37,7 +38,6 @@ from policyloop.state.pacing import Pacer
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS
-from policyloop.trajectories import generate_request, group_members, record_response
 
 log = get_logger(__name__)
 

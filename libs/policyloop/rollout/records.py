@@ -1,4 +1,5 @@
-"""Identity and bookkeeping of trajectories as they pass from service to service."""
+"""A group's trajectories: their identities, the engine request each one makes, and what the
+engine's answer writes into it (tokens, behaviour logprobs, version spans, finish reason)."""
 
 from __future__ import annotations
 
@@ -99,10 +100,3 @@ def record_response(traj: bus_pb2.Trajectory, result: GenerateResult, response_t
     traj.finish_reason = _FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
     traj.response_text = response_text
     traj.timings.generation_finished_unix_ms = now_ms()
-
-
-def answer_text(traj: bus_pb2.Trajectory) -> str:
-    """What a verifier judges: the model's last turn in a multi-turn trajectory (the transcript
-    before it holds the tools' output, which is not the model's answer), else the response."""
-    model_turns = [t for t in traj.turns if t.role == bus_pb2.Turn.ROLE_MODEL]
-    return model_turns[-1].text if model_turns else traj.response_text
