@@ -4,20 +4,26 @@ run the demo, and submit environments and drive runs through a gateway (`env`, `
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import json
 import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import typer
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
 from policyloop.cluster.catalogue import SERVICE_NAMES, service_main
+from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.runtime.settings import ServiceSettings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="policyloop: an RL post-training loop of independent services.")
@@ -25,6 +31,45 @@ app = typer.Typer(add_completion=False, no_args_is_help=True,
 console = Console() if sys.stdout.isatty() else Console(width=160)
 
 DEFAULT_RUN_DIR = Path("runs/local")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def field_help(model: type[BaseModel], name: str) -> str:
+    """A settings field's description, with its choices when it has a fixed set."""
+    info = model.model_fields[name]
+    choices = get_args(info.annotation) if get_origin(info.annotation) is Literal else ()
+    return (info.description or "") + (f" One of: {', '.join(map(str, choices))}." if choices else "")
+
+
+def field_default(model: type[BaseModel], name: str) -> Any:
+    return model.model_fields[name].default
+
+
+def options_from(model: type[BaseModel], *, into: str, flags: Mapping[str, str] | None = None) -> Callable[[F], F]:
+    """Gives a command one option per field of `model` — its name (or `flags[field]`), default and
+    help taken from the field — and passes their values to the command as one dict `into`, for
+    the model to validate. A knob added to the model is a flag at once."""
+    flags = dict(flags or {})
+
+    def decorate(command: F) -> F:
+        signature = inspect.signature(command)
+        own = [p for p in signature.parameters.values() if p.name != into]
+        added = []
+        for name, info in model.model_fields.items():
+            annotation = str if get_origin(info.annotation) is Literal else info.annotation
+            option = typer.Option(help=field_help(model, name))
+            added.append(inspect.Parameter(flags.get(name, name), inspect.Parameter.KEYWORD_ONLY, default=info.default,
+                                           annotation=Annotated[annotation, option]))
+
+        @functools.wraps(command)
+        def wrapper(**kwargs: Any) -> Any:
+            values = {name: kwargs.pop(flags.get(name, name)) for name in model.model_fields}
+            return command(**kwargs, **{into: values})
+
+        wrapper.__signature__ = signature.replace(parameters=[*own, *added])  # type: ignore[attr-defined]
+        return wrapper  # type: ignore[return-value]
+
+    return decorate
 
 
 @app.command(
@@ -307,7 +352,9 @@ def status(
 
 
 @app.command()
+@options_from(LossConfig, into="objective", flags={"kind": "loss"})
 def demo(
+    objective: dict[str, Any],
     run_dir: Annotated[Path, typer.Option(help="Where the demo cluster keeps its data.")] = Path("runs/demo"),
     out: Annotated[Path | None, typer.Option(help="Where summary.json and the plot go (default: runs/<run>).")] = None,
     budget_s: Annotated[float, typer.Option(help="Seconds of RL after the first evaluation.")] = 420.0,
@@ -315,18 +362,13 @@ def demo(
     model_path: Annotated[Path | None, typer.Option(help="Base model directory (default: bootstrap).")] = None,
     eval_problems: Annotated[int, typer.Option(help="Held-out problems per evaluation.")] = 600,
     eval_interval_s: Annotated[float, typer.Option(help="Seconds between held-out evaluations.")] = 60.0,
-    groups_per_step: Annotated[int, typer.Option(help="Prompts per learner step.")] = 32,
+    groups_per_step: Annotated[int, typer.Option(help=field_help(ServiceSettings, "groups_per_step"))]
+    = field_default(ServiceSettings, "groups_per_step"),
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
-    lr: Annotated[float, typer.Option(help="Learning rate.")] = 1e-4,
-    loss: Annotated[str, typer.Option(help="Policy loss: ppo, gspo or cispo.")] = "ppo",
-    normalization: Annotated[str, typer.Option(
-        help="token (DAPO), sequence (GRPO) or constant (Dr.GRPO).")] = "token",
-    advantages: Annotated[str, typer.Option(help="group, group_no_std, leave_one_out or none.")] = "group",
-    off_policy: Annotated[str, typer.Option(help="none, tis (truncated IS) or decoupled.")] = "none",
-    tis_cap: Annotated[float, typer.Option(help="Cap of the IS weight.")] = 2.0,
-    kl_coef: Annotated[float, typer.Option(help="KL penalty to the base policy (0: none).")] = 0.0,
-    clip_high: Annotated[float, typer.Option(help="Upper clip range (clip-higher when > 0.2).")] = 0.2,
-    max_lag: Annotated[int, typer.Option(help="Most versions a trained sample may lag (0: synchronous).")] = 1,
+    lr: Annotated[float, typer.Option(help=field_help(OptimizerSettings, "lr"))]
+    = field_default(OptimizerSettings, "lr"),
+    max_lag: Annotated[int, typer.Option(help=field_help(ServiceSettings, "max_lag"))]
+    = field_default(ServiceSettings, "max_lag"),
     weight_update_mode: Annotated[str, typer.Option(
         help="How new versions reach requests in flight: in_place, retract, or abort (partial rollouts).")]
         = "in_place",
@@ -338,20 +380,18 @@ def demo(
     before and after (summary.json and a plot). --tools: the multi-turn environment."""
     from policyloop.cluster.demo import DemoConfig, run_demo
     from policyloop.engines.protocol import PAUSE_MODES
-    from policyloop.rl.settings import LossConfig
 
     if weight_update_mode not in PAUSE_MODES:
         console.print(f"[red]--weight-update-mode must be one of {', '.join(PAUSE_MODES)}[/red]")
         raise typer.Exit(2)
     try:
-        objective = LossConfig(kind=loss, normalization=normalization, advantages=advantages, off_policy=off_policy,
-                               tis_cap=tis_cap, kl_coef=kl_coef, clip_high=clip_high)
+        loss = LossConfig(**objective)
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
-                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=objective,
+                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools)
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 

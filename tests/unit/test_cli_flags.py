@@ -19,3 +19,21 @@ def test_demo_refuses_an_unknown_objective(flags: list[str], named: str, tmp_pat
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and named in result.stdout + result.stderr
     assert not (tmp_path / "run").exists()  # no cluster was started
+
+
+def test_demo_flags_are_the_settings_fields() -> None:
+    """Every objective knob, and the loop settings the demo sets, are flags with the field's own
+    default and description: a knob added to LossConfig is a demo flag without another line."""
+    import inspect
+
+    from policyloop.cli import demo, field_help
+    from policyloop.rl.settings import LossConfig, OptimizerSettings
+    from policyloop.runtime.settings import ServiceSettings
+
+    parameters = inspect.signature(demo).parameters
+    for name, info in LossConfig.model_fields.items():
+        flag = "loss" if name == "kind" else name
+        assert parameters[flag].default == info.default
+        assert parameters[flag].annotation.__metadata__[0].help == field_help(LossConfig, name)
+    for model, name in ((ServiceSettings, "groups_per_step"), (ServiceSettings, "max_lag"), (OptimizerSettings, "lr")):
+        assert parameters[name].default == model.model_fields[name].default
