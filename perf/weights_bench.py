@@ -44,11 +44,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from policyloop.weights import codec  # noqa: E402
-from policyloop.weights.client import VersionPusher, WeightClient, sync_weights  # noqa: E402
+from policyloop.weights.client import WeightClient  # noqa: E402
 from policyloop.weights.library import WeightLibrary  # noqa: E402
 from policyloop.weights.link import LinkLimit  # noqa: E402
+from policyloop.weights.push import VersionPusher  # noqa: E402
 from policyloop.weights.server import WeightServicer, start_weight_server  # noqa: E402
 from policyloop.weights.store import StoredVersion, VersionStore  # noqa: E402
+from policyloop.weights.sync import sync_weights  # noqa: E402
 from policyloop.weights.torch_io import weight_set  # noqa: E402
 
 LINKS = {"unthrottled": 0.0, "10gbps": 10.0, "1gbps": 1.0}

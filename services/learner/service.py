@@ -17,7 +17,8 @@ from policyloop.learner.settings import LearnerSettings
 from policyloop.runtime import ServiceCannotStart, ServiceContext, run_main, run_pull_workers
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
-from policyloop.weights.client import VersionPusher, WeightClient
+from policyloop.weights.client import WeightClient
+from policyloop.weights.push import VersionPusher
 
 if TYPE_CHECKING:
     from policyloop.learner.learner import Learner

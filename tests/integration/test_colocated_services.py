@@ -16,7 +16,8 @@ from policyloop.engines.embedded import start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.models.tokenizer import VOCAB
-from policyloop.weights.client import WeightClient, sync_weights
+from policyloop.weights.client import WeightClient
+from policyloop.weights.sync import sync_weights
 from tests.conftest import ServiceLauncher
 from tests.helpers import eventually, scored_group
 

@@ -21,7 +21,8 @@ from policyloop.gateway.model_context import load_model_context
 from policyloop.gateway.validation import check_prompts_fit
 from policyloop.models.tokenizer import VOCAB
 from policyloop.weights import codec
-from policyloop.weights.client import VersionPusher, WeightClient
+from policyloop.weights.client import WeightClient
+from policyloop.weights.push import VersionPusher
 from tests.conftest import ServiceLauncher, fast_limits
 from tests.helpers import addition_environment, eventually, perturbed, random_weights, stored, stored_messages
 

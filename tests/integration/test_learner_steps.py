@@ -19,8 +19,9 @@ from policyloop.ledger import trained_steps
 from policyloop.rl.recovery import Resumed
 from policyloop.state import VersionRegistry
 from policyloop.state.progress import RunProgressStore
-from policyloop.weights.client import VersionPusher, WeightClient
+from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
+from policyloop.weights.push import VersionPusher
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
 from tests.helpers import eventually, scored_group

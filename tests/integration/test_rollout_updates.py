@@ -15,7 +15,8 @@ from policyloop.bus import Bus, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.state import HeartbeatRegistry
-from policyloop.weights.client import VersionPusher, WeightClient
+from policyloop.weights.client import WeightClient
+from policyloop.weights.push import VersionPusher
 from policyloop.weights.torch_io import weight_set
 from tests.conftest import HEARTBEAT_INTERVAL_S, ServiceLauncher
 from tests.helpers import eventually, stored

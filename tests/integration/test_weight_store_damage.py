@@ -20,8 +20,9 @@ from prometheus_client import REGISTRY
 
 from policyloop.contracts.v1 import bus_pb2, weights_pb2
 from policyloop.weights import codec
-from policyloop.weights.client import PushReport, VersionPusher, WeightClient, sync_weights
+from policyloop.weights.client import WeightClient
 from policyloop.weights.library import BaseUnavailable, PushRejected, Unrebuildable, WeightLibrary
+from policyloop.weights.push import PushReport, VersionPusher
 from policyloop.weights.server import OnStored, WeightServicer, failure_status, start_weight_server
 from policyloop.weights.store import (
     DamagedEntry,
@@ -32,6 +33,7 @@ from policyloop.weights.store import (
     UnknownVersion,
     VersionStore,
 )
+from policyloop.weights.sync import sync_weights
 from tests.helpers import eventually, perturbed, random_weights, stored
 from tests.unit.test_version_store import sealed
 

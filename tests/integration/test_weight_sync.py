@@ -13,10 +13,12 @@ import pytest
 
 from policyloop.contracts.v1 import weights_pb2
 from policyloop.weights import codec
-from policyloop.weights.client import VersionPusher, WeightClient, sync_weights
+from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
+from policyloop.weights.push import VersionPusher
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import StoredVersion, VersionStore
+from policyloop.weights.sync import sync_weights
 from tests.helpers import perturbed, random_weights
 
 
@@ -248,7 +250,8 @@ async def test_fetch_names_the_bad_field(publisher) -> None:  # type: ignore[no-
 
 
 def test_a_payload_of_another_version_than_announced_is_refused_before_it_is_applied() -> None:
-    from policyloop.weights.client import FetchedVersion, check_labels
+    from policyloop.weights.client import FetchedVersion
+    from policyloop.weights.sync import check_labels
 
     v1 = random_weights(1, seed=3)
     v2 = perturbed(v1, 2, seed=4)

@@ -21,7 +21,7 @@ from policyloop.telemetry.metrics import (
 if TYPE_CHECKING:
     from policyloop.learner.settings import LearnerSettings
     from policyloop.rl.trainer import StepReport
-    from policyloop.weights.client import PushReport
+    from policyloop.weights.push import PushReport
 
 # StepReport fields that are also StepStats fields (the metric labels of LEARNER_STEP_STAT).
 _STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from policyloop.rl.trainer import PolicyTrainer, StepReport
     from policyloop.state import VersionRegistry
     from policyloop.state.progress import RunProgressStore
-    from policyloop.weights.client import VersionPusher
     from policyloop.weights.codec import WeightSet
+    from policyloop.weights.push import VersionPusher
 
 log = get_logger(__name__)
 

@@ -20,8 +20,9 @@ from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import WEIGHT_PAYLOAD_BYTES, WEIGHT_SYNC_FALLBACKS, WEIGHT_SYNC_SECONDS
-from policyloop.weights.client import WeightClient, sync_weights
+from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
+from policyloop.weights.sync import sync_weights
 
 log = get_logger(__name__)
 
