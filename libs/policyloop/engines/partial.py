@@ -11,7 +11,7 @@ update, and corrects for it like any off-policy token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, WeightVersionSpan
@@ -71,12 +71,13 @@ def resubmission(request: GenerateRequest, produced: list[int], attempt: int) ->
     if remaining is not None and remaining <= 0:
         return None
     seed = params.sampling_seed
-    return replace(
-        request, input_ids=list(request.input_ids or []) + produced,
+    return request.model_copy(update=dict(
+        input_ids=list(request.input_ids or []) + produced,
         rid=f"{request.rid}+{attempt}" if request.rid else None,
-        sampling_params=replace(params, max_new_tokens=remaining,
-                                sampling_seed=None if seed is None else (seed + attempt * SEED_STRIDE) % (1 << 63)),
-    )
+        sampling_params=params.model_copy(update=dict(
+            max_new_tokens=remaining,
+            sampling_seed=None if seed is None else (seed + attempt * SEED_STRIDE) % (1 << 63))),
+    ))
 
 
 async def generate_resumable(client: SGLangClient, request: GenerateRequest, *, max_resubmits: int = 8

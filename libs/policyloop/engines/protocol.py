@@ -31,18 +31,34 @@ finish_reason abort and the tokens it had. /model_info (and the older /get_model
 "num_paused_requests"}` with 200 on success and 400 on failure; errors of validation are 400
 with SGLang's ErrorResponse body `{"object": "error", "message", "type", "param", "code"}`.
 
-The same dataclasses serve both ends: `SGLangClient` sends `to_json()` and reads `from_json()`,
-the embedded engine validates requests with `from_json()` (unknown or wrongly typed fields raise
-`RequestError` naming the field, which the engine answers with 400) and writes responses with
-`to_json()`.
+The same frozen pydantic models serve both ends: `SGLangClient` sends `to_json()` and reads
+`from_json()`, the embedded engine validates requests with `from_json()` and writes responses
+with `to_json()`. Requests are validated strictly (no bool for an int, no "3" for 3); what pydantic
+finds goes through one mapping, `request_error`, to a `RequestError` naming the field with the
+status SGLang answers (422 for a body that does not fit SGLang's struct, 400 for values SGLang
+refuses). Answers are read with the same types, leaving out the keys policyloop does not use.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import reprlib
+from collections.abc import Callable, Mapping
+from typing import Annotated, Any, ClassVar, Literal, Self
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 FinishType = Literal["stop", "length", "abort"]
 PauseMode = Literal["abort", "retract", "in_place"]
@@ -95,73 +111,157 @@ def error_message(body: Any) -> str | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Field checks shared by every request struct.
+# From pydantic's findings to SGLang's answer.
 
-_MISSING = object()
-
-
-def _check_object(body: Any, what: str) -> Mapping[str, Any]:
-    if not isinstance(body, Mapping):
-        raise RequestError(what, f"expected a JSON object, got {type(body).__name__}", _kind(what))
-    return body
-
-
-def _kind(field_name: str) -> int:
-    """A wrong type is FastAPI's 422, except inside sampling_params: SGLang checks that dict itself."""
-    return 400 if field_name.startswith("sampling_params") else SCHEMA
+# Error types that are a value refused (SGLang's ValueError, 400) rather than a body that does
+# not fit the struct (FastAPI's 422). "refused", "unsupported", "batch" are this module's own
+# ("entries", a wrong entry reported for its list, is a wrong type); an unknown field is refused
+# with 400 as the embedded engine always did.
+_VALUE_REFUSALS = frozenset({
+    "greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "string_too_short",
+    "extra_forbidden", "refused", "unsupported", "batch",
+})
+_OWN_MESSAGES = frozenset({"refused", "unsupported", "batch", "entries"})  # messages that say it all
 
 
-def _int(body: Mapping[str, Any], name: str, default: Any, *, prefix: str = "", minimum: int | None = None,
-         optional: bool = False) -> Any:
-    value = body.get(name, default)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(prefix + name, f"expected an integer, got {value!r}", _kind(prefix + name))
-    if minimum is not None and value < minimum:
-        raise RequestError(prefix + name, f"must be >= {minimum}, got {value}")
-    return value
+def request_error(exc: ValidationError, location: tuple[str, ...] = ()) -> RequestError:
+    """The one mapping of a failed validation to SGLang's refusal. Reports the first unknown field,
+    else the first error, named in dotted form (`sampling_params.top_p`, `names[2]`; a check of
+    the whole struct names its field in the error's context). 400 for a refused value, for
+    anything inside sampling_params (SGLang checks that dict itself, with ValueError) and for an
+    entry of a list; 422 for the rest: a wrong type, a missing field, a value outside a Literal."""
+    error = min(exc.errors(include_url=False), key=lambda e: e["type"] != "extra_forbidden")
+    ctx = error.get("ctx") or {}
+    loc = [*location, *error["loc"], *([ctx["field"]] if "field" in ctx else [])]
+    name = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in loc).lstrip(".") or "body"
+    refused = (error["type"] in _VALUE_REFUSALS or name.startswith("sampling_params")
+               or any(isinstance(part, int) for part in loc))
+    if error["type"] in _OWN_MESSAGES:
+        message = error["msg"]
+    elif error["type"] == "missing":
+        message = "required"
+    elif error["type"] == "extra_forbidden":
+        message = "unknown field (SGLang 0.5.23 has no field of this name here)"
+    else:
+        message = f"{error['msg']}, got {reprlib.repr(error['input'])}"
+    return RequestError(name, message, 400 if refused else SCHEMA)
 
 
-def _float(body: Mapping[str, Any], name: str, default: float, *, prefix: str = "") -> float:
-    value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise RequestError(prefix + name, f"expected a number, got {value!r}", _kind(prefix + name))
-    return float(value)
+def _refused(message: str, field: str | None = None) -> PydanticCustomError:
+    """A value SGLang refuses (400); `field` names it when a check of the whole struct finds it."""
+    return PydanticCustomError("refused", message, {"field": field} if field else None)
 
 
-def _bool(body: Mapping[str, Any], name: str, default: bool | None, *, prefix: str = "",
-          optional: bool = False) -> Any:
-    value = body.get(name, default)
-    if value is None and optional:
-        return None
-    if not isinstance(value, bool):
-        raise RequestError(prefix + name, f"expected true or false, got {value!r}", _kind(prefix + name))
-    return value
+# ---------------------------------------------------------------------------------------------
+# Field types and checks shared by the structs.
 
 
-def _str(body: Mapping[str, Any], name: str, default: Any, *, prefix: str = "", optional: bool = False) -> Any:
-    value = body.get(name, default)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str):
-        raise RequestError(prefix + name, f"expected a string, got {value!r}", _kind(prefix + name))
-    return value
+def _default_unsent(default: Any) -> Any:
+    """A field that to_json leaves out while it holds its default (SGLang's default is the same)."""
+    return Field(default, exclude_if=lambda value: value == default)
 
 
-def _check_fields(body: Mapping[str, Any], supported: set[str], known_defaults: Mapping[str, Any],
-                  ignored: set[str], *, prefix: str = "", struct: str) -> None:
-    """Rejects names SGLang does not have, and SGLang features this server does not implement
-    unless they carry their default value (so a request SGLang accepts means the same here)."""
-    for name, value in body.items():
-        if name in supported or name in ignored:
-            continue
-        if name in known_defaults:
-            default = known_defaults[name]
-            if value is None or value == default:
-                continue
-            raise RequestError(prefix + name, f"not supported by the embedded engine (only {default!r})")
-        raise RequestError(prefix + name, f"unknown field of {struct}")
+def _null_as(default: Any) -> BeforeValidator:
+    """SGLang reads JSON null as the default for these fields."""
+    return BeforeValidator(lambda value: default if value is None else value)
+
+
+def _one_of(choices: frozenset[str] | tuple[str, ...], what: str) -> AfterValidator:
+    """A str that must be one of `choices` (SGLang refuses the others itself: 400, not a Literal's 422)."""
+    def check(value: str) -> str:
+        if value not in choices:
+            raise _refused(f"{value!r} is not {what}")
+        return value
+    return AfterValidator(check)
+
+
+def _entries_as_a_whole(what: str) -> WrapValidator:
+    """A wrong entry is reported for the list, as SGLang names it (`input_ids`, not `input_ids[3]`)."""
+    def validate(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if all(not e["loc"] for e in exc.errors()):  # the list itself: its own error
+                raise
+            raise PydanticCustomError("entries", "expected {what}, got {got}",
+                                      {"what": what, "got": reprlib.repr(value)}) from None
+    return WrapValidator(validate)
+
+
+def _not_a_batch(is_batch: Callable[[Any], bool]) -> BeforeValidator:
+    """SGLang's batch form (a list of what one request gives): SGLang takes it, the embedded
+    engine does not, and says so with 400."""
+    def check(value: Any) -> Any:
+        if is_batch(value):
+            raise PydanticCustomError("batch", "expected one request's value (batches are not supported by the "
+                                               "embedded engine)")
+        return value
+    return BeforeValidator(check)
+
+
+_LIST_BATCH = _not_a_batch(lambda value: isinstance(value, list))
+_PROMPTS_BATCH = _not_a_batch(lambda value: isinstance(value, list) and bool(value)
+                              and all(isinstance(p, list) for p in value))
+
+
+class _Struct(BaseModel):
+    """A frozen struct of SGLang's API with strict types. Also built positionally, in field
+    order, as the dataclasses these were (`WeightVersionSpan("3", 0, 2)`)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    def __init__(self, /, *args: Any, **kwargs: Any) -> None:
+        names = list(type(self).model_fields)
+        if len(args) > len(names):
+            raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments")
+        super().__init__(**dict(zip(names, args, strict=False)), **kwargs)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class _Request(_Struct):
+    """A struct SGLang reads from a request body; `from_json` validates a body as SGLang would.
+
+    `unsupported`: SGLang's fields that the embedded engine does not implement, with the value
+    that means "off" (None is always off): accepted off, refused otherwise. `ignored`: SGLang's
+    fields accepted with any value and without effect here. Any other name is refused."""
+
+    unsupported: ClassVar[Mapping[str, Any]] = {}
+    ignored: ClassVar[frozenset[str]] = frozenset({"rid", "http_worker_ipc"})  # BaseReq's fields
+    location: ClassVar[tuple[str, ...]] = ()  # where the struct sits in a request body
+    body_optional: ClassVar[bool] = False  # JSON null (the engine's empty body) means {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fields_this_engine_serves(cls, body: Any) -> Any:
+        if not isinstance(body, Mapping):
+            return body  # pydantic refuses it
+        fields, dropped = cls.model_fields, cls.ignored | set(cls.unsupported)
+        for name, value in body.items():
+            if name not in fields and name in cls.unsupported and value not in (None, cls.unsupported[name]):
+                raise PydanticCustomError("unsupported", "not supported by the embedded engine (only {off})",
+                                          {"field": name, "off": repr(cls.unsupported[name])})
+        return {name: value for name, value in body.items() if name in fields or name not in dropped}
+
+    @classmethod
+    def from_json(cls, body: Any) -> Self:
+        """The struct in `body`; RequestError (field, message, status) when SGLang would refuse it."""
+        try:
+            return cls.model_validate({} if body is None and cls.body_optional else body)
+        except ValidationError as exc:
+            raise request_error(exc, cls.location) from None
+
+
+class _Answer(_Struct):
+    """A struct SGLang answers with; `from_json` reads it (ValueError when it is not one)."""
+
+    @classmethod
+    def from_json(cls, body: Any) -> Self:
+        if not isinstance(body, Mapping):
+            raise ValueError(f"not a {cls.__name__} answer: {reprlib.repr(body)}")
+        # SGLang answers with more than policyloop reads (cached_tokens, has_image_understanding, ...).
+        return cls.model_validate({name: value for name, value in body.items() if name in cls.model_fields})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,73 +276,37 @@ _SAMPLING_UNSUPPORTED: dict[str, Any] = {
     "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None,
     "watermark": None, "ebnf_full_assistant": False,
 }
-# Accepted and without effect on the tokens (detokenisation / streaming details).
-_SAMPLING_IGNORED = {"spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
-_SAMPLING_SUPPORTED = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "sampling_seed",
-                       "ignore_eos", "skip_special_tokens"}
 
 
-@dataclass(frozen=True)
-class SamplingParams:
+def _top_k(value: int) -> int:
+    if value >= TOP_K_ALL:
+        return -1  # one spelling of "no truncation"
+    if value != -1 and value < 1:
+        raise _refused(f"must be -1 or >= 1, got {value}")
+    return value
+
+
+class SamplingParams(_Request):
     """SGLang's `sampling_params`, the subset the rollout uses (SGLang's names and defaults).
 
     temperature 0 is greedy; top_k -1 (or 1<<30) and top_p 1.0 switch truncation off;
     `sampling_seed` makes sampling reproducible (same request, seed and weights → same tokens)."""
 
-    max_new_tokens: int | None = 128  # None: up to the model's context length (as SGLang)
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    stop_token_ids: tuple[int, ...] = ()
-    sampling_seed: int | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
+    unsupported = _SAMPLING_UNSUPPORTED
+    # Accepted and without effect on the tokens (detokenisation / streaming details).
+    ignored = frozenset({"spaces_between_special_tokens", "no_stop_trim", "stream_interval"})
+    location = ("sampling_params",)
+    body_optional = True
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature,
-                               "top_p": self.top_p, "top_k": self.top_k}
-        if self.stop_token_ids:
-            out["stop_token_ids"] = list(self.stop_token_ids)
-        if self.sampling_seed is not None:
-            out["sampling_seed"] = self.sampling_seed
-        if self.ignore_eos:
-            out["ignore_eos"] = True
-        if not self.skip_special_tokens:
-            out["skip_special_tokens"] = False
-        return out
-
-    @classmethod
-    def from_json(cls, body: Any, prefix: str = "sampling_params.") -> SamplingParams:
-        if body is None:
-            return cls()
-        body = _check_object(body, prefix.rstrip("."))
-        _check_fields(body, _SAMPLING_SUPPORTED, _SAMPLING_UNSUPPORTED, _SAMPLING_IGNORED, prefix=prefix,
-                      struct="SamplingParams")
-        max_new_tokens = _int(body, "max_new_tokens", 128, prefix=prefix, minimum=0, optional=True)
-        temperature = _float(body, "temperature", 1.0, prefix=prefix)
-        top_p = _float(body, "top_p", 1.0, prefix=prefix)
-        top_k = _int(body, "top_k", -1, prefix=prefix)
-        if temperature < 0:
-            raise RequestError(prefix + "temperature", f"must be >= 0, got {temperature}")
-        if not 0.0 < top_p <= 1.0:
-            raise RequestError(prefix + "top_p", f"must be in (0, 1], got {top_p}")
-        if top_k != -1 and top_k < 1:
-            raise RequestError(prefix + "top_k", f"must be -1 or >= 1, got {top_k}")
-        stop = body.get("stop_token_ids")
-        if stop is None:
-            stop_ids: tuple[int, ...] = ()
-        elif isinstance(stop, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in stop):
-            stop_ids = tuple(stop)
-        else:
-            raise RequestError(prefix + "stop_token_ids", f"expected a list of integers, got {stop!r}")
-        return cls(
-            max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p, top_k=-1 if top_k >= TOP_K_ALL else top_k,
-            stop_token_ids=stop_ids,
-            sampling_seed=_int(body, "sampling_seed", None, prefix=prefix, optional=True),
-            ignore_eos=_bool(body, "ignore_eos", False, prefix=prefix),
-            skip_special_tokens=_bool(body, "skip_special_tokens", True, prefix=prefix),
-        )
+    max_new_tokens: Annotated[int, Field(ge=0)] | None = 128  # None: up to the model's context length (as SGLang)
+    temperature: Annotated[float, Field(ge=0)] = 1.0
+    top_p: Annotated[float, Field(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, AfterValidator(_top_k)] = -1
+    stop_token_ids: Annotated[tuple[int, ...], Strict(False), _entries_as_a_whole("a list of integers"),
+                              _null_as(())] = _default_unsent(())
+    sampling_seed: int | None = _default_unsent(None)
+    ignore_eos: bool = _default_unsent(False)
+    skip_special_tokens: bool = _default_unsent(True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,80 +333,43 @@ _GENERATE_UNSUPPORTED: dict[str, Any] = {
     # -1 (SGLang's default meaning) asks for no prompt logprobs; prompt logprobs are not implemented.
     "logprob_start_len": -1,
 }
-# Accepted with any value: routing, logging and tracing hints that do not change the tokens.
-_GENERATE_IGNORED = {"log_metrics", "no_logs", "custom_labels", "priority", "routing_key", "conversation_id",
-                     "extra_key", "cache_salt", "received_time", "external_trace_header", "routed_dp_rank",
-                     "data_parallel_rank", "disagg_prefill_dp_rank", "http_worker_ipc"}
-_GENERATE_SUPPORTED = {"rid", "text", "input_ids", "sampling_params", "return_logprob", "return_text_in_logprobs"}
 
 
-@dataclass(frozen=True)
-class GenerateRequest:
+class GenerateRequest(_Request):
     """One /generate request: a token prompt (or `text`), sampling params, and whether to return
     the logprob of every output token. `rid` names the request (for /abort_request)."""
 
-    input_ids: list[int] | None = None
-    sampling_params: SamplingParams = field(default_factory=SamplingParams)
-    return_logprob: bool = True
-    rid: str | None = None
-    text: str | None = None
-    return_text_in_logprobs: bool = False
+    unsupported = _GENERATE_UNSUPPORTED
+    # Accepted with any value: routing, logging and tracing hints that do not change the tokens.
+    ignored = frozenset({"log_metrics", "no_logs", "custom_labels", "priority", "routing_key", "conversation_id",
+                         "extra_key", "cache_salt", "received_time", "external_trace_header", "routed_dp_rank",
+                         "data_parallel_rank", "disagg_prefill_dp_rank", "http_worker_ipc"})
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        if self.input_ids is not None:
-            out["input_ids"] = list(self.input_ids)
-        if self.text is not None:
-            out["text"] = self.text
-        out["sampling_params"] = self.sampling_params.to_json()
-        out["return_logprob"] = self.return_logprob
-        if self.return_text_in_logprobs:
-            out["return_text_in_logprobs"] = True
-        if self.rid is not None:
-            out["rid"] = self.rid
-        return out
+    input_ids: Annotated[list[int], Field(min_length=1), _entries_as_a_whole("one prompt as a list of integers"),
+                         _PROMPTS_BATCH] | None = _default_unsent(None)
+    sampling_params: Annotated[SamplingParams, _LIST_BATCH, _null_as({})] = Field(default_factory=SamplingParams)
+    return_logprob: Annotated[bool, _null_as(False)] = True
+    rid: Annotated[str, Field(min_length=1), _LIST_BATCH] | None = _default_unsent(None)
+    text: Annotated[str, _LIST_BATCH] | None = _default_unsent(None)
+    return_text_in_logprobs: bool = _default_unsent(False)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> Self:
+        if (self.input_ids is None) == (self.text is None):
+            raise _refused("give exactly one of input_ids and text", "input_ids")
+        return self
 
     @classmethod
-    def from_json(cls, body: Any) -> GenerateRequest:
-        body = _check_object(body, "body")
-        _check_fields(body, _GENERATE_SUPPORTED, _GENERATE_UNSUPPORTED, _GENERATE_IGNORED,
-                      struct="GenerateReqInput")
-        input_ids = body.get("input_ids")
-        text = body.get("text")
-        if (input_ids is None) == (text is None):
-            raise RequestError("input_ids", "give exactly one of input_ids and text")
-        if input_ids is not None:
-            if not isinstance(input_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                          for t in input_ids):
-                batch = isinstance(input_ids, list) and all(isinstance(p, list) for p in input_ids)
-                raise RequestError("input_ids", "expected one prompt as a list of integers (batches are not "
-                                                "supported by the embedded engine)", 400 if batch else SCHEMA)
-            if not input_ids:
-                raise RequestError("input_ids", "the prompt is empty")
-        if text is not None and not isinstance(text, str):
-            raise RequestError("text", "expected one prompt as a string (batches are not supported)",
-                               400 if isinstance(text, list) else SCHEMA)
-        rid = body.get("rid")
-        if rid is not None and (not isinstance(rid, str) or not rid):
-            raise RequestError("rid", f"expected a non-empty string, got {rid!r}",
-                               400 if isinstance(rid, str | list) else SCHEMA)
-        if isinstance(body.get("sampling_params"), list):
-            raise RequestError("sampling_params", "expected one object (batches are not supported)")
-        return_logprob = _bool(body, "return_logprob", False, optional=True)
-        return cls(
-            input_ids=input_ids, text=text, rid=rid,
-            sampling_params=SamplingParams.from_json(body.get("sampling_params")),
-            return_logprob=bool(return_logprob),
-            return_text_in_logprobs=_bool(body, "return_text_in_logprobs", False),
-        )
+    def from_json(cls, body: Any) -> Self:
+        # SGLang's default is no logprobs; a request built in code asks for them unless told not to.
+        return super().from_json({"return_logprob": False, **body} if isinstance(body, Mapping) else body)
 
 
 # ---------------------------------------------------------------------------------------------
 # /generate response.
 
 
-@dataclass(frozen=True)
-class FinishReason:
+class FinishReason(_Answer):
     """SGLang's finish_reason: stop (a stop token or EOS, `matched`), length (max_new_tokens
     reached, `length`) or abort (`message`)."""
 
@@ -358,28 +385,16 @@ class FinishReason:
             return {"type": "length", "length": self.length}
         return {"type": "abort", "message": self.message or ""}
 
-    @classmethod
-    def from_json(cls, body: Any) -> FinishReason:
-        if not isinstance(body, Mapping) or body.get("type") not in ("stop", "length", "abort"):
-            raise ValueError(f"finish_reason: unexpected {body!r}")
-        return cls(type=body["type"], matched=body.get("matched"), length=body.get("length"),
-                   message=body.get("message"))
 
-
-@dataclass(frozen=True)
-class WeightVersionSpan:
+class WeightVersionSpan(_Answer):
     """Output tokens [start, end) were generated by weights `version`."""
 
     version: str
     start: int
     end: int
 
-    def to_json(self) -> dict[str, Any]:
-        return {"version": self.version, "start": self.start, "end": self.end}
 
-
-@dataclass(frozen=True)
-class GenerateResult:
+class GenerateResult(_Answer):
     """What /generate gave back for one request.
 
     `output_ids` are the generated tokens, a matched stop token or EOS included (it is part of
@@ -420,7 +435,7 @@ class GenerateResult:
         return {"text": self.text or "", "output_ids": list(self.output_ids), "meta_info": meta}
 
     @classmethod
-    def from_json(cls, body: Any) -> GenerateResult:
+    def from_json(cls, body: Any) -> Self:
         """Reads a /generate answer (raises ValueError when it is not one). With logprobs the
         token ids are taken from `output_token_logprobs`, which carries one entry per generated
         token; `output_ids` must agree with them (it may lack a trailing stop token)."""
@@ -435,36 +450,27 @@ class GenerateResult:
         if not isinstance(output_ids, list):
             raise ValueError("output_ids missing")
         finish = FinishReason.from_json(meta.get("finish_reason"))
-        logprobs: list[float] | None = None
+        logprobs = None
         triples = meta.get("output_token_logprobs")
-        if triples is not None:
-            tokens = [int(t[1]) for t in triples]
-            logprobs = [float(t[0]) for t in triples]
+        if triples is not None:  # [logprob, token_id, text | null] per output token
+            tokens, logprobs = [t[1] for t in triples], [t[0] for t in triples]
             if output_ids != tokens and output_ids != tokens[:-1]:
                 raise ValueError("output_ids and output_token_logprobs disagree")
             output_ids = tokens
-        spans = meta.get("weight_versions")
-        return cls(
-            rid=str(meta.get("id", "")),
-            output_ids=[int(t) for t in output_ids],
-            output_logprobs=logprobs,
-            finish_reason=finish.type,
-            finish_detail=finish,
-            weight_version=str(meta.get("weight_version", "")),
-            prompt_tokens=int(meta.get("prompt_tokens", 0)),
-            completion_tokens=int(meta.get("completion_tokens", len(output_ids))),
-            weight_versions=None if spans is None else [
-                WeightVersionSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans],
-            text=body.get("text"),
-        )
+        return super().from_json({
+            "rid": meta.get("id", ""), "output_ids": output_ids, "output_logprobs": logprobs,
+            "finish_reason": finish.type, "finish_detail": finish, "weight_version": meta.get("weight_version", ""),
+            "prompt_tokens": meta.get("prompt_tokens", 0),
+            "completion_tokens": meta.get("completion_tokens", len(output_ids)),
+            "weight_versions": meta.get("weight_versions"), "text": body.get("text"),
+        })
 
 
 # ---------------------------------------------------------------------------------------------
 # /model_info.
 
 
-@dataclass(frozen=True)
-class ModelInfo:
+class ModelInfo(_Answer):
     model_path: str
     weight_version: str
     tokenizer_path: str | None = None
@@ -474,146 +480,85 @@ class ModelInfo:
     architectures: list[str] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"model_path": self.model_path, "tokenizer_path": self.tokenizer_path,
-                "is_generation": self.is_generation, "preferred_sampling_params": self.preferred_sampling_params,
-                "weight_version": self.weight_version, "has_image_understanding": False,
-                "has_audio_understanding": False, "model_type": self.model_type,
-                "architectures": self.architectures}
+        return {**super().to_json(), "has_image_understanding": False, "has_audio_understanding": False}
 
     @classmethod
-    def from_json(cls, body: Any) -> ModelInfo:
-        if not isinstance(body, Mapping) or "model_path" not in body:
-            raise ValueError("not a model_info answer")
-        version = body.get("weight_version")
-        return cls(model_path=str(body["model_path"]), weight_version="" if version is None else str(version),
-                   tokenizer_path=body.get("tokenizer_path"), is_generation=bool(body.get("is_generation", True)),
-                   preferred_sampling_params=body.get("preferred_sampling_params"),
-                   model_type=body.get("model_type"), architectures=body.get("architectures"))
+    def from_json(cls, body: Any) -> Self:
+        if isinstance(body, Mapping) and body.get("weight_version") is None:  # null until something sets one
+            body = {**body, "weight_version": ""}
+        return super().from_json(body)
 
 
 # ---------------------------------------------------------------------------------------------
 # Control requests.
 
-_BASE_REQ_IGNORED = {"rid", "http_worker_ipc"}  # BaseReq fields
 # What SGLang reports as weight_version until something sets one (ServerArgs.weight_version).
 DEFAULT_WEIGHT_VERSION = "default"
 
 
-@dataclass(frozen=True)
-class UpdateWeightsFromDiskRequest:
+class UpdateWeightsFromDiskRequest(_Request):
     """UpdateWeightFromDiskReqInput: load the weights in `model_path` in place; `weight_version`
     (when given) becomes the server's version once they are loaded."""
 
+    unsupported = {"is_async": False, "keep_pause": False, "token_step": 0, "manifest": None}
+    ignored = _Request.ignored | {"torch_empty_cache", "recapture_cuda_graph"}  # GPU only: no-ops
+
     model_path: str
-    weight_version: str | None = None
-    load_format: str | None = None
+    weight_version: str | None = _default_unsent(None)
+    load_format: str | None = _default_unsent(None)
     abort_all_requests: bool = False
     flush_cache: bool = True
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"model_path": self.model_path, "abort_all_requests": self.abort_all_requests,
-                               "flush_cache": self.flush_cache}
-        if self.weight_version is not None:
-            out["weight_version"] = self.weight_version
-        if self.load_format is not None:
-            out["load_format"] = self.load_format
-        return out
 
-    @classmethod
-    def from_json(cls, body: Any) -> UpdateWeightsFromDiskRequest:
-        body = _check_object(body, "body")
-        _check_fields(body, {"model_path", "weight_version", "load_format", "abort_all_requests", "flush_cache"},
-                      {"is_async": False, "keep_pause": False, "token_step": 0, "manifest": None},
-                      _BASE_REQ_IGNORED | {"torch_empty_cache", "recapture_cuda_graph"},  # GPU only: no-ops
-                      struct="UpdateWeightFromDiskReqInput")
-        if "model_path" not in body:
-            raise RequestError("model_path", "required", SCHEMA)
-        return cls(model_path=_str(body, "model_path", None),
-                   weight_version=_str(body, "weight_version", None, optional=True),
-                   load_format=_str(body, "load_format", None, optional=True),
-                   abort_all_requests=_bool(body, "abort_all_requests", False),
-                   flush_cache=_bool(body, "flush_cache", True))
-
-
-@dataclass(frozen=True)
-class UpdateWeightsResult:
+class UpdateWeightsResult(_Answer):
     success: bool
     message: str
     num_paused_requests: int = 0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"success": self.success, "message": self.message, "num_paused_requests": self.num_paused_requests}
-
     @classmethod
-    def from_json(cls, body: Any) -> UpdateWeightsResult:
-        if not isinstance(body, Mapping) or "success" not in body:
-            raise ValueError("not an update_weights_from_disk answer")
-        return cls(bool(body["success"]), str(body.get("message", "")), int(body.get("num_paused_requests", 0)))
+    def from_json(cls, body: Any) -> Self:
+        return super().from_json({"message": "", **body} if isinstance(body, Mapping) else body)
+
+
+class _PauseGeneration(_Request):
+    body_optional = True
+
+    mode: PauseMode = "abort"
 
 
 def parse_pause(body: Any) -> str:
     """PauseGenerationReqInput → its mode."""
-    body = _check_object(body if body is not None else {}, "body")
-    _check_fields(body, {"mode"}, {}, _BASE_REQ_IGNORED, struct="PauseGenerationReqInput")
-    mode = _str(body, "mode", "abort")
-    if mode not in PAUSE_MODES:
-        raise RequestError("mode", f"expected one of {', '.join(PAUSE_MODES)}, got {mode!r}", SCHEMA)
-    return mode
+    return _PauseGeneration.from_json(body).mode
+
+
+class _ContinueGeneration(_Request):
+    body_optional = True
+
+    torch_empty_cache: bool = True  # a GPU detail: checked, without effect
 
 
 def parse_continue(body: Any) -> None:
     """ContinueGenerationReqInput (torch_empty_cache is a GPU detail: accepted, no effect)."""
-    body = _check_object(body if body is not None else {}, "body")
-    _check_fields(body, set(), {}, _BASE_REQ_IGNORED | {"torch_empty_cache"}, struct="ContinueGenerationReqInput")
-    _bool(body, "torch_empty_cache", True)
+    _ContinueGeneration.from_json(body)
 
 
-@dataclass(frozen=True)
-class AbortRequest:
+class AbortRequest(_Request):
     """AbortReq: abort request `rid`, or every request with `abort_all`."""
 
-    rid: str | None = None
+    unsupported = {"finished_reason": None, "weight_versions": None}
+    body_optional = True
+
+    rid: Annotated[str | None, AfterValidator(lambda rid: rid or None)] = _default_unsent(None)  # "": none
     abort_all: bool = False
-    abort_message: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"abort_all": self.abort_all}
-        if self.rid is not None:
-            out["rid"] = self.rid
-        if self.abort_message is not None:
-            out["abort_message"] = self.abort_message
-        return out
-
-    @classmethod
-    def from_json(cls, body: Any) -> AbortRequest:
-        body = _check_object(body if body is not None else {}, "body")
-        _check_fields(body, {"rid", "abort_all", "abort_message"}, {"finished_reason": None, "weight_versions": None},
-                      {"http_worker_ipc"}, struct="AbortReq")
-        return cls(rid=_str(body, "rid", None, optional=True) or None,
-                   abort_all=_bool(body, "abort_all", False),
-                   abort_message=_str(body, "abort_message", None, optional=True))
+    abort_message: str | None = _default_unsent(None)
 
 
-@dataclass(frozen=True)
-class UpdateWeightVersionRequest:
+class UpdateWeightVersionRequest(_Request):
     """UpdateWeightVersionReqInput: relabel the served weights as `new_version` (no weights move).
     SGLang starts at version "default"; the rollout names it "0", the base policy's version."""
 
     new_version: str
     abort_all_requests: bool = True
-
-    def to_json(self) -> dict[str, Any]:
-        return {"new_version": self.new_version, "abort_all_requests": self.abort_all_requests}
-
-    @classmethod
-    def from_json(cls, body: Any) -> UpdateWeightVersionRequest:
-        body = _check_object(body, "body")
-        _check_fields(body, {"new_version", "abort_all_requests"}, {}, _BASE_REQ_IGNORED,
-                      struct="UpdateWeightVersionReqInput")
-        if "new_version" not in body:
-            raise RequestError("new_version", "required", SCHEMA)
-        return cls(new_version=_str(body, "new_version", None),
-                   abort_all_requests=_bool(body, "abort_all_requests", True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -627,190 +572,94 @@ TORCH_DTYPE_NAMES: frozenset[str] = frozenset({
     "float8_e5m2", "float8_e5m2fnuz", "uint8", "int8", "int16", "short", "int32", "int", "int64", "long", "bool",
 })
 WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
+WeightSelector = Literal["target", "draft", "all"]
+
+_NonEmpty = Annotated[str, Field(min_length=1)]
+# JSON lists are read as tuples (Strict(False) on the container only: its entries stay strict).
+_Names = Annotated[tuple[_NonEmpty, ...], Strict(False), Field(min_length=1)]
+_DtypeNames = Annotated[tuple[Annotated[str, _one_of(TORCH_DTYPE_NAMES, "a torch dtype name (e.g. 'bfloat16')")],
+                              ...], Strict(False)]
+_Shape = Annotated[tuple[Annotated[int, Field(ge=0)], ...], Strict(False),
+                   _entries_as_a_whole("a list of non-negative integers")]
+_Shapes = Annotated[tuple[_Shape, ...], Strict(False)]
 
 
-def _name_list(body: Mapping[str, Any], name: str, allowed: frozenset[str] | None = None) -> tuple[str, ...]:
-    value = body.get(name)
-    if not isinstance(value, list):
-        raise RequestError(name, f"expected a list of strings, got {value!r}", SCHEMA)
-    for i, item in enumerate(value):
-        if not isinstance(item, str) or not item:
-            raise RequestError(f"{name}[{i}]", f"expected a non-empty string, got {item!r}")
-        if allowed is not None and item not in allowed:
-            raise RequestError(f"{name}[{i}]", f"{item!r} is not a torch dtype name (e.g. 'bfloat16', 'float32')")
-    return tuple(value)
-
-
-def _shape_list(body: Mapping[str, Any], name: str) -> tuple[tuple[int, ...], ...]:
-    value = body.get(name)
-    if not isinstance(value, list):
-        raise RequestError(name, f"expected a list of shapes (lists of integers), got {value!r}", SCHEMA)
-    shapes = []
-    for i, shape in enumerate(value):
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise RequestError(f"{name}[{i}]", f"expected a list of non-negative integers, got {shape!r}")
-        shapes.append(tuple(shape))
-    return tuple(shapes)
-
-
-@dataclass(frozen=True)
-class InitWeightsUpdateGroupRequest:
+class InitWeightsUpdateGroupRequest(_Request):
     """InitWeightsUpdateGroupReqInput: join the process group whose store rank 0 (the learner)
     hosts at master_address:master_port, as ranks rank_offset + tp_rank of world_size."""
 
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = DEFAULT_WEIGHT_GROUP
-    backend: str = "nccl"
+    master_address: _NonEmpty
+    master_port: Annotated[int, Field(ge=1, le=65535)]
+    rank_offset: Annotated[int, Field(ge=1)]  # rank 0 is the sender
+    world_size: Annotated[int, Field(ge=2)]
+    group_name: _NonEmpty = DEFAULT_WEIGHT_GROUP
+    backend: Annotated[str, _one_of(WEIGHT_GROUP_BACKENDS, "one of gloo, nccl")] = "nccl"
 
-    def to_json(self) -> dict[str, Any]:
-        return {"master_address": self.master_address, "master_port": self.master_port,
-                "rank_offset": self.rank_offset, "world_size": self.world_size, "group_name": self.group_name,
-                "backend": self.backend}
-
-    @classmethod
-    def from_json(cls, body: Any) -> InitWeightsUpdateGroupRequest:
-        body = _check_object(body, "body")
-        _check_fields(body, {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend"},
-                      {}, _BASE_REQ_IGNORED, struct="InitWeightsUpdateGroupReqInput")
-        for required in ("master_address", "master_port", "rank_offset", "world_size"):
-            if required not in body:
-                raise RequestError(required, "required", SCHEMA)
-        master_address = _str(body, "master_address", None)
-        if not master_address:
-            raise RequestError("master_address", "must not be empty")
-        master_port = _int(body, "master_port", None, minimum=1)
-        if master_port > 65535:
-            raise RequestError("master_port", f"must be <= 65535, got {master_port}")
-        world_size = _int(body, "world_size", None, minimum=2)
-        rank_offset = _int(body, "rank_offset", None, minimum=1)  # rank 0 is the sender
-        if rank_offset >= world_size:
-            raise RequestError("rank_offset", f"must be < world_size ({world_size}), got {rank_offset}")
-        group_name = _str(body, "group_name", DEFAULT_WEIGHT_GROUP)
-        if not group_name:
-            raise RequestError("group_name", "must not be empty")
-        backend = _str(body, "backend", "nccl")
-        if backend not in WEIGHT_GROUP_BACKENDS:
-            raise RequestError("backend", f"expected one of {', '.join(WEIGHT_GROUP_BACKENDS)}, got {backend!r}")
-        return cls(master_address=master_address, master_port=master_port, rank_offset=rank_offset,
-                   world_size=world_size, group_name=group_name, backend=backend)
+    @model_validator(mode="after")
+    def _a_receiving_rank(self) -> Self:
+        if self.rank_offset >= self.world_size:
+            raise _refused(f"must be < world_size ({self.world_size}), got {self.rank_offset}", "rank_offset")
+        return self
 
 
-@dataclass(frozen=True)
-class UpdateWeightsFromDistributedRequest:
+class UpdateWeightsFromDistributedRequest(_Request):
     """UpdateWeightsFromDistributedReqInput: receive the tensors `names` (with `dtypes`, torch's
     names, and `shapes`) broadcast from rank 0 of `group_name` and load them; with
     load_format "flattened_bucket" they come as one uint8 buffer (see policyloop.weights.distributed),
     otherwise one broadcast per tensor in order. `weight_version` (when given) becomes the
     engine's version once they are loaded."""
 
-    names: tuple[str, ...]
-    dtypes: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    names: _Names
+    dtypes: _DtypeNames
+    shapes: _Shapes
     group_name: str = DEFAULT_WEIGHT_GROUP
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-    selector: str = "all"
+    weight_version: str | None = _default_unsent(None)
+    load_format: str | None = _default_unsent(None)
+    selector: WeightSelector = _default_unsent("all")
+    torch_empty_cache: bool = Field(False, exclude=True)  # a GPU detail: checked, without effect, not sent
 
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"names": list(self.names), "dtypes": list(self.dtypes),
-                               "shapes": [list(s) for s in self.shapes], "group_name": self.group_name,
-                               "flush_cache": self.flush_cache, "abort_all_requests": self.abort_all_requests}
-        if self.weight_version is not None:
-            out["weight_version"] = self.weight_version
-        if self.load_format is not None:
-            out["load_format"] = self.load_format
-        if self.selector != "all":
-            out["selector"] = self.selector
-        return out
-
-    @classmethod
-    def from_json(cls, body: Any) -> UpdateWeightsFromDistributedRequest:
-        body = _check_object(body, "body")
-        _check_fields(body, {"names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests",
-                             "weight_version", "load_format", "selector"},
-                      {}, _BASE_REQ_IGNORED | {"torch_empty_cache"},  # GPU only: no-op
-                      struct="UpdateWeightsFromDistributedReqInput")
-        names = _name_list(body, "names")
-        dtypes = _name_list(body, "dtypes", TORCH_DTYPE_NAMES)
-        shapes = _shape_list(body, "shapes")
-        if not names:
-            raise RequestError("names", "at least one tensor is required")
-        for field_name, values in (("dtypes", dtypes), ("shapes", shapes)):
-            if len(values) != len(names):
-                raise RequestError(field_name, f"expected {len(names)} entries (one per name), got {len(values)}")
-        selector = _str(body, "selector", "all")
-        if selector not in WEIGHT_SELECTORS:
-            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}", SCHEMA)
-        _bool(body, "torch_empty_cache", False)
-        return cls(names=names, dtypes=dtypes, shapes=shapes,
-                   group_name=_str(body, "group_name", DEFAULT_WEIGHT_GROUP),
-                   flush_cache=_bool(body, "flush_cache", True),
-                   abort_all_requests=_bool(body, "abort_all_requests", False),
-                   weight_version=_str(body, "weight_version", None, optional=True),
-                   load_format=_str(body, "load_format", None, optional=True),
-                   selector=selector)
+    @model_validator(mode="after")
+    def _one_entry_per_name(self) -> Self:
+        for field_name, values in (("dtypes", self.dtypes), ("shapes", self.shapes)):
+            if len(values) != len(self.names):
+                raise _refused(f"expected {len(self.names)} entries (one per name), got {len(values)}", field_name)
+        return self
 
 
-@dataclass(frozen=True)
-class DestroyWeightsUpdateGroupRequest:
+class DestroyWeightsUpdateGroupRequest(_Request):
     """DestroyWeightsUpdateGroupReqInput: leave and release the group `group_name`."""
+
+    body_optional = True
 
     group_name: str = DEFAULT_WEIGHT_GROUP
 
-    def to_json(self) -> dict[str, Any]:
-        return {"group_name": self.group_name}
 
-    @classmethod
-    def from_json(cls, body: Any) -> DestroyWeightsUpdateGroupRequest:
-        body = _check_object(body if body is not None else {}, "body")
-        _check_fields(body, {"group_name"}, {}, _BASE_REQ_IGNORED, struct="DestroyWeightsUpdateGroupReqInput")
-        return cls(group_name=_str(body, "group_name", DEFAULT_WEIGHT_GROUP))
-
-
-@dataclass(frozen=True)
-class BeginWeightUpdateRequest:
+class BeginWeightUpdateRequest(_Request):
     """BeginWeightUpdateReqInput: open a weight-update session. SGLang 0.5.23 refuses
     update_weights_from_distributed outside one (without joining the broadcast)."""
 
-    selector: str = "all"
+    body_optional = True
 
-    def to_json(self) -> dict[str, Any]:
-        return {"selector": self.selector}
+    selector: WeightSelector = "all"
 
-    @classmethod
-    def from_json(cls, body: Any) -> BeginWeightUpdateRequest:
-        body = _check_object(body if body is not None else {}, "body")
-        _check_fields(body, {"selector"}, {}, _BASE_REQ_IGNORED, struct="BeginWeightUpdateReqInput")
-        selector = _str(body, "selector", "all")
-        if selector not in WEIGHT_SELECTORS:
-            raise RequestError("selector", f"expected one of {', '.join(WEIGHT_SELECTORS)}, got {selector!r}", SCHEMA)
-        return cls(selector=selector)
+
+class _EndWeightUpdate(_Request):
+    body_optional = True
 
 
 def parse_end_weight_update(body: Any) -> None:
     """EndWeightUpdateReqInput: close the session (it has no fields of its own)."""
-    body = _check_object(body if body is not None else {}, "body")
-    _check_fields(body, set(), {}, _BASE_REQ_IGNORED, struct="EndWeightUpdateReqInput")
+    _EndWeightUpdate.from_json(body)
 
 
-@dataclass(frozen=True)
-class ControlResult:
+class ControlResult(_Answer):
     """The `{"success", "message"}` answer of the weight-sync routes (200 on success, 400 not)."""
 
     success: bool
     message: str
 
-    def to_json(self) -> dict[str, Any]:
-        return {"success": self.success, "message": self.message}
-
     @classmethod
-    def from_json(cls, body: Any) -> ControlResult:
-        if not isinstance(body, Mapping) or not isinstance(body.get("success"), bool):
-            raise ValueError("not a {success, message} answer")
-        return cls(body["success"], str(body.get("message", "")))
+    def from_json(cls, body: Any) -> Self:
+        return super().from_json({"message": "", **body} if isinstance(body, Mapping) else body)

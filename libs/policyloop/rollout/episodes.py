@@ -15,7 +15,7 @@ tokens are which, with each tool run's status.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from policyloop.contracts.v1 import bus_pb2
@@ -91,13 +91,13 @@ async def run_episode(request: GenerateRequest, *, generate: Generate, run_tool:
     turns: list[bus_pb2.Turn] = []
     for turn in range(max(1, max_turns)):
         seed = params.sampling_seed
-        turn_request = replace(
-            request, input_ids=prompt + response, rid=f"{request.rid}/t{turn}" if request.rid else None,
-            sampling_params=replace(
-                params, stop_token_ids=stop_ids,
+        turn_request = request.model_copy(update=dict(
+            input_ids=prompt + response, rid=f"{request.rid}/t{turn}" if request.rid else None,
+            sampling_params=params.model_copy(update=dict(
+                stop_token_ids=stop_ids,
                 max_new_tokens=budget,
-                sampling_seed=None if seed is None else (seed + turn * TURN_SEED_STRIDE) % (1 << 63)),
-        )
+                sampling_seed=None if seed is None else (seed + turn * TURN_SEED_STRIDE) % (1 << 63))),
+        ))
         completion = await generate(turn_request)
         piece = completion.result  # partial-rollout resubmissions are the caller's to count
         start = len(response)

@@ -15,7 +15,6 @@ import asyncio
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -153,9 +152,8 @@ class RolloutReplica:
         outage_deadline = time.monotonic() + self.settings.engine_outage_wait_s  # over all retries
         for attempt in itertools.count():
             try:
-                completion = await generate_resumable(
-                    self.client, request if not attempt else replace(request, rid=f"{request.rid}.e{attempt}"),
-                    max_resubmits=self.settings.max_resubmits)
+                retry = request.model_copy(update={"rid": f"{request.rid}.e{attempt}"}) if attempt else request
+                completion = await generate_resumable(self.client, retry, max_resubmits=self.settings.max_resubmits)
                 break
             except EngineUnavailable as exc:
                 log.warning("engine_unavailable_mid_sample", rid=request.rid, error=str(exc))
