@@ -84,6 +84,7 @@ INVALID_ENVIRONMENTS = [
     (lambda e: setattr(e.tasks[2], "answer", ""), "environment.tasks[2].answer"),
     (lambda e: e.ClearField("builtin"), "environment.scorer"),
     (lambda e: setattr(e.sampling, "top_p", 1.5), "environment.sampling.top_p"),
+    (lambda e: setattr(e.sampling, "top_k", -5), "environment.sampling.top_k"),
     (lambda e: setattr(e.builtin, "pattern", "(unclosed"), "environment.builtin.pattern"),
     (lambda e: (setattr(e, "max_turns", 3), e.tools.append("shell")), "environment.tools[0]"),
     (lambda e: e.tools.append("python"), "environment.max_turns"),

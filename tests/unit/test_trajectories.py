@@ -73,3 +73,12 @@ def test_an_answer_without_integer_versions_is_refused_before_anything_is_record
         with pytest.raises(EngineResultError, match="weight_version"):
             record_response(traj, result, "7")
         assert not traj.response_token_ids and not traj.version_spans
+
+
+def test_a_task_no_engine_takes_is_refused_naming_the_setting() -> None:
+    from policyloop.rollout.records import TaskRequestError
+
+    task = bus_pb2.Task(task_id="t", environment="e", prompt_token_ids=[5], group_size=1,
+                        sampling=bus_pb2.SamplingParams(max_new_tokens=6, top_k=-5))
+    with pytest.raises(TaskRequestError, match=r"top_k: must be -1 or >= 1"):
+        generate_request(task, group_members(task, "r")[0], [1])

@@ -60,9 +60,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+# The pause modes and the weight-update group are the colocated sender's terms: defined once there.
+from policyloop.weights.broadcast.engine_control import BACKENDS as WEIGHT_GROUP_BACKENDS
+from policyloop.weights.broadcast.engine_control import DEFAULT_GROUP_NAME as DEFAULT_WEIGHT_GROUP
+from policyloop.weights.broadcast.engine_control import PAUSE_MODES as PAUSE_MODES
+from policyloop.weights.broadcast.engine_control import PauseMode
+
 FinishType = Literal["stop", "length", "abort"]
-PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
 
 TOP_K_ALL = 1 << 30
 """SGLang's "no top-k truncation" value; -1 means the same."""
@@ -564,8 +568,6 @@ class UpdateWeightVersionRequest(_Request):
 # ---------------------------------------------------------------------------------------------
 # The colocated weight-sync routes (torch.distributed broadcast driven over HTTP).
 
-DEFAULT_WEIGHT_GROUP = "weight_update_group"
-WEIGHT_GROUP_BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 # Names SGLang's receiver resolves with getattr(torch, name) to a dtype (torch's own spelling).
 TORCH_DTYPE_NAMES: frozenset[str] = frozenset({
     "float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn", "float8_e4m3fnuz",
@@ -605,7 +607,7 @@ class InitWeightsUpdateGroupRequest(_Request):
 class UpdateWeightsFromDistributedRequest(_Request):
     """UpdateWeightsFromDistributedReqInput: receive the tensors `names` (with `dtypes`, torch's
     names, and `shapes`) broadcast from rank 0 of `group_name` and load them; with
-    load_format "flattened_bucket" they come as one uint8 buffer (see policyloop.weights.distributed),
+    load_format "flattened_bucket" they come as one uint8 buffer (see policyloop.weights.broadcast.layout),
     otherwise one broadcast per tensor in order. `weight_version` (when given) becomes the
     engine's version once they are loaded."""
 

@@ -46,6 +46,8 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
         raise InvalidField("environment.sampling.temperature", "must be a finite number >= 0")
     if not 0 <= sampling.top_p <= 1:
         raise InvalidField("environment.sampling.top_p", "must be within [0, 1] (0: engine default)")
+    if sampling.top_k < -1:
+        raise InvalidField("environment.sampling.top_k", "must be -1 (no truncation), 0 (engine default) or >= 1")
     _validate_turns(env)
     if model is not None:
         check_prompts_fit(env, model)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import secrets
 from collections.abc import Sequence
 
+from pydantic import ValidationError
+
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams, request_error
 
 
 def trajectory_id(task_id: str, sample_index: int) -> str:
@@ -49,8 +51,21 @@ _FINISH = {"stop": bus_pb2.FINISH_REASON_STOP, "length": bus_pb2.FINISH_REASON_L
            "abort": bus_pb2.FINISH_REASON_ABORT}
 
 
+class TaskRequestError(ValueError):
+    """A task whose sampling settings no engine takes (the task is dead-lettered, not retried)."""
+
+
 def generate_request(task: bus_pb2.Task, traj: bus_pb2.Trajectory, default_stop_ids: Sequence[int]) -> GenerateRequest:
     """The SGLang request for one group member: sample i of a seeded task uses seed + i."""
+    try:
+        return _generate_request(task, traj, default_stop_ids)
+    except ValidationError as exc:
+        error = request_error(exc)
+        raise TaskRequestError(f"task: no engine takes its request ({error})") from None
+
+
+def _generate_request(task: bus_pb2.Task, traj: bus_pb2.Trajectory, default_stop_ids: Sequence[int]
+                      ) -> GenerateRequest:
     sp = task.sampling
     return GenerateRequest(
         input_ids=list(traj.prompt_token_ids),

@@ -29,7 +29,7 @@ from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
 from policyloop.rollout.episodes import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
-from policyloop.rollout.records import generate_request, group_members, record_response
+from policyloop.rollout.records import TaskRequestError, generate_request, group_members, record_response
 from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
 from policyloop.state.catalog import RunRegistry, StoppedRuns
@@ -114,7 +114,10 @@ class RolloutReplica:
         self.status.generated_tokens += generated
 
     async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> None:
-        request = generate_request(task, traj, self.stop_ids)
+        try:
+            request = generate_request(task, traj, self.stop_ids)
+        except TaskRequestError as exc:
+            raise PermanentError(str(exc)) from exc
         if task.max_turns > 1:
             await self._episode(task, traj, request)
         else:

@@ -4,11 +4,16 @@ engine alike; the sender knows nothing else of engines, so this package never im
 
 from __future__ import annotations
 
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 PauseMode = Literal["abort", "retract", "in_place"]
-PAUSE_MODES: tuple[str, ...] = ("abort", "retract", "in_place")
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 """SGLang's /pause_generation modes: end requests now, free their cache, or keep them in place."""
+
+BackendName = Literal["gloo", "nccl"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
+DEFAULT_GROUP_NAME = "weight_update_group"
+"""SGLang's default name of the weight-update group."""
 
 
 class EngineControlError(Exception):

@@ -19,19 +19,17 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import Backend as C10dBackend
 
+from policyloop.weights.broadcast.engine_control import BACKENDS, DEFAULT_GROUP_NAME
 from policyloop.weights.broadcast.layout import FLATTENED_BUCKET, Bucket, TensorSpec, unflatten_bucket
 
 T = TypeVar("T")
 
-DEFAULT_GROUP_NAME = "weight_update_group"
-BackendName = Literal["gloo", "nccl"]
-BACKENDS: tuple[str, ...] = ("gloo", "nccl")
 
 
 class WeightGroupError(RuntimeError):

@@ -44,15 +44,15 @@ import torch
 
 from policyloop.common.ports import free_port
 from policyloop.weights.broadcast.engine_control import (
+    BACKENDS,
+    DEFAULT_GROUP_NAME,
     PAUSE_MODES,
+    BackendName,
     EngineControl,
     EngineControlError,
     WeightSyncError,
 )
 from policyloop.weights.broadcast.group import (
-    BACKENDS,
-    DEFAULT_GROUP_NAME,
-    BackendName,
     WeightGroupError,
     WeightUpdateGroup,
     check_backend,
