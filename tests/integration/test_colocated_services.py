@@ -48,10 +48,11 @@ async def test_learner_broadcasts_versions_into_a_colocated_engine(
         publisher = services.start("publisher")
         await services.wait_healthy(publisher)
         endpoint = f"127.0.0.1:{publisher.ports['grpc']}"
+        loop = {"POLICYLOOP_GROUPS_PER_STEP": "2"}  # shared: the replica takes no work while they differ
         learner = services.start("learner", env={
-            "POLICYLOOP_GROUPS_PER_STEP": "2", "POLICYLOOP_PUBLISHER_ENDPOINT": endpoint,
+            **loop, "POLICYLOOP_PUBLISHER_ENDPOINT": endpoint,
             "POLICYLOOP_COLOCATED__ENGINES": json.dumps([url]), "POLICYLOOP_COLOCATED__BACKEND": "gloo"})
-        rollout = services.start("rollout", env={"POLICYLOOP_ENGINE_URL": url,
+        rollout = services.start("rollout", env={**loop, "POLICYLOOP_ENGINE_URL": url,
                                                  "POLICYLOOP_WEIGHT_SOURCE": "colocated"})
         await services.wait_healthy(learner, rollout, timeout_s=60)
         for task in ("a", "b"):
@@ -108,11 +109,13 @@ async def test_without_the_broadcast_the_replica_loads_from_the_publisher(
         await client.wait_healthy(timeout_s=60)
         publisher = services.start("publisher")
         await services.wait_healthy(publisher)
+        loop = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1"}  # shared by learner and replica
         learner = services.start("learner", env={
-            "POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}",
+            **loop, "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}",
             "POLICYLOOP_COLOCATED__ENGINES": json.dumps([f"http://127.0.0.1:{free_port()}"]),
-            "POLICYLOOP_COLOCATED__BACKEND": "gloo", "POLICYLOOP_MAX_LAG": "-1"})
-        rollout = services.start("rollout", env={"POLICYLOOP_ENGINE_URL": url, "POLICYLOOP_WEIGHT_SOURCE": "colocated",
+            "POLICYLOOP_COLOCATED__BACKEND": "gloo"})
+        rollout = services.start("rollout", env={**loop, "POLICYLOOP_ENGINE_URL": url,
+                                                 "POLICYLOOP_WEIGHT_SOURCE": "colocated",
                                                  "POLICYLOOP_COLOCATED_WAIT_S": "1"})
         await services.wait_healthy(learner, rollout, timeout_s=60)
         for task in ("a", "b"):
