@@ -25,8 +25,10 @@ venv: $(STAMP)
 
 # What the tests and `policyloop up` need from the system: nats-server and redis-server (they
 # start their own), bubblewrap (the sandbox isolates jobs with bwrap) and docker-compose (to
-# validate compose.yaml). Installed with apt where missing and possible.
-SYSTEM_TOOLS := nats-server:nats-server redis-server:redis-server bwrap:bubblewrap docker-compose:docker-compose
+# validate compose.yaml), prometheus and promtool (`up` runs Prometheus; tests check the alert rules).
+# Installed with apt where missing and possible.
+SYSTEM_TOOLS := nats-server:nats-server redis-server:redis-server bwrap:bubblewrap docker-compose:docker-compose \
+	prometheus:prometheus promtool:prometheus
 servers:
 	@missing=""; \
 	for pair in $(SYSTEM_TOOLS); do \
@@ -36,7 +38,7 @@ servers:
 	if [ -n "$$missing" ]; then \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
 			echo "installing$$missing with apt-get"; \
-			apt-get install -y -q $$missing >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q $$missing >/dev/null; }; \
+			apt-get install -y -q --no-install-recommends $$missing >/dev/null || { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $$missing >/dev/null; }; \
 		else \
 			echo "policyloop needs$$missing: install them (Debian/Ubuntu: sudo apt-get install$$missing)"; \
 			exit 1; \

@@ -208,8 +208,10 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
     table.add_column("listens on")
     table.add_row("nats", info.nats_url)
     table.add_row("redis", info.redis_url)
+    if info.prometheus_url:
+        table.add_row("prometheus", f"{info.prometheus_url} (every service's /metrics, alert rules)")
     for name, ports in sorted(info.processes.items()):
-        if name == "redis-server" or name.startswith("nats-"):  # nats-server, or nodes nats-0, nats-1, …
+        if name in ("redis-server", "prometheus") or name.startswith("nats-"):  # nats-server, or nodes nats-0, …
             continue
         where = []
         if "grpc" in ports:
@@ -233,6 +235,9 @@ def up(
     nats_nodes: Annotated[int, typer.Option(
         min=1, max=5, help="NATS servers to start: 1, or 3 for a JetStream cluster that survives losing one "
                            "(every stream kept on all three).")] = 1,
+    prometheus: Annotated[bool | None, typer.Option(
+        "--prometheus/--no-prometheus",
+        help="Start Prometheus scraping every service (default: when it is installed).")] = None,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cluster.local import LocalCluster
@@ -244,7 +249,7 @@ def up(
 
         model_path = bootstrap(BootstrapConfig())
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
-                           replicas=_parse_replicas(replicas), nats_nodes=nats_nodes,
+                           replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())})
     stopping = False
 

@@ -23,6 +23,14 @@ from pathlib import Path
 
 from policyloop.cluster.catalogue import SERVICES, ServiceEntry
 from policyloop.cluster.nats_cluster import node_command, plan_nodes, wait_cluster_ready
+from policyloop.cluster.prometheus import (
+    ScrapeTarget,
+    prometheus_binary,
+    prometheus_command,
+    wait_ready,
+    write_config,
+    write_targets,
+)
 from policyloop.common.ports import free_port
 
 
@@ -188,6 +196,7 @@ class ClusterInfo:
     processes: dict[str, dict[str, int]]   # name -> ports
     pids: dict[str, int] = field(default_factory=dict)
     nats_nodes: int = 1                    # >1: nats_url lists the nodes nats-0, nats-1, …
+    prometheus_url: str = ""               # "" when the cluster runs without Prometheus
 
     def save(self) -> None:
         path = Path(self.run_dir) / "cluster.json"
@@ -217,7 +226,9 @@ class LocalCluster:
         stop_grace_s: float = 20.0,
         fresh: bool = False,
         nats_nodes: int = 1,
+        prometheus: bool | None = False,
     ) -> None:
+        """`prometheus`: start one scraping every service (None: when it is installed)."""
         if nats_nodes < 1:
             raise ValueError("nats_nodes must be at least 1")
         if nats_nodes > 1 and nats_url:
@@ -237,11 +248,13 @@ class LocalCluster:
         self.processes: list[ManagedProcess] = []
         self.nats_url = nats_url or ""
         self.redis_url = redis_url or ""
+        self.want_prometheus = prometheus
+        self.prometheus: ManagedProcess | None = None
 
     def start(self) -> ClusterInfo:
         if self.fresh:
             # A new run: no streams, versions or weights left from an earlier one.
-            for data in ("nats", "redis", "weights", "rollout-weights", "checkpoints", "logs"):
+            for data in ("nats", "redis", "weights", "rollout-weights", "checkpoints", "logs", "prometheus"):
                 shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -267,6 +280,7 @@ class LocalCluster:
                     # The learner pushes versions to the (single) publisher.
                     proc.env["POLICYLOOP_PUBLISHER_ENDPOINT"] = f"127.0.0.1:{publishers[0].ports['grpc']}"
                 proc.start()
+            self._start_prometheus()
         except BaseException:
             self.stop()
             raise
@@ -274,10 +288,63 @@ class LocalCluster:
         info.save()
         return info
 
+    def _start_prometheus(self) -> None:
+        binary = prometheus_binary()
+        if self.want_prometheus is False or (binary is None and self.want_prometheus is None):
+            return
+        if binary is None:
+            raise ClusterError("prometheus is not installed (Debian: apt-get install prometheus)")
+        directory = self.run_dir / "prometheus"
+        write_config(directory)
+        self.write_scrape_targets()
+        port = free_port()
+        self.prometheus = ManagedProcess("prometheus", prometheus_command(binary, directory, port), dict(os.environ),
+                                         self.run_dir / "logs" / "prometheus.log", {"client": port})
+        self.prometheus.start()
+        wait_for_port("127.0.0.1", port, 30, self.prometheus.proc)
+        if not wait_ready(self.prometheus_url, 30):
+            raise ClusterError(f"prometheus at {self.prometheus_url} is not ready (log: {self.prometheus.log_path})")
+
+    @property
+    def prometheus_url(self) -> str:
+        return f"http://127.0.0.1:{self.prometheus.ports['client']}" if self.prometheus is not None else ""
+
+    def scrape_targets(self) -> list[ScrapeTarget]:
+        return [ScrapeTarget(p.name.rsplit("-", 1)[0], p.name, f"127.0.0.1:{p.ports['http']}")
+                for p in self.processes if "http" in p.ports]
+
+    def write_scrape_targets(self) -> None:
+        """Tells Prometheus (when it runs) which processes to scrape: after every change to them."""
+        if self.want_prometheus is not False:
+            write_targets(self.run_dir / "prometheus", self.scrape_targets())
+
+    def scale(self, service: str, replicas: int) -> None:
+        """Starts or stops (SIGTERM, the highest indexes first) instances of `service` until it
+        has `replicas`; Prometheus scrapes the new set."""
+        entry = next((e for e in self.services if e.name == service), None)
+        if entry is None or replicas < 0:
+            raise ValueError(f"cannot scale {service!r} to {replicas}")
+        running = [p for p in self.processes if p.name.rsplit("-", 1)[0] == service]
+        publishers = [p for p in self.processes if p.name.startswith("publisher-")]
+        for index in range(len(running), replicas):
+            managed = service_process(entry, index, self.run_dir, self.nats_url, self.redis_url, self.namespace,
+                                      self.extra_env)
+            if publishers and "POLICYLOOP_PUBLISHER_ENDPOINT" not in self.extra_env:
+                managed.env["POLICYLOOP_PUBLISHER_ENDPOINT"] = f"127.0.0.1:{publishers[0].ports['grpc']}"
+            managed.start()
+            self.processes.append(managed)
+        leaving = running[replicas:]
+        for managed in leaving:
+            managed.signal(signal.SIGTERM)
+        _wait_all(leaving, self.stop_grace_s)
+        self.processes = [p for p in self.processes if p not in leaving]
+        self.write_scrape_targets()
+        self.info().save()
+
     @property
     def infrastructure(self) -> list[ManagedProcess]:
-        """The NATS server(s) and Redis this cluster started."""
-        return self.nats_servers + ([self.redis] if self.redis is not None else [])
+        """The NATS server(s), Redis and Prometheus this cluster started."""
+        return self.nats_servers + [m for m in (self.redis, self.prometheus) if m is not None]
 
     @property
     def nats_monitor_urls(self) -> list[str]:
@@ -290,7 +357,7 @@ class LocalCluster:
             str(self.run_dir), self.nats_url, self.redis_url, self.namespace, os.getpid(),
             processes={p.name: p.ports for p in managed},
             pids={p.name: p.proc.pid for p in managed if p.proc is not None},
-            nats_nodes=self.nats_nodes,
+            nats_nodes=self.nats_nodes, prometheus_url=self.prometheus_url,
         )
 
     def supervise(self, keep_down: Collection[str] = ()) -> list[str]:
@@ -308,6 +375,7 @@ class LocalCluster:
                     wait_for_port("127.0.0.1", managed.ports["client"], 15, managed.proc)
                 restarted.append(managed.name)
         if restarted:
+            self.write_scrape_targets()
             self.info().save()
         return restarted
 

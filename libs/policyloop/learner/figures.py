@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.versions import sample_lag
 from policyloop.telemetry.metrics import (
+    LAG_AT_BOUND,
     LEARNER_DROPPED,
     LEARNER_STEP_SECONDS,
     LEARNER_STEP_STAT,
@@ -64,10 +65,13 @@ class LearnerFigures:
         weights.last_changed_fraction = pushed.changed_fraction
 
     def trained(self, samples: list[bus_pb2.Trajectory], trained_version: int) -> None:
+        bound = self.status.loop.max_lag
         for traj in samples:
             lag = sample_lag(traj, trained_version)
             self.status.lag_histogram[lag] += 1
             VERSION_LAG.observe(lag)
+            if bound > 0 and lag >= bound:
+                LAG_AT_BOUND.inc()
 
     def stepped(self, report: StepReport, seconds: float) -> None:
         LEARNER_TOKENS.inc(report.trained_tokens)

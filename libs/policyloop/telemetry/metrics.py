@@ -64,6 +64,10 @@ VERSION_LAG = Histogram(
     "policyloop_version_lag", "Policy versions between a sample's oldest token and the step that trained it.",
     buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
 )
+LAG_AT_BOUND = Counter(
+    "policyloop_learner_samples_at_lag_bound_total",
+    "Samples trained exactly max_lag versions behind (as stale as the bound allows; max_lag >= 1).",
+)
 LEARNER_DROPPED = Counter("policyloop_learner_dropped_total", "Samples the learner did not train on, by reason.",
                           ["reason"])
 REWARD = Histogram("policyloop_reward", "Reward of scored trajectories.", ["environment"],
