@@ -28,10 +28,12 @@ from policyloop.sandbox.runner import (
     JobUids,
     check_isolation,
     effective_limits,
+    job_outcome,
     run_job,
 )
 from policyloop.state.quota import RunningSlots, RunQuota
 from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import SANDBOX_JOB_SECONDS, SANDBOX_JOBS
 
 log = get_logger(__name__)
 
@@ -84,6 +86,7 @@ async def body(ctx: ServiceContext) -> None:
         if not job.expires_unix_ms or now_ms() <= job.expires_unix_ms:
             return False
         status.jobs_expired += 1
+        SANDBOX_JOBS.labels("expired").inc()
         log.info("job_expired", job=job.job_id)
         return True
 
@@ -101,6 +104,9 @@ async def body(ctx: ServiceContext) -> None:
             await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
             await ctx.bus.nc.flush(timeout=5)
         status.jobs_done += 1
+        outcome = job_outcome(result)
+        SANDBOX_JOBS.labels(outcome).inc()
+        SANDBOX_JOB_SECONDS.labels(outcome).observe(result.wall_seconds)
         log.info("job_done", job=job.job_id, exit_code=result.exit_code,
                  limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
                  cpu_s=round(result.cpu_seconds, 3))

@@ -404,8 +404,15 @@ async def test_metrics_count_tokens_and_requests_in_flight(engine: EmbeddedEngin
     held = await engine_metrics(client)
     assert held["sglang:num_running_reqs"] == 1
     assert held["policyloop_engine_in_flight_output_tokens"] == engine.progress("counted") >= 3
+    # The KV cache holds the wave's one row: its 5 prompt positions and every token decoded so far.
+    assert held["sglang:num_used_tokens"] == 5 + engine.progress("counted")
+    capacity = engine.scheduler.max_batch * engine.served.max_context
+    assert held["sglang:token_usage"] == pytest.approx(held["sglang:num_used_tokens"] / capacity)
+    load = await client.load()
+    assert load is not None and (load.running_requests, load.kv_used_tokens) == (1, held["sglang:num_used_tokens"])
     await client.continue_generation()
     await asyncio.wait_for(task, 20)
+    assert (await engine_metrics(client))["sglang:num_used_tokens"] == 0
 
 
 async def test_pause_in_place_keeps_state(engine: EmbeddedEngine, client: SGLangClient) -> None:

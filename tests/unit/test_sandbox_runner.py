@@ -236,3 +236,15 @@ def test_the_seccomp_filter_denies_what_it_lists_on_each_abi(machine: str) -> No
     if abi.x32_bit is not None:
         assert run(abi.x32_bit | 521, abi.audit_arch) == deny  # x32's ptrace
     assert seccomp.job_filter("mips") is None
+
+
+def test_a_job_outcome_is_one_bounded_word() -> None:
+    from policyloop.sandbox.runner import job_outcome
+
+    assert job_outcome(bus_pb2.SandboxResult(exit_code=0)) == "ok"
+    assert job_outcome(bus_pb2.SandboxResult(exit_code=1)) == "failed"
+    assert job_outcome(bus_pb2.SandboxResult(exit_code=-9, limit_hit=bus_pb2.SANDBOX_LIMIT_WALL_TIME)) == "wall_time"
+    assert job_outcome(bus_pb2.SandboxResult(exit_code=0, error="cannot fork")) == "error"
+    names = {job_outcome(bus_pb2.SandboxResult(exit_code=-9, limit_hit=value))
+             for value in bus_pb2.SandboxLimit.values() if value}
+    assert names == {"wall_time", "cpu_time", "memory", "processes", "file_size", "output"}

@@ -26,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
 
 import aiohttp
 
@@ -75,6 +76,35 @@ class WeightUpdateError(EngineError, WeightSyncError):
 
 
 _UNAVAILABLE_STATUSES = (502, 503, 504)
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """How busy an engine is, read from its Prometheus text (summed over its label sets)."""
+
+    queued_requests: float = 0.0
+    running_requests: float = 0.0
+    kv_used_tokens: float = 0.0
+    kv_usage: float | None = None   # fraction of the KV cache in use (None: not reported)
+
+    _NAMES: ClassVar[dict[str, str]] = {
+        "sglang:num_queue_reqs": "queued_requests", "sglang:num_running_reqs": "running_requests",
+        "sglang:num_used_tokens": "kv_used_tokens", "sglang:token_usage": "kv_usage",
+    }
+
+    @classmethod
+    def parse(cls, text: str) -> EngineLoad:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        found: dict[str, float] = {}
+        try:
+            for family in text_string_to_metric_families(text):
+                field_name = cls._NAMES.get(family.name)
+                if field_name is not None:
+                    found[field_name] = found.get(field_name, 0.0) + sum(s.value for s in family.samples)
+        except ValueError:  # not Prometheus' text format
+            return cls()
+        return cls(**found)
 
 
 class SGLangClient:
@@ -181,6 +211,19 @@ class SGLangClient:
                 return response.status == 200
         except (aiohttp.ClientError, TimeoutError):
             return False
+
+    async def load(self, timeout_s: float = 5.0) -> EngineLoad | None:
+        """The engine's queue, running requests and KV cache use from its /metrics (SGLang's names;
+        SGLang serves them with --enable-metrics). None when it has no /metrics. One try."""
+        try:
+            async with self._client().get(self.base_url + "/metrics",
+                                          timeout=aiohttp.ClientTimeout(total=timeout_s)) as response:
+                if response.status != 200:
+                    return None
+                text = await response.text()
+        except (aiohttp.ClientError, TimeoutError):
+            return None
+        return EngineLoad.parse(text)
 
     async def wait_healthy(self, timeout_s: float = 60.0, interval_s: float = 0.2) -> None:
         """Waits until /health answers 200, or raises EngineUnavailable."""

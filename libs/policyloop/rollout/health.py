@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import ENGINE_LOAD
 
 log = get_logger(__name__)
 
@@ -53,6 +54,17 @@ class EngineHealth:
             else:
                 self.recovered.set()
         self.answering = answering
+        if answering:
+            await self._report_load()
+
+    async def _report_load(self) -> None:
+        load = await self.client.load(timeout_s=max(1.0, self.interval_s))
+        if load is None:
+            return
+        for figure in ("queued_requests", "running_requests", "kv_used_tokens", "kv_usage"):
+            value = getattr(load, figure)
+            if value is not None:
+                ENGINE_LOAD.labels(figure).set(value)
 
     async def _has_a_version(self) -> bool:
         try:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import hmac
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from policyloop.telemetry.metrics import GRPC_REQUESTS, GRPC_SECONDS
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
@@ -44,6 +48,57 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_unary
 
 
+class RpcMetricsInterceptor(grpc.aio.ServerInterceptor):
+    """Counts every call by method and status code and times it (policyloop_grpc_requests_total,
+    policyloop_grpc_request_seconds). Reflection streams are left out: they are tooling."""
+
+    async def intercept_service(self, continuation, handler_call_details):  # type: ignore[no-untyped-def]
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method.rsplit(".", 1)[-1]  # "/pkg.Service/Method" → "Service/Method"
+        if handler is None or handler_call_details.method.startswith("/grpc.reflection."):
+            return handler
+        kinds = {
+            (False, False): (handler.unary_unary, grpc.unary_unary_rpc_method_handler, _timed_unary),
+            (True, False): (handler.stream_unary, grpc.stream_unary_rpc_method_handler, _timed_unary),
+            (False, True): (handler.unary_stream, grpc.unary_stream_rpc_method_handler, _timed_stream),
+            (True, True): (handler.stream_stream, grpc.stream_stream_rpc_method_handler, _timed_stream),
+        }
+        behaviour, make, timed = kinds[(handler.request_streaming, handler.response_streaming)]
+        return make(timed(behaviour, method), request_deserializer=handler.request_deserializer,
+                    response_serializer=handler.response_serializer)
+
+
+def _record(method: str, context: grpc.aio.ServicerContext, started: float, failed: bool) -> None:
+    code = context.code()
+    name = getattr(code, "name", None) or ("UNKNOWN" if failed else "OK")
+    GRPC_REQUESTS.labels(method, name).inc()
+    GRPC_SECONDS.labels(method).observe(time.perf_counter() - started)
+
+
+def _timed_unary(behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
+    async def timed(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        started, failed = time.perf_counter(), True
+        try:
+            response = await behaviour(request, context)
+            failed = False
+            return response
+        finally:
+            _record(method, context, started, failed)
+    return timed
+
+
+def _timed_stream(behaviour: Callable[..., Any], method: str) -> Callable[..., Any]:
+    async def timed(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        started, failed = time.perf_counter(), True
+        try:
+            async for item in behaviour(request, context):
+                yield item
+            failed = False
+        finally:
+            _record(method, context, started, failed)
+    return timed
+
+
 Registrar = Callable[[grpc.aio.Server], None]
 
 
@@ -57,7 +112,10 @@ async def start_grpc_server(
 ) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """Starts a server with the given services plus health and reflection. Returns the server,
     its health servicer (to flip SERVING/NOT_SERVING) and the bound port."""
-    interceptors = [BearerTokenInterceptor(bearer_token)] if bearer_token else []
+    # Metrics first: a call the token check refuses is counted too (UNAUTHENTICATED).
+    interceptors: list[grpc.aio.ServerInterceptor] = [RpcMetricsInterceptor()]
+    if bearer_token:
+        interceptors.append(BearerTokenInterceptor(bearer_token))
     server = grpc.aio.server(
         interceptors=interceptors,
         options=[

@@ -15,6 +15,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+import nats.errors
 import redis.asyncio as aioredis
 import redis.exceptions
 from google.protobuf import json_format
@@ -203,12 +204,28 @@ async def run_pull_workers(ctx: ServiceContext, *workers: PullWorker) -> None:  
             lambda w=worker: (w.bound, f"not bound: {w.last_error}"),
         )
     loops = [asyncio.create_task(w.run(ctx.stop)) for w in workers]
+    loops.append(asyncio.create_task(_report_backlogs(ctx, [w.consumer.durable for w in workers])))
     ctx.ready = True  # from here on, health follows the workers' probes
     try:
         await ctx.stop.wait()
     finally:
         await asyncio.gather(*loops, return_exceptions=True)
         await asyncio.gather(*(w.drain(ctx.settings.shutdown_grace_s) for w in workers))
+
+
+async def _report_backlogs(ctx: ServiceContext, durables: list[str]) -> None:
+    """Keeps policyloop_bus_backlog_messages of the consumers this process reads current (every
+    replica reports the same figures: a dashboard takes the max over instances)."""
+    while not ctx.stop.is_set():
+        for durable in durables:
+            try:
+                await ctx.bus.backlog(durable)
+            except (TimeoutError, nats.errors.Error, OSError) as exc:
+                log.debug("backlog_unknown", consumer=durable, error=repr(exc))
+        try:
+            await asyncio.wait_for(ctx.stop.wait(), ctx.settings.heartbeat_interval_s)
+        except TimeoutError:
+            pass
 
 
 def run_main(name: str, settings_model: type[ServiceSettings], body: ServiceBody,

@@ -292,6 +292,15 @@ class JobEnding:
     stderr: bytes = b""
 
 
+def job_outcome(result: bus_pb2.SandboxResult) -> str:
+    """One word for how a job ended (the label of policyloop_sandbox_jobs_total)."""
+    if result.error:
+        return "error"
+    if result.limit_hit != bus_pb2.SANDBOX_LIMIT_NONE:
+        return bus_pb2.SandboxLimit.Name(result.limit_hit).removeprefix("SANDBOX_LIMIT_").lower()
+    return "ok" if result.exit_code == 0 else "failed"
+
+
 def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     """The limit that stopped the job (or that it ran into), most decisive first."""
     if ending.timed_out:

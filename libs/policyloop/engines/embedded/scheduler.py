@@ -110,6 +110,7 @@ class Scheduler:
         self.closing = False
         self.prompt_tokens = 0      # counters of /metrics
         self.generated_tokens = 0
+        self.wave: Wave | None = None  # the wave being decoded (its KV cache is what the engine holds)
         self._kick = asyncio.Event()
         self._parked = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-compute")
@@ -276,9 +277,26 @@ class Scheduler:
                         req.error = exc
                         self.complete(req)
 
+    @property
+    def kv_tokens(self) -> int:
+        """Token positions held in the KV cache now (the wave's rows × its width, padding included)."""
+        wave = self.wave
+        return 0 if wave is None or not wave.requests else int(wave.mask.numel())
+
+    @property
+    def kv_capacity(self) -> int | None:
+        """The most positions a wave can hold: max_batch rows of the model's context (None: unknown)."""
+        return None if self.served.max_context is None else self.max_batch * int(self.served.max_context)
+
     async def _decode_wave(self, batch: list[EngineRequest]) -> None:
+        try:
+            await self._decode(batch)
+        finally:
+            self.wave = None
+
+    async def _decode(self, batch: list[EngineRequest]) -> None:
         retractions = self.retractions  # this wave's cache was computed after these
-        wave = await self.compute(self._prefill, batch)
+        wave = self.wave = await self.compute(self._prefill, batch)
         while wave.requests:
             if any(r.abort_message is not None for r in wave.requests):
                 finished = await self.compute(self._step, wave, False)
@@ -289,7 +307,7 @@ class Scheduler:
                 # Retracted while paused: the cache was given up; recompute prompt + tokens so far
                 # with the weights that serve now.
                 retractions = self.retractions
-                wave = await self.compute(self._prefill, wave.requests)
+                wave = self.wave = await self.compute(self._prefill, wave.requests)
                 continue
             else:
                 finished = await self.compute(self._step, wave, True)

@@ -66,6 +66,13 @@ class _EngineMetrics(Collector):
         yield CounterMetricFamily("sglang:prompt_tokens", "Prompt tokens of the requests admitted.",
                                   value=scheduler.prompt_tokens)
         yield CounterMetricFamily("sglang:generation_tokens", "Tokens decoded.", value=scheduler.generated_tokens)
+        yield GaugeMetricFamily("sglang:num_used_tokens", "Token positions held in the KV cache.",
+                                value=scheduler.kv_tokens)
+        capacity = scheduler.kv_capacity
+        if capacity:
+            yield GaugeMetricFamily("sglang:token_usage", "KV cache positions in use, as a fraction of max_batch "
+                                                          "rows of the model's context.",
+                                    value=scheduler.kv_tokens / capacity)
         yield GaugeMetricFamily("policyloop_engine_in_flight_output_tokens",
                                 "Tokens decoded so far by the requests not yet done.",
                                 value=sum(len(r.output_ids) for r in requests if r.state != "done"))
