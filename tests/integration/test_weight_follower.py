@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from policyloop.bus import Bus
 from policyloop.contracts.v1 import status_pb2
@@ -116,6 +117,7 @@ async def rig(bus: Bus, redis_client, model_dir: Path, root: Path) -> AsyncItera
 async def test_versions_load_in_order_and_those_announced_during_a_load_are_skipped_for_the_newest(
         bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     versions = {n: version(tiny_model_dir, n) for n in range(1, 5)}
+    delays = REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") or 0
     async with rig(bus, redis_client, tiny_model_dir, tmp_path) as r:
         follower = r.start()  # type: ignore[attr-defined]
         await r.pusher.push(versions[1], step=1)
@@ -139,6 +141,8 @@ async def test_versions_load_in_order_and_those_announced_during_a_load_are_skip
         assert follower.status.last_fetch.kind == "delta"  # from the held version 2
         assert follower.held is not None and follower.held.version == 4
         assert sorted(p.name for p in (tmp_path / "versions" / "rollout-t").iterdir()) == ["v000000004"]
+        # Publication to serving, once per version served (1, 2 and 4).
+        assert REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") == delays + 3
 
 
 @pytest.mark.timeout(240)

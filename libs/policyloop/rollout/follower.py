@@ -13,13 +13,19 @@ import nats.errors
 from nats.js import api
 
 from policyloop.bus import weights_subject
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.engines.sglang_client import EngineUnavailable, SGLangClient
 from policyloop.rollout.engine_process import engine_version, name_base_version
 from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import WEIGHT_PAYLOAD_BYTES, WEIGHT_SYNC_FALLBACKS, WEIGHT_SYNC_SECONDS
+from policyloop.telemetry.metrics import (
+    WEIGHT_PAYLOAD_BYTES,
+    WEIGHT_SYNC_FALLBACKS,
+    WEIGHT_SYNC_SECONDS,
+    WEIGHTS_SERVING_DELAY,
+)
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
 from policyloop.weights.sync import sync_weights
@@ -151,6 +157,11 @@ class WeightFollower:
                 raise EngineUnavailable(f"the restarted engine did not load version {newest} in time")
 
     async def load(self, event: bus_pb2.WeightsPublished) -> None:
+        await self._load(event)
+        if event.published_unix_ms and self.ctx.policy_version == event.version:
+            WEIGHTS_SERVING_DELAY.observe(max(0.0, (now_ms() - event.published_unix_ms) / 1000))
+
+    async def _load(self, event: bus_pb2.WeightsPublished) -> None:
         if self.settings.weight_source == "colocated":
             if await self.wait_for_broadcast(event.version):
                 return

@@ -108,6 +108,12 @@ WEIGHT_SYNC_SECONDS = Histogram(
     "apply (rollout, apply = decode + verify + load into the engine).",
     ["phase"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
 )
+WEIGHTS_SERVING_DELAY = Histogram(
+    "policyloop_weights_serving_delay_seconds",
+    "From a version being stored by the publisher (its WeightsPublished time) to this replica's engine "
+    "serving it: announcement, fetch, verify and load (clocks of two hosts: keep them in sync).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
 WEIGHT_PAYLOAD_BYTES = Counter(
     "policyloop_weight_payload_bytes_total", "Weight payload bytes sent (learner) or received (rollout), by kind.",
     ["kind"],
