@@ -58,12 +58,31 @@ def test_compose_config_is_valid() -> None:
 
 
 GPU_PROFILE = {"sglang", "rollout-sglang"}
+OBSERVABILITY_PROFILE = {"prometheus"}
 
 
 def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
     default = {name for name, service in config["services"].items() if not service.get("profiles")}
     assert default == {"nats", "redis", "models", *SERVICE_NAMES}
-    assert set(config["services"]) - default == GPU_PROFILE
+    assert set(config["services"]) - default == GPU_PROFILE | OBSERVABILITY_PROFILE
+
+
+def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(config: dict[str, Any]) -> None:
+    import json
+
+    prometheus = config["services"]["prometheus"]
+    assert prometheus["profiles"] == ["observability"]
+    binds = [v.split(":") for v in prometheus["volumes"] if v.startswith("/")]  # short form: source:target:mode
+    mounts = {Path(source).relative_to(REPO).as_posix(): target for source, target, *_ in binds}
+    shipped = "libs/policyloop/telemetry/prometheus"
+    assert mounts == {f"{shipped}/prometheus.yml": "/etc/prometheus/prometheus.yml",
+                      f"{shipped}/alerts.yml": "/etc/prometheus/alerts.yml",
+                      "docker/prometheus/targets": "/etc/prometheus/targets"}
+    targets = json.loads((REPO / "docker" / "prometheus" / "targets" / "compose.json").read_text())
+    port = {_environment(config["services"][name])["POLICYLOOP_HTTP_PORT"] for name in SERVICE_NAMES}
+    assert port == {"9100"}
+    assert sorted((t["labels"]["service"], t["targets"][0]) for t in targets) == sorted(
+        (name, f"{name}:9100") for name in SERVICE_NAMES)
 
 
 def test_the_models_job_links_the_base_policy_before_anything_loads_it(config: dict[str, Any]) -> None:
