@@ -55,6 +55,9 @@ def test_prometheus_scrapes_every_instance_and_follows_a_scale(tmp_path: Path, t
         healthy = api(url, "query", query="policyloop_service_healthy")["result"]
         assert {(r["metric"]["service"], r["metric"]["instance"]) for r in healthy} == {
             ("gateway", "gateway-0"), ("reward", "reward-0")}
+        # The reward replica keeps its consumer's backlog current, without anyone asking.
+        wait_until(lambda: bool(api(url, "query", query='policyloop_bus_backlog_messages{consumer="reward"}')
+                                ["result"]), "the reward consumer's backlog scraped")
         rules = [rule["name"] for group in api(url, "rules")["groups"] for rule in group["rules"]]
         assert "PolicyloopServiceDown" in rules and "PolicyloopDeadLetters" in rules
 

@@ -204,12 +204,13 @@ async def run_pull_workers(ctx: ServiceContext, *workers: PullWorker) -> None:  
             lambda w=worker: (w.bound, f"not bound: {w.last_error}"),
         )
     loops = [asyncio.create_task(w.run(ctx.stop)) for w in workers]
-    loops.append(asyncio.create_task(_report_backlogs(ctx, [w.consumer.durable for w in workers])))
+    backlogs = asyncio.create_task(_report_backlogs(ctx, [w.consumer.durable for w in workers]))
     ctx.ready = True  # from here on, health follows the workers' probes
     try:
         await ctx.stop.wait()
     finally:
-        await asyncio.gather(*loops, return_exceptions=True)
+        backlogs.cancel()  # figures only: a consumer_info call in flight must not delay the drain
+        await asyncio.gather(backlogs, *loops, return_exceptions=True)
         await asyncio.gather(*(w.drain(ctx.settings.shutdown_grace_s) for w in workers))
 
 
