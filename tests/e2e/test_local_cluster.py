@@ -14,6 +14,7 @@ from pathlib import Path
 
 from policyloop.cluster.catalogue import SERVICE_NAMES
 from policyloop.cluster.local import ClusterInfo
+from policyloop.cluster.prometheus import prometheus_binary
 
 POLICYLOOP = [sys.executable, "-m", "policyloop"]
 
@@ -40,6 +41,20 @@ def pid_alive(pid: int) -> bool:
         return False
 
 
+def assert_prometheus_scrapes_every_service(url: str) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while True:
+        query = urllib.request.quote('up{job="policyloop"} == 1')
+        with urllib.request.urlopen(f"{url}/api/v1/query?query={query}", timeout=10) as response:
+            scraped = {r["metric"]["service"] for r in json.loads(response.read())["data"]["result"]}
+        if scraped == set(SERVICE_NAMES):
+            return
+        assert time.monotonic() < deadline, f"Prometheus scrapes only {sorted(scraped)}"
+        time.sleep(0.5)
+
+
 def test_up_status_and_ctrl_c(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "cluster"
     up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir)],
@@ -61,8 +76,12 @@ def test_up_status_and_ctrl_c(tmp_path: Path, tiny_model_dir: Path) -> None:
         assert table.returncode == 0 and all(name in table.stdout for name in SERVICE_NAMES)
         info = ClusterInfo.load(run_dir)
         pids = list(info.pids.values())
-        assert len(pids) == len(SERVICE_NAMES) + 2  # the services, nats-server and redis-server
+        # The services, nats-server, redis-server and, where it is installed, Prometheus.
+        with_prometheus = prometheus_binary() is not None
+        assert len(pids) == len(SERVICE_NAMES) + 2 + with_prometheus
         assert all(pid_alive(pid) for pid in pids)
+        if with_prometheus:
+            assert_prometheus_scrapes_every_service(info.prometheus_url)
     finally:
         up.send_signal(signal.SIGINT)  # Ctrl-C
         out, _ = up.communicate(timeout=90)
