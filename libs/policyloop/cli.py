@@ -357,6 +357,62 @@ def status(
 
 
 @app.command()
+def top(
+    run_dir: Annotated[Path, typer.Option(help="Run directory of `policyloop up`.")] = DEFAULT_RUN_DIR,
+    prometheus_url: Annotated[str | None, typer.Option(
+        help="Read this Prometheus (default: the cluster's, when it runs one; else every service's /metrics).")]
+    = None,
+    interval_s: Annotated[float, typer.Option(min=0.2, help="Seconds between refreshes.")] = 2.0,
+    window_s: Annotated[float, typer.Option(min=1, help="Rates and distributions over about this many seconds.")]
+    = 15.0,
+    iterations: Annotated[int, typer.Option(help="Stop after this many refreshes (0: until Ctrl-C).")] = 0,
+) -> None:
+    """The operational ledger of a running cluster, live: services, backlogs, tokens/s, version
+    lag, KL and entropy, reward by environment, publish latency, drops and dead letters."""
+    from collections import deque
+
+    from rich.live import Live
+
+    from policyloop.cluster.local import ClusterError, ClusterInfo
+    from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_prometheus, scrape_services
+    from policyloop.cluster.top import Ledger, render
+
+    try:
+        info = ClusterInfo.load(run_dir)
+    except ClusterError as exc:
+        console.print(f"[red]{exc}[/red]")
+        raise typer.Exit(2) from exc
+    url = prometheus_url or info.prometheus_url
+    endpoints = [MetricsEndpoint(name, name.rsplit("-", 1)[0], f"http://127.0.0.1:{ports['http']}/metrics")
+                 for name, ports in sorted(info.processes.items()) if "http" in ports]
+
+    def scrape() -> Scrape:
+        if url:
+            try:
+                return scrape_prometheus(url)
+            except (OSError, RuntimeError, ValueError):
+                pass  # Prometheus not answering: the services themselves
+        return asyncio.run(scrape_services(endpoints))
+
+    history: deque[Scrape] = deque()
+    refreshes = 0
+    with Live(console=console, auto_refresh=False) as live:
+        try:
+            while True:
+                current = scrape()
+                while len(history) > 1 and current.at - history[1].at >= window_s:
+                    history.popleft()
+                live.update(render(Ledger.between(history[0] if history else None, current)), refresh=True)
+                history.append(current)
+                refreshes += 1
+                if iterations and refreshes >= iterations:
+                    break
+                time.sleep(interval_s)
+        except KeyboardInterrupt:
+            pass
+
+
+@app.command()
 @options_from(LossConfig, into="objective", flags={"kind": "loss"})
 def demo(
     objective: dict[str, Any],

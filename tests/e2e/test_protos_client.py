@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -27,6 +31,43 @@ def generate_stubs(out: Path) -> None:
         (package / "__init__.py").touch()
 
 
+class TopInTmux:
+    """`policyloop top` running in a tmux session, its screen read with capture-pane."""
+
+    def __init__(self, run_dir: Path) -> None:
+        self.tmux = shutil.which("tmux")
+        self.session = f"policyloop-top-{os.getpid()}"
+        if self.tmux is not None:
+            # The pane's size also in LINES/COLUMNS: under pytest, rich read a smaller height than the pane's.
+            command = " ".join(["env", "LINES=70", "COLUMNS=150", *POLICYLOOP, "top", "--run-dir", str(run_dir),
+                                "--interval-s", "1", "--window-s", "5"])
+            subprocess.run([self.tmux, "new-session", "-d", "-s", self.session, "-x", "150", "-y", "70", command],
+                           check=True, timeout=30)
+
+    def screen(self) -> str:
+        assert self.tmux is not None
+        return subprocess.run([self.tmux, "capture-pane", "-p", "-t", self.session], capture_output=True, text=True,
+                              timeout=30).stdout
+
+    def wait_for(self, check: Callable[[str], bool], what: str, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            screen = self.screen()
+            if check(screen):
+                return screen
+            assert time.monotonic() < deadline, f"top never showed {what}:\n{screen}"
+            time.sleep(0.5)
+
+    def close(self) -> None:
+        if self.tmux is not None:
+            subprocess.run([self.tmux, "kill-session", "-t", self.session], capture_output=True, timeout=30)
+
+
+def learner_steps(screen: str) -> int:
+    found = re.search(r"learner steps\s*│\s*([\d,]+)", screen)
+    return int(found.group(1).replace(",", "")) if found else -1
+
+
 @pytest.mark.timeout(480)
 def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path, tiny_model_dir: Path) -> None:
     stubs = tmp_path / "stubs"
@@ -38,11 +79,15 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
     env = {**os.environ, "POLICYLOOP_GROUPS_PER_STEP": "4", "POLICYLOOP_MAX_LAG": "-1"}
     up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    top: TopInTmux | None = None
     try:
         wait_for_file(run_dir / "cluster.json", up, 60)
         status = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir), "--wait-s", "120", "--json"],
                                 capture_output=True, text=True, timeout=150)
         assert status.returncode == 0, status.stdout + status.stderr
+        top = TopInTmux(run_dir)
+        if top.tmux is not None:
+            before = learner_steps(top.wait_for(lambda s: "learner-0" in s and learner_steps(s) >= 0, "the cluster"))
         gateway = json.loads((run_dir / "cluster.json").read_text())["processes"]["gateway-0"]["grpc"]
         client = subprocess.run(
             [sys.executable, str(Path(__file__).with_name("protos_client.py")), f"127.0.0.1:{gateway}"],
@@ -50,7 +95,22 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
             env={"PATH": os.environ["PATH"], "PYTHONPATH": str(stubs)})
         assert client.returncode == 0, client.stdout + client.stderr
         report = json.loads(client.stdout.strip().splitlines()[-1])
+        if top.tmux is not None:
+            # The figures moved while the run trained: steps, tokens, lag, reward per environment.
+            screen = top.wait_for(lambda s: learner_steps(s) >= before + 2 and "sums@v1" in s, "the run's steps")
+            for figure in ("tokens/s generated", "tokens/s trained", "version lag", "KL (behaviour) / entropy",
+                           "publish: stored → serving p50 / p99", "dropped", "dead letters", "TRAJECTORIES",
+                           "functions@v1"):
+                assert figure in screen, f"{figure!r} not on the screen:\n{screen}"
+            assert "Prometheus http://127.0.0.1" in screen or "services' /metrics" in screen
+        # Without Prometheus (a dead URL), top reads every service's /metrics itself.
+        direct = subprocess.run([*POLICYLOOP, "top", "--run-dir", str(run_dir), "--prometheus-url",
+                                 "http://127.0.0.1:9", "--iterations", "1"], capture_output=True, text=True,
+                                timeout=60)
+        assert direct.returncode == 0 and "services' /metrics" in direct.stdout and "rollout-0" in direct.stdout
     finally:
+        if top is not None:
+            top.close()
         up.send_signal(signal.SIGINT)
         up.communicate(timeout=90)
 
