@@ -435,6 +435,9 @@ def demo(
         = "in_place",
     tools: Annotated[bool, typer.Option(
         help="Multi-turn: the policy may call a python tool (run in the sandbox) before it answers.")] = False,
+    prometheus: Annotated[bool | None, typer.Option(
+        "--prometheus/--no-prometheus",
+        help="Run Prometheus beside the demo's cluster (default: when it is installed).")] = None,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
@@ -453,7 +456,8 @@ def demo(
     config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
-                        max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools)
+                        max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
+                        prometheus=prometheus)
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 

@@ -52,3 +52,4 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
     assert 0 < sync["delta_bytes"] < sync["full_bytes"] and sync["full_over_sent"] > 1
     assert (out / "reward_accuracy.png").stat().st_size > 1000
     assert "held-out accuracy after RL" in result.stdout
+    assert "watch the ledger live: policyloop top --run-dir" in result.stdout

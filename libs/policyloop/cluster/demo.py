@@ -61,6 +61,7 @@ class DemoConfig:
     max_lag: int = 1
     weight_update_mode: str = "in_place"  # how versions reach requests in flight (rollout setting)
     tools: bool = False                  # the multi-turn environment (python tool in the sandbox)
+    prometheus: bool | None = None       # Prometheus beside the cluster (None: when it is installed)
 
 
 @dataclass
@@ -356,9 +357,11 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
         "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),
         "POLICYLOOP_MAX_TOOL_TOKENS": str(TOOL_MAX_TOOL_TOKENS),
     }
-    cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True)
+    cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True, prometheus=config.prometheus)
     console.print(f"starting the local cluster in {config.run_dir} …")
-    cluster.start()
+    info = cluster.start()
+    where = f"; Prometheus at {info.prometheus_url} (queries: docs/metrics.md)" if info.prometheus_url else ""
+    console.print(f"watch the ledger live: [bold]policyloop top --run-dir {config.run_dir}[/bold]{where}")
     try:
         result = asyncio.run(_drive(cluster, config, console))
         print_status(asyncio.run(cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)))
