@@ -25,6 +25,9 @@ from policyloop.engines.sglang_client import EngineError, SGLangClient
 REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-api.json").read_text())
 # io_struct.BaseReq (the base of every *ReqInput but GenerateReqInput), left out of the extraction.
 BASE_REQ_FIELDS = {"rid", "http_worker_ipc"}
+# Served by SGLang beside its routes: Prometheus' ASGI app mounted at /metrics with --enable-metrics
+# (the replica reads its engine's load there; the compose and Kubernetes SGLang commands enable it).
+MOUNTED = {"/metrics": ["GET"]}
 
 
 @pytest.fixture
@@ -59,6 +62,8 @@ def struct_of(route: str) -> str | None:
 
 def violations(method: str, path: str, body: Any) -> list[str]:
     """What SGLang 0.5.23 would not take in this request."""
+    if path in MOUNTED:
+        return [] if method in MOUNTED[path] and not body else [f"{method} {path}: SGLang serves it to GET only"]
     route = REFERENCE["routes"].get(path)
     if route is None:
         return [f"{path}: SGLang has no such route"]
@@ -97,6 +102,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         await call("generate", request)
         await generate_resumable(client, request)
         await call("model_info")
+        await call("load")
         await call("health")
         await call("wait_healthy", 5)
         await call("update_weights_from_disk", str(tiny_model_dir), weight_version="1", flush_cache=True,
@@ -124,7 +130,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/pause_generation",
         "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
-        "/destroy_weights_update_group"}
+        "/destroy_weights_update_group", "/metrics"}
     bodies = {path: body for _, path, body in sent if body}
     assert bodies["/generate"]["sampling_params"]["sampling_seed"] == 3 and bodies["/pause_generation"]["mode"]
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
@@ -141,3 +147,5 @@ def test_the_checker_catches_what_sglang_would_not_take() -> None:
         "/generate: SamplingParams has no 'temprature'"]
     assert violations("POST", "/update_weights", {}) == ["/update_weights: SGLang has no such route"]
     assert violations("POST", "/abort_request", {"rid": "x", "abort_all": False}) == []
+    assert violations("GET", "/metrics", None) == []
+    assert violations("POST", "/metrics", {}) == ["POST /metrics: SGLang serves it to GET only"]
