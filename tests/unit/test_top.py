@@ -33,7 +33,7 @@ def scrape(at: float, **values: float) -> Scrape:
         samples.append(Sample("policyloop_version_lag_bucket", {"le": le}, count))
     samples += [Sample("policyloop_learner_step_seconds_count", {}, values["steps"]),
                 Sample("policyloop_reward_count", {"environment": "a@1"}, values["rewards"]),
-                Sample("policyloop_reward_sum", {"environment": "a@1"}, values["reward_sum"]),
+                Sample("policyloop_reward_points", {"environment": "a@1"}, values["reward_sum"]),
                 Sample("policyloop_bus_backlog_messages",
                        {"stream": "TASKS", "consumer": "rollout", "kind": "pending", "instance": "rollout-0"},
                        values["backlog"]),

@@ -340,6 +340,17 @@ def write_plot(result: DemoResult, path: Path) -> None:
     plt.close(fig)
 
 
+def _plot_ledger(url: str, started: float, path: Path, console: Console) -> None:
+    from policyloop.cluster.ledger_plot import write_ledger_plot
+
+    try:
+        panels = write_ledger_plot(url, started, time.time(), path)
+    except (OSError, RuntimeError, ValueError) as exc:  # the run's figures are written regardless
+        console.print(f"[yellow]no ledger plot: {exc}[/yellow]")
+        return
+    console.print(f"wrote {path} (the ledger over the run, {panels} panels with data)")
+
+
 def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[ClusterStatus], None]) -> int:
     from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, BootstrapConfig, bootstrap
 
@@ -362,14 +373,17 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     info = cluster.start()
     where = f"; Prometheus at {info.prometheus_url} (queries: docs/metrics.md)" if info.prometheus_url else ""
     console.print(f"watch the ledger live: [bold]policyloop top --run-dir {config.run_dir}[/bold]{where}")
+    started = time.time()
     try:
         result = asyncio.run(_drive(cluster, config, console))
         print_status(asyncio.run(cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)))
+        out = config.out or Path("runs") / result.run_id
+        out.mkdir(parents=True, exist_ok=True)
+        if info.prometheus_url:  # while Prometheus still runs
+            _plot_ledger(info.prometheus_url, started, out / "ledger.png", console)
     finally:
         console.print("stopping the cluster …")
         cluster.stop()
-    out = config.out or Path("runs") / result.run_id
-    out.mkdir(parents=True, exist_ok=True)
     summary = asdict(result) | {"config": {k: str(v) for k, v in asdict(config).items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     write_plot(result, out / "reward_accuracy.png")

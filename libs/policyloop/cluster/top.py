@@ -135,7 +135,10 @@ class Ledger:
             below = lag[bound]
         self.lag_histogram = {k: v for k, v in self.lag_histogram.items() if v}
         counts = _gained(current, previous, "policyloop_reward_count", "environment")
-        sums = _gained(current, previous, "policyloop_reward_sum", "environment")
+        sums = current.by("policyloop_reward_points", "environment")  # a gauge: rewards may be negative
+        if previous is not None:
+            before = previous.by("policyloop_reward_points", "environment")
+            sums = {key: value - before.get(key, 0.0) for key, value in sums.items()}
         buckets = _buckets(current, previous, "policyloop_reward", "environment")
         for (environment,), n in counts.items():
             mean = sums.get((environment,), 0.0) / n if n else None

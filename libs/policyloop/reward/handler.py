@@ -12,7 +12,7 @@ from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.reward.registry import ScorerRegistry
 from policyloop.reward.score import Score, UnscorableTrajectory
-from policyloop.telemetry.metrics import REWARD
+from policyloop.telemetry.metrics import REWARD, REWARD_POINTS
 
 
 def record_score(traj: bus_pb2.Trajectory, score: Score) -> None:
@@ -41,4 +41,5 @@ class RolloutScorer:
         record_score(traj, score)
         await self.bus.publish(trajectories_subject(traj.environment), traj, traj.trajectory_id)
         REWARD.labels(traj.environment).observe(traj.reward)
+        REWARD_POINTS.labels(traj.environment).inc(traj.reward)
         self.on_scored()

@@ -102,6 +102,10 @@ LEARNER_DROPPED = Counter("policyloop_learner_dropped_total", "Samples the learn
                           ["reason"])
 REWARD = Histogram("policyloop_reward", "Reward of scored trajectories.", ["environment"],
                    buckets=(-1, 0, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.1, 2))
+# The histogram has a negative bucket, so the client library exposes no _sum for it (rewards may
+# be negative): the sum is kept here, as a gauge since it may go down.
+REWARD_POINTS = Gauge("policyloop_reward_points", "Sum of the rewards scored (the mean over an interval: its "
+                      "delta over the increase of policyloop_reward_count).", ["environment"])
 WEIGHT_SYNC_SECONDS = Histogram(
     "policyloop_weight_sync_seconds",
     "Time a new version spends in each phase of weight sync: encode and push (learner), fetch and "
