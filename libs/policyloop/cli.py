@@ -369,13 +369,11 @@ def top(
 ) -> None:
     """The operational ledger of a running cluster, live: services, backlogs, tokens/s, version
     lag, KL and entropy, reward by environment, publish latency, drops and dead letters."""
-    from collections import deque
-
     from rich.live import Live
 
-    from policyloop.cluster.local import ClusterError, ClusterInfo
+    from policyloop.cluster.local import ClusterError, ClusterInfo, service_of
     from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_prometheus, scrape_services
-    from policyloop.cluster.top import Ledger, render
+    from policyloop.cluster.top import LedgerWindow, render
 
     try:
         info = ClusterInfo.load(run_dir)
@@ -383,7 +381,7 @@ def top(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     url = prometheus_url or info.prometheus_url
-    endpoints = [MetricsEndpoint(name, name.rsplit("-", 1)[0], f"http://127.0.0.1:{ports['http']}/metrics")
+    endpoints = [MetricsEndpoint(name, service_of(name), f"http://127.0.0.1:{ports['http']}/metrics")
                  for name, ports in sorted(info.processes.items()) if "http" in ports]
 
     def scrape() -> Scrape:
@@ -394,16 +392,12 @@ def top(
                 pass  # Prometheus not answering: the services themselves
         return asyncio.run(scrape_services(endpoints))
 
-    history: deque[Scrape] = deque()
+    window = LedgerWindow(window_s)
     refreshes = 0
     with Live(console=console, auto_refresh=False) as live:
         try:
             while True:
-                current = scrape()
-                while len(history) > 1 and current.at - history[1].at >= window_s:
-                    history.popleft()
-                live.update(render(Ledger.between(history[0] if history else None, current)), refresh=True)
-                history.append(current)
+                live.update(render(window.add(scrape())), refresh=True)
                 refreshes += 1
                 if iterations and refreshes >= iterations:
                     break

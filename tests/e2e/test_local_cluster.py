@@ -101,6 +101,26 @@ def test_status_without_a_cluster_says_so(tmp_path: Path) -> None:
     assert "no cluster.json" in result.stdout
 
 
+def test_top_without_a_cluster_says_so(tmp_path: Path) -> None:
+    result = subprocess.run([*POLICYLOOP, "top", "--run-dir", str(tmp_path), "--iterations", "1"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "no cluster.json" in result.stdout
+
+
+def test_scaling_a_service_the_cluster_does_not_run_is_refused(tmp_path: Path) -> None:
+    import pytest
+
+    from policyloop.cluster.catalogue import entry
+    from policyloop.cluster.local import LocalCluster
+
+    cluster = LocalCluster(tmp_path / "c", services=(entry("reward"),))
+    with pytest.raises(ValueError, match="cannot scale 'gateway'"):
+        cluster.scale("gateway", 1)
+    with pytest.raises(ValueError, match="cannot scale 'reward' to -1"):
+        cluster.scale("reward", -1)
+    assert cluster.processes == []  # nothing started
+
+
 async def test_cluster_uses_servers_given_by_url(tmp_path: Path, nats_server, redis_server) -> None:  # type: ignore[no-untyped-def]
     from policyloop.cluster.catalogue import entry
     from policyloop.cluster.local import LocalCluster

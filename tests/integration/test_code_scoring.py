@@ -115,6 +115,25 @@ async def test_reward_code_runs_in_the_sandbox_not_in_the_reward_service(
     assert results["nan"].reward == 0.0 and "finite" in parts(results["nan"])["reward_code"][1]
     # The team's code ran where the reward service's environment and the host's /tmp are not.
     assert results["snoop"].reward == 0.0 and not marker.exists()
+    # The sandbox counted its jobs by outcome and timed each: the runaway one by the limit that ended it.
+    jobs = sandbox_metrics(sandbox.ports["http"])
+    assert jobs.get(("policyloop_sandbox_jobs_total", "ok"), 0) >= 1
+    assert jobs.get(("policyloop_sandbox_jobs_total", "cpu_time"), 0) + jobs.get(
+        ("policyloop_sandbox_jobs_total", "wall_time"), 0) >= 1
+    timed = sum(v for (name, _), v in jobs.items() if name == "policyloop_sandbox_job_seconds_count")
+    assert timed == sum(v for (name, _), v in jobs.items() if name == "policyloop_sandbox_jobs_total") >= 5
+
+
+def sandbox_metrics(port: int) -> dict[tuple[str, str], float]:
+    """(sample name, outcome) → value of the sandbox's job metrics, from its own /metrics."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, s.labels.get("outcome", "")): s.value for family in text_string_to_metric_families(text)
+            for s in family.samples if s.name.startswith("policyloop_sandbox_job")}
 
 
 async def test_every_task_of_the_code_environment_is_solvable() -> None:

@@ -231,3 +231,15 @@ def test_structs_are_frozen_and_strict_when_built_in_code() -> None:
     with pytest.raises(ValueError):
         WeightVersionSpan("3", True, 1)
     assert span.model_copy(update={"end": 4}) == WeightVersionSpan(version="3", start=0, end=4)
+
+
+def test_an_engines_load_is_read_from_its_prometheus_text() -> None:
+    from policyloop.engines.sglang_client import EngineLoad
+
+    page = ("# TYPE sglang:num_queue_reqs gauge\n"
+            'sglang:num_queue_reqs{model_name="m",tp_rank="0"} 2.0\n'
+            'sglang:num_queue_reqs{model_name="m",tp_rank="1"} 1.0\n'
+            "# TYPE sglang:token_usage gauge\n"
+            'sglang:token_usage{model_name="m"} 0.25\n')
+    assert EngineLoad.parse(page) == EngineLoad(queued_requests=3.0, kv_usage=0.25)
+    assert EngineLoad.parse("<html>not metrics</html>") == EngineLoad()  # not Prometheus' text: nothing known

@@ -74,3 +74,17 @@ def test_a_service_metrics_page_becomes_labelled_samples() -> None:
     samples = parse_metrics(page, "reward-0", "reward")
     assert {s.name for s in samples} == {"policyloop_reward_bucket", "policyloop_reward_count", "policyloop_reward_sum"}
     assert all(s.labels["instance"] == "reward-0" and s.labels["service"] == "reward" for s in samples)
+
+
+def test_the_window_compares_with_the_oldest_scrape_within_it() -> None:
+    from policyloop.cluster.top import LedgerWindow
+
+    def at(t: float, steps: float) -> Scrape:
+        return Scrape([Sample("policyloop_learner_step_seconds_count", {}, steps)], at=t, source="test")
+
+    window = LedgerWindow(seconds=10)
+    assert window.add(at(0, 0)).seconds == 0  # alone: the totals since start
+    assert window.add(at(4, 4)).steps_per_s == pytest.approx(1.0)  # against t=0
+    assert window.add(at(8, 16)).steps_per_s == pytest.approx(2.0)  # still against t=0
+    ledger = window.add(at(14, 22))  # t=4 is now 10 s old: t=0 drops out
+    assert (ledger.seconds, ledger.steps_per_s) == (10, pytest.approx(1.8))

@@ -146,6 +146,11 @@ def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
     return managed
 
 
+def service_of(instance: str) -> str:
+    """The service an instance belongs to: rollout-0 → rollout."""
+    return instance.rsplit("-", 1)[0]
+
+
 def service_args(entry: ServiceEntry) -> list[str]:
     """Arguments after `policyloop`: the same in compose.yaml (checked by a test)."""
     return ["serve", entry.name]
@@ -274,11 +279,8 @@ class LocalCluster:
                 for index in range(self.replicas.get(entry.name, 1)):
                     self.processes.append(service_process(entry, index, self.run_dir, self.nats_url,
                                                           self.redis_url, self.namespace, extra_env))
-            publishers = [p for p in self.processes if p.name.startswith("publisher-")]
             for proc in self.processes:
-                if publishers and "POLICYLOOP_PUBLISHER_ENDPOINT" not in self.extra_env:
-                    # The learner pushes versions to the (single) publisher.
-                    proc.env["POLICYLOOP_PUBLISHER_ENDPOINT"] = f"127.0.0.1:{publishers[0].ports['grpc']}"
+                self._point_at_publisher(proc)
                 proc.start()
             self._start_prometheus()
         except BaseException:
@@ -288,6 +290,12 @@ class LocalCluster:
         info.save()
         return info
 
+    def _point_at_publisher(self, proc: ManagedProcess) -> None:
+        """The learner pushes versions to the (single) publisher, unless extra_env names one."""
+        publishers = [p for p in self.processes if service_of(p.name) == "publisher"]
+        if publishers and "POLICYLOOP_PUBLISHER_ENDPOINT" not in self.extra_env:
+            proc.env["POLICYLOOP_PUBLISHER_ENDPOINT"] = f"127.0.0.1:{publishers[0].ports['grpc']}"
+
     def _start_prometheus(self) -> None:
         binary = prometheus_binary()
         if self.want_prometheus is False or (binary is None and self.want_prometheus is None):
@@ -296,7 +304,7 @@ class LocalCluster:
             raise ClusterError("prometheus is not installed (Debian: apt-get install prometheus)")
         directory = self.run_dir / "prometheus"
         write_config(directory)
-        self.write_scrape_targets()
+        write_targets(directory, self.scrape_targets())
         port = free_port()
         self.prometheus = ManagedProcess("prometheus", prometheus_command(binary, directory, port), dict(os.environ),
                                          self.run_dir / "logs" / "prometheus.log", {"client": port})
@@ -310,12 +318,12 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.prometheus.ports['client']}" if self.prometheus is not None else ""
 
     def scrape_targets(self) -> list[ScrapeTarget]:
-        return [ScrapeTarget(p.name.rsplit("-", 1)[0], p.name, f"127.0.0.1:{p.ports['http']}")
+        return [ScrapeTarget(service_of(p.name), p.name, f"127.0.0.1:{p.ports['http']}")
                 for p in self.processes if "http" in p.ports]
 
     def write_scrape_targets(self) -> None:
         """Tells Prometheus (when it runs) which processes to scrape: after every change to them."""
-        if self.want_prometheus is not False:
+        if self.prometheus is not None:
             write_targets(self.run_dir / "prometheus", self.scrape_targets())
 
     def scale(self, service: str, replicas: int) -> None:
@@ -324,13 +332,11 @@ class LocalCluster:
         entry = next((e for e in self.services if e.name == service), None)
         if entry is None or replicas < 0:
             raise ValueError(f"cannot scale {service!r} to {replicas}")
-        running = [p for p in self.processes if p.name.rsplit("-", 1)[0] == service]
-        publishers = [p for p in self.processes if p.name.startswith("publisher-")]
+        running = [p for p in self.processes if service_of(p.name) == service]
         for index in range(len(running), replicas):
             managed = service_process(entry, index, self.run_dir, self.nats_url, self.redis_url, self.namespace,
                                       self.extra_env)
-            if publishers and "POLICYLOOP_PUBLISHER_ENDPOINT" not in self.extra_env:
-                managed.env["POLICYLOOP_PUBLISHER_ENDPOINT"] = f"127.0.0.1:{publishers[0].ports['grpc']}"
+            self._point_at_publisher(managed)
             managed.start()
             self.processes.append(managed)
         leaving = running[replicas:]

@@ -10,6 +10,7 @@ the totals since the services started.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -148,6 +149,22 @@ class Ledger:
         self.publish_p50, self.publish_p99 = histogram_quantile(0.5, serving), histogram_quantile(0.99, serving)
         push = _buckets(current, previous, "policyloop_weight_sync_seconds", "phase")
         self.push_p50 = histogram_quantile(0.5, push.get(("push",), {}))
+
+
+class LedgerWindow:
+    """The scrapes of about the last `seconds`: each new one is compared with the oldest kept, so
+    rates cover the window rather than one refresh (Prometheus itself moves every scrape interval)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.scrapes: deque[Scrape] = deque()
+
+    def add(self, current: Scrape) -> Ledger:
+        while len(self.scrapes) > 1 and current.at - self.scrapes[1].at >= self.seconds:
+            self.scrapes.popleft()
+        ledger = Ledger.between(self.scrapes[0] if self.scrapes else None, current)
+        self.scrapes.append(current)
+        return ledger
 
 
 def _number(value: float | None, digits: int = 1, unit: str = "") -> str:

@@ -573,7 +573,6 @@ TORCH_DTYPE_NAMES: frozenset[str] = frozenset({
     "float32", "float", "float16", "half", "bfloat16", "float64", "double", "float8_e4m3fn", "float8_e4m3fnuz",
     "float8_e5m2", "float8_e5m2fnuz", "uint8", "int8", "int16", "short", "int32", "int", "int64", "long", "bool",
 })
-WEIGHT_SELECTORS: tuple[str, ...] = ("target", "draft", "all")
 WeightSelector = Literal["target", "draft", "all"]
 
 _NonEmpty = Annotated[str, Field(min_length=1)]
