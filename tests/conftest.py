@@ -31,6 +31,12 @@ from policyloop.cluster.local import (
 from policyloop.state import connect_redis
 
 REPO = Path(__file__).resolve().parents[1]
+# Tests never reach an experiment tracker's servers (the services they start inherit this): wandb
+# writes offline runs only and reports no errors, MLflow's store is the one each test names, and
+# neither sends usage telemetry.
+os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_ERROR_REPORTING="false",
+                  MLFLOW_DISABLE_TELEMETRY="true")
+os.environ.pop("MLFLOW_TRACKING_URI", None)
 
 
 @dataclass

@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,6 +53,38 @@ class ColocatedSettings(BaseModel):
                                 "the weight-update group is formed again.")
 
 
+TrackerKind = Literal["none", "tensorboard", "wandb", "mlflow"]
+TRACKER_KINDS: tuple[str, ...] = get_args(TrackerKind)
+
+
+class TrackerSettings(BaseModel):
+    """Where the learner's step statistics, the run's configuration and evaluations go
+    (policyloop.learner.tracking, docs/trackers.md). Each backend is an optional extra."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: TrackerKind = Field(
+        "none", description="Experiment tracker: none, tensorboard (extra trackers-tensorboard), wandb "
+                            "(trackers-wandb) or mlflow (trackers-mlflow). A missing extra refuses the start.")
+    dir: Path = Field(
+        Path("runs/local/tracking"), description="Local files of the tracker: TensorBoard event files in "
+                                                 "<dir>/tensorboard/<run name>, wandb's run files in <dir>/wandb, "
+                                                 "and MLflow's default store <dir>/mlflow.db.")
+    run_name: str = Field(
+        "", description="The tracker's name for this run (TensorBoard run directory, wandb run name and group, "
+                        "MLflow run name); empty: the learner's run_id.")
+    wandb_project: str = Field("policyloop", description="wandb project the run is logged to.")
+    wandb_entity: str = Field("", description="wandb entity (user or team); empty: the API key's default.")
+    wandb_mode: Literal["online", "offline"] | None = Field(
+        None, description="wandb online (needs WANDB_API_KEY and the network) or offline (files only, uploaded "
+                          "later with `wandb sync <dir>/wandb/offline-run-*`); unset: WANDB_MODE, else online.")
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow tracking server or store (http://host:5000, sqlite:///path.db); empty: "
+                        "MLFLOW_TRACKING_URI, else sqlite:///<dir>/mlflow.db.")
+    mlflow_experiment: str = Field("policyloop", description="MLflow experiment the run is logged to (created if "
+                                                             "missing).")
+
+
 class LearnerSettings(ServiceSettings):
     model_path: Path = Field(Path("model"), description="Hugging Face directory of the base policy.")
     publisher_endpoint: str = Field("127.0.0.1:50052", description="host:port of the publisher's WeightService.")
@@ -63,6 +95,9 @@ class LearnerSettings(ServiceSettings):
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints and resume.")
     colocated: ColocatedSettings = Field(
         default_factory=ColocatedSettings, description="Engines on this node fed by broadcast.")
+    tracker: TrackerSettings = Field(
+        default_factory=TrackerSettings, description="Experiment tracker of step statistics, configuration and "
+                                                     "evaluations (--tracker.kind tensorboard|wandb|mlflow).")
     dedupe_steps: int = Field(
         1000, ge=1, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later "
                                 "ones exceed max_lag and are dropped as stale).")
