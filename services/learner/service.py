@@ -14,6 +14,7 @@ from policyloop.learner.colocated import ColocatedEngines
 from policyloop.learner.figures import advertised_status
 from policyloop.learner.follow import follow_rank, is_follower_rank
 from policyloop.learner.settings import LearnerSettings
+from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, require_tracker, start_learner_tracker
 from policyloop.runtime import ServiceCannotStart, ServiceContext, run_main, run_pull_workers
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
@@ -41,25 +42,29 @@ async def body(ctx: ServiceContext) -> None:
     ctx.status = lambda: starting
     try:
         resolve_device(settings.device)
-    except DeviceUnavailable as exc:
+        require_tracker(settings.tracker.kind)  # a missing extra: refused before the model loads
+    except (DeviceUnavailable, TrackerUnavailable) as exc:
         raise ServiceCannotStart(str(exc)) from exc
     trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, settings.trainer_config(), 0)
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
     colocated = ColocatedEngines(settings.colocated)
+    tracker: Tracker = NullTracker()
     try:
+        tracker = await start_learner_tracker(settings)
         resumed = await start_version(settings, trainer, ctx.bus, ctx.versions)
         ctx.policy_version = trainer.version
         learner = Learner(settings, trainer, ctx.bus, versions=ctx.versions,
                           pusher=VersionPusher(publisher, settings.model, run_id=settings.run_id),
                           colocated=colocated, progress=RunProgressStore(ctx.redis, settings.namespace),
-                          resumed=resumed, on_version=lambda v: setattr(ctx, "policy_version", v))
+                          resumed=resumed, on_version=lambda v: setattr(ctx, "policy_version", v), tracker=tracker)
         ctx.status = learner.current_status
         await learner.publish_resumed(resumed)
         await serve_learner(ctx, learner)
     finally:
         await publisher.close()
         await colocated.close()
+        await asyncio.to_thread(tracker.close)
         trainer.close()
 
 

@@ -15,6 +15,7 @@ from policyloop.bus import Bus, trajectories_subject
 from policyloop.learner.colocated import ColocatedEngines
 from policyloop.learner.learner import Learner
 from policyloop.learner.settings import CheckpointSettings, LearnerSettings
+from policyloop.learner.tracking import BackgroundTracker, Tracker
 from policyloop.ledger import trained_steps
 from policyloop.rl.recovery import Resumed
 from policyloop.state import VersionRegistry
@@ -47,7 +48,8 @@ async def _announce(_: object) -> None:
 
 @asynccontextmanager
 async def running_learner(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
-                          servicer: type[WeightServicer]) -> AsyncIterator[tuple[Learner, WeightServicer]]:
+                          servicer: type[WeightServicer], tracker: Tracker | None = None,
+                          ) -> AsyncIterator[tuple[Learner, WeightServicer]]:
     from policyloop.rl.trainer import PolicyTrainer
 
     library = WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=2)
@@ -61,7 +63,7 @@ async def running_learner(bus: Bus, redis_client, model_dir: Path, root: Path,  
     learner = Learner(settings, trainer, bus, versions=VersionRegistry(redis_client, "default"),
                       pusher=VersionPusher(client, settings.model), colocated=ColocatedEngines(settings.colocated),
                       progress=RunProgressStore(redis_client, "default"),
-                      resumed=Resumed(checkpoint=None, checkpoint_version=0))
+                      resumed=Resumed(checkpoint=None, checkpoint_version=0), tracker=tracker)
     stop = asyncio.Event()
     worker = learner.pull_worker()
     tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(learner.run(stop))]
@@ -132,3 +134,44 @@ async def test_a_copy_of_a_trained_sample_is_acked_without_training(
 
         await eventually(dropped, timeout_s=30)
         assert learner.status.step == 1 and await versions.get("policy") == 1
+
+
+class FailingTracker:
+    """A tracker backend whose every step fails (a full disk, a server gone)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    def log_config(self, config: object) -> None:
+        pass
+
+    def log_step(self, step: int, stats: object) -> None:
+        self.steps.append(step)
+        raise OSError(28, "No space left on device")
+
+    def log_evaluation(self, step: int, results: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.timeout(180)
+async def test_a_tracker_that_fails_does_not_stop_the_steps(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The learner hands each step's statistics to its tracker; the tracker's first failure turns
+    it off, and the learner goes on stepping and publishing."""
+    versions = VersionRegistry(redis_client, "default")
+    backend = FailingTracker()
+    tracker = BackgroundTracker(backend, "failing")
+    async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, WeightServicer, tracker) as (learner, _):
+        for task, version in (("a", 1), ("b", 2)):
+            await publish_group(bus, task)
+
+            async def stepped(version: int = version) -> bool:
+                return await versions.get("policy") == version and (await bus.backlog("learner")).ack_pending == 0
+
+            await eventually(stepped, timeout_s=120)
+        assert learner.status.step == 2 and learner.status.trained_samples == 4
+    tracker.close()
+    assert backend.steps == [1] and tracker.failed is not None and "No space left" in tracker.failed

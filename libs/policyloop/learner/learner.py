@@ -24,6 +24,7 @@ from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.learner.figures import LearnerFigures, advertised_status
 from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.telemetry.logging import get_logger
@@ -45,12 +46,15 @@ log = get_logger(__name__)
 
 class Learner:
     """One learner rank 0: holds trajectories, takes steps, publishes versions. `on_version` is
-    told each version the learner stands at (the service reports it in health and logs)."""
+    told each version the learner stands at (the service reports it in health and logs); `tracker`
+    gets each step's statistics (learner/tracking.py: it never blocks or raises)."""
 
     def __init__(self, settings: LearnerSettings, trainer: PolicyTrainer, bus: Bus, *, versions: VersionRegistry,
                  pusher: VersionPusher, colocated: ColocatedEngines, progress: RunProgressStore,
-                 resumed: Resumed, on_version: Callable[[int], None] = lambda _: None) -> None:
+                 resumed: Resumed, on_version: Callable[[int], None] = lambda _: None,
+                 tracker: Tracker | None = None) -> None:
         self.settings, self.trainer, self.bus = settings, trainer, bus
+        self.tracker = tracker if tracker is not None else NullTracker()
         self.versions, self.pusher, self.colocated, self.progress = versions, pusher, colocated, progress
         self.on_version = on_version
         self.held = HeldTrajectories(settings.groups_per_step, RecentSteps(settings.dedupe_steps, resumed.recent_steps))
@@ -157,6 +161,8 @@ class Learner:
         if every and self.trainer.version % every == 0:
             await self.checkpoint()
         self.figures.stepped(report, time.monotonic() - started)
+        self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
+                                                           self.trainer.version - 1, self.status))
         log.info("step", step=report.step, version=self.trainer.version, mean_reward=round(report.mean_reward, 4),
                  loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
                  step_s=round(time.monotonic() - started, 3))
