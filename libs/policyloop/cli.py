@@ -22,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from policyloop.cluster.catalogue import SERVICE_NAMES, service_main
+from policyloop.learner.settings import TRACKER_KINDS, TrackerSettings
 from policyloop.rl.settings import LossConfig, OptimizerSettings
 from policyloop.runtime.settings import ServiceSettings
 
@@ -432,6 +433,10 @@ def demo(
     prometheus: Annotated[bool | None, typer.Option(
         "--prometheus/--no-prometheus",
         help="Run Prometheus beside the demo's cluster (default: when it is installed).")] = None,
+    tracker: Annotated[str, typer.Option(
+        help=field_help(TrackerSettings, "kind") + " The learner's steps and the demo's held-out evaluations go "
+             "to it, under RUN_DIR/tracking (other tracker settings: POLICYLOOP_TRACKER__*, docs/trackers.md).")]
+        = field_default(TrackerSettings, "kind"),
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
@@ -442,6 +447,9 @@ def demo(
     if weight_update_mode not in PAUSE_MODES:
         console.print(f"[red]--weight-update-mode must be one of {', '.join(PAUSE_MODES)}[/red]")
         raise typer.Exit(2)
+    if tracker not in TRACKER_KINDS:
+        console.print(f"[red]--tracker must be one of {', '.join(TRACKER_KINDS)}[/red]")
+        raise typer.Exit(2)
     try:
         loss = LossConfig(**objective)
     except ValueError as exc:
@@ -451,7 +459,7 @@ def demo(
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
-                        prometheus=prometheus)
+                        prometheus=prometheus, tracker=tracker)
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 

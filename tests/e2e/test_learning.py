@@ -7,7 +7,8 @@ accuracy on 600 held-out problems (+15.5 and +17.2 points in 120 s, about 250 le
 200 problems were too few — that draw happened to be easier, 30% before, and showed +5 to +19
 for the same runs' kind), and the mean train reward of the last quarter of the run against the
 first (+0.09 to +0.15 in five runs). The run is a number of learner steps, not seconds, so a busy
-machine makes it slower, not shorter; the budget only bounds it."""
+machine makes it slower, not shorter; the budget only bounds it. The run logs to TensorBoard:
+the learner's steps and the demo's evaluations are read back from its event files."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"), "--out", str(out),
          "--steps", str(STEPS), "--budget-s", str(BUDGET_S), "--eval-interval-s", "60",
-         "--eval-problems", str(EVAL_PROBLEMS)],
+         "--eval-problems", str(EVAL_PROBLEMS), "--tracker", "tensorboard"],
         capture_output=True, text=True, timeout=840,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
@@ -59,3 +60,16 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
         assert (out / "ledger.png").stat().st_size > 10_000 and "ledger.png" in result.stdout
         panels = int(result.stdout.split("ledger over the run, ", 1)[1].split(" panels", 1)[0])
         assert panels >= 6, result.stdout[-2000:]  # drops and dead letters may have no series in a clean run
+    # The tracker: every learner step, and the demo's evaluations at the versions they measured.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    [run] = (tmp_path / "run" / "tracking" / "tensorboard").iterdir()
+    assert summary["tracker_run"] == run.name and f"tracker: run {run.name}" in result.stdout
+    steps = EventAccumulator(str(run), size_guidance={"scalars": 0})
+    steps.Reload()
+    rewards = steps.Scalars("train/mean_reward")
+    assert [e.step for e in rewards] == list(range(1, len(rewards) + 1)) and len(rewards) >= summary["steps"]
+    evaluations = EventAccumulator(str(run / "evaluation"), size_guidance={"scalars": 0})
+    evaluations.Reload()
+    assert [(e.step, e.value) for e in evaluations.Scalars("eval/heldout_accuracy")] == \
+        [(e["version"], pytest.approx(e["accuracy"])) for e in summary["evaluations"]]

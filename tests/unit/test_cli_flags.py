@@ -13,6 +13,7 @@ import pytest
     (["--off-policy", "sometimes"], "Input should be 'none', 'tis' or 'decoupled'"),
     (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
     (["--weight-update-mode", "sideways"], "--weight-update-mode must be one of"),
+    (["--tracker", "neptune"], "--tracker must be one of none, tensorboard, wandb, mlflow"),
 ])
 def test_demo_refuses_an_unknown_objective(flags: list[str], named: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     result = subprocess.run([sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"), *flags],
@@ -25,8 +26,10 @@ def test_demo_flags_are_the_settings_fields() -> None:
     """Every objective knob, and the loop settings the demo sets, are flags with the field's own
     default and description: a knob added to LossConfig is a demo flag without another line."""
     import inspect
+    from typing import get_type_hints
 
     from policyloop.cli import demo, field_help
+    from policyloop.learner.settings import TrackerSettings
     from policyloop.rl.settings import LossConfig, OptimizerSettings
     from policyloop.runtime.settings import ServiceSettings
 
@@ -37,3 +40,21 @@ def test_demo_flags_are_the_settings_fields() -> None:
         assert parameters[flag].annotation.__metadata__[0].help == field_help(LossConfig, name)
     for model, name in ((ServiceSettings, "groups_per_step"), (ServiceSettings, "max_lag"), (OptimizerSettings, "lr")):
         assert parameters[name].default == model.model_fields[name].default
+    assert parameters["tracker"].default == TrackerSettings.model_fields["kind"].default
+    tracker_help = get_type_hints(demo, include_extras=True)["tracker"].__metadata__[0].help
+    assert tracker_help.startswith(field_help(TrackerSettings, "kind"))
+
+
+def test_demo_refuses_a_tracker_whose_extra_is_missing(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Before it bootstraps a model or starts a cluster, naming the extra to install."""
+    import os
+
+    hidden = tmp_path / "hidden" / "wandb"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('not installed here', name='wandb')\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(hidden.parent), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"),
+                             "--tracker", "wandb"], capture_output=True, text=True, timeout=120, env=env)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "pip install 'policyloop[trackers-wandb]'" in " ".join(result.stdout.split())
+    assert "bootstrapping" not in result.stdout and not (tmp_path / "run").exists()

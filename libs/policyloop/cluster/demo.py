@@ -6,6 +6,8 @@ same SGLang client the rollout uses), submits the arithmetic environment's train
 through the gateway's gRPC API and starts a run, shows live progress for a fixed budget —
 learner step, mean reward, held-out accuracy at intervals, version lag, generated tokens/s —
 measures held-out accuracy again, stops everything, and writes `summary.json` and a plot.
+With a tracker (`--tracker tensorboard|wandb|mlflow`), the learner logs its steps to it and the
+demo its held-out evaluations beside them, at the version each evaluation measured.
 
 With `tools`, the environment is multi-turn: the same problems after the `<tools>` prompt token,
 up to three model turns with the python tool between them (each call a sandbox job). Held-out
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 
 from policyloop.bus import Bus
 from policyloop.cluster.local import LocalCluster
@@ -35,6 +38,8 @@ from policyloop.engines.protocol import GenerateRequest, GenerateResult, Samplin
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs import arithmetic
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
+from policyloop.learner.settings import LearnerSettings, TrackerSettings
+from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, mlflow_tracking_uri, open_tracker
 from policyloop.rl.settings import LossConfig
 from policyloop.rollout.episodes import from_hf, run_episode, sandbox_tools
 from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
@@ -62,6 +67,7 @@ class DemoConfig:
     weight_update_mode: str = "in_place"  # how versions reach requests in flight (rollout setting)
     tools: bool = False                  # the multi-turn environment (python tool in the sandbox)
     prometheus: bool | None = None       # Prometheus beside the cluster (None: when it is installed)
+    tracker: str = "none"                # experiment tracker of the learner's steps and the evaluations
 
 
 @dataclass
@@ -103,6 +109,7 @@ class DemoResult:
     tool_use_after: float = 0.0
     progress: list[Progress] = field(default_factory=list)
     evaluations: list[Evaluation] = field(default_factory=list)
+    tracker_run: str = ""                # the run's name in the tracker, when there is one
 
 
 TOOL_MAX_TURNS = 3          # model turns of a tools episode: call, call, answer at most
@@ -236,7 +243,7 @@ async def wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus
         await asyncio.sleep(0.5)
 
 
-async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) -> DemoResult:
+async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tracker: Tracker) -> DemoResult:
     from transformers import AutoTokenizer
 
     status = await wait_healthy(cluster, config.start_timeout_s)
@@ -258,6 +265,9 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console) ->
         measured = await evaluate(client, tokenizer, heldout, tools_bus)
         evaluation = Evaluation(round(t, 1), measured.version, measured.accuracy, measured.tool_use)
         result.evaluations.append(evaluation)
+        # At the version measured: the learner's step of that number made it.
+        tracker.log_evaluation(evaluation.version, {"heldout_accuracy": evaluation.accuracy} |
+                               ({"heldout_tool_use": evaluation.tool_use} if config.tools else {}))
         return evaluation
 
     def described(e: Evaluation) -> str:
@@ -351,7 +361,41 @@ def _plot_ledger(url: str, started: float, path: Path, console: Console) -> None
     console.print(f"wrote {path} (the ledger over the run, {panels} panels with data)")
 
 
+def demo_tracker_settings(config: DemoConfig) -> TrackerSettings:
+    """The learner's tracker settings (POLICYLOOP_TRACKER__* apply, e.g. the wandb project or the
+    MLflow URI) with the demo's kind, its directory in the run directory, and a run name of its
+    own for each demo, so that demos sit side by side in the tracker."""
+    return LearnerSettings().tracker.model_copy(update={
+        "kind": config.tracker, "dir": config.run_dir.resolve() / "tracking",
+        "run_name": f"{config.run_dir.name}-{time.strftime('%Y%m%d-%H%M%S')}"})
+
+
+def where_to_look(settings: TrackerSettings) -> str:
+    if settings.kind == "tensorboard":
+        return f"tensorboard --logdir {settings.dir / 'tensorboard'}"
+    if settings.kind == "wandb":
+        return f"wandb project {settings.wandb_project!r} (offline: wandb sync {settings.dir / 'wandb'}/offline-run-*)"
+    store = mlflow_tracking_uri(settings)
+    return f"MLflow experiment {settings.mlflow_experiment!r} at {store} (the full mlflow package's UI: " \
+           f"mlflow ui --backend-store-uri {store})"
+
+
 def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[ClusterStatus], None]) -> int:
+    # The demo's tracker opens first: a missing extra is refused before anything starts.
+    tracking = demo_tracker_settings(config)
+    try:
+        tracker = open_tracker(tracking, run_name=tracking.run_name, role="evaluation")
+    except TrackerUnavailable as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]")
+        return 2
+    try:
+        return _run_demo(config, tracking, tracker, console=console, print_status=print_status)
+    finally:
+        tracker.close()
+
+
+def _run_demo(config: DemoConfig, tracking: TrackerSettings, tracker: Tracker, *, console: Console,
+              print_status: Callable[[ClusterStatus], None]) -> int:
     from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, BootstrapConfig, bootstrap
 
     if config.model_path is None:
@@ -367,6 +411,9 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
         "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
         "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),
         "POLICYLOOP_MAX_TOOL_TOKENS": str(TOOL_MAX_TOOL_TOKENS),
+        "POLICYLOOP_TRACKER__KIND": tracking.kind,
+        "POLICYLOOP_TRACKER__DIR": str(tracking.dir),
+        "POLICYLOOP_TRACKER__RUN_NAME": tracking.run_name,
     }
     cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True, prometheus=config.prometheus)
     console.print(f"starting the local cluster in {config.run_dir} …")
@@ -375,7 +422,7 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     console.print(f"watch the ledger live: [bold]policyloop top --run-dir {config.run_dir}[/bold]{where}")
     started = time.time()
     try:
-        result = asyncio.run(_drive(cluster, config, console))
+        result = asyncio.run(_drive(cluster, config, console, tracker))
         print_status(asyncio.run(cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)))
         out = config.out or Path("runs") / result.run_id
         out.mkdir(parents=True, exist_ok=True)
@@ -384,6 +431,8 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
     finally:
         console.print("stopping the cluster …")
         cluster.stop()
+    if not isinstance(tracker, NullTracker):
+        result.tracker_run = tracking.run_name
     summary = asdict(result) | {"config": {k: str(v) for k, v in asdict(config).items()}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     write_plot(result, out / "reward_accuracy.png")
@@ -401,4 +450,7 @@ def run_demo(config: DemoConfig, *, console: Console, print_status: Callable[[Cl
                       f"({sync['keyframes']} keyframe(s) + deltas) for {sync['full_bytes'] / 1e6:.1f} MB of full "
                       f"weights: {sync['full_over_sent']}x less")
     console.print(f"wrote {out / 'summary.json'} and {out / 'reward_accuracy.png'}")
+    if result.tracker_run:
+        console.print(f"tracker: run {result.tracker_run} (learner steps and held-out evaluations): "
+                      f"{where_to_look(tracking)}")
     return 0 if gain > 0 else 1

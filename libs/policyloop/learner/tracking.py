@@ -338,15 +338,23 @@ def _open_backend(settings: TrackerSettings, run_name: str, role: str) -> Tensor
                             directory=settings.dir, name=run_name if role == "learner" else f"{run_name}-{role}",
                             group=run_name, job_type=role)
     if settings.kind == "mlflow":
-        uri = settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI", "")
+        uri = mlflow_tracking_uri(settings)
         artifacts = None
-        if not uri:  # the local default: a SQLite store in the tracker's directory
+        if uri == _local_mlflow_store(settings):
             settings.dir.mkdir(parents=True, exist_ok=True)
-            uri = f"sqlite:///{(settings.dir / 'mlflow.db').resolve()}"
             artifacts = (settings.dir / "mlflow-artifacts").resolve().as_uri()
         return MlflowTracker(tracking_uri=uri, experiment=settings.mlflow_experiment, run_name=run_name, role=role,
                              artifact_location=artifacts)
     raise TrackerUnavailable(f"unknown tracker {settings.kind!r}")
+
+
+def mlflow_tracking_uri(settings: TrackerSettings) -> str:
+    """The setting, else MLFLOW_TRACKING_URI, else a SQLite store in the tracker's directory."""
+    return settings.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or _local_mlflow_store(settings)
+
+
+def _local_mlflow_store(settings: TrackerSettings) -> str:
+    return f"sqlite:///{(settings.dir / 'mlflow.db').resolve()}"
 
 
 # --- the learner's use of it -------------------------------------------------------------------
