@@ -99,7 +99,7 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
             # The figures moved while the run trained: steps, tokens, lag, reward per environment.
             screen = top.wait_for(lambda s: learner_steps(s) >= before + 2 and "sums@v1" in s, "the run's steps")
             for figure in ("tokens/s generated", "tokens/s trained", "version lag", "KL (behaviour) / entropy",
-                           "publish: stored → serving p50 / p99", "dropped", "dead letters", "TRAJECTORIES",
+                           "publish: step end → serving p50 / p99", "dropped", "dead letters", "TRAJECTORIES",
                            "functions@v1"):
                 assert figure in screen, f"{figure!r} not on the screen:\n{screen}"
             assert "Prometheus http://127.0.0.1" in screen or "services' /metrics" in screen

@@ -129,7 +129,7 @@ class Learner:
         trained = watch.lap()
         await self._record(report, weights, samples)
         await self.colocated.send(tensors, self.trainer.version)
-        pushed = await self.pusher.push(weights, report.step)
+        pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained.end_ns // 1_000_000)
         self.figures.pushed(pushed)
         await self.versions.advance(self.settings.model, self.trainer.version)
         self.traces.trained(samples, step=report.step, version=self.trainer.version, train=trained,

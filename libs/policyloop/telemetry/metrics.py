@@ -118,6 +118,12 @@ WEIGHTS_SERVING_DELAY = Histogram(
     "serving it: announcement, fetch, verify and load (clocks of two hosts: keep them in sync).",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
+WEIGHTS_STEP_TO_SERVING = Histogram(
+    "policyloop_weights_step_to_serving_seconds",
+    "From the learner's step finishing a version to this replica's engine serving it: the ledger record, "
+    "encode, push, the publisher's verify and store, announcement, fetch, verify and load (clocks of two hosts).",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
 WEIGHT_PAYLOAD_BYTES = Counter(
     "policyloop_weight_payload_bytes_total", "Weight payload bytes sent (learner) or received (rollout), by kind.",
     ["kind"],
