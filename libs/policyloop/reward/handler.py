@@ -13,7 +13,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.reward.registry import ScorerRegistry
 from policyloop.reward.score import Score, UnscorableTrajectory
 from policyloop.telemetry import tracing
-from policyloop.telemetry.metrics import REWARD, REWARD_POINTS
+from policyloop.telemetry.metrics import REWARD, REWARD_POINTS, run_label
 
 
 def record_score(traj: bus_pb2.Trajectory, score: Score) -> None:
@@ -44,6 +44,7 @@ class RolloutScorer:
             made.set_attribute("policyloop.reward", score[0])
         record_score(traj, score)
         await self.bus.publish(trajectories_subject(traj.environment), traj, traj.trajectory_id)
-        REWARD.labels(traj.environment).observe(traj.reward)
-        REWARD_POINTS.labels(traj.environment).inc(traj.reward)
+        run = run_label(traj.run_id)
+        REWARD.labels(run, traj.environment).observe(traj.reward)
+        REWARD_POINTS.labels(run, traj.environment).inc(traj.reward)
         self.on_scored()

@@ -38,7 +38,7 @@ from policyloop.state.pacing import Pacer
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS
+from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS, run_label
 
 log = get_logger(__name__)
 
@@ -114,7 +114,7 @@ class RolloutReplica:
             await self.progress.record_generated(task.run_id, generated)
         except RedisError as exc:  # figures only: the group is stored and recorded already
             log.warning("progress_not_recorded", error=repr(exc))
-        GENERATED_TOKENS.labels(task.environment).inc(generated)
+        GENERATED_TOKENS.labels(run_label(task.run_id), task.environment).inc(generated)
         self.status.tasks_done += 1
         self.status.generated_tokens += generated
 
