@@ -1,5 +1,5 @@
 """The Grafana dashboard shipped in policyloop/telemetry/grafana: written in the dashboard schema
-of the Grafana release compose.yaml pins, every panel on the provisioned
+of the Grafana release compose.yaml and deploy/k8s pin, every panel on the provisioned
 Prometheus datasource with a query, one row per ledger figure and per service, every query valid
 PromQL over metrics the services define. (That every query returns data from a real cluster's
 Prometheus is checked in tests/e2e/test_protos_client.py.)"""
@@ -67,7 +67,10 @@ def grafana_pins() -> dict[str, str]:
     compose = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["grafana"]["image"]
     default = re.fullmatch(r"\$\{GRAFANA_IMAGE:-([^}]+)\}", compose)
     assert default, compose
-    pins = {"compose.yaml": default.group(1)}
+    k8s = [c["image"] for doc in yaml.safe_load_all((REPO / "deploy" / "k8s" / "base" / "grafana.yaml").read_text())
+           if doc["kind"] == "Deployment" for c in doc["spec"]["template"]["spec"]["containers"]]
+    pins = {"compose.yaml": default.group(1), **{f"deploy/k8s/base/grafana.yaml[{i}]": image
+                                                 for i, image in enumerate(k8s)}}
     for where, image in pins.items():
         repository, _, tag = image.rpartition(":")
         assert repository == "grafana/grafana" and tag, f"{where}: {image}"
@@ -76,7 +79,7 @@ def grafana_pins() -> dict[str, str]:
 
 def test_the_schema_version_is_the_pinned_grafana_releases() -> None:
     tags = set(grafana_pins().values())
-    assert len(tags) == 1, grafana_pins()
+    assert len(tags) == 1, f"compose.yaml and deploy/k8s pin different Grafana releases: {grafana_pins()}"
     [tag] = tags
     assert tag in GRAFANA_SCHEMA_VERSIONS, (
         f"Grafana {tag} is not in policyloop.telemetry.dashboard.GRAFANA_SCHEMA_VERSIONS: look up "
