@@ -42,7 +42,7 @@ LEDGER_ROWS = {
     "Version lag": ["policyloop_version_lag_bucket", "policyloop_learner_samples_at_lag_bound_total"],
     "KL and entropy": ['stat="kl_behaviour"', 'stat="kl_reference"', 'stat="entropy"'],
     "Reward per environment": ["policyloop_reward_bucket", "policyloop_reward_points", "policyloop_reward_count"],
-    "Publish latency": ["policyloop_weights_serving_delay_seconds_bucket", "policyloop_weight_sync_seconds_bucket"],
+    "Publish latency": ["policyloop_weights_step_to_serving_seconds_bucket", "policyloop_weight_sync_seconds_bucket"],
     "Drops, delays and dead letters": ["policyloop_learner_dropped_total", "policyloop_rollout_resubmits_total",
                                        "policyloop_bus_dead_lettered_total"],
 }
