@@ -32,6 +32,7 @@ from policyloop.sandbox.runner import (
     run_job,
 )
 from policyloop.state.quota import RunningSlots, RunQuota
+from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import SANDBOX_JOB_SECONDS, SANDBOX_JOBS
 
@@ -105,6 +106,8 @@ async def body(ctx: ServiceContext) -> None:
             await ctx.bus.nc.flush(timeout=5)
         status.jobs_done += 1
         outcome = job_outcome(result)
+        tracing.annotate({"policyloop.job_id": job.job_id, "policyloop.job_outcome": outcome,
+                          "policyloop.job_wall_seconds": result.wall_seconds})
         SANDBOX_JOBS.labels(outcome).inc()
         SANDBOX_JOB_SECONDS.labels(outcome).observe(result.wall_seconds)
         log.info("job_done", job=job.job_id, exit_code=result.exit_code,

@@ -58,6 +58,7 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
     assert "watch the ledger live: policyloop top --run-dir" in result.stdout
     if prometheus_binary() is not None:  # the demo ran Prometheus beside its cluster: the ledger over the run
         assert (out / "ledger.png").stat().st_size > 10_000 and "ledger.png" in result.stdout
+        assert "Grafana dashboard: import" in result.stdout
         panels = int(result.stdout.split("ledger over the run, ", 1)[1].split(" panels", 1)[0])
         assert panels >= 6, result.stdout[-2000:]  # drops and dead letters may have no series in a clean run
     # The tracker: every learner step, and the demo's evaluations at the versions they measured.

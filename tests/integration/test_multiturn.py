@@ -5,6 +5,7 @@ inserted as a tool turn whose tokens are masked out of the loss, and the model a
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from policyloop.reward.answer import answer_text
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher
 from tests.helpers import eventually, stored, stored_messages
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, lineage, lineage_or_none
 
 try:
     check_isolation()
@@ -44,11 +46,18 @@ def tool_task(task_id: str, prompt: str, max_turns: int = 3, seed: int = 11) -> 
         max_turns=max_turns, tools=["python"])
 
 
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as received:
+        yield received
+
+
 @pytest.mark.timeout(300)
 async def test_tool_turns_run_in_the_sandbox_and_are_masked_out_of_the_loss(
-        bus: Bus, services: ServiceLauncher, bootstrap_model_dir: Path) -> None:
-    sandbox = services.start("sandbox")
-    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(bootstrap_model_dir),
+        bus: Bus, services: ServiceLauncher, bootstrap_model_dir: Path, receiver: OtlpReceiver) -> None:
+    traced = {"POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.2"}
+    sandbox = services.start("sandbox", env=traced)
+    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(bootstrap_model_dir), **traced,
                                              "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_MAX_TOOL_TOKENS": "12"})
     await services.wait_healthy(sandbox, rollout, timeout_s=90)
     prompts = ["12+34=", "57+68=", "23+45=", "91+19="]
@@ -94,6 +103,27 @@ async def test_tool_turns_run_in_the_sandbox_and_are_masked_out_of_the_loss(
     assert calls >= 4 and ran >= 1, (calls, ran)
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     assert letter.service == "rollout" and "shell" in letter.reason and letter.delivery_count == 1
+    # Each tool call's sandbox job is a span in the episode's trace, under the call.
+    ran_ok = [t.trajectory_id for t in episodes if any(turn.status == "ok" for turn in t.turns)]
+
+    def job_of(spans: list[ReceivedSpan]) -> ReceivedSpan | None:
+        return next((s for s in spans if s.service == "sandbox" and s.name == "process SANDBOX"
+                     and str(s.attributes.get("policyloop.job_id")).startswith(f"tool:{ran_ok[0]}#")), None)
+
+    def arrived(spans: list[ReceivedSpan]) -> bool:
+        """The job's span and every span up to its trace's root (a parent may be in a later batch)."""
+        job = job_of(spans)
+        return job is not None and not lineage_or_none(spans, job)[0].parent_span_id
+
+    receiver.wait_for(arrived, "the sandbox job's span and every span above it")
+    spans = receiver.snapshot()
+    chain = lineage(spans, job_of(spans))  # type: ignore[arg-type]
+    assert [(s.service, s.name) for s in chain] == [
+        ("rollout", "process TASKS"), ("rollout", "sample"), ("rollout", "tool call"), ("sandbox", "process SANDBOX")]
+    assert chain[1].attributes["policyloop.trajectory_id"] == ran_ok[0]
+    assert chain[2].attributes["policyloop.tool_status"] == chain[3].attributes["policyloop.job_outcome"] == "ok"
+    turns = [s for s in spans if s.name == "model turn" and s.parent_span_id == chain[1].span_id]
+    assert len(turns) >= 2 and all(s.service == "rollout" for s in turns)
 
 
 @pytest.mark.timeout(300)

@@ -16,6 +16,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from policyloop.bus import Bus
+from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.sglang_client import SGLangClient
@@ -118,9 +119,11 @@ async def test_versions_load_in_order_and_those_announced_during_a_load_are_skip
         bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     versions = {n: version(tiny_model_dir, n) for n in range(1, 5)}
     delays = REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") or 0
+    since_step = REGISTRY.get_sample_value("policyloop_weights_step_to_serving_seconds_count") or 0
     async with rig(bus, redis_client, tiny_model_dir, tmp_path) as r:
         follower = r.start()  # type: ignore[attr-defined]
-        await r.pusher.push(versions[1], step=1)
+        trained_ms = now_ms()
+        await r.pusher.push(versions[1], step=1, trained_unix_ms=trained_ms)
         await until(lambda: r.ctx.policy_version == 1, timeout_s=120, what="version 1 loaded")
         assert r.engine.weight_version == "1" and serves(r.engine, versions[1])
         assert follower.status.last_fetch.kind == "keyframe"
@@ -143,6 +146,10 @@ async def test_versions_load_in_order_and_those_announced_during_a_load_are_skip
         assert sorted(p.name for p in (tmp_path / "versions" / "rollout-t").iterdir()) == ["v000000004"]
         # Publication to serving, once per version served (1, 2 and 4).
         assert REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") == delays + 3
+        # From the step's end only where the push said when that was (version 1); the publisher keeps it.
+        assert REGISTRY.get_sample_value("policyloop_weights_step_to_serving_seconds_count") == since_step + 1
+        listed = {v.version: v.trained_unix_ms for v in await r.pusher.client.list_versions("policy")}
+        assert listed[1] == trained_ms and listed[4] == 0
 
 
 @pytest.mark.timeout(240)

@@ -58,7 +58,7 @@ def test_compose_config_is_valid() -> None:
 
 
 GPU_PROFILE = {"sglang", "rollout-sglang"}
-OBSERVABILITY_PROFILE = {"prometheus"}
+OBSERVABILITY_PROFILE = {"prometheus", "grafana"}
 
 
 def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
@@ -83,6 +83,36 @@ def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(
     assert port == {"9100"}
     assert sorted((t["labels"]["service"], t["targets"][0]) for t in targets) == sorted(
         (name, f"{name}:9100") for name in SERVICE_NAMES)
+
+
+def test_grafana_provisions_the_packaged_dashboard_and_datasource_read_only(config: dict[str, Any]) -> None:
+    from policyloop.telemetry.dashboard import DATASOURCE_UID, grafana_dir
+
+    grafana = config["services"]["grafana"]
+    assert grafana["profiles"] == ["observability"]
+    assert re.fullmatch(r"grafana/grafana:\d+\.\d+\.\d+", grafana["image"]), "pin an exact release"
+    binds = [v.split(":") for v in grafana["volumes"] if v.startswith("/")]  # short form: source:target:mode
+    assert all(mode == "ro" for _, _, mode in binds), binds
+    mounts = {Path(source).relative_to(REPO).as_posix(): target for source, target, _ in binds}
+    shipped = "libs/policyloop/telemetry/grafana"
+    provider = yaml.safe_load(grafana_dir().joinpath("provisioning", "dashboards", "policyloop.yml").read_text())
+    assert mounts == {f"{shipped}/provisioning/datasources": "/etc/grafana/provisioning/datasources",
+                      f"{shipped}/provisioning/dashboards": "/etc/grafana/provisioning/dashboards",
+                      f"{shipped}/dashboards": provider["providers"][0]["options"]["path"]}
+    # The datasource is compose's Prometheus, under the uid every panel names.
+    [datasource] = yaml.safe_load(grafana_dir().joinpath("provisioning", "datasources", "policyloop.yml")
+                                  .read_text())["datasources"]
+    assert datasource["uid"] == DATASOURCE_UID
+    host, port = re.fullmatch(r"http://([\w-]+):(\d+)", datasource["url"]).groups()  # type: ignore[union-attr]
+    prometheus = config["services"][host]
+    assert prometheus["profiles"] == grafana["profiles"] and host in grafana["depends_on"]
+    assert not any(arg.startswith("--web.listen-address") for arg in prometheus["command"]) and port == "9090"
+    # Viewers need no account; the admin's password comes from the environment; only this host connects.
+    env = _environment(grafana)
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "true" and env["GF_AUTH_ANONYMOUS_ORG_ROLE"] == "Viewer"
+    assert "GF_SECURITY_ADMIN_PASSWORD: ${GRAFANA_ADMIN_PASSWORD" in COMPOSE_FILE.read_text()
+    hosts = [p["host_ip"] if isinstance(p, dict) else p.split(":")[0] for p in grafana["ports"]]  # long or short form
+    assert hosts == ["127.0.0.1"], grafana["ports"]
 
 
 def test_the_models_job_links_the_base_policy_before_anything_loads_it(config: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ three deployment paths (`policyloop up`, compose.yaml, the overlays) with each o
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import shutil
@@ -381,6 +382,179 @@ def test_redis_appends_to_a_claim(rendered: Rendered) -> None:
     for name, service in rendered.services.items():
         assert re.fullmatch(r"redis://redis:6379/\d+", service.env["POLICYLOOP_REDIS_URL"]), name
     assert rendered.get("Service", "redis")
+
+
+# --- Prometheus and Grafana -------------------------------------------------------------------------------
+
+PACKAGE_TELEMETRY = REPO / "libs" / "policyloop" / "telemetry"
+K8S_CONFIG = REPO / "deploy" / "k8s" / "base" / "config"
+# Kustomize reads nothing outside deploy/k8s: these are copies, which must stay the package's files.
+COPIES = {
+    "prometheus/alerts.yml": "prometheus/alerts.yml",
+    "grafana/datasources.yml": "grafana/provisioning/datasources/policyloop.yml",
+    "grafana/dashboards.yml": "grafana/provisioning/dashboards/policyloop.yml",
+    "grafana/policyloop.json": "grafana/dashboards/policyloop.json",
+}
+DISCOVERY = {"file_sd_configs", "kubernetes_sd_configs", "relabel_configs"}
+
+
+def test_the_observability_files_are_the_packages() -> None:
+    for copy, original in COPIES.items():
+        assert (K8S_CONFIG / copy).read_bytes() == (PACKAGE_TELEMETRY / original).read_bytes(), (
+            f"deploy/k8s/base/config/{copy} differs from libs/policyloop/telemetry/{original}: copy it over")
+    # prometheus.yml: the same global settings, rule files and jobs; only how targets are found differs.
+    package = yaml.safe_load((PACKAGE_TELEMETRY / "prometheus" / "prometheus.yml").read_text())
+    k8s = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())
+    assert set(k8s) == set(package)
+    assert {key: value for key, value in k8s.items() if key != "scrape_configs"} == \
+        {key: value for key, value in package.items() if key != "scrape_configs"}
+    assert [job["job_name"] for job in k8s["scrape_configs"]] == [job["job_name"] for job in package["scrape_configs"]]
+    for ours, theirs in zip(k8s["scrape_configs"], package["scrape_configs"], strict=True):
+        assert {k: v for k, v in ours.items() if k not in DISCOVERY} == \
+            {k: v for k, v in theirs.items() if k not in DISCOVERY}, ours["job_name"]
+        assert ours["kubernetes_sd_configs"] == [{"role": "pod", "namespaces": {"own_namespace": True}}]
+
+
+def _mounted_configmap(rendered: Rendered, workload: dict[str, Any], path: str) -> dict[str, str]:
+    """The data of the ConfigMap mounted at `path` in the workload's one container."""
+    pod = workload["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    assert mount.get("readOnly"), path
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    return rendered.get("ConfigMap", volume["configMap"]["name"])["data"]
+
+
+def _compose_image(name: str) -> tuple[str, list[str] | None]:
+    service = yaml.safe_load((REPO / "compose.yaml").read_text())["services"][name]
+    default = re.fullmatch(r"\$\{\w+:-([^}]+)\}", service["image"])
+    assert default, service["image"]
+    return default.group(1), service.get("command")
+
+
+def test_prometheus_runs_the_shared_configuration_as_compose_does(rendered: Rendered) -> None:
+    prometheus = rendered.get("StatefulSet", "prometheus")
+    [container] = prometheus["spec"]["template"]["spec"]["containers"]
+    image, command = _compose_image("prometheus")
+    assert container["image"] == image and container["args"] == command
+    data = _mounted_configmap(rendered, prometheus, "/etc/prometheus")
+    assert data == {name: (K8S_CONFIG / "prometheus" / name).read_text() for name in ("prometheus.yml", "alerts.yml")}
+    [data_claim] = prometheus["spec"]["volumeClaimTemplates"]
+    assert any(m["mountPath"] == "/prometheus" and m["name"] == data_claim["metadata"]["name"]
+               for m in container["volumeMounts"])
+
+
+def test_prometheus_may_list_and_watch_the_pods_of_its_namespace(rendered: Rendered) -> None:
+    account = rendered.get("StatefulSet", "prometheus")["spec"]["template"]["spec"]["serviceAccountName"]
+    assert rendered.get("ServiceAccount", account)
+    granted = set()
+    for binding in rendered.of_kind("RoleBinding"):
+        if {"kind": "ServiceAccount", "name": account, "namespace": "policyloop"} in binding["subjects"]:
+            role = rendered.get(binding["roleRef"]["kind"], binding["roleRef"]["name"])
+            granted |= {(resource, verb) for rule in role["rules"] if "" in rule["apiGroups"]
+                        for resource in rule["resources"] for verb in rule["verbs"]}
+    assert {("pods", "list"), ("pods", "watch")} <= granted
+
+
+def _relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str] | None:
+    """Prometheus' relabelling (keep, drop, replace) of one discovered target; None if dropped."""
+    labels = dict(labels)
+    for rule in rules:
+        value = rule.get("separator", ";").join(labels.get(name, "") for name in rule.get("source_labels", []))
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        action = rule.get("action", "replace")
+        if action == "keep" and not match or action == "drop" and match:
+            return None
+        if action == "replace" and match:
+            result = match.expand(re.sub(r"\$\{?(\d+)\}?", r"\\g<\1>", rule.get("replacement", "$1")))
+            if result:
+                labels[rule["target_label"]] = result
+            else:
+                labels.pop(rule["target_label"], None)
+        assert action in ("keep", "drop", "replace"), action
+    final = {k: v for k, v in labels.items() if not k.startswith("__") or k == "__address__"}
+    final.setdefault("instance", final["__address__"])
+    return final
+
+
+def _discovered(workload: dict[str, Any], pod_name: str, ip: str) -> list[dict[str, str]]:
+    """What Prometheus' pod discovery offers for one pod of the workload: a target per declared
+    container port, or one without a port for a container declaring none."""
+    def sanitized(name: str) -> str:
+        return re.sub(r"[^a-zA-Z0-9_]", "_", name)
+
+    template = workload["spec"]["template"]
+    metadata = template["metadata"]
+    meta = {"__meta_kubernetes_pod_name": pod_name, "__meta_kubernetes_pod_phase": "Running",
+            **{f"__meta_kubernetes_pod_label_{sanitized(k)}": v for k, v in metadata.get("labels", {}).items()},
+            **{f"__meta_kubernetes_pod_annotation_{sanitized(k)}": v
+               for k, v in metadata.get("annotations", {}).items()}}
+    spec = template["spec"]
+    targets = []
+    for container in spec.get("initContainers", []) + spec["containers"]:
+        ports = [p["containerPort"] for p in container.get("ports", [])] or [None]
+        targets += [{**meta, "__address__": ip if port is None else f"{ip}:{port}"} for port in ports]
+    return targets
+
+
+def test_every_service_pod_is_scraped_once_with_the_labels_the_rules_use(rendered: Rendered) -> None:
+    [job] = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    services = {id(s.workload): s for s in rendered.services.values()}
+    for workload in rendered.of_kind("Deployment", "StatefulSet", "Job"):
+        pod_name = f"{workload['metadata']['name']}-0"
+        found = {frozenset(t.items()) for t in (_relabel(d, job["relabel_configs"])
+                                                 for d in _discovered(workload, pod_name, "10.1.2.3")) if t}
+        service = services.get(id(workload))
+        if service is None:  # NATS, Redis, Prometheus, Grafana, the bootstrap Job: not ours to scrape
+            assert not found, workload["metadata"]["name"]
+            continue
+        port = int(service.setting("POLICYLOOP_HTTP_PORT"))
+        assert [dict(t) for t in found] == [{"__address__": f"10.1.2.3:{port}", "service": service.entry.name,
+                                             "instance": pod_name}], service.entry.name
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (Debian package prometheus)")
+def test_promtool_accepts_the_kubernetes_configuration(tmp_path: Path) -> None:
+    """Debian's promtool is built without Kubernetes discovery: where it lacks it, the file is
+    checked with a static target in its place (everything else: rules, relabelling, globals)."""
+    config = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())
+    shutil.copy(K8S_CONFIG / "prometheus" / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+    result = subprocess.run(["promtool", "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=60)
+    if "field kubernetes_sd_configs not found" in result.stdout + result.stderr:
+        for job in config["scrape_configs"]:
+            job["static_configs"] = [{"targets": ["10.1.2.3:9100"]}]
+            del job["kubernetes_sd_configs"]
+        (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
+        result = subprocess.run(["promtool", "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True,
+                                text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_grafana_provisions_what_compose_provisions(rendered: Rendered) -> None:
+    grafana = rendered.get("Deployment", "grafana")
+    [container] = grafana["spec"]["template"]["spec"]["containers"]
+    image, _ = _compose_image("grafana")
+    assert container["image"] == image
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())["services"]["grafana"]
+    mounts = {source.removeprefix("./libs/policyloop/telemetry/"): target
+              for source, target, *_ in (v.split(":") for v in compose["volumes"] if v.startswith("./"))}
+    for source, target in mounts.items():
+        data = _mounted_configmap(rendered, grafana, target)
+        shipped = PACKAGE_TELEMETRY / source
+        assert data == {p.name: p.read_text() for p in shipped.iterdir()}, target
+    env = rendered.environment(container)
+    for name, value in compose["environment"].items():
+        if name != "GF_SECURITY_ADMIN_PASSWORD":
+            assert env[name] == value, name
+    assert env["GF_SECURITY_ADMIN_PASSWORD"]["secretKeyRef"]["optional"] is True
+
+
+def test_every_configmap_fits_in_a_client_side_apply_annotation(rendered: Rendered) -> None:
+    """`kubectl apply` keeps the whole object in an annotation, at most 256 KiB (the dashboard)."""
+    for configmap in rendered.of_kind("ConfigMap"):
+        assert len(json.dumps(configmap)) < 256 * 1024 - 4096, configmap["metadata"]["name"]
 
 
 # --- privileges -------------------------------------------------------------------------------------------

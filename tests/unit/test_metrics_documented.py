@@ -30,3 +30,10 @@ def documented() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 def test_every_metric_is_documented_with_its_type_and_labels() -> None:
     assert documented() == defined()
+
+
+def test_the_run_label_is_bounded() -> None:
+    from policyloop.telemetry.metrics import RunLabels
+
+    labels = RunLabels(2)
+    assert [labels(r) for r in ("a", "b", "c", "a", "d", "b")] == ["a", "b", "other", "a", "other", "b"]

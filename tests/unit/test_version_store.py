@@ -162,6 +162,15 @@ RECORD_DAMAGE = {
 }
 
 
+def test_a_record_written_before_a_later_field_reads_as_its_default(tmp_path: Path) -> None:
+    store = VersionStore(tmp_path)
+    put(store, 1, b"one")
+    path = store.record_path("m", 1)
+    path.write_text(sealed({k: v for k, v in fields_of(path).items() if k != "trained_unix_ms"}))
+    [stored] = VersionStore(tmp_path).versions("m")
+    assert stored.version == 1 and stored.trained_unix_ms == 0
+
+
 @pytest.mark.parametrize("damage", sorted(RECORD_DAMAGE))
 def test_a_damaged_record_is_quarantined_at_start_and_the_store_opens(tmp_path: Path, damage: str) -> None:
     store = VersionStore(tmp_path)

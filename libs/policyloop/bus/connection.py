@@ -19,6 +19,7 @@ from nats.js import api
 from nats.js.api import RawStreamMsg
 
 from policyloop.bus.topology import ConsumerSpec, StreamSpec, Topology, build_topology
+from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import BUS_BACKLOG, BUS_PUBLISHED
 
@@ -220,11 +221,13 @@ class Bus:
         headers: dict[str, str] | None = None,
     ) -> api.PubAck:
         """Publishes and waits for JetStream's acknowledgement. Retries reuse `msg_id`, so a
-        publish whose ack was lost is stored once (PubAck.duplicate tells)."""
+        publish whose ack was lost is stored once (PubAck.duplicate tells). The message carries
+        the current trace context (policyloop.telemetry.tracing)."""
         if not msg_id:
             raise ValueError("msg_id is required: it is how retries and redeliveries are deduplicated")
         payload = message.SerializeToString()
         all_headers = {MSG_ID_HEADER: msg_id, TYPE_HEADER: message.DESCRIPTOR.full_name}
+        tracing.inject(all_headers)
         all_headers.update(headers or {})
         return await self.publish_bytes(subject, payload, all_headers, timeout_s=timeout_s, attempts=attempts)
 

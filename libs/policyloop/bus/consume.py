@@ -20,10 +20,12 @@ import nats.errors
 import nats.js.errors
 from google.protobuf.message import DecodeError, Message
 from nats.aio.msg import Msg
+from opentelemetry.trace import SpanKind
 
 from policyloop.bus.connection import MSG_ID_HEADER, TYPE_HEADER, Bus, is_transient
 from policyloop.bus.deadletter import dead_letter_delivered, watch_max_deliveries
 from policyloop.bus.topology import ConsumerSpec
+from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import BUS_CONSUMED, BUS_HANDLER_SECONDS
 
@@ -241,7 +243,10 @@ class PullWorker(Generic[M]):
             )
             heartbeat = asyncio.create_task(self._heartbeat(msg))
             try:
-                await self.handler(delivery)
+                # The message's trace goes on under its handler (and into what it publishes).
+                with tracing.span(f"process {stream}", parent=tracing.extract(msg.headers), kind=SpanKind.CONSUMER,
+                                  attributes=self._span_attributes(delivery)):
+                    await self.handler(delivery)
             finally:
                 heartbeat.cancel()
         except asyncio.CancelledError:
@@ -273,6 +278,11 @@ class PullWorker(Generic[M]):
             # The effect is durable; the message will be redelivered and the idempotent
             # handler will recognise it.
             log.warning("ack_failed", stream=stream, seq=meta.sequence.stream, error=repr(exc))
+
+    def _span_attributes(self, delivery: Delivery[M]) -> dict[str, str | int]:
+        return {"messaging.system": "nats", "messaging.destination.name": delivery.subject,
+                "messaging.consumer.group.name": self.consumer.durable, "messaging.message.id": delivery.msg_id,
+                "policyloop.stream_sequence": delivery.stream_seq, "policyloop.delivery_count": delivery.delivery_count}
 
     async def _heartbeat(self, msg: Msg) -> None:
         while True:

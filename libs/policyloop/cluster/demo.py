@@ -43,6 +43,7 @@ from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable
 from policyloop.rl.settings import LossConfig
 from policyloop.rollout.episodes import from_hf, run_episode, sandbox_tools
 from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
+from policyloop.telemetry.dashboard import grafana_dir
 
 
 @dataclass
@@ -420,6 +421,10 @@ def _run_demo(config: DemoConfig, tracking: TrackerSettings, tracker: Tracker, *
     info = cluster.start()
     where = f"; Prometheus at {info.prometheus_url} (queries: docs/metrics.md)" if info.prometheus_url else ""
     console.print(f"watch the ledger live: [bold]policyloop top --run-dir {config.run_dir}[/bold]{where}")
+    if info.prometheus_url:
+        dashboard = grafana_dir().joinpath("dashboards", "policyloop.json")
+        console.print(f"Grafana dashboard: import {dashboard} with a Prometheus datasource at "
+                      f"{info.prometheus_url} (docs/metrics.md, Dashboard)")
     started = time.time()
     try:
         result = asyncio.run(_drive(cluster, config, console, tracker))

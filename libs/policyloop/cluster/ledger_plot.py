@@ -29,8 +29,8 @@ PANELS: list[tuple[str, list[tuple[str, str]]]] = [
     ("publish latency (s)", [
         ("push p50", 'histogram_quantile(0.5, sum by (le) (rate(policyloop_weight_sync_seconds_bucket{phase="push"}'
                      '[1m])))'),
-        ("stored → serving p99", "histogram_quantile(0.99, sum by (le) "
-                                 "(rate(policyloop_weights_serving_delay_seconds_bucket[1m])))")]),
+        ("step end → serving p99", "histogram_quantile(0.99, sum by (le) "
+                                   "(rate(policyloop_weights_step_to_serving_seconds_bucket[1m])))")]),
     ("dropped and dead-lettered per second", [
         ("dropped {reason}", "sum by (reason) (rate(policyloop_learner_dropped_total[1m]))"),
         ("dead letters {stream}", "sum by (stream) (rate(policyloop_bus_dead_lettered_total[1m]))")]),

@@ -145,7 +145,7 @@ class Ledger:
             mean = sums.get((environment,), 0.0) / n if n else None
             edges = buckets.get((environment,), {})
             self.reward[environment] = (n, mean, histogram_quantile(0.1, edges), histogram_quantile(0.9, edges))
-        serving = _buckets(current, previous, "policyloop_weights_serving_delay_seconds").get((), {})
+        serving = _buckets(current, previous, "policyloop_weights_step_to_serving_seconds").get((), {})
         self.publish_p50, self.publish_p99 = histogram_quantile(0.5, serving), histogram_quantile(0.99, serving)
         push = _buckets(current, previous, "policyloop_weight_sync_seconds", "phase")
         self.push_p50 = histogram_quantile(0.5, push.get(("push",), {}))
@@ -195,7 +195,7 @@ def render(ledger: Ledger) -> Group:
         ("version lag", "  ".join(f"{lag}: {n:,.0f}" for lag, n in sorted(ledger.lag_histogram.items())) or "–"),
         ("KL (behaviour) / entropy", f"{_number(ledger.kl, 4)} / {_number(ledger.entropy, 3)}"),
         ("publish: push p50", _number(ledger.push_p50, 3, " s")),
-        ("publish: stored → serving p50 / p99",
+        ("publish: step end → serving p50 / p99",
          f"{_number(ledger.publish_p50, 3, ' s')} / {_number(ledger.publish_p99, 3, ' s')}"),
         ("dropped", "  ".join(f"{r}: {n:,.0f}" for r, n in sorted(ledger.dropped.items())) or "0"),
         ("dead letters", "  ".join(f"{s}/{k}: {n:,.0f}" for (s, k), n in sorted(ledger.dead_letters.items())) or "0"),

@@ -9,12 +9,14 @@ import asyncio
 from collections.abc import Callable
 
 import redis.exceptions
+from opentelemetry.trace import SpanKind
 
 from policyloop.bus import Bus, BusError, StreamFull, tasks_subject
-from policyloop.contracts.v1 import loop_pb2
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.gateway.feeding import nth_task
 from policyloop.state import IdempotencyKeys
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
+from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -77,7 +79,7 @@ class RunFeeder:
                     return
                 task = nth_task(run_id, request, envs, index)  # type: ignore[arg-type]
                 try:
-                    await self.bus.publish(tasks_subject(task.environment), task, task.task_id)
+                    await self.publish(task)
                 except StreamFull:
                     self.on_backpressure(True)
                     await asyncio.sleep(self.backpressure_wait_s)
@@ -87,3 +89,11 @@ class RunFeeder:
                 await self.runs.set_enqueued(run_id, index)
         finally:
             await self.leases.release(lease, self.owner)
+
+    async def publish(self, task: bus_pb2.Task) -> None:
+        """A task starts its trace: every trajectory of its group is sampled, scored and trained
+        under it (policyloop.telemetry.tracing)."""
+        with tracing.span("feed task", kind=SpanKind.PRODUCER, attributes={
+                tracing.TASK_ID: task.task_id, tracing.RUN_ID: task.run_id,
+                tracing.ENVIRONMENT: task.environment, "policyloop.group_size": task.group_size}):
+            await self.bus.publish(tasks_subject(task.environment), task, task.task_id)

@@ -24,6 +24,7 @@ from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.learner.figures import LearnerFigures, advertised_status
 from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.learner.traces import LearnerTraces, Stopwatch
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
@@ -66,6 +67,7 @@ class Learner:
             step=trainer.steps, checkpoint_version=resumed.checkpoint_version,
             resumed_checkpoint_version=resumed.checkpoint_version, replayed_steps=len(resumed.replayed)))
         self.figures = LearnerFigures(self.status)
+        self.traces = LearnerTraces()
         self.worker: PullWorker[bus_pb2.Trajectory] | None = None
 
     def pull_worker(self) -> PullWorker[bus_pb2.Trajectory]:
@@ -100,6 +102,7 @@ class Learner:
         if not traj.scored:
             raise PermanentError("trajectory was not scored by the reward service")
         self.figures.saw_trajectory()
+        self.traces.admitted(traj.trajectory_id)
         admission = self.held.add(traj, delivery.stream_seq)
         if admission is Admission.DUPLICATE:
             # A copy of a sample still held or in the step under way (an ack wait that lapsed, a
@@ -124,13 +127,17 @@ class Learner:
         """One optimizer step, in the write-ahead order that makes a crash anywhere safe:
         train → record in LEDGER → broadcast to colocated engines → push to the publisher →
         advance the version registry → release the trajectories (acks)."""
-        started = time.monotonic()
+        started, watch = time.monotonic(), Stopwatch()
         samples = [t for group in groups for t in group]
         report, tensors, weights = await self._train(groups)
+        trained = watch.lap()
         await self._record(report, weights, samples)
         await self.colocated.send(tensors, self.trainer.version)
-        self.figures.pushed(await self.pusher.push(weights, report.step))
+        pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained.end_ns // 1_000_000)
+        self.figures.pushed(pushed)
         await self.versions.advance(self.settings.model, self.trainer.version)
+        self.traces.trained(samples, step=report.step, version=self.trainer.version, train=trained,
+                            publish=watch.lap(), publish_kind=pushed.kind)
         self.on_version(self.trainer.version)
         self.held.release(samples)
         await self._after_step(report, samples, started)
@@ -173,6 +180,7 @@ class Learner:
             await record_dropped(self.bus, self.settings.model, self.settings.run_id, self.settings.instance_id,
                                  "stale", [(t.trajectory_id, self.held.sequence(t.trajectory_id)) for t in group])
             self.figures.dropped("stale", len(group))
+            self.traces.dropped(group, "stale")
             await self._record_progress(self.progress.record_dropped(group))
             self.held.release(group)
 

@@ -20,7 +20,7 @@ def announcement(stored: StoredVersion, endpoint: str) -> bus_pb2.WeightsPublish
         base_versions=[stored.base_version] if stored.kind == "delta" else [],
         bytes_raw=stored.raw_bytes, bytes_delta=stored.bytes if stored.kind == "delta" else 0,
         codec=stored.codec, fetch_endpoint=endpoint, step=stored.step,
-        published_unix_ms=stored.created_unix_ms, run_id=stored.run_id,
+        published_unix_ms=stored.created_unix_ms, run_id=stored.run_id, trained_unix_ms=stored.trained_unix_ms,
     )
 
 

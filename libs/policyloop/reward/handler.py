@@ -12,7 +12,8 @@ from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.reward.registry import ScorerRegistry
 from policyloop.reward.score import Score, UnscorableTrajectory
-from policyloop.telemetry.metrics import REWARD, REWARD_POINTS
+from policyloop.telemetry import tracing
+from policyloop.telemetry.metrics import REWARD, REWARD_POINTS, run_label
 
 
 def record_score(traj: bus_pb2.Trajectory, score: Score) -> None:
@@ -34,12 +35,16 @@ class RolloutScorer:
 
     async def handle(self, delivery: Delivery[bus_pb2.Trajectory]) -> None:
         traj = delivery.message
-        try:
-            score = await self.registry.score(traj)
-        except UnscorableTrajectory as exc:
-            raise PermanentError(str(exc)) from exc
+        with tracing.span("score", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
+                                               tracing.ENVIRONMENT: traj.environment}) as made:
+            try:
+                score = await self.registry.score(traj)  # sandboxed scorers: their jobs are children
+            except UnscorableTrajectory as exc:
+                raise PermanentError(str(exc)) from exc
+            made.set_attribute("policyloop.reward", score[0])
         record_score(traj, score)
         await self.bus.publish(trajectories_subject(traj.environment), traj, traj.trajectory_id)
-        REWARD.labels(traj.environment).observe(traj.reward)
-        REWARD_POINTS.labels(traj.environment).inc(traj.reward)
+        run = run_label(traj.run_id)
+        REWARD.labels(run, traj.environment).observe(traj.reward)
+        REWARD_POINTS.labels(run, traj.environment).inc(traj.reward)
         self.on_scored()

@@ -23,6 +23,7 @@ from policyloop.engines.partial import Completion, join
 from policyloop.engines.protocol import GenerateRequest, GenerateResult
 from policyloop.envs.tools import ToolCall, ToolFormat, find_call, result_text, tool_job, wrap_result
 from policyloop.sandbox.client import run_in_sandbox
+from policyloop.telemetry import tracing
 
 if TYPE_CHECKING:
     from policyloop.bus import Bus
@@ -98,7 +99,11 @@ async def run_episode(request: GenerateRequest, *, generate: Generate, run_tool:
                 max_new_tokens=budget,
                 sampling_seed=None if seed is None else (seed + turn * TURN_SEED_STRIDE) % (1 << 63))),
         ))
-        completion = await generate(turn_request)
+        with tracing.span("model turn", attributes={"policyloop.turn": turn}) as made:
+            completion = await generate(turn_request)
+            made.set_attributes({"policyloop.output_tokens": len(completion.result.output_ids),
+                                 "policyloop.finish_reason": completion.result.finish_reason or "",
+                                 tracing.POLICY_VERSION: completion.result.weight_version or ""})
         piece = completion.result  # partial-rollout resubmissions are the caller's to count
         start = len(response)
         response.extend(piece.output_ids)
@@ -114,7 +119,9 @@ async def run_episode(request: GenerateRequest, *, generate: Generate, run_tool:
         call = find_call(text, [calls[piece.output_ids[-1]]])
         assert call is not None  # the turn ends with this tool's closing marker
         if call.complete:
-            result, status = await run_tool(call)
+            with tracing.span("tool call", attributes={"policyloop.tool": call.tool.name}) as made:
+                result, status = await run_tool(call)  # a sandbox job: its span is this one's child
+                made.set_attribute("policyloop.tool_status", status)
         else:
             result, status = f"no {call.tool.call_open} before {call.tool.call_close}", "no_call_open"
         tool_ids = tool_turn_ids(call.tool, result, tokenizer, max_tool_tokens)

@@ -25,6 +25,7 @@ from policyloop.telemetry.metrics import (
     WEIGHT_SYNC_FALLBACKS,
     WEIGHT_SYNC_SECONDS,
     WEIGHTS_SERVING_DELAY,
+    WEIGHTS_STEP_TO_SERVING,
 )
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
@@ -158,8 +159,13 @@ class WeightFollower:
 
     async def load(self, event: bus_pb2.WeightsPublished) -> None:
         await self._load(event)
-        if event.published_unix_ms and self.ctx.policy_version == event.version:
-            WEIGHTS_SERVING_DELAY.observe(max(0.0, (now_ms() - event.published_unix_ms) / 1000))
+        if self.ctx.policy_version != event.version:
+            return
+        served = now_ms()
+        if event.published_unix_ms:
+            WEIGHTS_SERVING_DELAY.observe(max(0.0, (served - event.published_unix_ms) / 1000))
+        if event.trained_unix_ms:
+            WEIGHTS_STEP_TO_SERVING.observe(max(0.0, (served - event.trained_unix_ms) / 1000))
 
     async def _load(self, event: bus_pb2.WeightsPublished) -> None:
         if self.settings.weight_source == "colocated":

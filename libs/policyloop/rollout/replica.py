@@ -22,6 +22,7 @@ from redis.exceptions import RedisError
 from policyloop.bus import Delivery, PermanentError, PullWorker, rollouts_subject
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_task
+from policyloop.contracts.versions import oldest_version
 from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
@@ -35,8 +36,9 @@ from policyloop.runtime import ServiceContext
 from policyloop.state.catalog import RunRegistry, StoppedRuns
 from policyloop.state.pacing import Pacer
 from policyloop.state.progress import RunProgressStore
+from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS
+from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS, run_label
 
 log = get_logger(__name__)
 
@@ -69,8 +71,8 @@ class RolloutReplica:
         prompt_ids = self._prompt_ids(task)
         for traj in group:
             traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
-        await asyncio.gather(*(self.sample(task, traj) for traj in group))
-        await self._store(task, group)
+        traces = await asyncio.gather(*(self.sample(task, traj) for traj in group))
+        await self._store(task, group, traces)
 
     async def _admit(self, task: bus_pb2.Task, delivery_count: int) -> bool:
         """False for a first delivery of a stopped run's Task (acked unsampled: never generated,
@@ -99,32 +101,44 @@ class RolloutReplica:
             raise PermanentError("prompt_text: the model's tokenizer gives no tokens for it (give prompt_token_ids)")
         return prompt_ids
 
-    async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory]) -> None:
-        """ROLLOUTS, then LEDGER; only then may the Task be acked."""
-        for traj in group:
-            await self.ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
+    async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory],
+                     traces: list[tracing.Context]) -> None:
+        """ROLLOUTS, then LEDGER; only then may the Task be acked. Each trajectory goes on in the
+        trace of its own sampling."""
+        for traj, sampled in zip(group, traces, strict=True):
+            with tracing.continued(sampled):
+                await self.ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
         await record_generated(self.ctx.bus, group, self.settings.instance_id)
         generated = sum(len(t.response_token_ids) for t in group)
         try:
             await self.progress.record_generated(task.run_id, generated)
         except RedisError as exc:  # figures only: the group is stored and recorded already
             log.warning("progress_not_recorded", error=repr(exc))
-        GENERATED_TOKENS.labels(task.environment).inc(generated)
+        GENERATED_TOKENS.labels(run_label(task.run_id), task.environment).inc(generated)
         self.status.tasks_done += 1
         self.status.generated_tokens += generated
 
-    async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> None:
+    async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> tracing.Context:
+        """Samples one member of the group; returns the trace context it was sampled in."""
         try:
             request = generate_request(task, traj, self.stop_ids)
         except TaskRequestError as exc:
             raise PermanentError(str(exc)) from exc
-        if task.max_turns > 1:
-            await self._episode(task, traj, request)
-        else:
-            result = (await self.generate(request)).result
-            text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
-            record_response(traj, result, text)
+        with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
+                                                tracing.ENVIRONMENT: task.environment}) as made:
+            if task.max_turns > 1:
+                await self._episode(task, traj, request)
+            else:
+                result = (await self.generate(request)).result
+                text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
+                record_response(traj, result, text)
+            made.set_attributes({"policyloop.response_tokens": len(traj.response_token_ids),
+                                 "policyloop.turns": max(1, len(traj.turns)),
+                                 "policyloop.oldest_version": oldest_version([traj]),
+                                 "policyloop.newest_version": max((v.version for v in traj.version_spans), default=0)})
+            sampled = tracing.current()
         traj.prompt_text = task.prompt_text
+        return sampled
 
     async def _episode(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, request: GenerateRequest) -> None:
         """Model turns and tool turns; a tool call runs as a job on the SANDBOX stream, and its

@@ -26,6 +26,7 @@ from policyloop.bus.topology import build_topology
 from policyloop.common.clock import now_ms
 from policyloop.runtime.settings import ServiceSettings
 from policyloop.state import Heartbeat, HeartbeatRegistry, StateUnavailable, VersionRegistry, connect_redis
+from policyloop.telemetry import tracing
 from policyloop.telemetry.http import HealthReport, start_http
 from policyloop.telemetry.logging import bind_policy_version, configure_logging, get_logger
 from policyloop.telemetry.metrics import POLICY_VERSION, SERVICE_UP
@@ -137,6 +138,7 @@ async def serve(name: str, settings: ServiceSettings, body: ServiceBody) -> int:
     """Runs one service until SIGTERM/SIGINT; returns the process exit code."""
     configure_logging(service=name, run_id=settings.run_id, instance=settings.instance_id,
                       level=settings.log_level)
+    tracing.setup_tracing(name, settings.instance_id, settings.tracing)
     started_ms = now_ms()
     bus = await Bus.connect(settings.nats_url, name=f"{name}:{settings.instance_id}",
                             topology=build_topology(settings.bus),
@@ -184,6 +186,7 @@ async def serve(name: str, settings: ServiceSettings, body: ServiceBody) -> int:
         await runner.cleanup()
         await bus.close()
         await client.aclose()
+        await asyncio.to_thread(tracing.shutdown_tracing)
         log.info("service_stopped", exit_code=exit_code)
     return exit_code
 

@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from policyloop.bus.topology import BusLimits
 from policyloop.contracts.v1 import status_pb2
+from policyloop.telemetry.tracing import TracingSettings
 
 
 def default_instance_id() -> str:
@@ -63,6 +64,9 @@ class ServiceSettings(BaseSettings):
     )
     bus: BusLimits = Field(
         default_factory=BusLimits, description="Sizes and timings of the stream topology."
+    )
+    tracing: TracingSettings = Field(
+        default_factory=TracingSettings, description="OpenTelemetry spans of each trajectory's life, over OTLP/HTTP."
     )
     # The loop's shared settings: every service of a cluster must be started with the same values.
     # The learner advertises its own in its status; rollout replicas refuse to sample against a

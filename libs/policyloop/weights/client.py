@@ -58,11 +58,11 @@ class WeightClient:
         await self.channel.close()
 
     async def push(self, model: str, version: int, payload: bytes, *, codec_name: str = codec.CODEC,
-                   step: int = 0, run_id: str = "") -> weights_pb2.PushResult:
+                   step: int = 0, run_id: str = "", trained_unix_ms: int = 0) -> weights_pb2.PushResult:
         async def chunks() -> AsyncIterator[weights_pb2.PushChunk]:
             yield weights_pb2.PushChunk(header=weights_pb2.PushHeader(
                 model=model, version=version, step=step, codec=codec_name, total_bytes=len(payload),
-                payload_xxh3_128=xxhash.xxh3_128_hexdigest(payload), run_id=run_id,
+                payload_xxh3_128=xxhash.xxh3_128_hexdigest(payload), run_id=run_id, trained_unix_ms=trained_unix_ms,
             ))
             for start in range(0, len(payload), CHUNK_BYTES):
                 piece = payload[start:start + CHUNK_BYTES]

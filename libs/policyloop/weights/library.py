@@ -208,7 +208,7 @@ class WeightLibrary:
                 model=meta.model, version=meta.version, step=meta.step, codec=codec.CODEC, bytes=meta.bytes,
                 payload_xxh3_128=digest, created_unix_ms=now_ms(), run_id=meta.run_id,
                 kind=header.kind, base_version=header.base_version, manifest_hash=header.manifest_hash,
-                raw_bytes=weights.raw_bytes,
+                raw_bytes=weights.raw_bytes, trained_unix_ms=meta.trained_unix_ms,
             )
             try:
                 stored = await asyncio.to_thread(self._write, record, payload)

@@ -36,8 +36,11 @@ class VersionPusher:
         self.client, self.model, self.run_id, self.attempts = client, model, run_id, attempts
         self.confirmed: codec.WeightSet | None = None
 
-    async def push(self, weights: codec.WeightSet, step: int, *, full: bool = False) -> PushReport:
-        """`full=True` sends the raw weights every time (the no-delta baseline of the benchmark)."""
+    async def push(self, weights: codec.WeightSet, step: int, *, full: bool = False,
+                   trained_unix_ms: int = 0) -> PushReport:
+        """`full=True` sends the raw weights every time (the no-delta baseline of the benchmark);
+        `trained_unix_ms`: when the step finished computing the version (its announcement carries
+        it, so replicas measure step end → serving)."""
         started = time.monotonic()
         if full:
             encoded = await asyncio.to_thread(codec.encode, weights, raw=True)
@@ -46,7 +49,7 @@ class VersionPusher:
         encode_s = time.monotonic() - started
         started = time.monotonic()
         try:
-            await self._push_until_held(weights, encoded.payload, step)
+            await self._push_until_held(weights, encoded.payload, step, trained_unix_ms)
         except grpc.aio.AioRpcError as exc:
             if encoded.stats.kind != "delta" or not refused(exc):
                 raise
@@ -54,19 +57,21 @@ class VersionPusher:
             started_keyframe = time.monotonic()
             encoded = await asyncio.to_thread(codec.encode, weights, None)
             encode_s += time.monotonic() - started_keyframe
-            await self._push_until_held(weights, encoded.payload, step)
+            await self._push_until_held(weights, encoded.payload, step, trained_unix_ms)
         self.confirmed = weights
         stats = encoded.stats
         return PushReport(weights.version, stats.kind, stats.payload_bytes, stats.raw_bytes,
                           stats.changed_fraction, encode_s, time.monotonic() - started)
 
-    async def _push_until_held(self, weights: codec.WeightSet, payload: bytes, step: int) -> None:
+    async def _push_until_held(self, weights: codec.WeightSet, payload: bytes, step: int,
+                               trained_unix_ms: int) -> None:
         """Pushes until the publisher holds the version. A push whose reply was lost is
         recognised afterwards: the publisher holds the version with the same manifest hash."""
         delay = 0.5
         for attempt in range(1, self.attempts + 1):
             try:
-                await self.client.push(self.model, weights.version, payload, step=step, run_id=self.run_id)
+                await self.client.push(self.model, weights.version, payload, step=step, run_id=self.run_id,
+                                       trained_unix_ms=trained_unix_ms)
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:

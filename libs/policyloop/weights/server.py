@@ -72,7 +72,7 @@ def version_info(v: StoredVersion) -> weights_pb2.VersionInfo:
         model=v.model, version=v.version, step=v.step, codec=v.codec, bytes=v.bytes,
         payload_xxh3_128=v.payload_xxh3_128, created_unix_ms=v.created_unix_ms,
         kind=weights_pb2.PAYLOAD_KIND_DELTA if v.kind == "delta" else weights_pb2.PAYLOAD_KIND_KEYFRAME,
-        base_version=v.base_version, manifest_hash=v.manifest_hash,
+        base_version=v.base_version, manifest_hash=v.manifest_hash, trained_unix_ms=v.trained_unix_ms,
     )
 
 
@@ -86,6 +86,8 @@ def check_push_header(header: weights_pb2.PushHeader) -> str | None:
         return "header.version: must be at least 1"
     if header.total_bytes < 1:
         return "header.total_bytes: must be at least 1"
+    if header.trained_unix_ms < 0:
+        return "header.trained_unix_ms: cannot be negative"
     if not _HEX128.match(header.payload_xxh3_128):
         return "header.payload_xxh3_128: must be 32 lower-case hex digits"
     if header.codec != CODEC:
@@ -118,7 +120,7 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         meta = StoredVersion(
             model=header.model, version=header.version, step=header.step, codec=header.codec,
             bytes=header.total_bytes, payload_xxh3_128=header.payload_xxh3_128,
-            created_unix_ms=now_ms(), run_id=header.run_id,
+            created_unix_ms=now_ms(), run_id=header.run_id, trained_unix_ms=header.trained_unix_ms,
         )
         try:
             latest = self.store.latest(header.model)

@@ -83,6 +83,11 @@ class _Unreadable(Exception):
     """A record file that is not a valid record (internal: turned into a quarantine)."""
 
 
+# Record fields added after the format's first release: a record written before may lack them
+# (and reads as their default); every other field must be there.
+ADDED_LATER = frozenset({"trained_unix_ms"})
+
+
 @dataclass(frozen=True)
 class StoredVersion:
     model: str
@@ -97,6 +102,7 @@ class StoredVersion:
     base_version: int = 0
     manifest_hash: str = ""       # hash of the version: its number, and names, dtypes, shapes, tensor hashes
     raw_bytes: int = 0            # size of the version's weights, uncompressed
+    trained_unix_ms: int = 0      # when the learner's step finished computing it (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -182,10 +188,11 @@ def _unseal(text: str, cls: type[_Entry]) -> _Entry:
     if seal != _seal(content):
         raise _Unreadable(f"has no {SEAL_FIELD}, or one that does not match its content")
     expected = {f.name: f.type for f in fields(cls)}
-    if set(content) != set(expected):
+    required = set(expected) - ADDED_LATER
+    if not required <= set(content) <= set(expected):
         raise _Unreadable(f"has fields {sorted(content)}, expected {sorted(expected)}")
     for name, type_name in expected.items():
-        if type(content[name]).__name__ != type_name:
+        if name in content and type(content[name]).__name__ != type_name:
             raise _Unreadable(f"field {name!r} is {content[name]!r}, not of type {type_name}")
     return cls(**content)
 
@@ -207,8 +214,8 @@ def _problem(entry: StoredVersion | SnapshotRecord, model: str, version: int) ->
             return f"a delta of version {entry.version} cannot have base_version {entry.base_version}"
         if entry.kind == "keyframe" and entry.base_version != 0:
             return f"a keyframe cannot have base_version {entry.base_version}"
-        if min(entry.step, entry.created_unix_ms, entry.raw_bytes) < 0:
-            return "fields 'step', 'created_unix_ms' and 'raw_bytes' cannot be negative"
+        if min(entry.step, entry.created_unix_ms, entry.raw_bytes, entry.trained_unix_ms) < 0:
+            return "fields 'step', 'created_unix_ms', 'raw_bytes' and 'trained_unix_ms' cannot be negative"
     return None
 
 
@@ -519,7 +526,8 @@ class VersionStore:
 
     def write_snapshot(self, model: str, version: int, payload: bytes) -> None:
         """A keyframe of a stored version, written atomically beside it, then its record (a
-        snapshot counts only once its record is there)."""
+        snapshot counts only once its record is there). Versions that only the snapshot's
+        absence kept (to rebuild this one) are pruned then."""
         stored = self.get(model, version)
         path = self.snapshot_path(model, version)
         tmp = _write_tmp(path, payload)
@@ -531,6 +539,7 @@ class VersionStore:
                 os.replace(tmp, path)
                 _write_atomically(self.snapshot_record_path(model, version), sealed_json(record).encode())
                 fsync_dir(path.parent)
+                self.prune(model)
         finally:
             tmp.unlink(missing_ok=True)
 

@@ -265,7 +265,7 @@ class Trajectory(_message.Message):
     def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ...) -> None: ...
 
 class WeightsPublished(_message.Message):
-    __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id")
+    __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id", "trained_unix_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSIONS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +277,7 @@ class WeightsPublished(_message.Message):
     STEP_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     base_versions: _containers.RepeatedScalarFieldContainer[int]
@@ -288,7 +289,8 @@ class WeightsPublished(_message.Message):
     step: int
     published_unix_ms: int
     run_id: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., base_versions: _Optional[_Iterable[int]] = ..., manifest_hash: _Optional[str] = ..., bytes_raw: _Optional[int] = ..., bytes_delta: _Optional[int] = ..., codec: _Optional[str] = ..., fetch_endpoint: _Optional[str] = ..., step: _Optional[int] = ..., published_unix_ms: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
+    trained_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., base_versions: _Optional[_Iterable[int]] = ..., manifest_hash: _Optional[str] = ..., bytes_raw: _Optional[int] = ..., bytes_delta: _Optional[int] = ..., codec: _Optional[str] = ..., fetch_endpoint: _Optional[str] = ..., step: _Optional[int] = ..., published_unix_ms: _Optional[int] = ..., run_id: _Optional[str] = ..., trained_unix_ms: _Optional[int] = ...) -> None: ...
 
 class DeadLetter(_message.Message):
     __slots__ = ("origin_stream", "origin_subject", "stream_sequence", "consumer", "payload", "headers", "reason", "delivery_count", "service", "dead_lettered_unix_ms")

@@ -17,7 +17,7 @@ PAYLOAD_KIND_KEYFRAME: PayloadKind
 PAYLOAD_KIND_DELTA: PayloadKind
 
 class PushHeader(_message.Message):
-    __slots__ = ("model", "version", "step", "codec", "total_bytes", "payload_xxh3_128", "run_id")
+    __slots__ = ("model", "version", "step", "codec", "total_bytes", "payload_xxh3_128", "run_id", "trained_unix_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class PushHeader(_message.Message):
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_XXH3_128_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     step: int
@@ -32,7 +33,8 @@ class PushHeader(_message.Message):
     total_bytes: int
     payload_xxh3_128: str
     run_id: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., run_id: _Optional[str] = ...) -> None: ...
+    trained_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., total_bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., run_id: _Optional[str] = ..., trained_unix_ms: _Optional[int] = ...) -> None: ...
 
 class PushChunk(_message.Message):
     __slots__ = ("header", "data")
@@ -97,7 +99,7 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms", "kind", "base_version", "manifest_hash")
+    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms", "kind", "base_version", "manifest_hash", "trained_unix_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +110,7 @@ class VersionInfo(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     step: int
@@ -118,7 +121,8 @@ class VersionInfo(_message.Message):
     kind: PayloadKind
     base_version: int
     manifest_hash: str
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., base_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ...) -> None: ...
+    trained_unix_ms: int
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., base_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., trained_unix_ms: _Optional[int] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("versions",)
