@@ -48,7 +48,7 @@ class TopInTmux:
         if self.tmux is not None:
             # The pane's size also in LINES/COLUMNS: under pytest, rich read a smaller height than the pane's.
             command = " ".join(["env", "LINES=70", "COLUMNS=150", *POLICYLOOP, "top", "--run-dir", str(run_dir),
-                                "--interval-s", "1", "--window-s", "5"])
+                                "--interval-s", "1", "--window-s", "600"])  # the whole run: no env drops out
             subprocess.run([self.tmux, "new-session", "-d", "-s", self.session, "-x", "150", "-y", "70", command],
                            check=True, timeout=30)
 
@@ -167,7 +167,8 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
         report = json.loads(client.stdout.strip().splitlines()[-1])
         if top.tmux is not None:
             # The figures moved while the run trained: steps, tokens, lag, reward per environment.
-            screen = top.wait_for(lambda s: learner_steps(s) >= before + 2 and "sums@v1" in s, "the run's steps")
+            screen = top.wait_for(lambda s: learner_steps(s) >= before + 2 and "sums@v1" in s and "functions@v1" in s,
+                                  "the run's steps and both environments' rewards")
             for figure in ("tokens/s generated", "tokens/s trained", "version lag", "KL (behaviour) / entropy",
                            "publish: step end → serving p50 / p99", "dropped", "dead letters", "TRAJECTORIES",
                            "functions@v1"):
