@@ -66,6 +66,18 @@ def summarise(learner: status_pb2.LearnerStatus, rollouts: list[status_pb2.Rollo
     }
 
 
+async def beats_after_the_last_step(registry: HeartbeatRegistry, timeout_s: float = 30.0) -> list:
+    """Every service's heartbeat, once each one was sent after the learner's last step: a replica's
+    beat from before it (they come every couple of seconds) would miss what it generated since."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        beats = await registry.alive()
+        last_step_ms = max((b.learner.last_step_at * 1000 for b in beats if b.service == "learner"), default=0)
+        if all(b.beat_unix_ms >= last_step_ms for b in beats) or time.monotonic() > deadline:
+            return beats
+        await asyncio.sleep(0.5)
+
+
 async def drive(cluster: LocalCluster, args: argparse.Namespace, model_path: Path) -> dict:
     from transformers import AutoTokenizer
 
@@ -88,7 +100,7 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace, model_path: Pat
                 if step >= args.steps or time.monotonic() > deadline:
                     break
             await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
-        beats = await registry.alive()
+        beats = await beats_after_the_last_step(registry)
         learner = next(b.learner for b in beats if b.service == "learner")
         rollouts = [b.rollout for b in beats if b.service == "rollout"]
         figures = summarise(learner, rollouts, run_started)

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from policyloop.state import VersionRegistry
     from policyloop.state.progress import RunProgressStore
     from policyloop.weights.codec import WeightSet
-    from policyloop.weights.push import VersionPusher
+    from policyloop.weights.push import PushReport, VersionPusher
 
 log = get_logger(__name__)
 
@@ -134,13 +134,12 @@ class Learner:
         await self._record(report, weights, samples)
         await self.colocated.send(tensors, self.trainer.version)
         pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained.end_ns // 1_000_000)
-        self.figures.pushed(pushed)
         await self.versions.advance(self.settings.model, self.trainer.version)
         self.traces.trained(samples, step=report.step, version=self.trainer.version, train=trained,
                             publish=watch.lap(), publish_kind=pushed.kind)
         self.on_version(self.trainer.version)
         self.held.release(samples)
-        await self._after_step(report, samples, started)
+        await self._after_step(report, pushed, samples, started)
 
     async def _train(self, groups: Groups) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
         from policyloop.weights.torch_io import weight_set
@@ -161,12 +160,16 @@ class Learner:
             log.warning("crashing_on_purpose", step=report.step, version=self.trainer.version)
             os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
 
-    async def _after_step(self, report: StepReport, samples: list[bus_pb2.Trajectory], started: float) -> None:
+    async def _after_step(self, report: StepReport, pushed: PushReport, samples: list[bus_pb2.Trajectory],
+                          started: float) -> None:
         self.figures.trained(samples, self.trainer.version - 1)
         await self._record_progress(self.progress.record_step(report.step, self.trainer.version - 1, samples))
         every = self.settings.checkpoint.every
         if every and self.trainer.version % every == 0:
             await self.checkpoint()
+        # The version's figures and the step's together, with no await between: a status read
+        # in between would count a version pushed by a step not yet counted.
+        self.figures.pushed(pushed)
         self.figures.stepped(report, time.monotonic() - started)
         self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
                                                            self.trainer.version - 1, self.status))
