@@ -1,20 +1,18 @@
-"""`policyloop up` brings up NATS, Redis and all six services; `policyloop status` reports them
-healthy; Ctrl-C stops every process. Then the demo drives messages through the whole cluster."""
+"""`policyloop up`, `status`, `top` and `scale` where no cluster runs, or against servers given by
+URL; the helpers the end-to-end tests share. `up` with every service, `status` and Ctrl-C are
+checked in test_protos_client.py, on the cluster that test drives."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from policyloop.cluster.catalogue import SERVICE_NAMES
-from policyloop.cluster.local import ClusterInfo
-from policyloop.cluster.prometheus import prometheus_binary
 
 POLICYLOOP = [sys.executable, "-m", "policyloop"]
 
@@ -53,45 +51,6 @@ def assert_prometheus_scrapes_every_service(url: str) -> None:
             return
         assert time.monotonic() < deadline, f"Prometheus scrapes only {sorted(scraped)}"
         time.sleep(0.5)
-
-
-def test_up_status_and_ctrl_c(tmp_path: Path, tiny_model_dir: Path) -> None:
-    run_dir = tmp_path / "cluster"
-    up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir)],
-                          stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_for_file(run_dir / "cluster.json", up, 60)
-        status = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir), "--wait-s", "90", "--json"],
-                                capture_output=True, text=True, timeout=120)
-        assert status.returncode == 0, status.stdout + status.stderr
-        report = json.loads(status.stdout)
-        assert report["all_healthy"] and report["missing"] == []
-        assert sorted(i["service"] for i in report["instances"]) == sorted(SERVICE_NAMES)
-        by_service = {i["service"]: i for i in report["instances"]}
-        assert by_service["rollout"]["backlog"]["stream"] == "TASKS"
-        assert by_service["learner"]["backlog"]["consumer"] == "learner"
-        table = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir)], capture_output=True,
-                               text=True, timeout=60)
-        assert table.returncode == 0 and all(name in table.stdout for name in SERVICE_NAMES)
-        info = ClusterInfo.load(run_dir)
-        pids = list(info.pids.values())
-        # The services, nats-server, redis-server and, where it is installed, Prometheus.
-        with_prometheus = prometheus_binary() is not None
-        assert len(pids) == len(SERVICE_NAMES) + 2 + with_prometheus
-        assert all(pid_alive(pid) for pid in pids)
-        if with_prometheus:
-            assert_prometheus_scrapes_every_service(info.prometheus_url)
-    finally:
-        up.send_signal(signal.SIGINT)  # Ctrl-C
-        out, _ = up.communicate(timeout=90)
-    assert up.returncode == 0, out
-    assert "stopped" in out
-    assert not [pid for pid in pids if pid_alive(pid)]
-    # Each service stopped gracefully (SIGTERM), not by SIGKILL.
-    for name in SERVICE_NAMES:
-        log = (run_dir / "logs" / f"{name}-0.log").read_text()
-        assert '"event": "service_stopped"' in log, f"{name} did not stop gracefully:\n{log[-2000:]}"
 
 
 def test_status_without_a_cluster_says_so(tmp_path: Path) -> None:

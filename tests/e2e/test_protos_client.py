@@ -23,8 +23,11 @@ from typing import Any
 
 import pytest
 
+from policyloop.cluster.catalogue import SERVICE_NAMES
+from policyloop.cluster.local import ClusterInfo
+from policyloop.cluster.prometheus import prometheus_binary
 from policyloop.telemetry.dashboard import load_dashboard, runnable_queries
-from tests.e2e.test_local_cluster import POLICYLOOP, wait_for_file
+from tests.e2e.test_local_cluster import POLICYLOOP, assert_prometheus_scrapes_every_service, pid_alive, wait_for_file
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, lineage, lineage_or_none
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,6 +72,27 @@ class TopInTmux:
     def close(self) -> None:
         if self.tmux is not None:
             subprocess.run([self.tmux, "kill-session", "-t", self.session], capture_output=True, timeout=30)
+
+
+def check_the_cluster_is_up(run_dir: Path, report: dict[str, Any]) -> list[int]:
+    """`policyloop status` (JSON and table) shows every service healthy, and `up` runs them, NATS,
+    Redis and, where it is installed, Prometheus scraping every service. Returns their pids."""
+    assert report["all_healthy"] and report["missing"] == []
+    assert sorted(i["service"] for i in report["instances"]) == sorted(SERVICE_NAMES)
+    by_service = {i["service"]: i for i in report["instances"]}
+    assert by_service["rollout"]["backlog"]["stream"] == "TASKS"
+    assert by_service["learner"]["backlog"]["consumer"] == "learner"
+    table = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir)], capture_output=True, text=True,
+                           timeout=60)
+    assert table.returncode == 0 and all(name in table.stdout for name in SERVICE_NAMES)
+    info = ClusterInfo.load(run_dir)
+    pids = list(info.pids.values())
+    with_prometheus = prometheus_binary() is not None
+    assert len(pids) == len(SERVICE_NAMES) + 2 + with_prometheus
+    assert all(pid_alive(pid) for pid in pids)
+    if with_prometheus:
+        assert_prometheus_scrapes_every_service(info.prometheus_url)
+    return pids
 
 
 def check_a_trained_trajectorys_trace(receiver: OtlpReceiver) -> None:
@@ -155,6 +179,7 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
         status = subprocess.run([*POLICYLOOP, "status", "--run-dir", str(run_dir), "--wait-s", "120", "--json"],
                                 capture_output=True, text=True, timeout=150)
         assert status.returncode == 0, status.stdout + status.stderr
+        pids = check_the_cluster_is_up(run_dir, json.loads(status.stdout))
         top = TopInTmux(run_dir)
         if top.tmux is not None:
             before = learner_steps(top.wait_for(lambda s: "learner-0" in s and learner_steps(s) >= 0, "the cluster"))
@@ -189,9 +214,15 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
     finally:
         if top is not None:
             top.close()
-        up.send_signal(signal.SIGINT)
-        up.communicate(timeout=90)
+        up.send_signal(signal.SIGINT)  # Ctrl-C
+        out, _ = up.communicate(timeout=90)
         receiver.__exit__()
+    assert up.returncode == 0 and "stopped" in out, out
+    assert not [pid for pid in pids if pid_alive(pid)]
+    # Each service stopped gracefully (SIGTERM), not by SIGKILL.
+    for name in SERVICE_NAMES:
+        log = (run_dir / "logs" / f"{name}-0.log").read_text()
+        assert '"event": "service_stopped"' in log, f"{name} did not stop gracefully:\n{log[-2000:]}"
 
     # The client imported the generated stubs, nothing of the project.
     assert report["imported"] == ["policyloop", "policyloop.v1", "policyloop.v1.bus_pb2",

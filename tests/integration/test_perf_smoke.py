@@ -1,5 +1,5 @@
 """Every perf/ harness runs end to end at a small size and prints the JSON it promises, so a harness
-can no longer break without a test going red. Each runs as users run it (`python perf/X.py ...`),
+can no longer break without a test going red (the version-lag harness in `make test-all`). Each runs as users run it (`python perf/X.py ...`),
 on the tiny test model where it takes one; the figures are checked for presence and sanity, never
 for speed (the figures themselves are measured by hand at full size, see the README).
 perf/weights_bench.py has its own smoke test (test_weights_bench.py)."""
@@ -30,6 +30,9 @@ def run_harness(script: str, *args: str, cwd: Path, timeout_s: float = TIMEOUT_S
     return json.loads(result.stdout)
 
 
+# Slow (a whole cluster, half a minute): the default run covers its figures (test_version_lag_summary)
+# and the behaviour it measures (test_pacing, the learner's stale drops, the demo's lag histogram).
+@pytest.mark.slow
 @pytest.mark.timeout(CLUSTER_TIMEOUT_S + 30)
 def test_version_lag_runs_one_configuration_on_the_local_cluster(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
