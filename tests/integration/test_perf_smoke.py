@@ -1,5 +1,6 @@
 """Every perf/ harness runs end to end at a small size and prints the JSON it promises, so a harness
-can no longer break without a test going red (the version-lag harness in `make test-all`). Each runs as users run it (`python perf/X.py ...`),
+can no longer break without a test going red (those that start a whole cluster for a window of
+steps in `make test-all`). Each runs as users run it (`python perf/X.py ...`),
 on the tiny test model where it takes one; the figures are checked for presence and sanity, never
 for speed (the figures themselves are measured by hand at full size, see the README).
 perf/weights_bench.py has its own smoke test (test_weights_bench.py)."""
@@ -108,3 +109,21 @@ def test_sandbox_bench_runs_jobs_and_scores(tmp_path: Path) -> None:
         for side_by_side in ("one_at_a_time", "two_side_by_side"):
             assert mode[side_by_side]["job_wall_ms_median"] > 0 and mode[side_by_side]["jobs_per_s"] > 0
         assert mode["unit_test_scoring"]["score_wall_ms_median"] > 0
+
+
+# Slow (a whole cluster): the default run checks its figures from two scrapes
+# (tests/unit/test_step_profile.py) and the phases the learner exports (test_learner_figures).
+@pytest.mark.slow
+@pytest.mark.timeout(CLUSTER_TIMEOUT_S + 30)
+def test_step_profile_reads_every_phase_of_a_step_and_a_version(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    summary = run_harness("step_profile.py", "--seconds", "8", "--warmup-steps", "2", "--groups-per-step", "2",
+                          "--group-size", "4", "--model-path", str(tiny_model_dir), "--out", str(out),
+                          cwd=tmp_path, timeout_s=CLUSTER_TIMEOUT_S)
+    [run] = summary["runs"]
+    assert run["learner"]["steps"] >= 1 and run["learner"]["steps_per_s"] > 0
+    phases = run["learner"]["per_step_ms"]
+    assert {"wait_for_batch", "forward", "backward", "optimizer", "export", "push"} <= set(phases)
+    assert abs(sum(phases.values()) - run["learner"]["step_ms"]) < 1
+    assert run["rollout"]["versions"] >= 1 and {"fetch", "load"} <= set(run["rollout"]["per_version_ms"])
+    assert (out / "step_profile.png").stat().st_size > 1000

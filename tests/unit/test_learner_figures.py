@@ -28,3 +28,31 @@ def test_samples_at_the_bound_are_counted() -> None:
     assert trained(max_lag=2) == 2
     assert trained(max_lag=0) == 0  # synchronous: lag 0 is every sample's, not a sign of pressure
     assert trained(max_lag=-1) == 0  # no bound
+
+
+def test_a_steps_phases_add_up_to_its_wall_time() -> None:
+    import time
+
+    from policyloop.learner.figures import STEP_PHASES, step_phases
+    from policyloop.rl.trainer import StepReport
+    from policyloop.telemetry.phases import PhaseClock
+    from policyloop.weights.push import PushReport
+
+    started = time.perf_counter()
+    clock = PhaseClock()
+    for name in ("wait_for_batch", "trainer", "export", "hash", "ledger", "colocated", "push", "registry"):
+        time.sleep(0.002)
+        clock.lap(name)
+    wall = time.perf_counter() - started
+    report = StepReport(step=1, samples=2, groups=1, mean_reward=0.0, loss=0.0, clip_fraction=0.0, approx_kl=0.0,
+                        grad_norm=0.0, trained_tokens=4, seconds=0.0,
+                        phases={"pack": 0.0005, "forward": 0.0005, "backward": 0.0005, "optimizer": 0.0001})
+    pushed = PushReport(version=1, kind="delta", payload_bytes=1, raw_bytes=2, changed_fraction=0.5, encode_s=0.001,
+                        push_s=0.001)
+    phases = step_phases(clock.seconds, report, pushed)
+    assert list(phases) == [p for p in STEP_PHASES if p in phases] and "trainer" not in phases
+    assert phases["encode"] == 0.001 and phases["trainer_other"] > 0
+    assert abs(sum(phases.values()) - clock.total()) < 1e-9 and clock.total() <= wall
+    before = REGISTRY.get_sample_value("policyloop_learner_phase_seconds_total", {"phase": "forward"}) or 0.0
+    LearnerFigures(status_pb2.LearnerStatus()).phases(phases)
+    assert REGISTRY.get_sample_value("policyloop_learner_phase_seconds_total", {"phase": "forward"}) == before + 0.0005

@@ -11,6 +11,7 @@ from policyloop.contracts.versions import sample_lag
 from policyloop.telemetry.metrics import (
     LAG_AT_BOUND,
     LEARNER_DROPPED,
+    LEARNER_PHASE_SECONDS,
     LEARNER_STEP_SECONDS,
     LEARNER_STEP_STAT,
     LEARNER_TOKENS,
@@ -26,6 +27,27 @@ if TYPE_CHECKING:
 
 # StepReport fields that are also StepStats fields (the metric labels of LEARNER_STEP_STAT).
 _STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]
+
+
+# The phases of a learner step, in order (perf/step_profile.py stacks them so): waiting for a full
+# batch, the trainer's own (pack, forward, backward, optimizer, and the hand-off to its thread),
+# exporting the weights, hashing them, the LEDGER record, the colocated broadcast, encoding the
+# delta, pushing it (the publisher's verify and store included), the version registry and the
+# trajectories' release, the run's progress in Redis, the checkpoint.
+STEP_PHASES = ("wait_for_batch", "pack", "forward", "backward", "optimizer", "trainer_other", "export", "hash",
+               "ledger", "colocated", "encode", "push", "registry", "progress", "checkpoint")
+
+
+def step_phases(clock: dict[str, float], report: StepReport, pushed: PushReport) -> dict[str, float]:
+    """The learner's phase clock with the trainer's phases inside `trainer` and the encode inside
+    `push` taken out, so that the phases add up to the step's wall time."""
+    phases = dict(clock)
+    trainer = phases.pop("trainer", 0.0)
+    phases.update(report.phases)
+    phases["trainer_other"] = max(0.0, trainer - sum(report.phases.values()))
+    phases["encode"] = min(pushed.encode_s, phases.get("push", 0.0))
+    phases["push"] = phases.get("push", 0.0) - phases["encode"]
+    return {name: phases[name] for name in STEP_PHASES if name in phases}
 
 
 def advertised_status(settings: LearnerSettings) -> status_pb2.LearnerStatus:
@@ -72,6 +94,10 @@ class LearnerFigures:
             VERSION_LAG.observe(lag)
             if bound > 0 and lag >= bound:
                 LAG_AT_BOUND.inc()
+
+    def phases(self, seconds: dict[str, float]) -> None:
+        for phase, spent in seconds.items():
+            LEARNER_PHASE_SECONDS.labels(phase).inc(spent)
 
     def stepped(self, report: StepReport, seconds: float) -> None:
         LEARNER_TOKENS.inc(report.trained_tokens)

@@ -22,13 +22,14 @@ from redis.exceptions import RedisError
 from policyloop.bus import Bus, Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_trajectory
-from policyloop.learner.figures import LearnerFigures, advertised_status
+from policyloop.learner.figures import LearnerFigures, advertised_status, step_phases
 from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.traces import LearnerTraces, Stopwatch
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
     import torch
@@ -116,37 +117,49 @@ class Learner:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Steps whenever a batch is held, until `stop`; then checkpoints the last step."""
+        clock = PhaseClock()  # from one step's end to the next's: waiting for a batch
         while await self.held.wait_for_batch(stop):
             groups, stale = self.held.take(self.trainer.version, self.settings.max_lag)
             await self.drop_stale(stale)
             if groups:
-                await self.step(groups)
+                clock.lap("wait_for_batch")
+                await self.step(groups, clock)
+                clock = PhaseClock()
         await self.checkpoint()  # the next learner then replays nothing
 
-    async def step(self, groups: Groups) -> None:
+    async def step(self, groups: Groups, clock: PhaseClock | None = None) -> None:
         """One optimizer step, in the write-ahead order that makes a crash anywhere safe:
         train → record in LEDGER → broadcast to colocated engines → push to the publisher →
-        advance the version registry → release the trajectories (acks)."""
+        advance the version registry → release the trajectories (acks). `clock` times the
+        phases (policyloop_learner_phase_seconds_total)."""
+        clock = clock or PhaseClock()
         started, watch = time.monotonic(), Stopwatch()
         samples = [t for group in groups for t in group]
-        report, tensors, weights = await self._train(groups)
+        report, tensors, weights = await self._train(groups, clock)
         trained = watch.lap()
         await self._record(report, weights, samples)
+        clock.lap("ledger")
         await self.colocated.send(tensors, self.trainer.version)
+        clock.lap("colocated")
         pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained.end_ns // 1_000_000)
+        clock.lap("push")
         await self.versions.advance(self.settings.model, self.trainer.version)
         self.traces.trained(samples, step=report.step, version=self.trainer.version, train=trained,
                             publish=watch.lap(), publish_kind=pushed.kind)
         self.on_version(self.trainer.version)
         self.held.release(samples)
-        await self._after_step(report, pushed, samples, started)
+        clock.lap("registry")
+        await self._after_step(report, pushed, samples, started, clock)
 
-    async def _train(self, groups: Groups) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
+    async def _train(self, groups: Groups, clock: PhaseClock) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
         from policyloop.weights.torch_io import weight_set
 
         report = await asyncio.to_thread(self.trainer.step, groups)
+        clock.lap("trainer")
         tensors = await asyncio.to_thread(self.trainer.export_tensors)
+        clock.lap("export")
         weights = await asyncio.to_thread(weight_set, self.trainer.version, tensors)
+        clock.lap("hash")
         return report, tensors, weights
 
     async def _record(self, report: StepReport, weights: WeightSet, samples: list[bus_pb2.Trajectory]) -> None:
@@ -161,16 +174,19 @@ class Learner:
             os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
 
     async def _after_step(self, report: StepReport, pushed: PushReport, samples: list[bus_pb2.Trajectory],
-                          started: float) -> None:
+                          started: float, clock: PhaseClock) -> None:
         self.figures.trained(samples, self.trainer.version - 1)
         await self._record_progress(self.progress.record_step(report.step, self.trainer.version - 1, samples))
+        clock.lap("progress")
         every = self.settings.checkpoint.every
         if every and self.trainer.version % every == 0:
             await self.checkpoint()
+        clock.lap("checkpoint")
         # The version's figures and the step's together, with no await between: a status read
         # in between would count a version pushed by a step not yet counted.
         self.figures.pushed(pushed)
         self.figures.stepped(report, time.monotonic() - started)
+        self.figures.phases(step_phases(clock.seconds, report, pushed))
         self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
                                                            self.trainer.version - 1, self.status))
         log.info("step", step=report.step, version=self.trainer.version, mean_reward=round(report.mean_reward, 4),

@@ -12,7 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -28,6 +28,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import pack, response_values, token_logprobs, token_logprobs_and_entropy
 from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
 from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
     from policyloop.rl.checkpoint import TrainerState
@@ -57,6 +58,9 @@ class StepReport:
     is_weight_mean: float = 1.0
     is_weight_max: float = 1.0
     is_truncated_fraction: float = 0.0
+    # Wall time of the step's phases: pack (the batch from the messages), forward (log-probs and
+    # entropy, the reference's), backward, optimizer (clip, step, schedule).
+    phases: dict[str, float] = field(default_factory=dict, compare=False)
 
 
 class DeviceUnavailable(RuntimeError):
@@ -151,6 +155,7 @@ class PolicyTrainer:
         self.config = config
         self.model_path = Path(model_path)
         self.mesh = init_distributed(config.device)
+        self.on_cuda = self.mesh.device_type == "cuda"
         self.model = load_policy(self.model_path, self.mesh)
         self.keys = weight_keys(self.model_path)
         # The KL penalty's reference: the base weights, frozen (only when the penalty is on).
@@ -202,6 +207,7 @@ class PolicyTrainer:
 
     def _step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
         started = time.monotonic()
+        clock = PhaseClock(torch.cuda.synchronize if self.on_cuda else lambda: None)
         group_size = len(groups[0])
         if any(len(g) != group_size for g in groups):
             raise ValueError("every group of a step must have the same size")
@@ -220,6 +226,7 @@ class PolicyTrainer:
         width = batch.input_ids.shape[1]
         behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width)
         token_adv = advantages[mine][:, None].expand_as(batch.response_mask)
+        clock.lap("pack")
         logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
         reference = None
         if self.reference is not None:
@@ -230,12 +237,15 @@ class PolicyTrainer:
                              width=max(len(t.response_token_ids) for t in samples))
         loss, stats = policy_objective(logprobs, behaviour, token_adv, batch.response_mask, self.config.loss,
                                        counts, ref_logprobs=reference, entropy=entropy)
+        clock.lap("forward")
         # FSDP2 averages gradients over ranks; scaling by the world size makes that the sum.
         (loss * self.world_size).backward()
+        clock.lap("backward")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        clock.lap("optimizer")
         self.steps += 1
         self.version += 1
         return StepReport(
@@ -245,6 +255,7 @@ class PolicyTrainer:
             trained_tokens=int(total_tokens), seconds=time.monotonic() - started, entropy=stats.entropy,
             kl_reference=stats.kl_reference, ratio_mean=stats.ratio_mean, is_weight_mean=stats.is_weight_mean,
             is_weight_max=stats.is_weight_max, is_truncated_fraction=stats.is_truncated_fraction,
+            phases=clock.seconds,
         )
 
     def export_tensors(self) -> dict[str, torch.Tensor]:

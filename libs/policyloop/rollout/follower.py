@@ -21,12 +21,14 @@ from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
+    VERSION_LOAD_PHASE_SECONDS,
     WEIGHT_PAYLOAD_BYTES,
     WEIGHT_SYNC_FALLBACKS,
     WEIGHT_SYNC_SECONDS,
     WEIGHTS_SERVING_DELAY,
     WEIGHTS_STEP_TO_SERVING,
 )
+from policyloop.telemetry.phases import PhaseClock
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
 from policyloop.weights.sync import sync_weights
@@ -194,7 +196,7 @@ class WeightFollower:
     async def fetch_and_load(self, event: bus_pb2.WeightsPublished) -> None:
         """Fetch (a delta from the held version when possible), verify every tensor, load into
         the engine. Until the engine confirms the new version, the old one keeps serving."""
-        started = time.monotonic()
+        started, clock = time.monotonic(), PhaseClock()
         if self.held is not None and self.held.version == event.version:
             # The engine lost a version this replica still holds verified (it restarted on its
             # base weights): load it again, nothing to fetch.
@@ -205,17 +207,22 @@ class WeightFollower:
             self.held = weights  # verified: the next delta applies to these bytes
             if report.fallback_reason:
                 WEIGHT_SYNC_FALLBACKS.inc()
+        clock.lap("sync")
         loading = time.monotonic()
         directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
                                             self.settings.model_path, weights)
+        clock.lap("write")
         # pause → update → continue, as SGLang wants it; the update checks /model_info afterwards.
         mode = self.settings.weight_update_mode
         await self.client.pause_generation(mode)
+        clock.lap("pause")
         try:
             await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version),
                                                        flush_cache=mode == "abort")
         finally:
+            clock.lap("load")
             await self.client.continue_generation()
+            clock.lap("continue")
         previous, self.loaded_dir = self.loaded_dir, directory
         self.ctx.policy_version = weights.version
         if previous is not None and previous != directory:
@@ -226,6 +233,10 @@ class WeightFollower:
             return
         WEIGHT_SYNC_SECONDS.labels("fetch").observe(report.transfer_s)
         WEIGHT_SYNC_SECONDS.labels("apply").observe(report.apply_s + time.monotonic() - loading)
+        phases = {"fetch": report.transfer_s, "decode_verify": max(0.0, clock.seconds.pop("sync") - report.transfer_s),
+                  **clock.seconds}
+        for phase, seconds in phases.items():
+            VERSION_LOAD_PHASE_SECONDS.labels(phase).inc(seconds)
         WEIGHT_PAYLOAD_BYTES.labels(report.kind).inc(report.payload_bytes)
         self.status.last_fetch.CopyFrom(status_pb2.WeightFetch(kind=report.kind, bytes=report.payload_bytes,
                                                                raw_bytes=report.raw_bytes))

@@ -113,6 +113,10 @@ LEARNER_STEP_SECONDS = Histogram(
     "policyloop_learner_step_seconds", "Wall time of one learner step, publishing included.",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60),
 )
+LEARNER_PHASE_SECONDS = Counter(
+    "policyloop_learner_phase_seconds", "Wall time of each phase of the learner's steps (perf/step_profile.py; over "
+    "policyloop_learner_step_seconds_count, the mean per step).", ["phase"],
+)
 VERSION_LAG = Histogram(
     "policyloop_version_lag", "Policy versions between a sample's oldest token and the step that trained it.",
     buckets=(0, 1, 2, 3, 4, 6, 8, 16, 32),
@@ -146,6 +150,11 @@ WEIGHTS_STEP_TO_SERVING = Histogram(
     "From the learner's step finishing a version to this replica's engine serving it: the ledger record, "
     "encode, push, the publisher's verify and store, announcement, fetch, verify and load (clocks of two hosts).",
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
+VERSION_LOAD_PHASE_SECONDS = Counter(
+    "policyloop_rollout_version_phase_seconds", "Wall time of each phase of a replica taking a version from the "
+    "publisher: fetch, decode_verify, write (the HF directory the engine loads), pause, load, continue "
+    "(over policyloop_weight_sync_seconds_count{phase=\"fetch\"}, the mean per version).", ["phase"],
 )
 WEIGHT_PAYLOAD_BYTES = Counter(
     "policyloop_weight_payload_bytes_total", "Weight payload bytes sent (learner) or received (rollout), by kind.",

@@ -1,0 +1,202 @@
+"""Where a learner step's wall time goes on the demo's loop, and where a version's time goes on
+a rollout replica: the local cluster with the demo's settings (model, task, groups per step,
+group size, lr, loss, max_lag) runs the arithmetic environment; after `--warmup-steps` steps the
+learner's and the replicas' phase counters are read, and again `--seconds` later. Reported:
+
+- `learner.per_step_ms`: the mean time of each phase of a step (policyloop_learner_phase_seconds:
+  waiting for a batch, pack, forward, backward, optimizer, the trainer's thread hand-off, export,
+  hash, LEDGER record, colocated broadcast, encode, push (with the publisher's verify and store),
+  version registry and release, progress, checkpoint), which add up to `step_ms`;
+- `learner.steps`, `steps_per_s` and `busy_fraction` (not waiting for a batch) over the window;
+- `rollout.per_version_ms`: the mean time of each phase of taking a version on the replicas
+  (fetch, decode_verify, write, pause, load, continue) and `versions`.
+
+    .venv/bin/python perf/step_profile.py                    # 120 s after 10 warm-up steps
+    .venv/bin/python perf/step_profile.py --seconds 60 --repeats 3
+
+Prints JSON (with medians over `--repeats` fresh clusters) and writes it and step_profile.png
+(stacked bars: a step's phases; a version's phases) to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import grpc  # noqa: E402
+
+from policyloop.cluster.demo import DemoConfig, start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
+from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
+from policyloop.learner.figures import STEP_PHASES  # noqa: E402
+from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
+
+VERSION_PHASES = ("fetch", "decode_verify", "write", "pause", "load", "continue")
+
+
+def phase_totals(scrape: Scrape, name: str) -> dict[str, float]:
+    return {phase: value for (phase,), value in scrape.by(name, "phase").items()}
+
+
+def profile(before: Scrape, after: Scrape, seconds: float) -> dict:
+    """The per-step and per-version figures between two scrapes of the cluster."""
+    steps = after.total("policyloop_learner_step_seconds_count") - before.total("policyloop_learner_step_seconds_count")
+    spent = {phase: after_s - phase_totals(before, "policyloop_learner_phase_seconds_total").get(phase, 0.0)
+             for phase, after_s in phase_totals(after, "policyloop_learner_phase_seconds_total").items()}
+    per_step = {phase: round(1000 * spent[phase] / steps, 2) for phase in STEP_PHASES if steps and phase in spent}
+    versions = (after.total("policyloop_weight_sync_seconds_count", phase="fetch")
+                - before.total("policyloop_weight_sync_seconds_count", phase="fetch"))
+    loaded = {phase: after_s - phase_totals(before, "policyloop_rollout_version_phase_seconds_total").get(phase, 0.0)
+              for phase, after_s in phase_totals(after, "policyloop_rollout_version_phase_seconds_total").items()}
+    per_version = {phase: round(1000 * loaded[phase] / versions, 2) for phase in VERSION_PHASES
+                   if versions and phase in loaded}
+    waiting = spent.get("wait_for_batch", 0.0)
+    return {
+        "seconds": round(seconds, 1),
+        "learner": {"steps": int(steps), "steps_per_s": round(steps / seconds, 3),
+                    "busy_fraction": round(1 - waiting / seconds, 3) if seconds else 0.0,
+                    "step_ms": round(sum(per_step.values()), 1), "per_step_ms": per_step},
+        "rollout": {"versions": int(versions), "version_ms": round(sum(per_version.values()), 1),
+                    "per_version_ms": per_version},
+    }
+
+
+async def learner_step(registry: HeartbeatRegistry) -> int:
+    return next((b.learner.step for b in await registry.alive() if b.service == "learner"), 0)
+
+
+async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namespace) -> dict:
+    status = await wait_healthy(cluster, 180)
+    if not status.all_healthy:
+        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}")
+    endpoints = [MetricsEndpoint(p.name, service_of(p.name), f"http://127.0.0.1:{p.ports['http']}/metrics")
+                 for p in cluster.processes if "http" in p.ports]
+    redis_client = await connect_redis(cluster.redis_url)
+    registry = HeartbeatRegistry(redis_client, cluster.namespace)
+    try:
+        gateway = cluster.process("gateway-0").ports["grpc"]
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
+            stub = loop_pb2_grpc.LoopServiceStub(channel)
+            _, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens, config.temperature,
+                                                config.seed)
+            deadline = time.monotonic() + args.timeout_s
+            while await learner_step(registry) < args.warmup_steps:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fewer than {args.warmup_steps} steps in {args.timeout_s} s")
+                await asyncio.sleep(0.5)
+            before, started = await scrape_services(endpoints), time.monotonic()
+            await asyncio.sleep(args.seconds)
+            after = await scrape_services(endpoints)
+            figures = profile(before, after, time.monotonic() - started)
+            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
+        return figures
+    finally:
+        await redis_client.aclose()
+
+
+def run_once(config: DemoConfig, args: argparse.Namespace, root: Path) -> dict:
+    env = {
+        "POLICYLOOP_MODEL_PATH": str(config.model_path),
+        "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
+        "POLICYLOOP_OPTIMIZER__LR": str(config.lr),
+        **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
+        "POLICYLOOP_MAX_LAG": str(config.max_lag),
+        "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
+        "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
+    }
+    cluster = LocalCluster(root, extra_env=env, fresh=True, prometheus=False)
+    cluster.start()
+    try:
+        return asyncio.run(drive(cluster, config, args))
+    finally:
+        cluster.stop()
+
+
+def medians(runs: list[dict]) -> dict:
+    def median_of(path: tuple[str, ...]) -> float:
+        values = []
+        for run in runs:
+            value = run
+            for key in path:
+                value = value.get(key, {}) if isinstance(value, dict) else {}
+            if isinstance(value, (int, float)):
+                values.append(value)
+        return round(statistics.median(values), 3) if values else 0.0
+
+    return {
+        "learner": {"steps_per_s": median_of(("learner", "steps_per_s")),
+                    "busy_fraction": median_of(("learner", "busy_fraction")),
+                    "step_ms": median_of(("learner", "step_ms")),
+                    "per_step_ms": {p: median_of(("learner", "per_step_ms", p)) for p in STEP_PHASES}},
+        "rollout": {"version_ms": median_of(("rollout", "version_ms")),
+                    "per_version_ms": {p: median_of(("rollout", "per_version_ms", p)) for p in VERSION_PHASES}},
+    }
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5), gridspec_kw={"width_ratios": [1, 1]})
+    for ax, (title, phases) in zip(axes, [
+            ("a learner step (ms)", summary["median"]["learner"]["per_step_ms"]),
+            ("a version on a replica (ms)", summary["median"]["rollout"]["per_version_ms"])], strict=True):
+        bottom = 0.0
+        colors = plt.get_cmap("tab20").colors
+        for i, (phase, ms) in enumerate(p for p in phases.items() if p[1] > 0):
+            ax.bar([0], [ms], bottom=bottom, color=colors[i % len(colors)], label=f"{phase} {ms:.0f}")
+            bottom += ms
+        ax.set_title(f"{title}: {bottom:.0f}")
+        ax.set_xticks([])
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.suptitle(f"policyloop step profile: {summary['median']['learner']['steps_per_s']} steps/s (median of "
+                 f"{len(summary['runs'])})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    defaults = DemoConfig()
+    parser.add_argument("--seconds", type=float, default=120.0, help="Length of the measured window.")
+    parser.add_argument("--warmup-steps", type=int, default=10, help="Steps before the window opens.")
+    parser.add_argument("--repeats", type=int, default=1, help="Fresh clusters measured (medians are reported).")
+    parser.add_argument("--groups-per-step", type=int, default=defaults.groups_per_step)
+    parser.add_argument("--group-size", type=int, default=defaults.group_size)
+    parser.add_argument("--model-path", type=Path, default=None, help="Default: the demo's bootstrap model.")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="Most seconds to reach the warm-up steps.")
+    parser.add_argument("--out", type=Path, default=Path("runs/perf"))
+    args = parser.parse_args()
+    config = DemoConfig(groups_per_step=args.groups_per_step, group_size=args.group_size, model_path=args.model_path)
+    if config.model_path is None:
+        from policyloop.models.bootstrap import BootstrapConfig, bootstrap
+
+        config.model_path = bootstrap(BootstrapConfig())
+    runs = []
+    for _ in range(args.repeats):
+        with tempfile.TemporaryDirectory(prefix="step-profile-") as root:
+            runs.append(run_once(config, args, Path(root)))
+    summary = {"config": {"seconds": args.seconds, "warmup_steps": args.warmup_steps, "repeats": args.repeats,
+                          "groups_per_step": config.groups_per_step, "group_size": config.group_size,
+                          "max_lag": config.max_lag, "model_path": str(config.model_path)},
+               "median": medians(runs), "runs": runs}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "step_profile.json").write_text(json.dumps(summary, indent=2))
+    plot(summary, args.out / "step_profile.png")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

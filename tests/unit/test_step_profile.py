@@ -1,0 +1,45 @@
+"""The step profile's figures from two scrapes of a cluster (the whole harness runs at a small
+size in tests/integration/test_perf_smoke.py, marked slow)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+
+from step_profile import profile  # noqa: E402
+
+from policyloop.cluster.scrape import Sample, Scrape  # noqa: E402
+
+
+def scrape(steps: float, phases: dict[str, float], versions: float, loads: dict[str, float]) -> Scrape:
+    learner = {"instance": "learner-0", "service": "learner"}
+    return Scrape([
+        Sample("policyloop_learner_step_seconds_count", learner, steps),
+        *(Sample("policyloop_learner_phase_seconds_total", {**learner, "phase": p}, v) for p, v in phases.items()),
+        Sample("policyloop_weight_sync_seconds_count", {"instance": "rollout-0", "phase": "fetch"}, versions),
+        *(Sample("policyloop_rollout_version_phase_seconds_total", {"instance": "rollout-0", "phase": p}, v)
+          for p, v in loads.items()),
+    ])
+
+
+def test_per_step_and_per_version_means_over_the_window() -> None:
+    before = scrape(10, {"wait_for_batch": 5.0, "forward": 2.0, "push": 1.0}, 10, {"fetch": 1.0, "load": 2.0})
+    after = scrape(30, {"wait_for_batch": 7.0, "forward": 8.0, "push": 3.0}, 30, {"fetch": 3.0, "load": 6.0})
+    figures = profile(before, after, seconds=20.0)
+    learner = figures["learner"]
+    assert learner["steps"] == 20 and learner["steps_per_s"] == 1.0
+    # Phases in the order a step runs them, in ms per step; they add up to the step.
+    assert learner["per_step_ms"] == {"wait_for_batch": 100.0, "forward": 300.0, "push": 100.0}
+    assert list(learner["per_step_ms"]) == ["wait_for_batch", "forward", "push"] and learner["step_ms"] == 500.0
+    assert learner["busy_fraction"] == 0.9  # 2 s of 20 waiting for a batch
+    assert figures["rollout"] == {"versions": 20, "version_ms": 300.0,
+                                  "per_version_ms": {"fetch": 100.0, "load": 200.0}}
+
+
+def test_a_window_without_steps_reports_none() -> None:
+    same = scrape(10, {"forward": 2.0}, 3, {"fetch": 1.0})
+    figures = profile(same, same, seconds=5.0)
+    assert figures["learner"]["steps"] == 0 and figures["learner"]["per_step_ms"] == {}
+    assert figures["rollout"]["per_version_ms"] == {}
