@@ -63,6 +63,7 @@ class Learner:
         self.ledger_seq = resumed.ledger_seq  # LEDGER position of the newest recorded step
         self.checkpointed = resumed.checkpoint_version
         self.saving: asyncio.Future[Path] | None = None  # a checkpoint being written
+        self.figures_written: asyncio.Task[None] | None = None  # the newest progress update, in order
         self.status = advertised_status(settings)
         self.status.MergeFrom(status_pb2.LearnerStatus(
             step=trainer.steps, checkpoint_version=resumed.checkpoint_version,
@@ -125,6 +126,8 @@ class Learner:
                 clock.lap("wait_for_batch")
                 await self.step(groups, clock)
                 clock = PhaseClock()
+        if self.figures_written is not None:
+            await asyncio.gather(self.figures_written, return_exceptions=True)
         await self.checkpoint()  # the next learner then replays nothing
 
     async def step(self, groups: Groups, clock: PhaseClock | None = None) -> None:
@@ -176,7 +179,7 @@ class Learner:
     async def _after_step(self, report: StepReport, pushed: PushReport, samples: list[bus_pb2.Trajectory],
                           started: float, clock: PhaseClock) -> None:
         self.figures.trained(samples, self.trainer.version - 1)
-        await self._record_progress(self.progress.record_step(report.step, self.trainer.version - 1, samples))
+        self._record_progress_later(self.progress.record_step(report.step, self.trainer.version - 1, samples))
         clock.lap("progress")
         every = self.settings.checkpoint.every
         if every and self.trainer.version % every == 0:
@@ -222,10 +225,22 @@ class Learner:
             log.info("waiting_for_checkpoint")
             await asyncio.wait({self.saving}, timeout=timeout_s)
 
+    def _record_progress_later(self, update: Awaitable[None]) -> None:
+        """Figures for GetRun/WatchRun, off the step's path: written in order, after the update
+        before them (nothing waits for them; the ledger, not Redis, is the record)."""
+        previous = self.figures_written
+
+        async def in_order() -> None:
+            if previous is not None:
+                await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
+            await self._record_progress(update)
+
+        self.figures_written = asyncio.create_task(in_order())
+
     @staticmethod
     async def _record_progress(update: Awaitable[None]) -> None:
         # Figures for GetRun/WatchRun: never worth stopping training for.
         try:
             await update
-        except RedisError as exc:
+        except (RedisError, OSError) as exc:
             log.warning("progress_not_recorded", error=repr(exc))
