@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from policyloop.cluster.demo import DemoConfig, start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, loop_env, start_arithmetic_run, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
@@ -104,15 +104,7 @@ async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namesp
 
 
 def run_once(config: DemoConfig, args: argparse.Namespace, root: Path) -> dict:
-    env = {
-        "POLICYLOOP_MODEL_PATH": str(config.model_path),
-        "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
-        "POLICYLOOP_OPTIMIZER__LR": str(config.lr),
-        **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
-        "POLICYLOOP_MAX_LAG": str(config.max_lag),
-        "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
-        "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
-    }
+    env = {**loop_env(config), "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights")}
     cluster = LocalCluster(root, extra_env=env, fresh=True, prometheus=False)
     cluster.start()
     try:

@@ -362,6 +362,19 @@ def _plot_ledger(url: str, started: float, path: Path, console: Console) -> None
     console.print(f"wrote {path} (the ledger over the run, {panels} panels with data)")
 
 
+def loop_env(config: DemoConfig) -> dict[str, str]:
+    """The services' environment for the demo's loop: model, batch, optimizer, objective,
+    staleness bound and how versions reach requests in flight (perf/ harnesses run the same)."""
+    return {
+        "POLICYLOOP_MODEL_PATH": str(config.model_path),
+        "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
+        "POLICYLOOP_OPTIMIZER__LR": str(config.lr),
+        **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
+        "POLICYLOOP_MAX_LAG": str(config.max_lag),
+        "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
+    }
+
+
 def demo_tracker_settings(config: DemoConfig) -> TrackerSettings:
     """The learner's tracker settings (POLICYLOOP_TRACKER__* apply, e.g. the wandb project or the
     MLflow URI) with the demo's kind, its directory in the run directory, and a run name of its
@@ -404,12 +417,7 @@ def _run_demo(config: DemoConfig, tracking: TrackerSettings, tracker: Tracker, *
         config.model_path = bootstrap(TOOLS_BOOTSTRAP if config.tools else BootstrapConfig())
     console.print(f"base model: {config.model_path}")
     env = {
-        "POLICYLOOP_MODEL_PATH": str(config.model_path),
-        "POLICYLOOP_GROUPS_PER_STEP": str(config.groups_per_step),
-        "POLICYLOOP_OPTIMIZER__LR": str(config.lr),
-        **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
-        "POLICYLOOP_MAX_LAG": str(config.max_lag),
-        "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
+        **loop_env(config),
         "POLICYLOOP_WEIGHTS_DIR": str(config.run_dir.resolve() / "rollout-weights"),
         "POLICYLOOP_MAX_TOOL_TOKENS": str(TOOL_MAX_TOOL_TOKENS),
         "POLICYLOOP_TRACKER__KIND": tracking.kind,
