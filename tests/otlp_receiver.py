@@ -104,13 +104,6 @@ class OtlpReceiver:
             time.sleep(0.2)
 
 
-def trace_of(spans: list[ReceivedSpan], trajectory_id: str) -> list[ReceivedSpan]:
-    """Every span of the trace that a trajectory's spans belong to."""
-    traces = {s.trace_id for s in spans if s.attributes.get("policyloop.trajectory_id") == trajectory_id}
-    assert len(traces) == 1, f"{trajectory_id} is in {len(traces)} traces"
-    return [s for s in spans if s.trace_id in traces]
-
-
 def lineage(spans: list[ReceivedSpan], leaf: ReceivedSpan) -> list[ReceivedSpan]:
     """The chain of spans from the trace's root to `leaf` (each found by its parent id)."""
     by_id = {s.span_id: s for s in spans}

@@ -160,6 +160,53 @@ def learner_steps(screen: str) -> int:
     return int(found.group(1).replace(",", "")) if found else -1
 
 
+def check_top_followed_the_run(top: TopInTmux, steps_before: int) -> None:
+    """The figures moved while the run trained: steps, tokens, lag, reward per environment."""
+    screen = top.wait_for(lambda s: learner_steps(s) >= steps_before + 2 and "sums@v1" in s and "functions@v1" in s,
+                          "the run's steps and both environments' rewards")
+    for figure in ("tokens/s generated", "tokens/s trained", "version lag", "KL (behaviour) / entropy",
+                   "publish: step end → serving p50 / p99", "dropped", "dead letters", "TRAJECTORIES",
+                   "functions@v1"):
+        assert figure in screen, f"{figure!r} not on the screen:\n{screen}"
+    assert "Prometheus http://127.0.0.1" in screen or "services' /metrics" in screen
+
+
+def check_every_process_stopped_gracefully(up: subprocess.Popen, out: str, pids: list[int], run_dir: Path) -> None:
+    """Ctrl-C on `up` stopped every process it ran, each service by SIGTERM (not SIGKILL)."""
+    assert up.returncode == 0 and "stopped" in out, out
+    assert not [pid for pid in pids if pid_alive(pid)]
+    for name in SERVICE_NAMES:
+        log = (run_dir / "logs" / f"{name}-0.log").read_text()
+        assert '"event": "service_stopped"' in log, f"{name} did not stop gracefully:\n{log[-2000:]}"
+
+
+def check_the_clients_report(report: dict[str, Any]) -> None:
+    """What the client built from the protos alone saw: status codes naming the field, the run."""
+    # The client imported the generated stubs, nothing of the project.
+    assert report["imported"] == ["policyloop", "policyloop.v1", "policyloop.v1.bus_pb2",
+                                  "policyloop.v1.loop_pb2", "policyloop.v1.loop_pb2_grpc"]
+    invalid = report["invalid"]
+    assert invalid["no_tasks"].startswith("INVALID_ARGUMENT environment.tasks")
+    assert invalid["no_scorer"].startswith("INVALID_ARGUMENT environment.scorer")
+    assert invalid["unknown_environment"].startswith("NOT_FOUND environments[0].environment")
+    assert invalid["bad_weight"].startswith("INVALID_ARGUMENT environments[0].weight")
+    assert invalid["unknown_run"].startswith("NOT_FOUND run_id")
+    assert invalid["changed_definition"].startswith("ALREADY_EXISTS")
+    assert invalid["other_loss"].startswith("FAILED_PRECONDITION loss[loss]")
+    assert invalid["other_max_lag"].startswith("FAILED_PRECONDITION max_lag")
+    assert invalid["unknown_loss_setting"].startswith("INVALID_ARGUMENT loss[temperature]")
+    assert report["submitted"] == [["sums@v1", 40, True], ["functions@v1", 3, True]]
+    assert report["resubmitted_same"] is False
+    assert report["run_started"] == "RUN_STATE_RUNNING" and report["watch_updates"] >= 2
+    progress = report["progress"]
+    assert progress["learner_step"] >= 2, report
+    assert set(progress["environments"]) == {"sums@v1", "functions@v1"}
+    assert all(e["trained_samples"] > 0 for e in progress["environments"].values()), report
+    assert progress["generated_tokens"] > 0 and progress["policy_version"] >= 2
+    assert report["run_stopped"] == report["get_run"] == "RUN_STATE_STOPPED"
+    assert ["policy", progress["policy_version"]] in report["policies"] or report["policies"][0][1] >= 2
+
+
 @pytest.mark.timeout(480)
 def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path, tiny_model_dir: Path) -> None:
     stubs = tmp_path / "stubs"
@@ -191,14 +238,7 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
         assert client.returncode == 0, client.stdout + client.stderr
         report = json.loads(client.stdout.strip().splitlines()[-1])
         if top.tmux is not None:
-            # The figures moved while the run trained: steps, tokens, lag, reward per environment.
-            screen = top.wait_for(lambda s: learner_steps(s) >= before + 2 and "sums@v1" in s and "functions@v1" in s,
-                                  "the run's steps and both environments' rewards")
-            for figure in ("tokens/s generated", "tokens/s trained", "version lag", "KL (behaviour) / entropy",
-                           "publish: step end → serving p50 / p99", "dropped", "dead letters", "TRAJECTORIES",
-                           "functions@v1"):
-                assert figure in screen, f"{figure!r} not on the screen:\n{screen}"
-            assert "Prometheus http://127.0.0.1" in screen or "services' /metrics" in screen
+            check_top_followed_the_run(top, before)
         # Every panel of the Grafana dashboard has data, read from this cluster's Prometheus.
         prometheus_url = json.loads((run_dir / "cluster.json").read_text())["prometheus_url"]
         if shutil.which("prometheus") is not None:
@@ -217,36 +257,8 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
         up.send_signal(signal.SIGINT)  # Ctrl-C
         out, _ = up.communicate(timeout=90)
         receiver.__exit__()
-    assert up.returncode == 0 and "stopped" in out, out
-    assert not [pid for pid in pids if pid_alive(pid)]
-    # Each service stopped gracefully (SIGTERM), not by SIGKILL.
-    for name in SERVICE_NAMES:
-        log = (run_dir / "logs" / f"{name}-0.log").read_text()
-        assert '"event": "service_stopped"' in log, f"{name} did not stop gracefully:\n{log[-2000:]}"
-
-    # The client imported the generated stubs, nothing of the project.
-    assert report["imported"] == ["policyloop", "policyloop.v1", "policyloop.v1.bus_pb2",
-                                  "policyloop.v1.loop_pb2", "policyloop.v1.loop_pb2_grpc"]
-    invalid = report["invalid"]
-    assert invalid["no_tasks"].startswith("INVALID_ARGUMENT environment.tasks")
-    assert invalid["no_scorer"].startswith("INVALID_ARGUMENT environment.scorer")
-    assert invalid["unknown_environment"].startswith("NOT_FOUND environments[0].environment")
-    assert invalid["bad_weight"].startswith("INVALID_ARGUMENT environments[0].weight")
-    assert invalid["unknown_run"].startswith("NOT_FOUND run_id")
-    assert invalid["changed_definition"].startswith("ALREADY_EXISTS")
-    assert invalid["other_loss"].startswith("FAILED_PRECONDITION loss[loss]")
-    assert invalid["other_max_lag"].startswith("FAILED_PRECONDITION max_lag")
-    assert invalid["unknown_loss_setting"].startswith("INVALID_ARGUMENT loss[temperature]")
-    assert report["submitted"] == [["sums@v1", 40, True], ["functions@v1", 3, True]]
-    assert report["resubmitted_same"] is False
-    assert report["run_started"] == "RUN_STATE_RUNNING" and report["watch_updates"] >= 2
-    progress = report["progress"]
-    assert progress["learner_step"] >= 2, report
-    assert set(progress["environments"]) == {"sums@v1", "functions@v1"}
-    assert all(e["trained_samples"] > 0 for e in progress["environments"].values()), report
-    assert progress["generated_tokens"] > 0 and progress["policy_version"] >= 2
-    assert report["run_stopped"] == report["get_run"] == "RUN_STATE_STOPPED"
-    assert ["policy", progress["policy_version"]] in report["policies"] or report["policies"][0][1] >= 2
+    check_every_process_stopped_gracefully(up, out, pids, run_dir)
+    check_the_clients_report(report)
     if not prometheus_url:
         pytest.skip("the rest passed; prometheus is not installed, so the Grafana dashboard's queries were not "
                     "checked against a cluster (Debian package prometheus; `make test` installs it)")

@@ -393,6 +393,9 @@ async def test_publisher_rejects_bad_pushes_and_keeps_what_it_has(publisher) -> 
     assert stale.code() == grpc.StatusCode.FAILED_PRECONDITION and stale.details().startswith("header.version:")
     bad_model = await push(weights_pb2.PushHeader(**(header | {"model": "../etc"})), data)
     assert bad_model.code() == grpc.StatusCode.INVALID_ARGUMENT and bad_model.details().startswith("header.model:")
+    before_time = await push(weights_pb2.PushHeader(**(header | {"trained_unix_ms": -1})), data)
+    assert before_time.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert before_time.details().startswith("header.trained_unix_ms:")
     bad_hash = await push(weights_pb2.PushHeader(**(header | {"payload_xxh3_128": "xyz"})), data)
     assert bad_hash.details().startswith("header.payload_xxh3_128:")
     other_version = await push(weights_pb2.PushHeader(**(header | {"version": 7})), data)

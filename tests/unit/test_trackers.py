@@ -20,11 +20,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from policyloop.contracts.v1 import status_pb2
+from policyloop.learner.figures import STEP_STATS
 from policyloop.learner.settings import LearnerSettings, TrackerSettings
 from policyloop.learner.tracking import (
     _MODULES,
     EXTRAS,
-    STEP_STATS,
     BackgroundTracker,
     TrackerUnavailable,
     open_learner_tracker,

@@ -25,8 +25,9 @@ if TYPE_CHECKING:
     from policyloop.rl.trainer import StepReport
     from policyloop.weights.push import PushReport
 
-# StepReport fields that are also StepStats fields (the metric labels of LEARNER_STEP_STAT).
-_STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]
+# StepReport fields that are also StepStats fields (the metric labels of LEARNER_STEP_STAT, and
+# what trackers log of a step).
+STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]
 
 
 # The phases of a learner step, in order (perf/step_profile.py stacks them so): waiting for a full
@@ -108,7 +109,7 @@ class LearnerFigures:
         status.last_step_at = time.time()
         status.trained_tokens += report.trained_tokens
         status.trained_samples += report.samples
-        status.last_step.CopyFrom(status_pb2.StepStats(**{name: getattr(report, name) for name in _STEP_STATS}))
-        for name in _STEP_STATS:
+        status.last_step.CopyFrom(status_pb2.StepStats(**{name: getattr(report, name) for name in STEP_STATS}))
+        for name in STEP_STATS:
             # The metric's label for the KL to the behaviour policy predates StepStats' name for it.
             LEARNER_STEP_STAT.labels("kl_behaviour" if name == "approx_kl" else name).set(getattr(report, name))

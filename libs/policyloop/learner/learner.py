@@ -24,7 +24,7 @@ from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.learner.figures import LearnerFigures, advertised_status, step_phases
 from policyloop.learner.held import Groups, HeldTrajectories
-from policyloop.learner.traces import LearnerTraces, Stopwatch
+from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
@@ -136,22 +136,23 @@ class Learner:
         advance the version registry → release the trajectories (acks). `clock` times the
         phases (policyloop_learner_phase_seconds_total)."""
         clock = clock or PhaseClock()
-        started, watch = time.monotonic(), Stopwatch()
+        started, started_ns = time.monotonic(), time.time_ns()
         samples = [t for group in groups for t in group]
         report, tensors, weights = await self._train(groups, clock)
-        trained = watch.lap()
+        trained_ns = clock.ended_ns["hash"]  # the version is computed
         await self._record(report, weights, samples)
         clock.lap("ledger")
         await self.colocated.send(tensors, self.trainer.version)
         clock.lap("colocated")
-        pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained.end_ns // 1_000_000)
+        pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained_ns // 1_000_000)
         clock.lap("push")
         await self.versions.advance(self.settings.model, self.trainer.version)
-        self.traces.trained(samples, step=report.step, version=self.trainer.version, train=trained,
-                            publish=watch.lap(), publish_kind=pushed.kind)
         self.on_version(self.trainer.version)
         self.held.release(samples)
         clock.lap("registry")
+        self.traces.trained(samples, step=report.step, version=self.trainer.version,
+                            train=Interval(started_ns, trained_ns),
+                            publish=Interval(trained_ns, clock.ended_ns["registry"]), publish_kind=pushed.kind)
         await self._after_step(report, pushed, samples, started, clock)
 
     async def _train(self, groups: Groups, clock: PhaseClock) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
@@ -190,8 +191,9 @@ class Learner:
         self.figures.pushed(pushed)
         self.figures.stepped(report, time.monotonic() - started)
         self.figures.phases(step_phases(clock.seconds, report, pushed))
-        self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
-                                                           self.trainer.version - 1, self.status))
+        if not isinstance(self.tracker, NullTracker):
+            self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
+                                                               self.trainer.version - 1, self.status))
         log.info("step", step=report.step, version=self.trainer.version, mean_reward=round(report.mean_reward, 4),
                  loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
                  step_s=round(time.monotonic() - started, 3))

@@ -19,18 +19,6 @@ class Interval:
     end_ns: int
 
 
-class Stopwatch:
-    """Measures consecutive phases of a step as wall-clock intervals."""
-
-    def __init__(self) -> None:
-        self.mark = time.time_ns()
-
-    def lap(self) -> Interval:
-        now = time.time_ns()
-        interval, self.mark = Interval(self.mark, now), now
-        return interval
-
-
 class LearnerTraces:
     """Holds the trace context of each trajectory from its admission until it is trained or
     dropped. Without tracing it holds nothing."""

@@ -24,14 +24,14 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from policyloop.contracts.v1 import status_pb2
 from policyloop.contracts.versions import sample_lag
+from policyloop.learner.figures import STEP_STATS
 from policyloop.runtime import ServiceCannotStart
 from policyloop.runtime.settings import ServiceSettings
 from policyloop.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
-    from policyloop.contracts.v1 import bus_pb2
+    from policyloop.contracts.v1 import bus_pb2, status_pb2
     from policyloop.learner.settings import LearnerSettings, TrackerSettings
     from policyloop.rl.trainer import StepReport
 
@@ -45,8 +45,6 @@ EVALUATION_PREFIX = "eval/"
 EXTRAS = {"tensorboard": "trackers-tensorboard", "wandb": "trackers-wandb", "mlflow": "trackers-mlflow"}
 _MODULES = {"tensorboard": ("tensorboard", "torch.utils.tensorboard"), "wandb": ("wandb",),
             "mlflow": ("mlflow.tracking",)}
-# The StepStats figures the learner exports (status, Prometheus): StepReport fields of those names.
-STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]
 
 
 class TrackerUnavailable(RuntimeError):

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind, Status, StatusCode
+from opentelemetry.trace import Span, SpanKind
 from pydantic import BaseModel, ConfigDict, Field
 
 if TYPE_CHECKING:
@@ -155,8 +155,3 @@ def record_span(name: str, parent: Context, start_ns: int, end_ns: int,
 def annotate(attributes: Mapping[str, AttributeValue]) -> None:
     """Adds attributes to the current span (a handler's outcome on its message's span)."""
     trace.get_current_span().set_attributes(attributes)
-
-
-def failed(made: Span, reason: str) -> None:
-    """Marks a span as failed with the reason (an exception escaping `span` does this itself)."""
-    made.set_status(Status(StatusCode.ERROR, reason))
