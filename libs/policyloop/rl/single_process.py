@@ -1,0 +1,246 @@
+"""The yardstick of the distributed loop: the demo's RL task as one process with plain torch.
+
+Sample a group per problem from the current weights, score each completion with the arithmetic
+verifier the reward service runs, take one optimizer step with the learner's objective, repeat —
+no services, no bus, no weight sync. The model, tokenizer, loss (`policy_objective`, its
+advantages and normalisation), optimizer and schedule are the learner's; sampling is the
+embedded engine's (temperature, full vocabulary, the stop token ends a row, its tokens trained);
+the behaviour log-probabilities are the step's own forward pass (the loop is on-policy).
+
+`perf/vs_single_process.py` runs it beside the cluster for the same training time.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from policyloop.envs import arithmetic
+from policyloop.rl.logprobs import pack, token_logprobs_and_entropy
+from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
+from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.telemetry.phases import PhaseClock
+
+
+@dataclass(frozen=True)
+class SingleProcessConfig:
+    model_path: Path
+    groups_per_step: int = 32
+    group_size: int = 8
+    max_new_tokens: int = 8
+    temperature: float = 1.0
+    optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
+    loss: LossConfig = field(default_factory=LossConfig)
+    seed: int = 0
+    threads: int = 2                     # the whole machine: nothing else runs
+
+
+@dataclass(frozen=True)
+class Completions:
+    """Sampled responses: each row's tokens (the stop token included when it ended the row) and
+    whether the stop token ended it (else the length limit did)."""
+
+    tokens: list[list[int]]
+    stopped: list[bool]
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
+             eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> Completions:
+    """Batched decoding with a KV cache: prompts left-padded, temperature 0 greedy, otherwise one
+    draw per row from softmax(logits / temperature) over the whole vocabulary (the engine's
+    default sampling, top_k -1 and top_p 1)."""
+    width = max(len(p) for p in prompts)
+    rows = len(prompts)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, prompt in enumerate(prompts):
+        input_ids[i, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
+        mask[i, width - len(prompt):] = 1
+    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+    tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long)
+    done = torch.zeros(rows, dtype=torch.bool)
+    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long)
+    cache = None
+    step_ids = input_ids
+    for t in range(max_new_tokens):
+        out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        logits = out.logits[:, -1].float()
+        if temperature <= 0:
+            chosen = logits.argmax(dim=-1)
+        else:
+            chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
+        tokens[:, t] = chosen
+        ended = (chosen == eos_id) & ~done
+        lengths[ended] = t + 1
+        done |= ended
+        if bool(done.all()):
+            break
+        step_ids = chosen[:, None]
+        mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype)], dim=1)
+        positions = positions[:, -1:] + 1
+    return Completions([tokens[i, : int(lengths[i])].tolist() for i in range(rows)],
+                       [bool(d) for d in done])
+
+
+def completion_text(tokenizer, tokens: Sequence[int], eos_id: int) -> str:  # type: ignore[no-untyped-def]
+    return tokenizer.decode([t for t in tokens if t != eos_id])
+
+
+def greedy_accuracy(model: torch.nn.Module, tokenizer, problems: Sequence[arithmetic.Problem], *,  # type: ignore[no-untyped-def]
+                    max_new_tokens: int = 8, batch: int = 600) -> float:
+    """Held-out accuracy as the demo measures it: greedy, exact answer in the strict format."""
+    eos_id, pad_id = int(tokenizer.eos_token_id), int(tokenizer.pad_token_id or 0)
+    texts: list[str] = []
+    stopped: list[bool] = []
+    for start in range(0, len(problems), batch):
+        chunk = problems[start:start + batch]
+        prompts = [tokenizer(p.prompt, add_special_tokens=False).input_ids for p in chunk]
+        out = generate(model, prompts, max_new_tokens=max_new_tokens, temperature=0.0, eos_id=eos_id, pad_id=pad_id)
+        texts.extend(completion_text(tokenizer, t, eos_id) for t in out.tokens)
+        stopped.extend(out.stopped)
+    return arithmetic.accuracy(texts, [p.answer for p in problems], stopped)
+
+
+@dataclass(frozen=True)
+class LoopStep:
+    step: int
+    mean_reward: float
+    loss: float
+    phases: dict[str, float]             # sample, score, forward, backward, optimizer (seconds)
+
+
+class SingleProcessGRPO:
+    """The loop's state: model, optimizer, schedule, the train problems and the random streams."""
+
+    def __init__(self, config: SingleProcessConfig) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from policyloop.rl.trainer import LrSchedule
+
+        torch.set_num_threads(config.threads)
+        torch.manual_seed(config.seed)
+        self.config = config
+        self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
+        self.model.train()
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        self.pad_id = int(self.tokenizer.pad_token_id or 0)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optimizer.lr,
+                                           weight_decay=config.optimizer.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LrSchedule(config.optimizer))
+        self.problems, _ = arithmetic.split(arithmetic.ArithmeticConfig())
+        self.rng = random.Random(config.seed)
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.steps = 0
+
+    def step(self) -> LoopStep:
+        c = self.config
+        clock = PhaseClock()
+        chosen = [self.rng.choice(self.problems) for _ in range(c.groups_per_step)]
+        prompts = [self.tokenizer(p.prompt, add_special_tokens=False).input_ids for p in chosen
+                   for _ in range(c.group_size)]
+        self.model.eval()
+        out = generate(self.model, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
+                       eos_id=self.eos_id, pad_id=self.pad_id, generator=self.generator)
+        self.model.train()
+        clock.lap("sample")
+        rewards = [arithmetic.score(completion_text(self.tokenizer, tokens, self.eos_id), stopped,
+                                    chosen[i // c.group_size].answer).reward
+                   for i, (tokens, stopped) in enumerate(zip(out.tokens, out.stopped, strict=True))]
+        clock.lap("score")
+        loss = self.update(prompts, out.tokens, rewards, clock)
+        self.steps += 1
+        return LoopStep(self.steps, sum(rewards) / len(rewards), loss, clock.seconds)
+
+    def update(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+               rewards: Sequence[float], clock: PhaseClock | None = None) -> float:
+        """One optimizer step on groups of `group_size` consecutive samples (the learner's
+        objective, on-policy: the behaviour log-probabilities are this forward pass's)."""
+        c = self.config
+        clock = clock or PhaseClock()
+        grouped = torch.tensor(list(rewards), dtype=torch.float32).reshape(-1, c.group_size)
+        advantages = compute_advantages(grouped, c.loss.advantages).reshape(-1)
+        batch = pack(prompts, responses, pad_id=self.pad_id)
+        logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
+        counts = BatchCounts(tokens=float(batch.response_mask.sum()), sequences=len(prompts),
+                             width=max(len(r) for r in responses))
+        loss, stats = policy_objective(logprobs, logprobs.detach(), advantages[:, None].expand_as(batch.response_mask),
+                                       batch.response_mask, c.loss, counts, entropy=entropy)
+        clock.lap("forward")
+        loss.backward()
+        clock.lap("backward")
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optimizer.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        clock.lap("optimizer")
+        return stats.loss
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A copy of the weights now (evaluated later, off the training clock)."""
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    seconds: float                       # training time when it was taken
+    steps: int
+    weights: dict[str, torch.Tensor]
+
+
+def train_for(loop: SingleProcessGRPO, seconds: float, marks: Sequence[float]) -> tuple[list[Snapshot], float]:
+    """Trains for `seconds` of wall time, snapshotting the weights as each mark (seconds into the
+    run) passes; returns the snapshots and the seconds the loop actually ran."""
+    pending = sorted(m for m in marks if m <= seconds)
+    snapshots = [Snapshot(0.0, 0, loop.snapshot())]
+    started = time.monotonic()
+    while True:
+        elapsed = time.monotonic() - started
+        while pending and elapsed >= pending[0]:
+            # Snapshotting is bookkeeping of the measurement: it stays off the training clock.
+            taken = time.monotonic()
+            snapshots.append(Snapshot(pending.pop(0), loop.steps, loop.snapshot()))
+            started += time.monotonic() - taken
+        if elapsed >= seconds:
+            return snapshots, elapsed
+        loop.step()
+
+
+def load_weights(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Puts weights named as the checkpoint's tensors into `model` (a tied head may be absent)."""
+    result = model.load_state_dict(tensors, strict=False)
+    if result.unexpected_keys:
+        raise KeyError(f"the model has no tensors named {result.unexpected_keys[:3]}")
+    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
+    missing = set(result.missing_keys) - tied
+    if missing:
+        raise KeyError(f"no weights given for {sorted(missing)[:3]}")
+
+
+@dataclass(frozen=True)
+class CurvePoint:
+    seconds: float
+    steps: int
+    accuracy: float
+
+
+def time_to_accuracy(curve: Sequence[CurvePoint], target: float) -> float | None:
+    """The training time at which held-out accuracy first reaches `target`, interpolated linearly
+    between the two evaluations around it; None when it never does."""
+    previous: CurvePoint | None = None
+    for point in sorted(curve, key=lambda p: p.seconds):
+        if point.accuracy >= target:
+            if previous is None or point.accuracy == previous.accuracy:
+                return point.seconds
+            share = (target - previous.accuracy) / (point.accuracy - previous.accuracy)
+            return previous.seconds + share * (point.seconds - previous.seconds)
+        previous = point
+    return None

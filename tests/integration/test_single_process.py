@@ -1,0 +1,117 @@
+"""The one-process GRPO loop that perf/vs_single_process.py measures the cluster against: its
+decoding is the model's (left padding changes nothing), its update is the learner's, and its
+curve arithmetic is right."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.models.tokenizer import EOS_ID, PAD_ID
+from policyloop.rl.logprobs import pack, token_logprobs
+from policyloop.rl.settings import OptimizerSettings
+from policyloop.rl.single_process import (
+    CurvePoint,
+    SingleProcessConfig,
+    SingleProcessGRPO,
+    generate,
+    load_weights,
+    time_to_accuracy,
+    train_for,
+)
+from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
+
+
+def test_greedy_decoding_of_a_left_padded_batch_is_each_prompt_decoded_alone(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[4, 5, 14, 6, 7, 16], [9, 14, 8, 16], [5, 5, 5, 14, 6, 6, 6, 16]]
+    batched = generate(model, prompts, max_new_tokens=6, temperature=0.0, eos_id=EOS_ID, pad_id=PAD_ID)
+    for prompt, tokens, stopped in zip(prompts, batched.tokens, batched.stopped, strict=True):
+        alone: list[int] = []
+        with torch.no_grad():
+            while len(alone) < 6 and (not alone or alone[-1] != EOS_ID):
+                logits = model(input_ids=torch.tensor([prompt + alone])).logits
+                alone.append(int(logits[0, -1].argmax()))
+        assert tokens == alone
+        assert stopped == (alone[-1] == EOS_ID)
+
+
+def test_sampling_follows_its_generator(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[4, 5, 14, 6, 7, 16]] * 16
+
+    def draw(seed: int) -> list[list[int]]:
+        return generate(model, prompts, max_new_tokens=5, temperature=1.0, eos_id=EOS_ID, pad_id=PAD_ID,
+                        generator=torch.Generator().manual_seed(seed)).tokens
+
+    first = draw(1)
+    assert draw(1) == first
+    assert draw(2) != first
+    assert len({tuple(t) for t in first}) > 1        # a group's samples differ
+    for tokens in first:
+        assert EOS_ID not in tokens[:-1] and 1 <= len(tokens) <= 5
+
+
+def test_the_update_is_the_learners_step(tiny_model_dir: Path) -> None:
+    """On the same groups, one update of the single process moves the weights exactly as the
+    learner's FSDP2 trainer does (same objective, optimizer, clipping; on-policy behaviour)."""
+    loop = SingleProcessGRPO(SingleProcessConfig(model_path=tiny_model_dir, group_size=2,
+                                                 optimizer=OptimizerSettings(lr=3e-3), threads=1))
+    trainer = PolicyTrainer(tiny_model_dir, TrainerConfig(lr=3e-3), version=0)
+    try:
+        prompts = [[4, 5, 14, 6, 7, 16]] * 2 + [[9, 14, 8, 16]] * 2
+        responses = [[8, 1], [9, 10, 1], [12, 1], [13, 13]]
+        rewards = [1.0, 0.1, 0.0, 1.1]
+        batch = pack(prompts, responses)
+        with torch.no_grad():
+            behaviour = token_logprobs(loop.model, batch)
+        groups = [[bus_pb2.Trajectory(
+            trajectory_id=f"t{i}", group_id=f"g{i // 2}", sample_index=i % 2, group_size=2,
+            prompt_token_ids=prompts[i], response_token_ids=responses[i], loss_mask=[True] * len(responses[i]),
+            behaviour_logprobs=behaviour[i, len(prompts[i]) - 1: len(prompts[i]) - 1 + len(responses[i])].tolist(),
+            reward=rewards[i], scored=True, finish_reason=bus_pb2.FINISH_REASON_STOP) for i in (g, g + 1)]
+            for g in (0, 2)]
+        loop.update(prompts, responses, rewards)
+        trainer.step(groups)
+        exported = trainer.export_tensors()
+        mine = loop.model.state_dict()
+        for name, tensor in exported.items():
+            torch.testing.assert_close(mine[name], tensor, atol=2e-6, rtol=1e-5)
+        base = safetensors.torch.load_file(str(tiny_model_dir / "model.safetensors"))
+        assert any(not torch.equal(mine[name], tensor) for name, tensor in base.items())  # it did move
+    finally:
+        trainer.close()
+
+
+def test_training_for_a_time_keeps_a_snapshot_at_each_mark(tiny_model_dir: Path) -> None:
+    loop = SingleProcessGRPO(SingleProcessConfig(model_path=tiny_model_dir, groups_per_step=2, group_size=2,
+                                                 threads=1))
+    snapshots, elapsed = train_for(loop, 0.6, marks=[0.2, 0.4, 5.0])
+    assert [s.seconds for s in snapshots] == [0.0, 0.2, 0.4]
+    assert elapsed >= 0.6 and loop.steps >= 1
+    assert snapshots[0].steps == 0 and snapshots[-1].steps <= loop.steps
+    from transformers import AutoModelForCausalLM
+
+    fresh = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    load_weights(fresh, loop.snapshot())
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, loop.model.state_dict()[name])
+    with pytest.raises(KeyError, match="no tensors named"):
+        load_weights(fresh, {"not.a.weight": torch.zeros(1)})
+
+
+def test_time_to_accuracy_interpolates_between_evaluations() -> None:
+    curve = [CurvePoint(0, 0, 0.2), CurvePoint(60, 100, 0.5), CurvePoint(120, 200, 0.7), CurvePoint(180, 300, 0.8)]
+    assert time_to_accuracy(curve, 0.6) == pytest.approx(90.0)
+    assert time_to_accuracy(curve, 0.75) == pytest.approx(150.0)
+    assert time_to_accuracy(curve, 0.2) == 0.0
+    assert time_to_accuracy(curve, 0.9) is None
+    assert time_to_accuracy(list(reversed(curve)), 0.6) == pytest.approx(90.0)
