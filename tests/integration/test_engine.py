@@ -189,6 +189,56 @@ async def test_seeded_sampling_is_independent_of_the_batch(client: SGLangClient)
     assert other_seed.output_ids != alone.output_ids
 
 
+async def test_a_batch_request_answers_each_prompt_as_alone_in_order(engine: EmbeddedEngine,
+                                                                     client: SGLangClient) -> None:
+    """SGLang's batch form of /generate: prompts and per-prompt fields as lists, one answer each."""
+    requests = [sampled(prompt(i, 3 + i), 6 + i, seed=100 + i, rid=f"batch-{i}", ignore_eos=True) for i in range(5)]
+    requests[2] = requests[2].model_copy(update={"return_logprob": False})
+    together = await client.generate_batch(requests)
+    alone = [await client.generate(r.model_copy(update={"rid": f"alone-{i}"})) for i, r in enumerate(requests)]
+    assert [r.rid for r in together] == [f"batch-{i}" for i in range(5)]
+    for i, (batched, single) in enumerate(zip(together, alone, strict=True)):
+        assert batched.output_ids == single.output_ids and len(batched.output_ids) == 6 + i
+        if i == 2:
+            assert batched.output_logprobs is None
+        else:
+            assert batched.output_logprobs == pytest.approx(single.output_logprobs, abs=1e-5)
+
+    # One sampling_params for all prompts; per-prompt lists must match the prompts in number.
+    status, body = await post(engine.base_url + "/generate", {
+        "input_ids": [prompt(1, 4), prompt(2, 4)], "rid": ["s1", "s2"],
+        "sampling_params": {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}})
+    assert status == 200 and isinstance(body, list) and [len(a["output_ids"]) for a in body] == [3, 3]
+    refusals = [
+        ({"input_ids": [prompt(1, 4), prompt(2, 4)], "rid": ["a"]}, "rid", "1 values for a batch of 2 prompts"),
+        ({"input_ids": [prompt(1, 4), prompt(2, 4)], "rid": "a"}, "rid", "a list of rids"),
+        ({"input_ids": [prompt(1, 4), prompt(2, 4)], "rid": ["a", "a"]}, "rid", "must differ"),
+        ({"input_ids": [prompt(1, 4), []]}, "input_ids", "prompt 1"),
+        ({"input_ids": [prompt(1, 4), prompt(2, 4)], "sampling_params": [{}, {"top_p": 2}]},
+         "sampling_params.top_p", "prompt 1"),
+    ]
+    for payload, field, words in refusals:
+        status, body = await post(engine.base_url + "/generate", payload)
+        assert status == 400, (payload, body)
+        message = error_message(body)
+        assert field in message and words in message, (payload, message)
+
+
+async def test_aborting_one_prompt_of_a_batch_ends_only_it(engine: EmbeddedEngine, client: SGLangClient) -> None:
+    await client.pause_generation("in_place")  # hold the batch so that the abort finds it in flight
+    batch = asyncio.ensure_future(client.generate_batch(
+        [sampled(prompt(i, 4), 5, seed=i, rid=f"held-{i}", ignore_eos=True) for i in range(3)]))
+    deadline = time.monotonic() + 30
+    while len(engine.scheduler.requests) < 3:
+        assert time.monotonic() < deadline and not batch.done()
+        await asyncio.sleep(0.01)
+    await client.abort_request("held-1")
+    await client.continue_generation()
+    results = await batch
+    assert [r.finish_reason for r in results] == ["length", "abort", "length"]
+    assert [len(r.output_ids) for r in results] == [5, 0, 5]
+
+
 async def test_stop_tokens_eos_and_max_new_tokens(client: SGLangClient) -> None:
     for i in range(4, 40):  # a prompt whose greedy continuation has a few tokens before any EOS
         ids = prompt(i, 6)
@@ -465,7 +515,7 @@ async def test_abort_request(engine: EmbeddedEngine, client: SGLangClient) -> No
      "sampling_params.temprature", 400),
     ({"input_ids": [4, 999]}, "input_ids", 400),
     ({"input_ids": []}, "input_ids", 400),
-    ({"input_ids": [[4], [5]]}, "input_ids", 400),
+    ({"input_ids": [[4], []]}, "input_ids", 400),  # a batch (SGLang's form) with an empty prompt
     ({"input_ids": [4], "sampling_params": {"temperature": "hot"}}, "sampling_params.temperature", 400),
     ({"input_ids": [4], "sampling_params": {"max_new_tokens": -1}}, "sampling_params.max_new_tokens", 400),
     ({"input_ids": [4], "sampling_params": {"max_new_tokens": 10_000}}, "sampling_params.max_new_tokens", 400),

@@ -141,9 +141,14 @@ async def _update_mid_generation(mode: str, generating, bus: Bus, services: Serv
         # Never cut short: an aborted request was resumed until it used its budget.
         assert traj.finish_reason == bus_pb2.FINISH_REASON_LENGTH
     assert straddling > 0, f"no sample was in flight across the update: {kinds}"
+    async def counted() -> bool:  # the replica's figures reach its next heartbeat
+        [beat] = await HeartbeatRegistry(redis_client, "default").alive("rollout")
+        return beat.rollout.resubmitted > 0
+
+    if mode == "abort":
+        await eventually(counted, timeout_s=30, what="the resubmissions in the replica's heartbeat")
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("rollout")
-    resubmitted = beat.rollout.resubmitted
-    assert (resubmitted > 0) if mode == "abort" else (resubmitted == 0)
+    assert (beat.rollout.resubmitted > 0) if mode == "abort" else (beat.rollout.resubmitted == 0)
     assert beat.policy_version == 1
 
 

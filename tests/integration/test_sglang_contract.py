@@ -18,7 +18,7 @@ import aiohttp
 import pytest
 
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
-from policyloop.engines.partial import generate_resumable
+from policyloop.engines.partial import generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import EngineError, SGLangClient
 
@@ -78,9 +78,14 @@ def violations(method: str, path: str, body: Any) -> list[str]:
     required = [name for name, f in spec["fields"].items() if f["default"] is None]
     problems += [f"{path}: {struct} requires {name!r}" for name in required if name not in body]
     if struct == "GenerateReqInput":
+        # The batch form: a list where SGLang's type for the field takes one.
+        takes_lists = {name for name, f in spec["fields"].items() if "List" in f["type"]}
+        problems += [f"{path}: {struct}.{name} takes no list" for name, value in body.items()
+                     if isinstance(value, list) and name in spec["fields"] and name not in takes_lists]
         sampling = set(REFERENCE["sampling_params_fields"])
-        problems += [f"{path}: SamplingParams has no {name!r}" for name in body.get("sampling_params", {})
-                     if name not in sampling]
+        params = body.get("sampling_params") or {}
+        for one in params if isinstance(params, list) else [params]:
+            problems += [f"{path}: SamplingParams has no {name!r}" for name in one if name not in sampling]
     return problems
 
 
@@ -101,6 +106,9 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
                                                                  stop_token_ids=(1,), sampling_seed=3, ignore_eos=True))
         await call("generate", request)
         await generate_resumable(client, request)
+        second = request.model_copy(update={"rid": "c2", "input_ids": [5, 14, 5, 16]})
+        await call("generate_batch", [request.model_copy(update={"rid": "b1"}), second])
+        await generate_resumable_batch(client, [request.model_copy(update={"rid": "b3"}), second])
         await call("model_info")
         await call("load")
         await call("health")
@@ -132,7 +140,11 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
         "/destroy_weights_update_group", "/metrics"}
     bodies = {path: body for _, path, body in sent if body}
-    assert bodies["/generate"]["sampling_params"]["sampling_seed"] == 3 and bodies["/pause_generation"]["mode"]
+    assert bodies["/pause_generation"]["mode"]
+    generated = [body for _, path, body in sent if path == "/generate"]
+    assert generated[0]["sampling_params"]["sampling_seed"] == 3
+    batches = [body for body in generated if isinstance(body["input_ids"][0], list)]
+    assert len(batches) == 2 and batches[0]["rid"] == ["b1", "c2"] and len(batches[0]["sampling_params"]) == 2
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
     assert not problems, problems
 
@@ -146,6 +158,9 @@ def test_the_checker_catches_what_sglang_would_not_take() -> None:
     assert violations("POST", "/generate", {"input_ids": [1], "sampling_params": {"temprature": 1}}) == [
         "/generate: SamplingParams has no 'temprature'"]
     assert violations("POST", "/update_weights", {}) == ["/update_weights: SGLang has no such route"]
+    assert violations("POST", "/generate", {"input_ids": [[1], [2]], "rid": ["a", "b"], "stream": [False, False],
+                                            "sampling_params": [{}, {"temprature": 1}]}) == [
+        "/generate: GenerateReqInput.stream takes no list", "/generate: SamplingParams has no 'temprature'"]
     assert violations("POST", "/abort_request", {"rid": "x", "abort_all": False}) == []
     assert violations("GET", "/metrics", None) == []
     assert violations("POST", "/metrics", {}) == ["POST /metrics: SGLang serves it to GET only"]

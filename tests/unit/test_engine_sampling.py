@@ -65,3 +65,20 @@ def test_length_is_checked_before_a_stop_token_and_ignore_eos_turns_every_stop_o
     assert finish_after(5, 3, 4, ignoring, frozenset({2})) is None
     assert finish_after(2, 3, 4, ignoring, frozenset({2})) is None
     assert finish_after(9, 3, 4, params, frozenset({2})) is None
+
+
+@given(seed=st.integers(0, 2**31), rows=st.integers(1, 12))
+def test_rows_drawn_together_take_the_tokens_each_would_draw_alone(seed: int, rows: int) -> None:
+    """The vectorised draw of untruncated rows is `draw` row by row: same uniform number from the
+    row's generator, same token (and greedy rows stay argmax)."""
+    logits = torch.randn(rows, 40, generator=torch.Generator().manual_seed(seed)) * 3
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0, 1.6][i % 4], sampling_seed=seed + i) for i in range(rows)]
+    together = sample_rows(logits, params, [request_generator(p) for p in params])
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            assert together[i][0] == int(torch.argmax(logits[i]))
+            continue
+        logprobs = torch.log_softmax(logits[i] / p.temperature, dim=-1)
+        alone = draw(logprobs, -1, 1.0, request_generator(p))
+        assert together[i][0] == alone
+        assert abs(together[i][1] - float(logprobs[alone])) < 1e-6

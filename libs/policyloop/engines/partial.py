@@ -11,6 +11,8 @@ update, and corrects for it like any off-policy token.
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,10 +86,30 @@ async def generate_resumable(client: SGLangClient, request: GenerateRequest, *, 
                              ) -> Completion:
     """`client.generate(request)`, resubmitting what an abort cut short (at most `max_resubmits`
     times; then the aborted result stands). Needs `input_ids` (the continuation is token ids)."""
+    _check_resumable(request)
+    return await _resume(client, request, await client.generate(request), max_resubmits)
+
+
+async def generate_resumable_batch(client: SGLangClient, requests: Sequence[GenerateRequest], *,
+                                   max_resubmits: int = 8) -> list[Completion]:
+    """The requests in one batch call (`client.generate_batch`), each then resumed on its own
+    as `generate_resumable` would if an abort cut it short."""
+    for request in requests:
+        _check_resumable(request)
+    firsts = await client.generate_batch(requests)
+    return list(await asyncio.gather(*(_resume(client, request, first, max_resubmits)
+                                       for request, first in zip(requests, firsts, strict=True))))
+
+
+def _check_resumable(request: GenerateRequest) -> None:
     if request.input_ids is None:
         raise ValueError("partial rollouts resubmit token ids: give input_ids, not text")
-    pieces = [await client.generate(request)]
-    produced = list(pieces[0].output_ids)
+
+
+async def _resume(client: SGLangClient, request: GenerateRequest, first: GenerateResult, max_resubmits: int
+                  ) -> Completion:
+    pieces = [first]
+    produced = list(first.output_ids)
     attempt = 0
     while pieces[-1].finish_reason == "abort" and attempt < max_resubmits:
         attempt += 1

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import re
 import reprlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Self
 
 from pydantic import (
@@ -367,6 +367,74 @@ class GenerateRequest(_Request):
     def from_json(cls, body: Any) -> Self:
         # SGLang's default is no logprobs; a request built in code asks for them unless told not to.
         return super().from_json({"return_logprob": False, **body} if isinstance(body, Mapping) else body)
+
+
+# SGLang's batch form of /generate: a list of prompts, and beside it, for these fields, either
+# one value for every prompt or a list of one value per prompt (rid only as a list).
+BATCH_ITEM_FIELDS: tuple[str, ...] = ("rid", "sampling_params", "return_logprob", "logprob_start_len",
+                                      "top_logprobs_num", "lora_path", "lora_id", "custom_logit_processor")
+MAX_BATCH_PROMPTS = 4096
+
+
+def is_generate_batch(body: Any) -> bool:
+    """Whether a /generate body is SGLang's batch form (prompts as a list of lists, or texts as a list)."""
+    if not isinstance(body, Mapping):
+        return False
+    ids, text = body.get("input_ids"), body.get("text")
+    return (isinstance(ids, list) and bool(ids) and all(isinstance(p, list) for p in ids)) or isinstance(text, list)
+
+
+def split_generate_batch(body: Mapping[str, Any]) -> list[GenerateRequest]:
+    """The requests of a batch body, in order, each validated as a request of its own; RequestError
+    naming the field (and the prompt's index) when SGLang would refuse the batch."""
+    prompts_field = "input_ids" if isinstance(body.get("input_ids"), list) else "text"
+    prompts = body[prompts_field]
+    if not prompts:
+        raise RequestError(prompts_field, "an empty batch")
+    if len(prompts) > MAX_BATCH_PROMPTS:
+        raise RequestError(prompts_field, f"at most {MAX_BATCH_PROMPTS} prompts in one batch, got {len(prompts)}")
+    if isinstance(body.get("rid"), str):
+        raise RequestError("rid", "a batch needs a list of rids, one per prompt")
+    shared = {name: value for name, value in body.items() if name != prompts_field and name not in BATCH_ITEM_FIELDS}
+    per_item: dict[str, list[Any]] = {}
+    for name in BATCH_ITEM_FIELDS:
+        value = body.get(name)
+        if isinstance(value, list):
+            if len(value) != len(prompts):
+                raise RequestError(name, f"{len(value)} values for a batch of {len(prompts)} prompts")
+            per_item[name] = value
+        elif name in body:
+            shared[name] = value
+    requests = []
+    for i, prompt in enumerate(prompts):
+        item = {**shared, prompts_field: prompt, **{name: values[i] for name, values in per_item.items()}}
+        try:
+            requests.append(GenerateRequest.from_json(item))
+        except RequestError as exc:
+            raise RequestError(exc.field, f"prompt {i}: {exc.message}", exc.status) from None
+    rids = [r.rid for r in requests if r.rid is not None]
+    if len(set(rids)) != len(rids):
+        raise RequestError("rid", "the rids of a batch must differ")
+    return requests
+
+
+def generate_batch_json(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
+    """The batch body of several requests: prompts and the per-prompt fields as lists; every other
+    field must be the same in all of them."""
+    if not requests:
+        raise ValueError("an empty batch")
+    bodies = [r.to_json() for r in requests]
+    prompts_field = "input_ids" if "input_ids" in bodies[0] else "text"
+    batch: dict[str, Any] = {prompts_field: [b.get(prompts_field) for b in bodies]}
+    for name in sorted(set().union(*bodies) - {prompts_field}):
+        values = [b.get(name) for b in bodies]
+        if name in BATCH_ITEM_FIELDS:
+            batch[name] = values
+        elif any(v != values[0] for v in values):
+            raise ValueError(f"{name} differs between the requests of a batch")
+        else:
+            batch[name] = values[0]
+    return batch
 
 
 # ---------------------------------------------------------------------------------------------

@@ -47,6 +47,7 @@ from policyloop.engines.protocol import (
     UpdateWeightsResult,
     UpdateWeightVersionRequest,
     error_message,
+    generate_batch_json,
 )
 from policyloop.weights.broadcast.engine_control import EngineControlError, WeightSyncError
 
@@ -191,6 +192,25 @@ class SGLangClient:
             return GenerateResult.from_json(self._json("/generate", status, body))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise EngineProtocolError(f"/generate: unexpected answer ({exc})", status, body) from exc
+
+    async def generate_batch(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
+        """Several prompts in one /generate call (SGLang's batch form), answered in order. The
+        requests may differ only in their prompt and the per-prompt fields (rid, sampling_params,
+        return_logprob, ...)."""
+        status, body = await self._call("POST", "/generate", generate_batch_json(requests), idempotent=False)
+        self._raise_for_status("POST", "/generate", status, body)
+        answers = self._json("/generate", status, body)
+        if not isinstance(answers, list) or len(answers) != len(requests):
+            raise EngineProtocolError(f"/generate: expected a list of {len(requests)} answers to a batch", status, body)
+        try:
+            results = [GenerateResult.from_json(answer) for answer in answers]
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            raise EngineProtocolError(f"/generate: unexpected answer ({exc})", status, body) from exc
+        for request, result in zip(requests, results, strict=True):
+            if request.rid is not None and result.rid != request.rid:
+                raise EngineProtocolError(f"/generate: the answer for rid {request.rid!r} came as {result.rid!r}",
+                                          status, body)
+        return results
 
     async def model_info(self) -> ModelInfo:
         status, body = await self._call("GET", "/model_info", idempotent=True)

@@ -23,7 +23,7 @@ from policyloop.bus import Delivery, PermanentError, PullWorker, rollouts_subjec
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_task
 from policyloop.contracts.versions import oldest_version
-from policyloop.engines.partial import Completion, generate_resumable
+from policyloop.engines.partial import Completion, generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
@@ -60,7 +60,7 @@ class RolloutReplica:
 
     def pull_worker(self) -> PullWorker[bus_pb2.Task]:
         return PullWorker(self.ctx.bus, self.ctx.bus.topology.consumers["rollout"], bus_pb2.Task, self.handle,
-                          service="rollout", concurrency=self.settings.concurrency, validator=validate_task,
+                          service="rollout", concurrency=self.settings.task_concurrency, validator=validate_task,
                           ready=self.ready)
 
     async def handle(self, delivery: Delivery[bus_pb2.Task]) -> None:
@@ -71,7 +71,15 @@ class RolloutReplica:
         prompt_ids = self._prompt_ids(task)
         for traj in group:
             traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
-        traces = await asyncio.gather(*(self.sample(task, traj) for traj in group))
+        batch: asyncio.Future[list[Completion]] | None = None
+        if task.max_turns <= 1:
+            # One engine call for the group: its requests go together (SGLang's batch form).
+            batch = asyncio.ensure_future(self.generate_batch([self._request(task, traj) for traj in group]))
+        try:
+            traces = await asyncio.gather(*(self.sample(task, traj, batch, i) for i, traj in enumerate(group)))
+        finally:
+            if batch is not None and not batch.done():
+                batch.cancel()
         await self._store(task, group, traces)
 
     async def _admit(self, task: bus_pb2.Task, delivery_count: int) -> bool:
@@ -82,9 +90,13 @@ class RolloutReplica:
         if delivery_count == 1 and await self._run_ended(task.run_id):
             self.status.tasks_skipped += 1
             return False
-        while self.pacer is not None and not await self.pacer.try_admit(task.task_id, self.ctx.policy_version):
+        while self.pacer is not None:
+            served = self.ctx.policy_version
+            if await self.pacer.try_admit(task.task_id, served):
+                break
             self.status.paced = True
-            await asyncio.sleep(self.settings.pacing_poll_s)
+            # Only this replica's engine moving to a newer version can open a slot for it.
+            await self.ctx.version_moved(served, self.settings.pacing_poll_s)
         self.status.paced = False
         return True
 
@@ -105,9 +117,12 @@ class RolloutReplica:
                      traces: list[tracing.Context]) -> None:
         """ROLLOUTS, then LEDGER; only then may the Task be acked. Each trajectory goes on in the
         trace of its own sampling."""
-        for traj, sampled in zip(group, traces, strict=True):
+        async def store(traj: bus_pb2.Trajectory, sampled: tracing.Context) -> None:
             with tracing.continued(sampled):
                 await self.ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
+
+        # Together: their publishes share the connection's writes, and one round trip waits for all acks.
+        await asyncio.gather(*(store(traj, sampled) for traj, sampled in zip(group, traces, strict=True)))
         await record_generated(self.ctx.bus, group, self.settings.instance_id)
         generated = sum(len(t.response_token_ids) for t in group)
         try:
@@ -118,18 +133,29 @@ class RolloutReplica:
         self.status.tasks_done += 1
         self.status.generated_tokens += generated
 
-    async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> tracing.Context:
-        """Samples one member of the group; returns the trace context it was sampled in."""
+    def _request(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> GenerateRequest:
         try:
-            request = generate_request(task, traj, self.stop_ids)
+            return generate_request(task, traj, self.stop_ids)
         except TaskRequestError as exc:
             raise PermanentError(str(exc)) from exc
+
+    async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory,
+                     batch: asyncio.Future[list[Completion]] | None = None, index: int = 0) -> tracing.Context:
+        """Samples one member of the group (its answer is `batch`'s `index`-th when the group went
+        to the engine as one batch); returns the trace context it was sampled in."""
+        request = self._request(task, traj) if batch is None else None
         with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
                                                 tracing.ENVIRONMENT: task.environment}) as made:
-            if task.max_turns > 1:
+            if request is not None and task.max_turns > 1:
                 await self._episode(task, traj, request)
             else:
-                result = (await self.generate(request)).result
+                if batch is not None:
+                    completion = (await asyncio.shield(batch))[index]
+                    self._count_resubmits(completion)
+                else:
+                    assert request is not None
+                    completion = await self.generate(request)
+                result = completion.result
                 text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
                 record_response(traj, result, text)
             made.set_attributes({"policyloop.response_tokens": len(traj.response_token_ids),
@@ -163,24 +189,38 @@ class RolloutReplica:
         self.status.tool_calls += 1
 
     async def generate(self, request: GenerateRequest) -> Completion:
-        """One sample, resumed across weight updates that abort it. When the engine goes away
-        under it, the Task (its message still ours) waits for the engine to come back rather
-        than spend one of its deliveries."""
+        """One sample, resumed across weight updates that abort it (a model turn of an episode)."""
+        completion = (await self._generate([request]))[0]
+        self._count_resubmits(completion)
+        return completion
+
+    async def generate_batch(self, requests: list[GenerateRequest]) -> list[Completion]:
+        """A group's samples in one engine call, each resumed on its own across weight updates
+        that abort it (resubmissions are counted as each sample takes its answer)."""
+        return await self._generate(requests)
+
+    async def _generate(self, requests: list[GenerateRequest]) -> list[Completion]:
+        """When the engine goes away under a request, the Task (its message still ours) waits for
+        the engine to come back rather than spend one of its deliveries."""
         outage_deadline = time.monotonic() + self.settings.engine_outage_wait_s  # over all retries
+        max_resubmits = self.settings.max_resubmits
         for attempt in itertools.count():
             try:
-                retry = request.model_copy(update={"rid": f"{request.rid}.e{attempt}"}) if attempt else request
-                completion = await generate_resumable(self.client, retry, max_resubmits=self.settings.max_resubmits)
-                break
+                tries = [r.model_copy(update={"rid": f"{r.rid}.e{attempt}"}) for r in requests] if attempt else requests
+                if len(tries) == 1:
+                    return [await generate_resumable(self.client, tries[0], max_resubmits=max_resubmits)]
+                return await generate_resumable_batch(self.client, tries, max_resubmits=max_resubmits)
             except EngineUnavailable as exc:
-                log.warning("engine_unavailable_mid_sample", rid=request.rid, error=str(exc))
+                log.warning("engine_unavailable_mid_sample", rid=requests[0].rid, error=str(exc))
                 if not await self.engine_health.wait_recovered(outage_deadline, self.ctx.stop):
                     raise
             except EngineError as exc:
                 if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
                     raise PermanentError(f"the engine refused the task's request: {exc}") from exc
                 raise
+        raise AssertionError("unreachable")
+
+    def _count_resubmits(self, completion: Completion) -> None:
         if completion.resubmits:
             RESUBMITTED.inc(completion.resubmits)
             self.status.resubmitted += completion.resubmits
-        return completion

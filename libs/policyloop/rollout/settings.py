@@ -12,7 +12,10 @@ from policyloop.runtime.settings import ServiceSettings
 
 
 class RolloutSettings(ServiceSettings):
-    concurrency: int = Field(8, description="Tasks (groups) this replica samples at once.")
+    concurrency: int = Field(
+        0, ge=0, description="Tasks (groups) this replica samples at once; 0: groups_per_step, a step's batch at once "
+                             "(the engine decodes what it holds together: few large batches cost far less than "
+                             "many small ones).")
     model_path: Path = Field(
         Path("model"), description="Hugging Face directory of the base policy (tokenizer, config)."
     )
@@ -20,7 +23,9 @@ class RolloutSettings(ServiceSettings):
     engine_url: str = Field(
         "", description="Base URL of the engine's HTTP API; empty with engine=embedded starts one as a child process."
     )
-    engine_max_batch: int = Field(64, description="Most sequences the embedded engine decodes together.")
+    engine_max_batch: int = Field(
+        256, ge=1, description="Most sequences the embedded engine decodes together (a step's samples by default: "
+                               "groups_per_step 32 × group size 8).")
     engine_threads: int = Field(1, description="torch threads of the embedded engine process.")
     engine_start_timeout_s: float = Field(120.0, description="How long the engine may take to answer /health.")
     generate_timeout_s: float = Field(300.0, description="Deadline of one generate request.")
@@ -49,7 +54,9 @@ class RolloutSettings(ServiceSettings):
     engine_outage_wait_s: float = Field(
         600.0, description="How long a Task whose engine went away mid-sample waits (holding its message) for the "
                            "engine to answer again before it is handed back; an outage uses up none of its deliveries.")
-    pacing_poll_s: float = Field(0.05, description="How often a paced replica asks again for a slot.")
+    pacing_poll_s: float = Field(
+        1.0, gt=0, description="A paced replica asks again for a slot when its engine takes a newer version, or "
+                               "after this long.")
     tool_timeout_s: float = Field(10.0, description="Wall and CPU seconds of one tool call's sandbox job.")
     tool_reply_timeout_s: float = Field(
         120.0, description="How long a tool call waits for a sandbox's result (queueing included) before the task "
@@ -63,3 +70,7 @@ class RolloutSettings(ServiceSettings):
             raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
         if self.engine == "sglang" and not self.engine_url:
             raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")
+
+    @property
+    def task_concurrency(self) -> int:
+        return self.concurrency or self.groups_per_step

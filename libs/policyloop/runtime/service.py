@@ -49,6 +49,7 @@ class ServiceContext:
     status: Callable[[], Message] | None = None
     _probes: dict[str, HealthProbe] = field(default_factory=dict)
     _policy_version: int = 0
+    _version_moved: asyncio.Event = field(default_factory=asyncio.Event)
     redis_ok: bool = True
     health_url: str = ""
     grpc_endpoint: str = ""  # host:port of this process's gRPC server, if it has one (heartbeats)
@@ -61,9 +62,23 @@ class ServiceContext:
 
     @policy_version.setter
     def policy_version(self, version: int) -> None:
+        if version != self._policy_version:
+            self._version_moved.set()  # wakes whoever waits in version_moved
+            self._version_moved = asyncio.Event()
         self._policy_version = version
         bind_policy_version(version)
         POLICY_VERSION.labels(self.name).set(version)
+
+    async def version_moved(self, since: int, timeout_s: float) -> bool:
+        """Waits until the policy version is other than `since`, at most `timeout_s`; whether it is."""
+        if self._policy_version != since:
+            return True
+        moved = self._version_moved
+        try:
+            await asyncio.wait_for(moved.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
 
     @functools.cached_property
     def versions(self) -> VersionRegistry:

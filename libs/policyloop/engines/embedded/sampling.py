@@ -30,18 +30,42 @@ def request_generator(params: SamplingParams) -> torch.Generator | None:
 
 def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams],
                 generators: Sequence[torch.Generator | None]) -> list[tuple[int, float]]:
-    """Each row's token and its logprob under the row's temperature (before truncation)."""
+    """Each row's token and its logprob under the row's temperature (before truncation). Greedy
+    rows and rows without truncation are drawn together (one uniform number from each row's own
+    generator, as `draw` takes it); rows with top-k or top-p one by one."""
+    rows = len(params)
     temperatures = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params], dtype=logits.dtype)
     logprobs = torch.log_softmax(logits / temperatures[:, None], dim=-1)
-    out = []
-    for i, (row_params, generator) in enumerate(zip(params, generators, strict=True)):
-        if row_params.temperature == 0:
-            token = int(torch.argmax(logits[i]))
-        else:
-            assert generator is not None
-            token = draw(logprobs[i], row_params.top_k, row_params.top_p, generator)
-        out.append((token, float(logprobs[i, token])))
-    return out
+    tokens = [0] * rows
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if greedy:
+        for i, token in zip(greedy, torch.argmax(logits[greedy], dim=-1).tolist(), strict=True):
+            tokens[i] = token
+    vocab = logprobs.shape[-1]
+    whole = [i for i, p in enumerate(params) if p.temperature > 0 and not truncates(p, vocab)]
+    if whole:
+        uniform = torch.cat([torch.rand((1,), generator=_generator(generators[i]), dtype=torch.float64)
+                             for i in whole])
+        cdf = logprobs[whole].double().exp().cumsum(dim=-1)
+        picked = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True).clamp_(max=vocab - 1)
+        for i, token in zip(whole, picked[:, 0].tolist(), strict=True):
+            tokens[i] = token
+    for i, p in enumerate(params):
+        if p.temperature > 0 and truncates(p, vocab):
+            tokens[i] = draw(logprobs[i], p.top_k, p.top_p, _generator(generators[i]))
+    chosen = torch.gather(logprobs, 1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    return list(zip(tokens, chosen, strict=True))
+
+
+def truncates(params: SamplingParams, vocab: int) -> bool:
+    """Whether top-k or top-p cut the distribution (-1 or a k of the whole vocabulary, and p 1, do not)."""
+    return not ((params.top_k == -1 or params.top_k >= vocab) and params.top_p >= 1.0)
+
+
+def _generator(generator: torch.Generator | None) -> torch.Generator:
+    if generator is None:
+        raise ValueError("a row sampled at temperature > 0 needs its generator")
+    return generator
 
 
 def draw(logprobs: torch.Tensor, top_k: int, top_p: float, generator: torch.Generator) -> int:

@@ -37,9 +37,11 @@ from policyloop.engines.protocol import (
     UpdateWeightVersionRequest,
     WeightVersionSpan,
     error_body,
+    is_generate_batch,
     parse_continue,
     parse_end_weight_update,
     parse_pause,
+    split_generate_batch,
 )
 from policyloop.telemetry.logging import get_logger
 
@@ -203,30 +205,41 @@ class EmbeddedEngine:
             return _refusal("the engine is stopping", 503)
         started = time.perf_counter()
         try:
-            parsed = GenerateRequest.from_json(await _json_body(request, empty_ok=False))
-            prompt = self.served.prompt_ids(parsed)
-            max_new_tokens = self.served.max_new_tokens(parsed.sampling_params, len(prompt))
+            body = await _json_body(request, empty_ok=False)
+            batch = is_generate_batch(body)
+            parsed = split_generate_batch(body) if batch else [GenerateRequest.from_json(body)]
+            reqs = [self._engine_request(p, started) for p in parsed]
         except RequestError as exc:
             return _refusal(exc)
-        rid = parsed.rid or uuid.uuid4().hex
-        if rid in self.scheduler.requests:
-            return _refusal(f"rid: a request with id {rid!r} is already in flight")
-        req = EngineRequest(rid=rid, input_ids=prompt, params=parsed.sampling_params, max_new_tokens=max_new_tokens,
-                            return_logprob=parsed.return_logprob,
-                            return_text_in_logprobs=parsed.return_text_in_logprobs,
-                            future=asyncio.get_running_loop().create_future(),
-                            generator=request_generator(parsed.sampling_params), received=started)
+        in_flight = [r.rid for r in reqs if r.rid in self.scheduler.requests]
+        if in_flight:
+            return _refusal(f"rid: a request with id {in_flight[0]!r} is already in flight")
         try:
-            self.scheduler.admit(req)
-            await asyncio.shield(req.future)
+            for req in reqs:
+                self.scheduler.admit(req)
+            # A batch's prompts are decoded like separate requests; the answer waits for all of them.
+            await asyncio.shield(asyncio.gather(*(r.future for r in reqs)))
         except asyncio.CancelledError:  # the client went away: stop spending compute on it
-            self.scheduler.abort(req, "client disconnected")
+            for req in reqs:
+                self.scheduler.abort(req, "client disconnected")
             raise
         finally:
-            self.scheduler.requests.pop(rid, None)
-        if req.error is not None:
-            return _refusal(f"generation failed: {req.error!r}", 500)
-        return web.json_response(self._response(req, time.perf_counter() - started))
+            for req in reqs:
+                self.scheduler.requests.pop(req.rid, None)
+        failed = next((r for r in reqs if r.error is not None), None)
+        if failed is not None:
+            return _refusal(f"generation failed: {failed.error!r}", 500)
+        answers = [self._response(r, time.perf_counter() - started) for r in reqs]
+        return web.json_response(answers if batch else answers[0])
+
+    def _engine_request(self, parsed: GenerateRequest, started: float) -> EngineRequest:
+        prompt = self.served.prompt_ids(parsed)
+        return EngineRequest(rid=parsed.rid or uuid.uuid4().hex, input_ids=prompt, params=parsed.sampling_params,
+                             max_new_tokens=self.served.max_new_tokens(parsed.sampling_params, len(prompt)),
+                             return_logprob=parsed.return_logprob,
+                             return_text_in_logprobs=parsed.return_text_in_logprobs,
+                             future=asyncio.get_running_loop().create_future(),
+                             generator=request_generator(parsed.sampling_params), received=started)
 
     def _response(self, req: EngineRequest, latency: float) -> dict[str, Any]:
         spans = [WeightVersionSpan(version=v, start=s, end=e) for v, s, e in req.spans] or [
