@@ -199,6 +199,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--eval-problems", type=int, default=600)
     parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
+    parser.add_argument("--groups-per-step", type=int, default=DemoConfig.groups_per_step)
+    parser.add_argument("--group-size", type=int, default=DemoConfig.group_size)
     parser.add_argument("--only", choices=("single", "cluster"), default=None, help="run one side only")
     parser.add_argument("--out", type=Path, default=Path("perf/out/vs_single_process"))
     args = parser.parse_args()
@@ -206,7 +208,8 @@ def main() -> None:
         from policyloop.models.bootstrap import BootstrapConfig, bootstrap
 
         args.model_path = bootstrap(BootstrapConfig())
-    config = DemoConfig(model_path=args.model_path, eval_problems=args.eval_problems)
+    config = DemoConfig(model_path=args.model_path, eval_problems=args.eval_problems,
+                        groups_per_step=args.groups_per_step, group_size=args.group_size)
     marks = [args.mark_every * i for i in range(1, int(args.seconds // args.mark_every) + 1)]
     runs = []
     for _ in range(args.repeats):

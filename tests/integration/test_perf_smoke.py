@@ -127,3 +127,21 @@ def test_step_profile_reads_every_phase_of_a_step_and_a_version(tmp_path: Path, 
     assert abs(sum(phases.values()) - run["learner"]["step_ms"]) < 1
     assert run["rollout"]["versions"] >= 1 and {"fetch", "load"} <= set(run["rollout"]["per_version_ms"])
     assert (out / "step_profile.png").stat().st_size > 1000
+
+
+# Slow (the one-process loop, then a whole cluster): the default run checks the loop
+# (test_single_process) and the harness's figures (tests/unit/test_vs_single_process.py).
+@pytest.mark.slow
+@pytest.mark.timeout(CLUSTER_TIMEOUT_S + 120)
+def test_vs_single_process_trains_both_sides_and_compares_them(tmp_path: Path, tiny_model_dir: Path) -> None:
+    out = tmp_path / "out"
+    summary = run_harness("vs_single_process.py", "--seconds", "12", "--mark-every", "6", "--eval-problems", "40",
+                          "--groups-per-step", "2", "--group-size", "4", "--model-path", str(tiny_model_dir),
+                          "--out", str(out), cwd=tmp_path, timeout_s=CLUSTER_TIMEOUT_S + 60)
+    [run] = summary["runs"]
+    for name in ("single", "cluster"):
+        assert [p["seconds"] for p in run[name]["curve"]] == [0.0, 6.0, 12.0]
+        assert run[name]["steps"] >= 1 and run[name]["steps_per_s"] > 0
+        assert all(0.0 <= p["accuracy"] <= 1.0 for p in run[name]["curve"])
+    assert summary["median"]["steps_per_s_ratio"] > 0
+    assert (out / "vs_single_process.png").stat().st_size > 1000
