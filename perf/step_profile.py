@@ -31,12 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
 
-from policyloop.cluster.demo import DemoConfig, loop_env, start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_env, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
 from policyloop.learner.figures import STEP_PHASES  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
 
@@ -83,11 +81,7 @@ async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namesp
     redis_client = await connect_redis(cluster.redis_url)
     registry = HeartbeatRegistry(redis_client, cluster.namespace)
     try:
-        gateway = cluster.process("gateway-0").ports["grpc"]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
-            stub = loop_pb2_grpc.LoopServiceStub(channel)
-            _, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens, config.temperature,
-                                                config.seed)
+        async with arithmetic_run(cluster, config):
             deadline = time.monotonic() + args.timeout_s
             while await learner_step(registry) < args.warmup_steps:
                 if time.monotonic() > deadline:
@@ -97,7 +91,6 @@ async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namesp
             await asyncio.sleep(args.seconds)
             after = await scrape_services(endpoints)
             figures = profile(before, after, time.monotonic() - started)
-            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
         return figures
     finally:
         await redis_client.aclose()

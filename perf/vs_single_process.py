@@ -35,13 +35,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-from policyloop.cluster.demo import DemoConfig, loop_env, start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_env, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
 from policyloop.rl.settings import OptimizerSettings  # noqa: E402
 from policyloop.rl.single_process import (  # noqa: E402
@@ -107,11 +105,7 @@ async def drive_cluster(cluster: LocalCluster, config: DemoConfig, seconds: floa
             snapshots.append(Snapshot(at, held.version, tensors))
 
     try:
-        gateway = cluster.process("gateway-0").ports["grpc"]
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
-            stub = loop_pb2_grpc.LoopServiceStub(channel)
-            _, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens, config.temperature,
-                                                config.seed)
+        async with arithmetic_run(cluster, config):
             started = time.monotonic()
             await keep(0.0)
             for mark in marks:
@@ -121,7 +115,6 @@ async def drive_cluster(cluster: LocalCluster, config: DemoConfig, seconds: floa
                 await keep(mark)
             await asyncio.sleep(max(0.0, started + seconds - time.monotonic()))
             elapsed = time.monotonic() - started
-            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
         steps = snapshots[-1].steps if snapshots else 0
         return snapshots, elapsed, steps
     finally:

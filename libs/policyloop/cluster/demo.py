@@ -21,7 +21,8 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -206,6 +207,22 @@ async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: 
         num_tasks=1_000_000, seed=seed, model="policy",
     ), timeout=30)
     return reply, run
+
+
+@asynccontextmanager
+async def arithmetic_run(cluster: LocalCluster, config: DemoConfig
+                         ) -> AsyncIterator[tuple[loop_pb2_grpc.LoopServiceStub, loop_pb2.Run]]:
+    """The demo's run on a started local cluster, through its gateway (the perf/ harnesses);
+    stopped on leaving."""
+    gateway = cluster.process("gateway-0").ports["grpc"]
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
+        stub = loop_pb2_grpc.LoopServiceStub(channel)
+        _, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens, config.temperature,
+                                            config.seed)
+        try:
+            yield stub, run
+        finally:
+            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
 
 
 async def _heartbeats(registry: HeartbeatRegistry) -> dict[str, Heartbeat]:
