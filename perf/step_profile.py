@@ -32,7 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_env, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
 from policyloop.learner.figures import STEP_PHASES  # noqa: E402
@@ -97,13 +97,8 @@ async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namesp
 
 
 def run_once(config: DemoConfig, args: argparse.Namespace, root: Path) -> dict:
-    env = {**loop_env(config), "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights")}
-    cluster = LocalCluster(root, extra_env=env, fresh=True, prometheus=False)
-    cluster.start()
-    try:
+    with loop_cluster(config, root) as cluster:
         return asyncio.run(drive(cluster, config, args))
-    finally:
-        cluster.stop()
 
 
 def medians(runs: list[dict]) -> dict:

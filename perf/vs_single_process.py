@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_env, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
 from policyloop.rl.settings import OptimizerSettings  # noqa: E402
@@ -123,13 +123,8 @@ async def drive_cluster(cluster: LocalCluster, config: DemoConfig, seconds: floa
 
 def run_cluster(config: DemoConfig, seconds: float, marks: list[float], root: Path
                 ) -> tuple[list[Snapshot], float, int]:
-    env = {**loop_env(config), "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights")}
-    cluster = LocalCluster(root, extra_env=env, fresh=True, prometheus=False)
-    cluster.start()
-    try:
+    with loop_cluster(config, root) as cluster:
         return asyncio.run(drive_cluster(cluster, config, seconds, marks))
-    finally:
-        cluster.stop()
 
 
 def side(curve: list[CurvePoint], elapsed: float, steps: int) -> dict:

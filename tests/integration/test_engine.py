@@ -603,3 +603,44 @@ async def test_module_entry_point_serves_and_stops_on_sigterm(tiny_model: Path) 
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_a_batch_answer_that_does_not_match_its_requests_is_an_error() -> None:
+    """A server that answers a batch with the wrong number of answers, or out of order, is caught."""
+    from aiohttp import web
+
+    from policyloop.engines.sglang_client import EngineProtocolError
+
+    answers: list[object] = []
+
+    async def generate(_: web.Request) -> web.Response:
+        return web.json_response(answers)
+
+    app = web.Application()
+    app.router.add_post("/generate", generate)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+
+    def answer(rid: str) -> dict[str, object]:
+        return GenerateResult(rid=rid, output_ids=[4], output_logprobs=None, finish_reason="length",
+                              weight_version="0", prompt_tokens=1, completion_tokens=1).to_json()
+
+    requests = [GenerateRequest(input_ids=[4], rid="a"), GenerateRequest(input_ids=[5], rid="b")]
+    try:
+        async with SGLangClient(f"http://127.0.0.1:{port}", timeout_s=10, retries=0) as client:
+            answers[:] = [answer("a")]
+            with pytest.raises(EngineProtocolError, match="a list of 2 answers"):
+                await client.generate_batch(requests)
+            answers[:] = [answer("b"), answer("a")]
+            with pytest.raises(EngineProtocolError, match="rid 'a' came as 'b'"):
+                await client.generate_batch(requests)
+            answers[:] = [answer("a"), {"no": "meta_info"}]
+            with pytest.raises(EngineProtocolError, match="unexpected answer"):
+                await client.generate_batch(requests)
+            answers[:] = [answer("a"), answer("b")]
+            assert [r.rid for r in await client.generate_batch(requests)] == ["a", "b"]
+    finally:
+        await runner.cleanup()

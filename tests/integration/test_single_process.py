@@ -42,7 +42,7 @@ def test_greedy_decoding_of_a_left_padded_batch_is_each_prompt_decoded_alone(tin
         assert stopped == (alone[-1] == EOS_ID)
 
 
-def test_sampling_follows_its_generator(tiny_model_dir: Path) -> None:
+def test_sampling_follows_its_seeds(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
@@ -50,7 +50,7 @@ def test_sampling_follows_its_generator(tiny_model_dir: Path) -> None:
 
     def draw(seed: int) -> list[list[int]]:
         return generate(model, prompts, max_new_tokens=5, temperature=1.0, eos_id=EOS_ID, pad_id=PAD_ID,
-                        generator=torch.Generator().manual_seed(seed)).tokens
+                        seeds=[seed * 100 + i for i in range(len(prompts))]).tokens
 
     first = draw(1)
     assert draw(1) == first
@@ -58,6 +58,32 @@ def test_sampling_follows_its_generator(tiny_model_dir: Path) -> None:
     assert len({tuple(t) for t in first}) > 1        # a group's samples differ
     for tokens in first:
         assert EOS_ID not in tokens[:-1] and 1 <= len(tokens) <= 5
+
+
+async def test_a_seeded_sample_is_the_one_the_embedded_engine_draws(tiny_model_dir: Path) -> None:
+    """The loop decodes as the engine does: the same seed gives the same tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from policyloop.engines.embedded import start_engine
+    from policyloop.engines.protocol import GenerateRequest, SamplingParams
+    from policyloop.engines.sglang_client import SGLangClient
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    prompts = [[4, 5, 14, 6, 7, 16], [9, 14, 8, 16], [5, 5, 14, 6, 6, 16]]
+    seeds = [11, 12, 13]
+    ours = generate(model, prompts, max_new_tokens=6, temperature=1.0, eos_id=EOS_ID, pad_id=PAD_ID, seeds=seeds)
+    engine = await start_engine(tiny_model_dir, max_batch=8, threads=1, weight_version="0")
+    try:
+        async with SGLangClient(engine.base_url, timeout_s=30) as client:
+            answers = await client.generate_batch([GenerateRequest(
+                input_ids=prompt, rid=f"r{i}", return_logprob=False,
+                sampling_params=SamplingParams(max_new_tokens=6, temperature=1.0, sampling_seed=seed,
+                                               stop_token_ids=(EOS_ID,)))
+                for i, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True))])
+    finally:
+        await engine.stop()
+    assert [a.output_ids for a in answers] == ours.tokens
+    assert [a.finish_reason == "stop" for a in answers] == ours.stopped
 
 
 def test_the_update_is_the_learners_step(tiny_model_dir: Path) -> None:

@@ -243,3 +243,47 @@ def test_an_engines_load_is_read_from_its_prometheus_text() -> None:
             'sglang:token_usage{model_name="m"} 0.25\n')
     assert EngineLoad.parse(page) == EngineLoad(queued_requests=3.0, kv_usage=0.25)
     assert EngineLoad.parse("<html>not metrics</html>") == EngineLoad()  # not Prometheus' text: nothing known
+
+
+def test_a_batch_body_splits_into_requests_and_back() -> None:
+    from policyloop.engines.protocol import generate_batch_json, is_generate_batch, split_generate_batch
+
+    requests = [GenerateRequest(input_ids=[4 + i, 16], rid=f"r{i}", return_logprob=i % 2 == 0,
+                                sampling_params=SamplingParams(max_new_tokens=2 + i, temperature=0.5))
+                for i in range(3)]
+    body = generate_batch_json(requests)
+    assert body["input_ids"] == [[4, 16], [5, 16], [6, 16]] and body["rid"] == ["r0", "r1", "r2"]
+    assert is_generate_batch(body) and not is_generate_batch(requests[0].to_json())
+    assert not is_generate_batch({"input_ids": []}) and is_generate_batch({"text": ["a"]})
+    assert split_generate_batch(body) == requests
+    # One value for every prompt is shared by all of them.
+    shared = split_generate_batch({"input_ids": [[4], [5]], "sampling_params": {"max_new_tokens": 3}})
+    assert [r.sampling_params.max_new_tokens for r in shared] == [3, 3]
+
+
+@pytest.mark.parametrize(("body", "field", "words"), [
+    ({"text": []}, "text", "an empty batch"),
+    ({"input_ids": [[4]] * 4097}, "input_ids", "at most 4096 prompts"),
+    ({"input_ids": [[4], [5]], "return_logprob": [True]}, "return_logprob", "1 values for a batch of 2"),
+    ({"input_ids": [[4], [5]], "rid": "x"}, "rid", "a list of rids"),
+    ({"input_ids": [[4], [5]], "rid": ["x", "x"]}, "rid", "must differ"),
+    ({"input_ids": [[4], [5]], "sampling_params": [{}, {"temperature": -1}]}, "sampling_params.temperature",
+     "prompt 1"),
+    ({"input_ids": [[4], [5]], "stream": True}, "stream", "prompt 0"),
+])
+def test_a_batch_body_is_refused_naming_the_field_and_the_prompt(body: dict, field: str, words: str) -> None:
+    from policyloop.engines.protocol import split_generate_batch
+
+    with pytest.raises(RequestError) as caught:
+        split_generate_batch(body)
+    assert caught.value.field == field and words in caught.value.message
+
+
+def test_requests_that_cannot_share_a_batch_body_are_refused() -> None:
+    from policyloop.engines.protocol import generate_batch_json
+
+    with pytest.raises(ValueError, match="an empty batch"):
+        generate_batch_json([])
+    texts = GenerateRequest(text="12+3=", return_text_in_logprobs=True)
+    with pytest.raises(ValueError, match="return_text_in_logprobs differs"):
+        generate_batch_json([texts, texts.model_copy(update={"return_text_in_logprobs": False})])

@@ -113,3 +113,12 @@ def test_nested_learner_settings_from_flags_and_env(monkeypatch) -> None:  # typ
     assert settings.checkpoint.resume is False
     config = settings.trainer_config()
     assert config.loss == settings.loss and config.lr == 3e-5
+
+
+def test_a_replica_samples_a_steps_batch_at_once_unless_told_otherwise() -> None:
+    from policyloop.rollout.settings import RolloutSettings
+
+    assert load_settings(RolloutSettings, ["--groups-per-step", "12"]).task_concurrency == 12
+    assert load_settings(RolloutSettings, ["--groups-per-step", "12", "--concurrency", "3"]).task_concurrency == 3
+    with pytest.raises(ValueError, match="concurrency"):
+        load_settings(RolloutSettings, ["--concurrency", "-1"])

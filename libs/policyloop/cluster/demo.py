@@ -21,8 +21,8 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -207,6 +207,19 @@ async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: 
         num_tasks=1_000_000, seed=seed, model="policy",
     ), timeout=30)
     return reply, run
+
+
+@contextmanager
+def loop_cluster(config: DemoConfig, root: Path) -> Iterator[LocalCluster]:
+    """A fresh local cluster in `root` with the demo's loop settings and no Prometheus (the perf/
+    harnesses), stopped on leaving."""
+    env = {**loop_env(config), "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights")}
+    cluster = LocalCluster(root, extra_env=env, fresh=True, prometheus=False)
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
 
 
 @asynccontextmanager

@@ -3,8 +3,9 @@
 Sample a group per problem from the current weights, score each completion with the arithmetic
 verifier the reward service runs, take one optimizer step with the learner's objective, repeat —
 no services, no bus, no weight sync. The model, tokenizer, loss (`policy_objective`, its
-advantages and normalisation), optimizer and schedule are the learner's; sampling is the
-embedded engine's (temperature, full vocabulary, the stop token ends a row, its tokens trained);
+advantages and normalisation), optimizer and schedule are the learner's; decoding is the
+embedded engine's (its left padding and `sample_rows`: temperature, full vocabulary, the stop
+token ends a row and is trained);
 the behaviour log-probabilities are the step's own forward pass (the loop is on-policy).
 
 `perf/vs_single_process.py` runs it beside the cluster for the same training time.
@@ -20,6 +21,9 @@ from pathlib import Path
 
 import torch
 
+from policyloop.engines.embedded.sampling import request_generator, sample_rows
+from policyloop.engines.embedded.scheduler import left_padded
+from policyloop.engines.protocol import SamplingParams
 from policyloop.envs import arithmetic
 from policyloop.rl.logprobs import pack, token_logprobs_and_entropy
 from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
@@ -51,43 +55,32 @@ class Completions:
 
 @torch.no_grad()
 def generate(model: torch.nn.Module, prompts: Sequence[Sequence[int]], *, max_new_tokens: int, temperature: float,
-             eos_id: int, pad_id: int, generator: torch.Generator | None = None) -> Completions:
-    """Batched decoding with a KV cache: prompts left-padded, temperature 0 greedy, otherwise one
-    draw per row from softmax(logits / temperature) over the whole vocabulary (the engine's
-    default sampling, top_k -1 and top_p 1)."""
-    width = max(len(p) for p in prompts)
-    rows = len(prompts)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for i, prompt in enumerate(prompts):
-        input_ids[i, width - len(prompt):] = torch.tensor(list(prompt), dtype=torch.long)
-        mask[i, width - len(prompt):] = 1
-    positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
-    tokens = torch.zeros((rows, max_new_tokens), dtype=torch.long)
-    done = torch.zeros(rows, dtype=torch.bool)
-    lengths = torch.full((rows,), max_new_tokens, dtype=torch.long)
-    cache = None
-    step_ids = input_ids
-    for t in range(max_new_tokens):
+             eos_id: int, pad_id: int, seeds: Sequence[int] | None = None) -> Completions:
+    """Batched decoding with a KV cache, as the embedded engine decodes a wave (its left padding
+    and its `sample_rows`): temperature 0 is greedy, otherwise each row draws from its own
+    generator, seeded with `seeds[i]` (at random without), over the whole vocabulary."""
+    params = [SamplingParams(temperature=temperature, sampling_seed=None if seeds is None else seeds[i])
+              for i in range(len(prompts))]
+    generators = [request_generator(p) for p in params]
+    input_ids, mask, positions = left_padded(prompts, pad_id)
+    tokens: list[list[int]] = [[] for _ in prompts]
+    stopped = [False] * len(prompts)
+    cache, step_ids = None, input_ids
+    for _ in range(max_new_tokens):
         out = model(input_ids=step_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
-        logits = out.logits[:, -1].float()
-        if temperature <= 0:
-            chosen = logits.argmax(dim=-1)
-        else:
-            chosen = torch.multinomial(torch.softmax(logits / temperature, dim=-1), 1, generator=generator)[:, 0]
-        tokens[:, t] = chosen
-        ended = (chosen == eos_id) & ~done
-        lengths[ended] = t + 1
-        done |= ended
-        if bool(done.all()):
+        drawn = [token for token, _ in sample_rows(out.logits[:, -1].float(), params, generators)]
+        for i, token in enumerate(drawn):
+            if not stopped[i]:  # a finished row keeps decoding with the others, its tokens unused
+                tokens[i].append(token)
+                stopped[i] = token == eos_id
+        if all(stopped):
             break
-        step_ids = chosen[:, None]
-        mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype)], dim=1)
+        step_ids = torch.tensor(drawn, dtype=torch.long)[:, None]
+        mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=mask.dtype)], dim=1)
         positions = positions[:, -1:] + 1
-    return Completions([tokens[i, : int(lengths[i])].tolist() for i in range(rows)],
-                       [bool(d) for d in done])
+    return Completions(tokens, stopped)
 
 
 def completion_text(tokenizer, tokens: Sequence[int], eos_id: int) -> str:  # type: ignore[no-untyped-def]
@@ -138,7 +131,6 @@ class SingleProcessGRPO:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LrSchedule(config.optimizer))
         self.problems, _ = arithmetic.split(arithmetic.ArithmeticConfig())
         self.rng = random.Random(config.seed)
-        self.generator = torch.Generator().manual_seed(config.seed)
         self.steps = 0
 
     def step(self) -> LoopStep:
@@ -149,7 +141,7 @@ class SingleProcessGRPO:
                    for _ in range(c.group_size)]
         self.model.eval()
         out = generate(self.model, prompts, max_new_tokens=c.max_new_tokens, temperature=c.temperature,
-                       eos_id=self.eos_id, pad_id=self.pad_id, generator=self.generator)
+                       eos_id=self.eos_id, pad_id=self.pad_id, seeds=[self.rng.getrandbits(62) for _ in prompts])
         self.model.train()
         clock.lap("sample")
         rewards = [arithmetic.score(completion_text(self.tokenizer, tokens, self.eos_id), stopped,

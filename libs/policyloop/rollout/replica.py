@@ -12,7 +12,6 @@ deduplicated.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import time
 from collections.abc import Callable
 from typing import Any
@@ -140,21 +139,17 @@ class RolloutReplica:
             raise PermanentError(str(exc)) from exc
 
     async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory,
-                     batch: asyncio.Future[list[Completion]] | None = None, index: int = 0) -> tracing.Context:
-        """Samples one member of the group (its answer is `batch`'s `index`-th when the group went
-        to the engine as one batch); returns the trace context it was sampled in."""
-        request = self._request(task, traj) if batch is None else None
+                     batch: asyncio.Future[list[Completion]] | None, index: int) -> tracing.Context:
+        """Samples one member of the group: a single-turn member takes the `index`-th answer of the
+        group's `batch`, a multi-turn one (no batch) runs its episode. Returns the trace context it
+        was sampled in."""
         with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
                                                 tracing.ENVIRONMENT: task.environment}) as made:
-            if request is not None and task.max_turns > 1:
-                await self._episode(task, traj, request)
+            if batch is None:
+                await self._episode(task, traj, self._request(task, traj))
             else:
-                if batch is not None:
-                    completion = (await asyncio.shield(batch))[index]
-                    self._count_resubmits(completion)
-                else:
-                    assert request is not None
-                    completion = await self.generate(request)
+                completion = (await asyncio.shield(batch))[index]
+                self._count_resubmits(completion)
                 result = completion.result
                 text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
                 record_response(traj, result, text)
@@ -190,21 +185,19 @@ class RolloutReplica:
 
     async def generate(self, request: GenerateRequest) -> Completion:
         """One sample, resumed across weight updates that abort it (a model turn of an episode)."""
-        completion = (await self._generate([request]))[0]
+        [completion] = await self.generate_batch([request])
         self._count_resubmits(completion)
         return completion
 
     async def generate_batch(self, requests: list[GenerateRequest]) -> list[Completion]:
-        """A group's samples in one engine call, each resumed on its own across weight updates
-        that abort it (resubmissions are counted as each sample takes its answer)."""
-        return await self._generate(requests)
-
-    async def _generate(self, requests: list[GenerateRequest]) -> list[Completion]:
-        """When the engine goes away under a request, the Task (its message still ours) waits for
-        the engine to come back rather than spend one of its deliveries."""
+        """Samples in one engine call (SGLang's batch form when there are several), each resumed on
+        its own across weight updates that abort it; the caller counts the resubmissions. When the
+        engine goes away under them, the Task (its message still ours) waits for the engine to come
+        back rather than spend one of its deliveries."""
         outage_deadline = time.monotonic() + self.settings.engine_outage_wait_s  # over all retries
         max_resubmits = self.settings.max_resubmits
-        for attempt in itertools.count():
+        attempt = 0
+        while True:
             try:
                 tries = [r.model_copy(update={"rid": f"{r.rid}.e{attempt}"}) for r in requests] if attempt else requests
                 if len(tries) == 1:
@@ -218,7 +211,7 @@ class RolloutReplica:
                 if exc.status in (400, 422):  # the engine refuses this request as such: it never will succeed
                     raise PermanentError(f"the engine refused the task's request: {exc}") from exc
                 raise
-        raise AssertionError("unreachable")
+            attempt += 1
 
     def _count_resubmits(self, completion: Completion) -> None:
         if completion.resubmits:

@@ -26,6 +26,3 @@ class PhaseClock:
         self.seconds[name] = self.seconds.get(name, 0.0) + elapsed
         self.ended_ns[name] = time.time_ns()
         return elapsed
-
-    def total(self) -> float:
-        return sum(self.seconds.values())

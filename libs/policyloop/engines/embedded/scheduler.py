@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -88,6 +88,18 @@ class Wave:
         self.positions = self.positions[index]
         self.next_logits = self.next_logits[index]
         self.requests = [self.requests[i] for i in rows]
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rows as one prefill batch: ids left-padded to the longest row, the attention mask and
+    explicit position ids (0 at each row's first real token), so padding changes no row's logits."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask, (mask.cumsum(1) - 1).clamp_(min=0)
 
 
 class Scheduler:
@@ -319,15 +331,7 @@ class Scheduler:
     def _prefill(self, batch: list[EngineRequest]) -> Wave:
         with torch.inference_mode():
             # Prompt plus the tokens so far (none, unless the wave was retracted).
-            rows = [r.input_ids + r.output_ids for r in batch]
-            width = max(len(r) for r in rows)
-            ids = torch.full((len(batch), width), self.served.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for i, row in enumerate(rows):
-                n = len(row)
-                ids[i, width - n:] = torch.tensor(row, dtype=torch.long)
-                mask[i, width - n:] = 1
-            positions = (mask.cumsum(1) - 1).clamp_(min=0)
+            ids, mask, positions = left_padded([r.input_ids + r.output_ids for r in batch], self.served.pad_id)
             logits, cache = self.served.forward(ids, mask, positions, None)
             return Wave(list(batch), cache, mask, positions[:, -1:], logits, self.served.weight_version)
 
