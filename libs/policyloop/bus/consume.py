@@ -111,6 +111,10 @@ class PullWorker(Generic[M]):
         self.ready = ready
         self.heartbeat_s = max(0.5, consumer.ack_wait_s / 3)
         self.in_flight: dict[asyncio.Task[None], Msg] = {}
+        # Messages whose handlers run, each with when its next in-progress is due: one loop beats
+        # for all of them (a timer task per message costs more than the handling of a small one).
+        self._beating: dict[int, tuple[Msg, float]] = {}
+        self._beater: asyncio.Task[None] | None = None
         self.processed = 0
         self.last_error: str | None = None
         self._bound_generation = -1
@@ -209,6 +213,8 @@ class PullWorker(Generic[M]):
             task.cancel()
         if self.in_flight:
             await asyncio.wait(list(self.in_flight), timeout=5)
+        if self._beater is not None and not self._beating:
+            self._beater.cancel()
         for sub in (self._sub, self._advisory_sub):
             if sub is not None:
                 try:
@@ -241,14 +247,14 @@ class PullWorker(Generic[M]):
                 delivery_count=meta.num_delivered,
                 raw=msg,
             )
-            heartbeat = asyncio.create_task(self._heartbeat(msg))
+            beat_key = self._beat_for(msg)
             try:
                 # The message's trace goes on under its handler (and into what it publishes).
                 with tracing.span(f"process {stream}", parent=tracing.extract(msg.headers), kind=SpanKind.CONSUMER,
                                   attributes=self._span_attributes(delivery)):
                     await self.handler(delivery)
             finally:
-                heartbeat.cancel()
+                del self._beating[beat_key]
         except asyncio.CancelledError:
             await self._nak(msg, delay=None, outcome="requeued")
             raise
@@ -284,13 +290,29 @@ class PullWorker(Generic[M]):
                 "messaging.consumer.group.name": self.consumer.durable, "messaging.message.id": delivery.msg_id,
                 "policyloop.stream_sequence": delivery.stream_seq, "policyloop.delivery_count": delivery.delivery_count}
 
-    async def _heartbeat(self, msg: Msg) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_s)
-            try:
-                await msg.in_progress()
-            except nats.errors.Error as exc:
-                log.warning("in_progress_failed", error=repr(exc))
+    def _beat_for(self, msg: Msg) -> int:
+        """Keeps `msg` from redelivery while its handler runs (until its key leaves `_beating`)."""
+        key = id(msg)
+        self._beating[key] = (msg, time.monotonic() + self.heartbeat_s)
+        if self._beater is None or self._beater.done():
+            self._beater = asyncio.create_task(self._heartbeats())
+        return key
+
+    async def _heartbeats(self) -> None:
+        """Sends in-progress for every handled message once per heartbeat_s: ticking at half that,
+        no message goes longer than 1.5 × heartbeat_s (half the ack wait) without one. Returns
+        when no handler runs."""
+        while self._beating:
+            await asyncio.sleep(self.heartbeat_s / 2)
+            now = time.monotonic()
+            for key, (msg, due) in list(self._beating.items()):
+                if due > now or key not in self._beating:
+                    continue
+                self._beating[key] = (msg, now + self.heartbeat_s)
+                try:
+                    await msg.in_progress()
+                except nats.errors.Error as exc:
+                    log.warning("in_progress_failed", error=repr(exc))
 
     async def _nak(self, msg: Msg, *, delay: float | None, outcome: str) -> None:
         try:
