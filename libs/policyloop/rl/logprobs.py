@@ -19,6 +19,11 @@ class PackedBatch:
     response_mask: torch.Tensor   # [B, T-1] 1 where the *next* token is a trained response token
     targets: torch.Tensor         # [B, T-1] the next token at each position
 
+    def to(self, device: torch.device) -> PackedBatch:
+        """The batch on `device` (the model's: the learner packs on the CPU)."""
+        return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device),
+                           self.response_mask.to(device), self.targets.to(device))
+
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
          loss_masks: Sequence[Sequence[bool]] | None = None, pad_id: int = 0) -> PackedBatch:

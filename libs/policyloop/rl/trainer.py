@@ -156,10 +156,12 @@ class PolicyTrainer:
         self.model_path = Path(model_path)
         self.mesh = init_distributed(config.device)
         self.on_cuda = self.mesh.device_type == "cuda"
+        # Where the policy's parameters live: every tensor of a step is moved there.
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.on_cuda else torch.device("cpu")
         self.model = load_policy(self.model_path, self.mesh)
         self.keys = weight_keys(self.model_path)
         # The KL penalty's reference: the base weights, frozen (only when the penalty is on).
-        self.reference = load_reference(self.model_path) if config.loss.kl_coef > 0 else None
+        self.reference = load_reference(self.model_path).to(self.device) if config.loss.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LrSchedule(config))
@@ -222,10 +224,11 @@ class PolicyTrainer:
         mine = list(range(self.rank, len(samples), self.world_size))
         prompts = [list(samples[i].prompt_token_ids) for i in mine]
         responses = [list(samples[i].response_token_ids) for i in mine]
-        batch = pack(prompts, responses, [masks[i] for i in mine], pad_id=self.pad_id)
+        batch = pack(prompts, responses, [masks[i] for i in mine], pad_id=self.pad_id).to(self.device)
         width = batch.input_ids.shape[1]
-        behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width)
-        token_adv = advantages[mine][:, None].expand_as(batch.response_mask)
+        behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts,
+                                    width).to(self.device)
+        token_adv = advantages[mine][:, None].to(self.device).expand_as(batch.response_mask)
         clock.lap("pack")
         logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
         reference = None
