@@ -7,12 +7,16 @@ learner's and the replicas' phase counters are read, and again `--seconds` later
   waiting for a batch, pack, forward, backward, optimizer, the trainer's thread hand-off, export,
   hash, LEDGER record, colocated broadcast, encode, push (with the publisher's verify and store),
   version registry and release, progress, checkpoint), which add up to `step_ms`;
+- `learner.per_step_overlapped_ms` (and their sum, `overlapped_ms`): a version's publication phases
+  where they ran alongside the next step (the learner's overlap_publication); `publish_wait` in
+  `per_step_ms` is the part of them a step waited for;
 - `learner.steps`, `steps_per_s` and `busy_fraction` (not waiting for a batch) over the window;
 - `rollout.per_version_ms`: the mean time of each phase of taking a version on the replicas
   (fetch, decode_verify, write, pause, load, continue) and `versions`.
 
     .venv/bin/python perf/step_profile.py                    # 120 s after 10 warm-up steps
     .venv/bin/python perf/step_profile.py --seconds 60 --repeats 3
+    .venv/bin/python perf/step_profile.py --learner-device cuda   # the learner on the GPU
 
 Prints JSON (with medians over `--repeats` fresh clusters) and writes it and step_profile.png
 (stacked bars: a step's phases; a version's phases) to --out.
@@ -23,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -35,34 +40,44 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
-from policyloop.learner.figures import STEP_PHASES  # noqa: E402
+from policyloop.learner.figures import ON_STEP, OVERLAPPED, PUBLISH_PHASES, STEP_PHASES  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
 
 VERSION_PHASES = ("fetch", "decode_verify", "write", "pause", "load", "continue")
 
 
-def phase_totals(scrape: Scrape, name: str) -> dict[str, float]:
-    return {phase: value for (phase,), value in scrape.by(name, "phase").items()}
+def phase_totals(scrape: Scrape, name: str, **match: str) -> dict[str, float]:
+    return {phase: value for (phase,), value in scrape.by(name, "phase", **match).items()}
+
+
+def per_step(before: Scrape, after: Scrape, steps: float, **match: str) -> dict[str, float]:
+    """Mean ms per step of each learner phase (in a step's order) between two scrapes."""
+    name = "policyloop_learner_phase_seconds_total"
+    was = phase_totals(before, name, **match)
+    spent = {phase: now - was.get(phase, 0.0) for phase, now in phase_totals(after, name, **match).items()}
+    return {phase: round(1000 * spent[phase] / steps, 2) for phase in STEP_PHASES if steps and phase in spent}
 
 
 def profile(before: Scrape, after: Scrape, seconds: float) -> dict:
-    """The per-step and per-version figures between two scrapes of the cluster."""
+    """The per-step and per-version figures between two scrapes of the cluster: a step's own
+    phases (which add up to its wall time) and, apart, a version's publication where it ran
+    alongside the next step (overlap_publication)."""
     steps = after.total("policyloop_learner_step_seconds_count") - before.total("policyloop_learner_step_seconds_count")
-    spent = {phase: after_s - phase_totals(before, "policyloop_learner_phase_seconds_total").get(phase, 0.0)
-             for phase, after_s in phase_totals(after, "policyloop_learner_phase_seconds_total").items()}
-    per_step = {phase: round(1000 * spent[phase] / steps, 2) for phase in STEP_PHASES if steps and phase in spent}
+    on_step = per_step(before, after, steps, path=ON_STEP)
+    overlapped = per_step(before, after, steps, path=OVERLAPPED)
     versions = (after.total("policyloop_weight_sync_seconds_count", phase="fetch")
                 - before.total("policyloop_weight_sync_seconds_count", phase="fetch"))
     loaded = {phase: after_s - phase_totals(before, "policyloop_rollout_version_phase_seconds_total").get(phase, 0.0)
               for phase, after_s in phase_totals(after, "policyloop_rollout_version_phase_seconds_total").items()}
     per_version = {phase: round(1000 * loaded[phase] / versions, 2) for phase in VERSION_PHASES
                    if versions and phase in loaded}
-    waiting = spent.get("wait_for_batch", 0.0)
+    waiting = on_step.get("wait_for_batch", 0.0) * steps / 1000
     return {
         "seconds": round(seconds, 1),
         "learner": {"steps": int(steps), "steps_per_s": round(steps / seconds, 3),
                     "busy_fraction": round(1 - waiting / seconds, 3) if seconds else 0.0,
-                    "step_ms": round(sum(per_step.values()), 1), "per_step_ms": per_step},
+                    "step_ms": round(sum(on_step.values()), 1), "per_step_ms": on_step,
+                    "overlapped_ms": round(sum(overlapped.values()), 1), "per_step_overlapped_ms": overlapped},
         "rollout": {"versions": int(versions), "version_ms": round(sum(per_version.values()), 1),
                     "per_version_ms": per_version},
     }
@@ -116,7 +131,10 @@ def medians(runs: list[dict]) -> dict:
         "learner": {"steps_per_s": median_of(("learner", "steps_per_s")),
                     "busy_fraction": median_of(("learner", "busy_fraction")),
                     "step_ms": median_of(("learner", "step_ms")),
-                    "per_step_ms": {p: median_of(("learner", "per_step_ms", p)) for p in STEP_PHASES}},
+                    "per_step_ms": {p: median_of(("learner", "per_step_ms", p)) for p in STEP_PHASES},
+                    "overlapped_ms": median_of(("learner", "overlapped_ms")),
+                    "per_step_overlapped_ms": {p: median_of(("learner", "per_step_overlapped_ms", p))
+                                               for p in PUBLISH_PHASES}},
         "rollout": {"version_ms": median_of(("rollout", "version_ms")),
                     "per_version_ms": {p: median_of(("rollout", "per_version_ms", p)) for p in VERSION_PHASES}},
     }
@@ -128,10 +146,13 @@ def plot(summary: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 5), gridspec_kw={"width_ratios": [1, 1]})
-    for ax, (title, phases) in zip(axes, [
-            ("a learner step (ms)", summary["median"]["learner"]["per_step_ms"]),
-            ("a version on a replica (ms)", summary["median"]["rollout"]["per_version_ms"])], strict=True):
+    panels = [("a learner step (ms)", summary["median"]["learner"]["per_step_ms"]),
+              ("a version on a replica (ms)", summary["median"]["rollout"]["per_version_ms"])]
+    if summary["median"]["learner"]["overlapped_ms"]:
+        panels.insert(1, ("publication alongside the next step (ms)",
+                          summary["median"]["learner"]["per_step_overlapped_ms"]))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 5))
+    for ax, (title, phases) in zip(axes, panels, strict=True):
         bottom = 0.0
         colors = plt.get_cmap("tab20").colors
         for i, (phase, ms) in enumerate(p for p in phases.items() if p[1] > 0):
@@ -157,8 +178,13 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
     parser.add_argument("--model-path", type=Path, default=None, help="Default: the demo's bootstrap model.")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="Most seconds to reach the warm-up steps.")
+    parser.add_argument("--learner-device", choices=("auto", "cpu", "cuda"), default=None,
+                        help="Where the learner trains (its POLICYLOOP_DEVICE). Default: POLICYLOOP_DEVICE as set, "
+                             "else auto.")
     parser.add_argument("--out", type=Path, default=Path("runs/perf"))
     args = parser.parse_args()
+    if args.learner_device is not None:
+        os.environ["POLICYLOOP_DEVICE"] = args.learner_device  # the services inherit this environment
     config = DemoConfig(groups_per_step=args.groups_per_step, group_size=args.group_size, model_path=args.model_path)
     if config.model_path is None:
         from policyloop.models.bootstrap import BootstrapConfig, bootstrap
@@ -170,7 +196,8 @@ def main() -> None:
             runs.append(run_once(config, args, Path(root)))
     summary = {"config": {"seconds": args.seconds, "warmup_steps": args.warmup_steps, "repeats": args.repeats,
                           "groups_per_step": config.groups_per_step, "group_size": config.group_size,
-                          "max_lag": config.max_lag, "model_path": str(config.model_path)},
+                          "max_lag": config.max_lag, "model_path": str(config.model_path),
+                          "learner_device": os.environ.get("POLICYLOOP_DEVICE", "auto")},
                "median": medians(runs), "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "step_profile.json").write_text(json.dumps(summary, indent=2))

@@ -49,7 +49,7 @@ async def _announce(_: object) -> None:
 @asynccontextmanager
 async def running_learner(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
                           servicer: type[WeightServicer], tracker: Tracker | None = None,
-                          ) -> AsyncIterator[tuple[Learner, WeightServicer]]:
+                          overlap_publication: bool = True) -> AsyncIterator[tuple[Learner, WeightServicer]]:
     from policyloop.rl.trainer import PolicyTrainer
 
     library = WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=2)
@@ -57,7 +57,8 @@ async def running_learner(bus: Bus, redis_client, model_dir: Path, root: Path,  
     server, port = await start_weight_server(publisher, host="127.0.0.1", port=0)
     settings = LearnerSettings(model_path=model_dir, groups_per_step=1, max_lag=-1, device="cpu",
                                publisher_endpoint=f"127.0.0.1:{port}",
-                               checkpoint=CheckpointSettings(dir=root / "checkpoints", every=0))
+                               checkpoint=CheckpointSettings(dir=root / "checkpoints", every=0),
+                               overlap_publication=overlap_publication)
     trainer = await asyncio.to_thread(PolicyTrainer, model_dir, settings.trainer_config(), 0)
     client = WeightClient(settings.publisher_endpoint, deadline_s=60)
     learner = Learner(settings, trainer, bus, versions=VersionRegistry(redis_client, "default"),
@@ -87,10 +88,12 @@ async def publish_group(bus: Bus, task: str) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlapped", "in-step"])
 async def test_a_step_is_recorded_before_its_version_is_published_and_acked_after(
-        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path, overlap: bool) -> None:  # type: ignore[no-untyped-def]
     versions = VersionRegistry(redis_client, "default")
-    async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, HeldPushes) as (learner, publisher):
+    async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, HeldPushes,
+                               overlap_publication=overlap) as (learner, publisher):
         await publish_group(bus, "a")
         assert isinstance(publisher, HeldPushes)
         await asyncio.wait_for(publisher.entered.wait(), 120)  # trained, now pushing: held there
@@ -99,7 +102,9 @@ async def test_a_step_is_recorded_before_its_version_is_published_and_acked_afte
         assert record.version == 1 and record.trajectory_ids == ("a/0", "a/1")  # write-ahead
         assert await versions.get("policy") == 0            # not advanced before the push
         assert (await bus.backlog("learner")).ack_pending == 2  # still held, not acked
-        assert learner.status.trained_samples == 0
+        # Overlapped, the step counts once recorded; its version only once pushed.
+        assert learner.status.trained_samples == (2 if overlap else 0)
+        assert learner.status.weights.versions_pushed == 0
 
         publisher.let_through.set()
 
@@ -112,6 +117,35 @@ async def test_a_step_is_recorded_before_its_version_is_published_and_acked_afte
         assert learner.status.weights.versions_pushed == 1 and learner.status.weights.keyframes == 1
         stored = await asyncio.to_thread(publisher.library.store.get, "policy", 1)
         assert stored.manifest_hash == record.manifest_hash
+
+
+@pytest.mark.timeout(180)
+async def test_the_next_step_trains_while_a_version_publishes_and_is_recorded_only_after(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    versions = VersionRegistry(redis_client, "default")
+    async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, HeldPushes) as (learner, publisher):
+        assert isinstance(publisher, HeldPushes)
+        await publish_group(bus, "a")
+        await asyncio.wait_for(publisher.entered.wait(), 120)  # version 1's push: held there
+        await publish_group(bus, "b")
+
+        async def second_step_trained() -> bool:
+            return learner.trainer.steps == 2
+
+        await eventually(second_step_trained, timeout_s=120)
+        # Step 2 is computed but not recorded while version 1 is unpublished: at most one recorded
+        # version is ever unpublished, so a resume re-pushes no more than one.
+        assert [r.version for r in await trained_steps(bus, "policy")] == [1]
+        assert await versions.get("policy") == 0 and (await bus.backlog("learner")).ack_pending == 4
+
+        publisher.let_through.set()
+
+        async def both_published() -> bool:
+            return await versions.get("policy") == 2 and (await bus.backlog("learner")).ack_pending == 0
+
+        await eventually(both_published, timeout_s=60)
+        assert [r.version for r in await trained_steps(bus, "policy")] == [1, 2]
+        assert learner.status.weights.versions_pushed == 2
 
 
 @pytest.mark.timeout(180)

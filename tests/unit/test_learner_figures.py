@@ -33,7 +33,7 @@ def test_samples_at_the_bound_are_counted() -> None:
 def test_a_steps_phases_add_up_to_its_wall_time() -> None:
     import time
 
-    from policyloop.learner.figures import STEP_PHASES, step_phases
+    from policyloop.learner.figures import STEP_PHASES, in_order, publish_phases, trainer_phases
     from policyloop.rl.trainer import StepReport
     from policyloop.telemetry.phases import PhaseClock
     from policyloop.weights.push import PushReport
@@ -49,11 +49,12 @@ def test_a_steps_phases_add_up_to_its_wall_time() -> None:
                         phases={"pack": 0.0005, "forward": 0.0005, "backward": 0.0005, "optimizer": 0.0001})
     pushed = PushReport(version=1, kind="delta", payload_bytes=1, raw_bytes=2, changed_fraction=0.5, encode_s=0.001,
                         push_s=0.001)
-    phases = step_phases(clock.seconds, report, pushed)
+    phases = in_order(trainer_phases(publish_phases(clock.seconds, pushed), report))
     assert list(phases) == [p for p in STEP_PHASES if p in phases] and "trainer" not in phases
     assert phases["encode"] == 0.001 and phases["trainer_other"] > 0
     total = sum(clock.seconds.values())
     assert abs(sum(phases.values()) - total) < 1e-9 and total <= wall
-    before = REGISTRY.get_sample_value("policyloop_learner_phase_seconds_total", {"phase": "forward"}) or 0.0
+    labels = {"phase": "forward", "path": "step"}
+    before = REGISTRY.get_sample_value("policyloop_learner_phase_seconds_total", labels) or 0.0
     LearnerFigures(status_pb2.LearnerStatus()).phases(phases)
-    assert REGISTRY.get_sample_value("policyloop_learner_phase_seconds_total", {"phase": "forward"}) == before + 0.0005
+    assert REGISTRY.get_sample_value("policyloop_learner_phase_seconds_total", labels) == before + 0.0005

@@ -13,11 +13,15 @@ from step_profile import profile  # noqa: E402
 from policyloop.cluster.scrape import Sample, Scrape  # noqa: E402
 
 
-def scrape(steps: float, phases: dict[str, float], versions: float, loads: dict[str, float]) -> Scrape:
+def scrape(steps: float, phases: dict[str, float], versions: float, loads: dict[str, float],
+           overlapped: dict[str, float] | None = None) -> Scrape:
     learner = {"instance": "learner-0", "service": "learner"}
     return Scrape([
         Sample("policyloop_learner_step_seconds_count", learner, steps),
-        *(Sample("policyloop_learner_phase_seconds_total", {**learner, "phase": p}, v) for p, v in phases.items()),
+        *(Sample("policyloop_learner_phase_seconds_total", {**learner, "phase": p, "path": "step"}, v)
+          for p, v in phases.items()),
+        *(Sample("policyloop_learner_phase_seconds_total", {**learner, "phase": p, "path": "overlap"}, v)
+          for p, v in (overlapped or {}).items()),
         Sample("policyloop_weight_sync_seconds_count", {"instance": "rollout-0", "phase": "fetch"}, versions),
         *(Sample("policyloop_rollout_version_phase_seconds_total", {"instance": "rollout-0", "phase": p}, v)
           for p, v in loads.items()),
@@ -34,8 +38,17 @@ def test_per_step_and_per_version_means_over_the_window() -> None:
     assert learner["per_step_ms"] == {"wait_for_batch": 100.0, "forward": 300.0, "push": 100.0}
     assert list(learner["per_step_ms"]) == ["wait_for_batch", "forward", "push"] and learner["step_ms"] == 500.0
     assert learner["busy_fraction"] == 0.9  # 2 s of 20 waiting for a batch
+    assert learner["overlapped_ms"] == 0.0 and learner["per_step_overlapped_ms"] == {}
     assert figures["rollout"] == {"versions": 20, "version_ms": 300.0,
                                   "per_version_ms": {"fetch": 100.0, "load": 200.0}}
+
+
+def test_a_publication_alongside_the_next_step_is_apart_from_the_steps_own_phases() -> None:
+    before = scrape(10, {"forward": 2.0, "publish_wait": 0.0}, 10, {}, overlapped={"encode": 1.0, "push": 1.0})
+    after = scrape(20, {"forward": 4.0, "publish_wait": 0.5}, 20, {}, overlapped={"encode": 1.5, "push": 2.0})
+    learner = profile(before, after, seconds=10.0)["learner"]
+    assert learner["per_step_ms"] == {"forward": 200.0, "publish_wait": 50.0} and learner["step_ms"] == 250.0
+    assert learner["per_step_overlapped_ms"] == {"encode": 50.0, "push": 100.0} and learner["overlapped_ms"] == 150.0
 
 
 def test_a_window_without_steps_reports_none() -> None:

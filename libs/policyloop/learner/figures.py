@@ -32,22 +32,36 @@ STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]
 
 # The phases of a learner step, in order (perf/step_profile.py stacks them so): waiting for a full
 # batch, the trainer's own (pack, forward, backward, optimizer, and the hand-off to its thread),
-# exporting the weights, hashing them, the LEDGER record, the colocated broadcast, encoding the
-# delta, pushing it (the publisher's verify and store included), the version registry and the
-# trajectories' release, the run's progress in Redis, the checkpoint.
+# exporting the weights, hashing them, waiting for the previous version's publication, the LEDGER
+# record, then the version's publication (PUBLISH_PHASES), the checkpoint.
+# A publication: the colocated broadcast, encoding the delta, pushing it (the publisher's verify and
+# store included), the version registry and the trajectories' release, the run's progress in Redis.
+PUBLISH_PHASES = ("colocated", "encode", "push", "registry", "progress")
 STEP_PHASES = ("wait_for_batch", "pack", "forward", "backward", "optimizer", "trainer_other", "export", "hash",
-               "ledger", "colocated", "encode", "push", "registry", "progress", "checkpoint")
+               "publish_wait", "ledger", *PUBLISH_PHASES, "checkpoint")
+# Where a phase ran: on the step's own path (these add up to its wall time), or overlapping the next step.
+ON_STEP, OVERLAPPED = "step", "overlap"
 
 
-def step_phases(clock: dict[str, float], report: StepReport, pushed: PushReport) -> dict[str, float]:
-    """The learner's phase clock with the trainer's phases inside `trainer` and the encode inside
-    `push` taken out, so that the phases add up to the step's wall time."""
+def trainer_phases(clock: dict[str, float], report: StepReport) -> dict[str, float]:
+    """The learner's phase clock with the trainer's own phases (report.phases) in place of
+    `trainer`, and what is left of it as trainer_other."""
     phases = dict(clock)
     trainer = phases.pop("trainer", 0.0)
     phases.update(report.phases)
     phases["trainer_other"] = max(0.0, trainer - sum(report.phases.values()))
+    return phases
+
+
+def publish_phases(clock: dict[str, float], pushed: PushReport) -> dict[str, float]:
+    """A publication's phase clock with the encode inside `push` taken out."""
+    phases = dict(clock)
     phases["encode"] = min(pushed.encode_s, phases.get("push", 0.0))
     phases["push"] = phases.get("push", 0.0) - phases["encode"]
+    return phases
+
+
+def in_order(phases: dict[str, float]) -> dict[str, float]:
     return {name: phases[name] for name in STEP_PHASES if name in phases}
 
 
@@ -96,9 +110,9 @@ class LearnerFigures:
             if bound > 0 and lag >= bound:
                 LAG_AT_BOUND.inc()
 
-    def phases(self, seconds: dict[str, float]) -> None:
-        for phase, spent in seconds.items():
-            LEARNER_PHASE_SECONDS.labels(phase).inc(spent)
+    def phases(self, seconds: dict[str, float], path: str = ON_STEP) -> None:
+        for phase, spent in in_order(seconds).items():
+            LEARNER_PHASE_SECONDS.labels(phase, path).inc(spent)
 
     def stepped(self, report: StepReport, seconds: float) -> None:
         LEARNER_TOKENS.inc(report.trained_tokens)

@@ -14,6 +14,7 @@ import asyncio
 import os
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,7 +23,14 @@ from redis.exceptions import RedisError
 from policyloop.bus import Bus, Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_trajectory
-from policyloop.learner.figures import LearnerFigures, advertised_status, step_phases
+from policyloop.learner.figures import (
+    ON_STEP,
+    OVERLAPPED,
+    LearnerFigures,
+    advertised_status,
+    publish_phases,
+    trainer_phases,
+)
 from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
@@ -41,9 +49,20 @@ if TYPE_CHECKING:
     from policyloop.state import VersionRegistry
     from policyloop.state.progress import RunProgressStore
     from policyloop.weights.codec import WeightSet
-    from policyloop.weights.push import PushReport, VersionPusher
+    from policyloop.weights.push import VersionPusher
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Version:
+    """A recorded step's version, on its way to the publisher."""
+
+    number: int
+    step: int
+    started_ns: int   # when its step began
+    trained_ns: int   # when its weights were computed
+    samples: list[bus_pb2.Trajectory]
 
 
 class Learner:
@@ -63,6 +82,7 @@ class Learner:
         self.ledger_seq = resumed.ledger_seq  # LEDGER position of the newest recorded step
         self.checkpointed = resumed.checkpoint_version
         self.saving: asyncio.Future[Path] | None = None  # a checkpoint being written
+        self.publishing: asyncio.Future[None] | None = None  # the newest version's overlapping publication
         self.figures_written: asyncio.Task[None] | None = None  # the newest progress update, in order
         self.status = advertised_status(settings)
         self.status.MergeFrom(status_pb2.LearnerStatus(
@@ -119,13 +139,18 @@ class Learner:
     async def run(self, stop: asyncio.Event) -> None:
         """Steps whenever a batch is held, until `stop`; then checkpoints the last step."""
         clock = PhaseClock()  # from one step's end to the next's: waiting for a batch
-        while await self.held.wait_for_batch(stop):
-            groups, stale = self.held.take(self.trainer.version, self.settings.max_lag)
-            await self.drop_stale(stale)
-            if groups:
-                clock.lap("wait_for_batch")
-                await self.step(groups, clock)
-                clock = PhaseClock()
+        try:
+            while await self.held.wait_for_batch(stop):
+                groups, stale = self.held.take(self.trainer.version, self.settings.max_lag)
+                await self.drop_stale(stale)
+                if groups:
+                    clock.lap("wait_for_batch")
+                    await self.step(groups, clock)
+                    clock = PhaseClock()
+            await self.published()
+        finally:
+            if self.publishing is not None:  # cut short: as a step cut short (recorded, so replayed)
+                self.publishing.cancel()
         if self.figures_written is not None:
             await asyncio.gather(self.figures_written, return_exceptions=True)
         await self.checkpoint()  # the next learner then replays nothing
@@ -133,27 +158,72 @@ class Learner:
     async def step(self, groups: Groups, clock: PhaseClock | None = None) -> None:
         """One optimizer step, in the write-ahead order that makes a crash anywhere safe:
         train → record in LEDGER → broadcast to colocated engines → push to the publisher →
-        advance the version registry → release the trajectories (acks). `clock` times the
-        phases (policyloop_learner_phase_seconds_total)."""
+        advance the version registry → release the trajectories (acks). With overlap_publication
+        the publication (broadcast to release) runs while the next step trains; the next step is
+        recorded only once it is done. `clock` times the phases (policyloop_learner_phase_seconds_total)."""
         clock = clock or PhaseClock()
         started, started_ns = time.monotonic(), time.time_ns()
         samples = [t for group in groups for t in group]
         report, tensors, weights = await self._train(groups, clock)
         trained_ns = clock.ended_ns["hash"]  # the version is computed
+        await self.published()  # so at most one recorded version is unpublished at any time
+        clock.lap("publish_wait")
         await self._record(report, weights, samples)
         clock.lap("ledger")
-        await self.colocated.send(tensors, self.trainer.version)
+        version = Version(self.trainer.version, report.step, started_ns, trained_ns, samples)
+        # The step is counted before its version is (no await between): a status read never sees
+        # a version pushed by a step not yet counted.
+        if self.settings.overlap_publication:
+            self.figures.stepped(report, time.monotonic() - started)
+            self.publishing = asyncio.ensure_future(self._publish(version, tensors, weights, PhaseClock(), OVERLAPPED))
+        else:
+            await self._publish(version, tensors, weights, clock, ON_STEP)
+            self.figures.stepped(report, time.monotonic() - started)
+        every = self.settings.checkpoint.every
+        if every and self.trainer.version % every == 0:
+            await self.published()  # a resumed learner takes what its checkpoint holds as published
+            await self.checkpoint()
+        clock.lap("checkpoint")
+        self.figures.phases(trainer_phases(clock.seconds, report), ON_STEP)
+        if not isinstance(self.tracker, NullTracker):
+            self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
+                                                               version.number - 1, self.status))
+        log.info("step", step=report.step, version=version.number, mean_reward=round(report.mean_reward, 4),
+                 loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
+                 step_s=round(time.monotonic() - started, 3))
+
+    async def published(self) -> None:
+        """Waits for the newest version's publication, when it overlaps; raises its failure."""
+        if self.publishing is not None:
+            try:
+                await self.publishing
+            finally:
+                self.publishing = None
+
+    async def _publish(self, version: Version, tensors: dict[str, torch.Tensor], weights: WeightSet,
+                       clock: PhaseClock, path: str) -> None:
+        """A recorded version to colocated engines and the publisher, then the registry, then its
+        samples' release (their acks)."""
+        await self.colocated.send(tensors, version.number)
         clock.lap("colocated")
-        pushed = await self.pusher.push(weights, report.step, trained_unix_ms=trained_ns // 1_000_000)
+        pushed = await self.pusher.push(weights, version.step, trained_unix_ms=version.trained_ns // 1_000_000)
         clock.lap("push")
-        await self.versions.advance(self.settings.model, self.trainer.version)
-        self.on_version(self.trainer.version)
-        self.held.release(samples)
+        await self.versions.advance(self.settings.model, version.number)
+        self.on_version(version.number)
+        self.held.release(version.samples)
         clock.lap("registry")
-        self.traces.trained(samples, step=report.step, version=self.trainer.version,
-                            train=Interval(started_ns, trained_ns),
-                            publish=Interval(trained_ns, clock.ended_ns["registry"]), publish_kind=pushed.kind)
-        await self._after_step(report, pushed, samples, started, clock)
+        self.traces.trained(version.samples, step=version.step, version=version.number,
+                            train=Interval(version.started_ns, version.trained_ns),
+                            publish=Interval(version.trained_ns, clock.ended_ns["registry"]), publish_kind=pushed.kind)
+        self.figures.trained(version.samples, version.number - 1)
+        self._record_progress_later(self.progress.record_step(version.step, version.number - 1, version.samples))
+        clock.lap("progress")
+        phases = publish_phases(clock.seconds, pushed)
+        self.figures.pushed(pushed)
+        if path == OVERLAPPED:
+            self.figures.phases(phases, OVERLAPPED)
+        else:  # filed with the step's own phases
+            clock.seconds.update(phases)
 
     async def _train(self, groups: Groups, clock: PhaseClock) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
         from policyloop.weights.torch_io import weight_set
@@ -176,27 +246,6 @@ class Learner:
         if report.step == self.settings.crash_after_recording_step:
             log.warning("crashing_on_purpose", step=report.step, version=self.trainer.version)
             os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
-
-    async def _after_step(self, report: StepReport, pushed: PushReport, samples: list[bus_pb2.Trajectory],
-                          started: float, clock: PhaseClock) -> None:
-        self.figures.trained(samples, self.trainer.version - 1)
-        self._record_progress_later(self.progress.record_step(report.step, self.trainer.version - 1, samples))
-        clock.lap("progress")
-        every = self.settings.checkpoint.every
-        if every and self.trainer.version % every == 0:
-            await self.checkpoint()
-        clock.lap("checkpoint")
-        # The version's figures and the step's together, with no await between: a status read
-        # in between would count a version pushed by a step not yet counted.
-        self.figures.pushed(pushed)
-        self.figures.stepped(report, time.monotonic() - started)
-        self.figures.phases(step_phases(clock.seconds, report, pushed))
-        if not isinstance(self.tracker, NullTracker):
-            self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
-                                                               self.trainer.version - 1, self.status))
-        log.info("step", step=report.step, version=self.trainer.version, mean_reward=round(report.mean_reward, 4),
-                 loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
-                 step_s=round(time.monotonic() - started, 3))
 
     async def drop_stale(self, stale: Groups) -> None:
         """Groups beyond the lag bound: recorded in LEDGER and acked, never trained."""

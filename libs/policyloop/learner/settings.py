@@ -102,6 +102,11 @@ class LearnerSettings(ServiceSettings):
         1000, ge=1, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later "
                                 "ones exceed max_lag and are dropped as stale).")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads of this process.")
+    overlap_publication: bool = Field(
+        True, description="Publish version N (colocated broadcast, delta encode, push, registry, acks) while step "
+                          "N+1 computes. Step N+1 is recorded in LEDGER only once N is published, so at most one "
+                          "recorded version is ever unpublished, as without overlap; a checkpoint waits for its "
+                          "version's publication. false: each step publishes before the next begins.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the policy trains: auto (CUDA when this torch sees a GPU, else CPU), cpu, or "
                             "cuda — which refuses to start on a CPU-only torch or a node without a visible GPU "

@@ -115,7 +115,8 @@ LEARNER_STEP_SECONDS = Histogram(
 )
 LEARNER_PHASE_SECONDS = Counter(
     "policyloop_learner_phase_seconds", "Wall time of each phase of the learner's steps (perf/step_profile.py; over "
-    "policyloop_learner_step_seconds_count, the mean per step).", ["phase"],
+    "policyloop_learner_step_seconds_count, the mean per step): path=step on a step's own path (adding up to its "
+    "wall time), path=overlap a version's publication running alongside the next step.", ["phase", "path"],
 )
 VERSION_LAG = Histogram(
     "policyloop_version_lag", "Policy versions between a sample's oldest token and the step that trained it.",
