@@ -228,3 +228,30 @@ def test_tool_tokens_of_a_multi_turn_episode_are_not_trained_on(model_dir: Path)
     tokens_unmasked, unmasked = trained(-30.0, masked=False)
     assert tokens_unmasked == tokens + 2 * len(shown)
     assert any(not torch.equal(weights[name], unmasked[name]) for name in weights)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_trainer_on_cuda_trains_and_exports_cpu_tensors(model_dir: Path) -> None:
+    """On a GPU the batch, behaviour logprobs, advantages and the KL reference follow the policy
+    to its device; the exported weights come back on the CPU, as the publisher takes them."""
+    trainer = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3, device="cuda", loss=LossConfig(kl_coef=0.1)),
+                            version=0)
+    try:
+        assert trainer.device.type == "cuda" and next(trainer.model.parameters()).device.type == "cuda"
+        prompt, good, bad = [4, 5, 14, 6, 7, 16], [8, 1], [9, 1]
+
+        def logprob_of(response: list[int]) -> float:
+            batch = pack([prompt], [response]).to(trainer.device)
+            with torch.no_grad():
+                lp = token_logprobs(trainer.model, batch)
+            return float((lp * batch.response_mask).sum())
+
+        before = logprob_of(good) - logprob_of(bad)
+        for step in range(4):
+            behaviour = [[logprob_of(good) / 2] * 2, [logprob_of(bad) / 2] * 2]
+            report = trainer.step([group(f"t{step}", prompt, [good, bad], [1.0, 0.0], behaviour)] * 2)
+        assert logprob_of(good) - logprob_of(bad) > before and report.kl_reference > 0
+        tensors = trainer.export_tensors()
+        assert tensors and all(t.device.type == "cpu" for t in tensors.values())
+    finally:
+        trainer.close()
