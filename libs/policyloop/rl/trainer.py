@@ -7,11 +7,12 @@ The trainer knows nothing of the bus: it takes groups of trajectories and return
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -25,8 +26,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.rl.logprobs import pack, response_values, token_logprobs, token_logprobs_and_entropy
-from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
+from policyloop.rl.logprobs import (
+    PackedBatch,
+    pack,
+    response_values,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
+from policyloop.rl.objective import BatchCounts, ObjectiveStats, compute_advantages, policy_objective
 from policyloop.rl.settings import LossConfig, OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
 
@@ -149,6 +156,71 @@ class LrSchedule:
         return c.min_lr_ratio + (1 - c.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+@dataclass
+class StepLoss:
+    """One step's loss on this rank's share of the batch, before its backward."""
+
+    loss: torch.Tensor
+    stats: ObjectiveStats
+    rewards: torch.Tensor    # [groups, group size]
+    groups: int
+    samples: int             # the whole batch's, every rank's share
+    tokens: float            # trained tokens of the whole batch
+
+    def report(self, step: int, grad_norm: torch.Tensor | float, seconds: float,
+               phases: dict[str, float]) -> StepReport:
+        norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        stats = self.stats
+        return StepReport(
+            step=step, samples=self.samples, groups=self.groups, mean_reward=float(self.rewards.mean()),
+            loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.kl_behaviour,
+            grad_norm=float(norm), trained_tokens=int(self.tokens), seconds=seconds, entropy=stats.entropy,
+            kl_reference=stats.kl_reference, ratio_mean=stats.ratio_mean, is_weight_mean=stats.is_weight_mean,
+            is_weight_max=stats.is_weight_max, is_truncated_fraction=stats.is_truncated_fraction, phases=phases,
+        )
+
+
+def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajectory]], config: LossConfig, *,
+              pad_id: int, device: torch.device, rank: int = 0, world_size: int = 1,
+              reference: Callable[[PackedBatch], torch.Tensor] | None = None,
+              clock: PhaseClock | None = None) -> StepLoss:
+    """The objective of one step on complete groups, for this rank's share of the samples (every
+    `world_size`-th from `rank`). `reference` gives the KL penalty's reference log-probs of a
+    batch (when the penalty is on). `clock` gets the pack and forward phases."""
+    clock = clock or PhaseClock()
+    group_size = len(groups[0])
+    if any(len(g) != group_size for g in groups):
+        raise ValueError("every group of a step must have the same size")
+    rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
+    advantages = compute_advantages(rewards, config.advantages).reshape(-1)
+    samples = [t for group in groups for t in group]
+    if len(samples) < world_size:
+        raise ValueError(f"{len(samples)} samples cannot be shared by {world_size} ranks")
+    masks = [[bool(m) and t.finish_reason != bus_pb2.FINISH_REASON_ERROR for m in t.loss_mask] for t in samples]
+    # Every rank knows the whole batch, so the global token count needs no collective.
+    total_tokens = float(sum(sum(m) for m in masks))
+    mine = list(range(rank, len(samples), world_size))
+    prompts = [list(samples[i].prompt_token_ids) for i in mine]
+    responses = [list(samples[i].response_token_ids) for i in mine]
+    batch = pack(prompts, responses, [masks[i] for i in mine], pad_id=pad_id).to(device)
+    width = batch.input_ids.shape[1]
+    behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width).to(device)
+    token_adv = advantages[mine][:, None].to(device).expand_as(batch.response_mask)
+    clock.lap("pack")
+    logprobs, entropy = token_logprobs_and_entropy(model, batch)
+    ref_logprobs = None
+    if reference is not None:
+        with torch.no_grad():
+            ref_logprobs = reference(batch)
+    # Every rank knows the whole batch: the global counts need no collective either.
+    counts = BatchCounts(tokens=total_tokens, sequences=len(samples),
+                         width=max(len(t.response_token_ids) for t in samples))
+    loss, stats = policy_objective(logprobs, behaviour, token_adv, batch.response_mask, config, counts,
+                                   ref_logprobs=ref_logprobs, entropy=entropy)
+    clock.lap("forward")
+    return StepLoss(loss, stats, rewards, len(groups), len(samples), total_tokens)
+
+
 class PolicyTrainer:
     def __init__(self, model_path: Path, config: TrainerConfig, version: int = 0) -> None:
         torch.set_num_threads(config.threads)
@@ -210,39 +282,11 @@ class PolicyTrainer:
     def _step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
         started = time.monotonic()
         clock = PhaseClock(torch.cuda.synchronize if self.on_cuda else lambda: None)
-        group_size = len(groups[0])
-        if any(len(g) != group_size for g in groups):
-            raise ValueError("every group of a step must have the same size")
-        rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
-        advantages = compute_advantages(rewards, self.config.loss.advantages).reshape(-1)
-        samples = [t for group in groups for t in group]
-        if len(samples) < self.world_size:
-            raise ValueError(f"{len(samples)} samples cannot be shared by {self.world_size} ranks")
-        masks = [[bool(m) and t.finish_reason != bus_pb2.FINISH_REASON_ERROR for m in t.loss_mask] for t in samples]
-        # Every rank knows the whole batch, so the global token count needs no collective.
-        total_tokens = float(sum(sum(m) for m in masks))
-        mine = list(range(self.rank, len(samples), self.world_size))
-        prompts = [list(samples[i].prompt_token_ids) for i in mine]
-        responses = [list(samples[i].response_token_ids) for i in mine]
-        batch = pack(prompts, responses, [masks[i] for i in mine], pad_id=self.pad_id).to(self.device)
-        width = batch.input_ids.shape[1]
-        behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts,
-                                    width).to(self.device)
-        token_adv = advantages[mine][:, None].to(self.device).expand_as(batch.response_mask)
-        clock.lap("pack")
-        logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
-        reference = None
-        if self.reference is not None:
-            with torch.no_grad():
-                reference = token_logprobs(self.reference, batch)
-        # Every rank knows the whole batch: the global counts need no collective either.
-        counts = BatchCounts(tokens=total_tokens, sequences=len(samples),
-                             width=max(len(t.response_token_ids) for t in samples))
-        loss, stats = policy_objective(logprobs, behaviour, token_adv, batch.response_mask, self.config.loss,
-                                       counts, ref_logprobs=reference, entropy=entropy)
-        clock.lap("forward")
+        reference = None if self.reference is None else functools.partial(token_logprobs, self.reference)
+        step_loss = grpo_loss(self.model, groups, self.config.loss, pad_id=self.pad_id, device=self.device,
+                              rank=self.rank, world_size=self.world_size, reference=reference, clock=clock)
         # FSDP2 averages gradients over ranks; scaling by the world size makes that the sum.
-        (loss * self.world_size).backward()
+        (step_loss.loss * self.world_size).backward()
         clock.lap("backward")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         self.optimizer.step()
@@ -251,15 +295,7 @@ class PolicyTrainer:
         clock.lap("optimizer")
         self.steps += 1
         self.version += 1
-        return StepReport(
-            step=self.steps, samples=len(samples), groups=len(groups), mean_reward=float(rewards.mean()),
-            loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.kl_behaviour,
-            grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            trained_tokens=int(total_tokens), seconds=time.monotonic() - started, entropy=stats.entropy,
-            kl_reference=stats.kl_reference, ratio_mean=stats.ratio_mean, is_weight_mean=stats.is_weight_mean,
-            is_weight_max=stats.is_weight_max, is_truncated_fraction=stats.is_truncated_fraction,
-            phases=clock.seconds,
-        )
+        return step_loss.report(self.steps, grad_norm, time.monotonic() - started, clock.seconds)
 
     def export_tensors(self) -> dict[str, torch.Tensor]:
         """The full weights, with the base checkpoint's tensor names (empty on ranks other
