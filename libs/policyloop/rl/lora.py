@@ -1,0 +1,214 @@
+"""LoRA runs on one frozen base model: each run trains its own peft adapter with its own AdamW
+state, LR schedule, step count and version sequence, so that many runs share a learner (and its
+base weights) without touching each other.
+
+A run's adapter is the only thing its steps change: the base weights never get gradients, and
+a step of one run leaves every other run's adapter and optimizer state as they were. The KL
+penalty's reference is the base itself (the adapters switched off), so it costs no second model.
+The trainer runs on one rank; the base is not sharded.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.logprobs import PackedBatch, token_logprobs
+from policyloop.rl.settings import OptimizerSettings
+from policyloop.rl.trainer import LrSchedule, StepReport, TrainerConfig, grpo_loss, resolve_device
+from policyloop.telemetry.phases import PhaseClock
+
+if TYPE_CHECKING:
+    from peft import LoraConfig, PeftModel
+
+# The projections of a Llama/Qwen-style decoder: attention and MLP.
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class LoraSpec(BaseModel):
+    """A run's adapter: rank, scaling, dropout and the modules it adapts (StartRun's LoRA spec)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r: the adapter's inner dimension.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
+    target_modules: tuple[str, ...] = Field(
+        DEFAULT_TARGET_MODULES, min_length=1,
+        description="Names of the linear modules adapted (the last part of their name in the model).")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [n for n in names if not _MODULE_NAME.match(n)]
+        if bad:
+            raise ValueError(f"not module names: {bad}")
+        if len(set(names)) != len(names):
+            raise ValueError("a module is named twice")
+        return names
+
+    def peft_config(self) -> LoraConfig:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
+
+    def check_model(self, model: torch.nn.Module) -> None:
+        """Raises ValueError naming target_modules when the model has no linear module of a name."""
+        linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                  if _adaptable(name, module)}
+        missing = [n for n in self.target_modules if n not in linear]
+        if missing:
+            raise ValueError(f"target_modules: the model has no linear modules named {missing} "
+                             f"(it has {sorted(linear)})")
+
+
+def _adaptable(name: str, module: torch.nn.Module) -> bool:
+    """A linear module of the base, or one an adapter already wraps (its base_layer is the linear)."""
+    if ".lora_" in name or name.endswith(".base_layer"):
+        return False  # the inside of an adapted module
+    return isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+
+
+class UnknownRun(KeyError):
+    pass
+
+
+@dataclass
+class AdapterRun:
+    """A run's state on the learner."""
+
+    run_id: str
+    adapter: str                     # its adapter's name in the peft model
+    spec: LoraSpec
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    steps: int = 0
+    version: int = 0
+
+
+class AdapterTrainer:
+    """One frozen base model and a LoRA adapter per run; `step(run_id, groups)` is one GRPO
+    update of that run's adapter (the objective of `config.loss`, as the full-parameter trainer's)."""
+
+    def __init__(self, model_path: Path, config: TrainerConfig) -> None:
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.model_path = Path(model_path)
+        self.device = torch.device(resolve_device(config.device))
+        base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device)
+        base.requires_grad_(False)
+        self.base = base
+        self.model: PeftModel | None = None  # made with the first run's adapter
+        self.runs: dict[str, AdapterRun] = {}
+        self._made = 0  # adapters made so far: their names are never reused
+        pad = getattr(base.config, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def add_run(self, run_id: str, spec: LoraSpec, optimizer: OptimizerSettings | None = None) -> AdapterRun:
+        """A new adapter for `run_id` (B = 0: the run starts at the base policy), with an AdamW of
+        its own over its parameters alone. `optimizer`: the run's (default: the trainer's)."""
+        from peft import get_peft_model
+
+        if run_id in self.runs:
+            raise ValueError(f"run {run_id!r} has an adapter already")
+        spec.check_model(self.base)
+        adapter = f"run{self._made}"  # run ids may hold characters a module name may not
+        self._made += 1
+        if self.model is None:
+            self.model = get_peft_model(self.base, spec.peft_config(), adapter_name=adapter)
+        else:
+            self.model.add_adapter(adapter, spec.peft_config())
+        self.model.base_model.model.requires_grad_(False)  # the base and every other adapter
+        params = self._parameters(adapter)
+        for p in params:
+            p.requires_grad_(True)
+        settings = optimizer or self.config
+        opt = torch.optim.AdamW(params, lr=settings.lr, weight_decay=settings.weight_decay)
+        run = AdapterRun(run_id, adapter, spec, opt, torch.optim.lr_scheduler.LambdaLR(opt, LrSchedule(settings)))
+        self.runs[run_id] = run
+        return run
+
+    def remove_run(self, run_id: str) -> None:
+        """Frees the run's adapter and optimizer state."""
+        run = self.run(run_id)
+        assert self.model is not None
+        self.model.delete_adapter(run.adapter)
+        del self.runs[run_id]
+
+    def run(self, run_id: str) -> AdapterRun:
+        try:
+            return self.runs[run_id]
+        except KeyError:
+            raise UnknownRun(run_id) from None
+
+    def step(self, run_id: str, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
+        """One update of `run_id`'s adapter on complete groups; its version advances by one."""
+        run = self.run(run_id)
+        model = self._activate(run)
+        started = time.monotonic()
+        clock = PhaseClock(torch.cuda.synchronize if self.device.type == "cuda" else lambda: None)
+        model.train(run.spec.dropout > 0)
+
+        def base_logprobs(batch: PackedBatch) -> torch.Tensor:
+            with model.disable_adapter():
+                return token_logprobs(model, batch)
+
+        reference = base_logprobs if self.config.loss.kl_coef > 0 else None
+        step_loss = grpo_loss(model, groups, self.config.loss, pad_id=self.pad_id, device=self.device,
+                              reference=reference, clock=clock)
+        step_loss.loss.backward()
+        clock.lap("backward")
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm)
+        run.optimizer.step()
+        run.scheduler.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        clock.lap("optimizer")
+        model.eval()
+        run.steps += 1
+        run.version += 1
+        return step_loss.report(run.steps, grad_norm, time.monotonic() - started, clock.seconds)
+
+    def export_adapter(self, run_id: str) -> dict[str, torch.Tensor]:
+        """The run's adapter tensors under peft's saved names (what `save_pretrained` writes as
+        adapter_model.safetensors), on the CPU."""
+        from peft import get_peft_model_state_dict
+
+        run = self.run(run_id)
+        assert self.model is not None
+        state = get_peft_model_state_dict(self.model, adapter_name=run.adapter)
+        return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+
+    def adapter_parameters(self, run_id: str) -> dict[str, torch.Tensor]:
+        """The run's live adapter parameters by their name in the model."""
+        adapter = self.run(run_id).adapter
+        assert self.model is not None
+        return {name: p for name, p in self.model.named_parameters() if f".{adapter}." in name}
+
+    def _parameters(self, adapter: str) -> list[torch.nn.Parameter]:
+        assert self.model is not None
+        params = [p for name, p in self.model.named_parameters() if f".{adapter}." in name]
+        if not params:
+            raise RuntimeError(f"adapter {adapter} has no parameters")
+        return params
+
+    def _activate(self, run: AdapterRun) -> PeftModel:
+        assert self.model is not None
+        if self.model.active_adapter != run.adapter:
+            self.model.set_adapter(run.adapter)
+        # set_adapter marks the active adapter trainable; every other one stays frozen.
+        for name, p in self.model.named_parameters():
+            p.requires_grad_(f".{run.adapter}." in name)
+        return self.model
