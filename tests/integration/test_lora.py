@@ -157,3 +157,43 @@ def test_the_kl_reference_of_a_run_is_the_base(model_dir: Path) -> None:
     for step in range(1, 4):
         report = trainer.step("a", batch_of(step))
     assert report.kl_reference > 0
+
+
+def test_runs_resume_from_their_own_checkpoints_exactly(model_dir: Path, tmp_path: Path) -> None:
+    from policyloop.rl.lora import latest_run_checkpoint, run_directory
+
+    first = AdapterTrainer(model_dir, config())
+    first.add_run("team/a", LoraSpec(rank=4, target_modules=("q_proj", "v_proj")))
+    first.add_run("b", LoraSpec(rank=8))
+    for step in range(2):
+        first.step("team/a", batch_of(step))
+    first.step("b", batch_of(0))
+    first.save(tmp_path, "team/a", trained_ids=[["t0/0"], ["t1/0"]], extra={"ledger_seq": 7})
+    first.save(tmp_path, "b")
+    first.step("team/a", batch_of(2))  # what the resumed trainer must reproduce
+
+    second = AdapterTrainer(model_dir, config())
+    assert latest_run_checkpoint(tmp_path, "c") is None
+    state = second.restore(latest_run_checkpoint(tmp_path, "team/a"))
+    assert (state.run_id, state.version, state.steps) == ("team/a", 2, 2)
+    assert state.trained_ids == [["t0/0"], ["t1/0"]] and state.extra == {"ledger_seq": 7}
+    second.restore(latest_run_checkpoint(tmp_path, "b"))
+    assert second.run("b").version == 1
+    for name, tensor in first.export_adapter("b").items():
+        assert torch.equal(second.export_adapter("b")[name], tensor), name
+    second.step("team/a", batch_of(2))
+    for name, tensor in first.export_adapter("team/a").items():
+        assert torch.equal(second.export_adapter("team/a")[name], tensor), name  # optimizer and schedule too
+
+    # Each run keeps its own `keep` newest; a run id is a safe directory name.
+    for _ in range(2):
+        first.step("team/a", batch_of(3))
+        first.save(tmp_path, "team/a", keep=2)
+    assert [d.name for d in sorted((tmp_path / run_directory("team/a")).glob("version-*"))] == \
+        ["version-000000004", "version-000000005"]
+    assert "/" not in run_directory("team/a") and run_directory("team/a") != run_directory("team_a")
+
+    third = AdapterTrainer(model_dir, config())
+    third.add_run("b", LoraSpec(rank=4))
+    with pytest.raises(ValueError, match="LoRA spec"):
+        third.restore(latest_run_checkpoint(tmp_path, "b"))

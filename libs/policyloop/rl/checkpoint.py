@@ -92,20 +92,27 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
             json.dump(record, f)
             f.flush()
             os.fsync(f.fileno())
-        for item in tmp.iterdir():  # DCP's files are closed by now; make them durable too
-            with open(item, "rb") as f:
-                os.fsync(f.fileno())
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(final.name)
-        os.replace(pointer, root / LATEST)
-        fsync_dir(root)
-        older = [d for d in sorted(root.glob("version-*")) if d != final]
-        for old in older[: max(0, len(older) - (keep - 1))]:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_checkpoint(tmp, final, keep)
     _barrier()
     return final
+
+
+def commit_checkpoint(tmp: Path, final: Path, keep: int) -> None:
+    """Makes the files written to `tmp` durable, renames it to `final`, points `latest` (in
+    their parent) at it, and removes all but the `keep` newest `version-*` beside it."""
+    root = final.parent
+    for item in tmp.iterdir():  # the files are closed by now; make them durable too
+        with open(item, "rb") as f:
+            os.fsync(f.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    pointer.write_text(final.name)
+    os.replace(pointer, root / LATEST)
+    fsync_dir(root)
+    older = [d for d in sorted(root.glob("version-*")) if d != final]
+    for old in older[: max(0, len(older) - (keep - 1))]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def latest_checkpoint(root: Path) -> Path | None:

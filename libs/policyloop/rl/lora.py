@@ -10,14 +10,18 @@ The trainer runs on one rank; the base is not sharded.
 
 from __future__ import annotations
 
+import json
 import re
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import safetensors.torch
 import torch
+import xxhash
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policyloop.contracts.v1 import bus_pb2
@@ -32,6 +36,8 @@ if TYPE_CHECKING:
 # The projections of a Llama/Qwen-style decoder: attention and MLP.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A run's checkpoint: its adapter, its optimizer's state, and the rest.
+ADAPTER_FILE, OPTIMIZER_FILE, RUN_FILE = "adapter_model.safetensors", "optimizer.pt", "run.json"
 
 
 class LoraSpec(BaseModel):
@@ -94,6 +100,35 @@ class AdapterRun:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     steps: int = 0
     version: int = 0
+
+
+@dataclass(frozen=True)
+class AdapterCheckpoint:
+    """What a run's checkpoint holds besides tensors."""
+
+    run_id: str
+    version: int
+    steps: int
+    trained_ids: list[list[str]]
+    extra: dict[str, Any]
+
+
+def run_directory(run_id: str) -> str:
+    """A run's checkpoint directory name: readable, and distinct for distinct run ids."""
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:48]
+    return f"{readable}-{xxhash.xxh3_64_hexdigest(run_id.encode())[:12]}"
+
+
+def latest_run_checkpoint(root: Path, run_id: str) -> Path | None:
+    """The newest complete checkpoint of `run_id` under `root`."""
+    from policyloop.rl.checkpoint import LATEST
+
+    runs_root = Path(root) / run_directory(run_id)
+    pointer = runs_root / LATEST
+    if not pointer.exists():
+        return None
+    directory = runs_root / pointer.read_text().strip()
+    return directory if (directory / RUN_FILE).exists() else None
 
 
 class AdapterTrainer:
@@ -190,6 +225,56 @@ class AdapterTrainer:
         assert self.model is not None
         state = get_peft_model_state_dict(self.model, adapter_name=run.adapter)
         return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
+
+    def save(self, root: Path, run_id: str, trained_ids: Sequence[Sequence[str]] = (),
+             extra: dict[str, Any] | None = None, keep: int = 2) -> Path:
+        """Checkpoints one run at its version: `<root>/<run dir>/version-<v>/` with its adapter
+        (adapter_model.safetensors, peft's names), its AdamW state, and run.json (run id, spec,
+        version, steps, schedule position, the ids its recent steps trained, `extra`). Written
+        aside and renamed into place, as the full trainer's checkpoints."""
+        from policyloop.rl.checkpoint import commit_checkpoint
+
+        run = self.run(run_id)
+        runs_root = Path(root) / run_directory(run_id)
+        final = runs_root / f"version-{run.version:09d}"
+        tmp = runs_root / f".version-{run.version:09d}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        safetensors.torch.save_file(self.export_adapter(run_id), str(tmp / ADAPTER_FILE))
+        torch.save(run.optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+        record = {"run_id": run.run_id, "spec": run.spec.model_dump(mode="json"), "version": run.version,
+                  "steps": run.steps, "scheduler": {"last_epoch": run.scheduler.last_epoch},
+                  "trained_ids": [list(ids) for ids in trained_ids], "extra": dict(extra or {}),
+                  "written_unix": time.time()}
+        (tmp / RUN_FILE).write_text(json.dumps(record))
+        commit_checkpoint(tmp, final, keep)
+        return final
+
+    def restore(self, directory: Path, optimizer: OptimizerSettings | None = None) -> AdapterCheckpoint:
+        """Loads a run's checkpoint: the run is added (with the saved spec) if this trainer has
+        no adapter for it, then its adapter, AdamW state, schedule, steps and version are set."""
+        from peft import set_peft_model_state_dict
+
+        directory = Path(directory)
+        record = json.loads((directory / RUN_FILE).read_text())
+        spec = LoraSpec.model_validate(record["spec"])
+        run_id = record["run_id"]
+        if run_id not in self.runs:
+            self.add_run(run_id, spec, optimizer)
+        run = self.runs[run_id]
+        if run.spec != spec:
+            raise ValueError(f"run {run_id!r}: the checkpoint's LoRA spec {spec} is not the run's {run.spec}")
+        assert self.model is not None
+        tensors = safetensors.torch.load_file(str(directory / ADAPTER_FILE), device=str(self.device))
+        result = set_peft_model_state_dict(self.model, tensors, adapter_name=run.adapter)
+        unexpected = getattr(result, "unexpected_keys", [])
+        if unexpected:
+            raise ValueError(f"run {run_id!r}: the checkpoint holds tensors its adapter lacks: {unexpected[:3]}")
+        run.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
+        run.scheduler.last_epoch = int(record["scheduler"]["last_epoch"])
+        run.version, run.steps = int(record["version"]), int(record["steps"])
+        return AdapterCheckpoint(run_id, run.version, run.steps, [list(ids) for ids in record["trained_ids"]],
+                                 dict(record["extra"]))
 
     def adapter_parameters(self, run_id: str) -> dict[str, torch.Tensor]:
         """The run's live adapter parameters by their name in the model."""
