@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from google.protobuf.message import Message
@@ -152,3 +153,23 @@ def setting_field(model, variable: str):  # type: ignore[no-untyped-def]
             return None
         fields = annotation.model_fields
     return None
+
+
+def make_lora_adapter(model_dir: Path, out_dir: Path, *, seed: int, rank: int = 4,
+                      target_modules: tuple[str, ...] = ("q_proj", "v_proj")) -> Path:
+    """A peft LoRA adapter of the model in `model_dir`, saved to `out_dir` (adapter_config.json and
+    adapter_model.safetensors), with random A and B so that it changes what the model samples."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=list(target_modules), init_lora_weights=False)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.mul_(50.0)  # strong enough to move greedy choices of a tiny random model
+    model.save_pretrained(out_dir)
+    return out_dir

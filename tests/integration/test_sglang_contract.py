@@ -21,6 +21,7 @@ from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.partial import generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import EngineError, SGLangClient
+from tests.helpers import make_lora_adapter
 
 REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-api.json").read_text())
 # io_struct.BaseReq (the base of every *ReqInput but GenerateReqInput), left out of the extraction.
@@ -89,7 +90,9 @@ def violations(method: str, path: str, body: Any) -> list[str]:
     return problems
 
 
-async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, tiny_model_dir: Path) -> None:
+async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    adapter = make_lora_adapter(tiny_model_dir, tmp_path / "adapter", seed=1)
     trace, sent = capturing()
     async with SGLangClient(engine.base_url, timeout_s=30, retries=0, trace_configs=[trace]) as client:
         exercised = set()
@@ -109,6 +112,11 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         second = request.model_copy(update={"rid": "c2", "input_ids": [5, 14, 5, 16]})
         await call("generate_batch", [request.model_copy(update={"rid": "b1"}), second])
         await generate_resumable_batch(client, [request.model_copy(update={"rid": "b3"}), second])
+        await call("load_lora_adapter", "run-a@3", str(adapter))
+        await call("generate", request.model_copy(update={"rid": "l1", "lora_path": "run-a@3"}))
+        await call("generate_batch", [request.model_copy(update={"rid": "l2", "lora_path": "run-a@3"}),
+                                      second.model_copy(update={"rid": "l3"})])
+        await call("unload_lora_adapter", "run-a@3")
         await call("model_info")
         await call("load")
         await call("health")
@@ -138,13 +146,15 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/pause_generation",
         "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
-        "/destroy_weights_update_group", "/metrics"}
+        "/destroy_weights_update_group", "/metrics", "/load_lora_adapter", "/unload_lora_adapter"}
     bodies = {path: body for _, path, body in sent if body}
     assert bodies["/pause_generation"]["mode"]
     generated = [body for _, path, body in sent if path == "/generate"]
     assert generated[0]["sampling_params"]["sampling_seed"] == 3
     batches = [body for body in generated if isinstance(body["input_ids"][0], list)]
-    assert len(batches) == 2 and batches[0]["rid"] == ["b1", "c2"] and len(batches[0]["sampling_params"]) == 2
+    assert len(batches) == 3 and batches[0]["rid"] == ["b1", "c2"] and len(batches[0]["sampling_params"]) == 2
+    assert batches[2]["lora_path"] == ["run-a@3", None] and generated[-2]["lora_path"] == "run-a@3"
+    assert bodies["/load_lora_adapter"] == {"lora_name": "run-a@3", "lora_path": str(adapter)}
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
     assert not problems, problems
 
@@ -163,4 +173,8 @@ def test_the_checker_catches_what_sglang_would_not_take() -> None:
         "/generate: GenerateReqInput.stream takes no list", "/generate: SamplingParams has no 'temprature'"]
     assert violations("POST", "/abort_request", {"rid": "x", "abort_all": False}) == []
     assert violations("GET", "/metrics", None) == []
+    assert violations("POST", "/load_lora_adapter", {"lora_name": "a"}) == [
+        "/load_lora_adapter: LoadLoRAAdapterReqInput requires 'lora_path'"]
+    assert violations("POST", "/generate", {"input_ids": [1], "lora_name": "a"}) == [
+        "/generate: GenerateReqInput has no field 'lora_name'"]
     assert violations("POST", "/metrics", {}) == ["POST /metrics: SGLang serves it to GET only"]

@@ -325,7 +325,7 @@ _GENERATE_UNSUPPORTED: dict[str, Any] = {
     "sampling_logprobs_mode": None, "return_flat_raw_top_logprobs": False,
     "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False, "stream": False,
     "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
-    "return_indexer_topk": False, "modalities": None, "session_params": None, "lora_path": None,
+    "return_indexer_topk": False, "modalities": None, "session_params": None,
     "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
     "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
     "decode_tp_size": None, "require_reasoning": False, "max_thinking_tokens": None, "return_bytes": False,
@@ -356,6 +356,8 @@ class GenerateRequest(_Request):
     rid: Annotated[str, Field(min_length=1), _LIST_BATCH] | None = _default_unsent(None)
     text: Annotated[str, _LIST_BATCH] | None = _default_unsent(None)
     return_text_in_logprobs: bool = _default_unsent(False)
+    # The LoRA adapter to sample with, by the name /load_lora_adapter gave it (None: the base).
+    lora_path: Annotated[str, Field(min_length=1), _LIST_BATCH] | None = _default_unsent(None)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> Self:
@@ -721,6 +723,40 @@ class _EndWeightUpdate(_Request):
 def parse_end_weight_update(body: Any) -> None:
     """EndWeightUpdateReqInput: close the session (it has no fields of its own)."""
     _EndWeightUpdate.from_json(body)
+
+
+class LoadLoraAdapterRequest(_Request):
+    """LoadLoRAAdapterReqInput: load the adapter in the peft directory `lora_path` (its
+    adapter_config.json and adapter weights) under `lora_name`, which /generate's lora_path names."""
+
+    unsupported = {"lora_id": None}
+    ignored = _Request.ignored | {"pinned"}  # nothing is ever evicted here
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    lora_path: Annotated[str, Field(min_length=1)]
+
+
+class UnloadLoraAdapterRequest(_Request):
+    """UnloadLoRAAdapterReqInput: free the adapter loaded under `lora_name`."""
+
+    unsupported = {"lora_id": None}
+
+    lora_name: Annotated[str, Field(min_length=1)]
+
+
+class LoraUpdateResult(_Answer):
+    """SGLang's answer to loading or unloading an adapter: whether it worked, why not, and the
+    adapters loaded now (name -> path)."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, str] = Field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Any) -> Self:
+        if isinstance(body, Mapping) and body.get("loaded_adapters") is None:
+            body = {**body, "loaded_adapters": {}}
+        return super().from_json(body)
 
 
 class ControlResult(_Answer):

@@ -41,7 +41,10 @@ from policyloop.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterRequest,
+    LoraUpdateResult,
     ModelInfo,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsResult,
@@ -317,6 +320,28 @@ class SGLangClient:
         payload = AbortRequest(rid=rid, abort_all=abort_all).to_json()
         status, body = await self._call("POST", "/abort_request", payload, idempotent=True)
         self._raise_for_status("POST", "/abort_request", status, body)
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoraUpdateResult:
+        """Loads the peft adapter directory `lora_path` under `lora_name` (what /generate's
+        lora_path then names); raises EngineError with the engine's reason when it is refused."""
+        payload = LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path).to_json()
+        return await self._lora_update("/load_lora_adapter", payload)
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoraUpdateResult:
+        return await self._lora_update("/unload_lora_adapter", UnloadLoraAdapterRequest(lora_name=lora_name).to_json())
+
+    async def _lora_update(self, path: str, payload: dict[str, Any]) -> LoraUpdateResult:
+        status, body = await self._call("POST", path, payload, idempotent=False)
+        try:
+            result = LoraUpdateResult.from_json(json.loads(body))
+        except ValueError:
+            self._raise_for_status("POST", path, status, body)  # SGLang's ErrorResponse (validation)
+            raise EngineProtocolError(f"{path}: unexpected answer {body[:200]!r}", status, body) from None
+        if not result.success or status >= 400:
+            raise EngineError(f"POST {path}: HTTP {status}: {result.error_message}", status, body)
+        return result
 
     # -- the colocated weight sync (see policyloop.weights.broadcast) --------------------------
 

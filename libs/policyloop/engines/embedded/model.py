@@ -1,9 +1,11 @@
 """The model the embedded engine serves: a Hugging Face causal-LM directory loaded with
 transformers in float32, what the engine needs to know of it (EOS ids, pad id, vocabulary,
-context length), its version label, and one forward pass with the KV cache."""
+context length), its version label, the LoRA adapters loaded beside it (peft), and one forward
+pass with the KV cache, each row with its own adapter or none."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +15,8 @@ from policyloop.engines.protocol import GenerateRequest, ModelInfo, RequestError
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger("policyloop.engines.embedded")
+# peft's name for "no adapter" in a batch whose rows choose their adapter.
+BASE_ADAPTER = "__base__"
 
 
 class ServedModel:
@@ -28,6 +32,8 @@ class ServedModel:
         self.pad_id = 0
         self.vocab_size = 0
         self.max_context: int | None = None
+        self.lora: Any = None  # the peft model around `model`, once an adapter is loaded
+        self.adapters: dict[str, str] = {}  # loaded adapters: name -> the directory it came from
 
     def load(self) -> None:
         import transformers
@@ -60,15 +66,62 @@ class ServedModel:
         self.max_context = getattr(model.config, "max_position_embeddings", None)
 
     def parameters(self) -> dict[str, torch.Tensor]:
-        """The served tensors by name (tied ones appear under each of their names)."""
-        return self.model.state_dict()
+        """The served base tensors by name (tied ones appear under each of their names); with
+        adapters loaded, under the base checkpoint's names still, the adapters' own left out."""
+        state = self.model.state_dict()
+        if self.lora is None:
+            return state
+        return {name.replace(".base_layer.", "."): t for name, t in state.items() if ".lora_" not in name}
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                cache: Any) -> tuple[torch.Tensor, Any]:
-        """The next-token logits of every row, and the grown cache."""
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
+                cache: Any, adapters: Sequence[str | None] = ()) -> tuple[torch.Tensor, Any]:
+        """The next-token logits of every row, and the grown cache. `adapters`: each row's LoRA
+        adapter (None: the base); rows of different adapters go through one forward."""
+        kwargs: dict[str, Any] = {}
+        model = self.model
+        if self.lora is not None:
+            model = self.lora
+            kwargs["adapter_names"] = [a or BASE_ADAPTER for a in adapters] if adapters else \
+                [BASE_ADAPTER] * input_ids.shape[0]
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                    use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[:, -1].float(), out.past_key_values
+
+    def load_adapter(self, name: str, path: str) -> None:
+        """Loads the peft LoRA adapter in directory `path` under `name` (replacing one of that
+        name); RequestError naming lora_path when it is not an adapter this model can take."""
+        from peft import PeftConfig, PeftModel
+
+        try:
+            config = PeftConfig.from_pretrained(path)
+        except Exception as exc:  # noqa: BLE001 - peft raises ValueError/OSError/JSON errors alike
+            raise RequestError("lora_path", f"{path} holds no peft adapter: {exc}") from None
+        if getattr(config, "peft_type", None) != "LORA":
+            raise RequestError("lora_path", f"{path} is a {config.peft_type} adapter, not LoRA")
+        if name in self.adapters:
+            self.unload_adapter(name)
+        try:
+            if self.lora is None:
+                self.lora = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+            else:
+                self.lora.load_adapter(path, adapter_name=name, is_trainable=False)
+        except Exception as exc:  # noqa: BLE001 - shapes or module names that do not fit this model
+            if self.lora is not None and name in self.lora.peft_config:
+                self.lora.delete_adapter(name)
+            if not self.adapters and self.lora is not None:
+                self.model, self.lora = self.lora.unload(), None
+            raise RequestError("lora_path", f"the adapter in {path} does not fit this model: {exc}") from None
+        self.lora.eval()
+        self.adapters[name] = path
+
+    def unload_adapter(self, name: str) -> None:
+        if name not in self.adapters:
+            raise RequestError("lora_name", f"no adapter named {name!r} is loaded")
+        del self.adapters[name]
+        if self.adapters:
+            self.lora.delete_adapter(name)
+        else:  # the last one: the base model as it was, without LoRA layers
+            self.model, self.lora = self.lora.unload(), None
 
     def info(self) -> ModelInfo:
         config = self.model.config

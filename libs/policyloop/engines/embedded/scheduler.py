@@ -51,6 +51,7 @@ class EngineRequest:
     future: asyncio.Future[None]
     generator: torch.Generator | None
     received: float
+    adapter: str | None = None  # the LoRA adapter it samples with (None: the base)
     state: str = "waiting"  # waiting → running → done
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -332,7 +333,7 @@ class Scheduler:
         with torch.inference_mode():
             # Prompt plus the tokens so far (none, unless the wave was retracted).
             ids, mask, positions = left_padded([r.input_ids + r.output_ids for r in batch], self.served.pad_id)
-            logits, cache = self.served.forward(ids, mask, positions, None)
+            logits, cache = self.served.forward(ids, mask, positions, None, [r.adapter for r in batch])
             return Wave(list(batch), cache, mask, positions[:, -1:], logits, self.served.weight_version)
 
     def _step(self, wave: Wave, sample: bool) -> list[EngineRequest]:
@@ -372,5 +373,6 @@ class Scheduler:
         tokens = torch.tensor([[r.output_ids[-1]] for r in wave.requests], dtype=torch.long)
         wave.mask = torch.cat([wave.mask, torch.ones((len(wave.requests), 1), dtype=torch.long)], dim=1)
         wave.positions = wave.positions + 1
-        wave.next_logits, wave.cache = self.served.forward(tokens, wave.mask, wave.positions, wave.cache)
+        wave.next_logits, wave.cache = self.served.forward(tokens, wave.mask, wave.positions, wave.cache,
+                                                           [r.adapter for r in wave.requests])
         wave.version = self.served.weight_version

@@ -31,7 +31,10 @@ from policyloop.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterRequest,
+    LoraUpdateResult,
     RequestError,
+    UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightVersionRequest,
@@ -190,6 +193,8 @@ class EmbeddedEngine:
             ("POST", "/end_weight_update", self._end_weight_update),
             ("POST", "/destroy_weights_update_group", self._destroy_weights_group),
             ("GET", "/metrics", self._metrics_page),
+            ("POST", "/load_lora_adapter", self._load_lora_adapter),
+            ("POST", "/unload_lora_adapter", self._unload_lora_adapter),
         ]
         for method, path, handler in routes:
             if method == "GET":
@@ -233,8 +238,12 @@ class EmbeddedEngine:
         return web.json_response(answers if batch else answers[0])
 
     def _engine_request(self, parsed: GenerateRequest, started: float) -> EngineRequest:
+        if parsed.lora_path is not None and parsed.lora_path not in self.served.adapters:
+            raise RequestError("lora_path", f"no adapter named {parsed.lora_path!r} is loaded (loaded: "
+                                            f"{sorted(self.served.adapters)}): load it with /load_lora_adapter")
         prompt = self.served.prompt_ids(parsed)
         return EngineRequest(rid=parsed.rid or uuid.uuid4().hex, input_ids=prompt, params=parsed.sampling_params,
+                             adapter=parsed.lora_path,
                              max_new_tokens=self.served.max_new_tokens(parsed.sampling_params, len(prompt)),
                              return_logprob=parsed.return_logprob,
                              return_text_in_logprobs=parsed.return_text_in_logprobs,
@@ -302,6 +311,42 @@ class EmbeddedEngine:
 
     async def _metrics_page(self, _: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self._metrics), content_type="text/plain", charset="utf-8")
+
+    # -- LoRA adapters ----------------------------------------------------------------------------
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            parsed = LoadLoraAdapterRequest.from_json(await _json_body(request, empty_ok=False))
+            self._not_in_use(parsed.lora_name, "lora_name")
+            async with self.scheduler.load_lock:
+                await self.scheduler.compute(self.served.load_adapter, parsed.lora_name, parsed.lora_path)
+        except RequestError as exc:
+            return self._lora_answer(exc)
+        log.info("engine_lora_loaded", lora_name=parsed.lora_name, lora_path=parsed.lora_path)
+        return self._lora_answer()
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UnloadLoraAdapterRequest.from_json(await _json_body(request, empty_ok=False))
+            self._not_in_use(parsed.lora_name, "lora_name")
+            async with self.scheduler.load_lock:
+                await self.scheduler.compute(self.served.unload_adapter, parsed.lora_name)
+        except RequestError as exc:
+            return self._lora_answer(exc)
+        log.info("engine_lora_unloaded", lora_name=parsed.lora_name)
+        return self._lora_answer()
+
+    def _not_in_use(self, name: str, field_name: str) -> None:
+        """An adapter that held, queued or running requests sample with is neither replaced nor freed."""
+        using = sum(r.adapter == name and r.state != "done" for r in self.scheduler.requests.values())
+        if using:
+            raise RequestError(field_name, f"adapter {name!r} is in use by {using} requests: unload it once they "
+                                           f"finish (or abort them)")
+
+    def _lora_answer(self, refused: RequestError | None = None) -> web.Response:
+        result = LoraUpdateResult(success=refused is None, loaded_adapters=dict(self.served.adapters),
+                                  error_message=None if refused is None else f"{refused.field}: {refused.message}")
+        return web.json_response(result.to_json(), status=200 if refused is None else refused.status)
 
     # -- weights --------------------------------------------------------------------------------
 
