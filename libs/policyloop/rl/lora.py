@@ -119,6 +119,29 @@ def run_directory(run_id: str) -> str:
     return f"{readable}-{xxhash.xxh3_64_hexdigest(run_id.encode())[:12]}"
 
 
+def adapter_model_name(model: str, run_id: str) -> str:
+    """The publisher's name for a run's adapter versions (they travel as the base's do, as exact
+    XOR deltas, but on their own): the base model's name, then the run's."""
+    from policyloop.weights.store import validate_model_name
+
+    name = f"{model}.lora.{run_directory(run_id)}"
+    validate_model_name(name)
+    return name
+
+
+def save_adapter_directory(tensors: dict[str, torch.Tensor], spec: LoraSpec, directory: Path,
+                           base_model: str = "") -> Path:
+    """A peft adapter directory (adapter_config.json, adapter_model.safetensors) of a run's
+    adapter tensors, as an engine's /load_lora_adapter takes it."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = spec.peft_config()
+    config.base_model_name_or_path = base_model or None
+    config.save_pretrained(str(directory))
+    safetensors.torch.save_file({k: t.contiguous() for k, t in tensors.items()}, str(directory / ADAPTER_FILE))
+    return directory
+
+
 def latest_run_checkpoint(root: Path, run_id: str) -> Path | None:
     """The newest complete checkpoint of `run_id` under `root`."""
     from policyloop.rl.checkpoint import LATEST
