@@ -145,3 +145,16 @@ def test_vs_single_process_trains_both_sides_and_compares_them(tmp_path: Path, t
         assert all(0.0 <= p["accuracy"] <= 1.0 for p in run[name]["curve"])
     assert summary["median"]["steps_per_s_ratio"] > 0
     assert (out / "vs_single_process.png").stat().st_size > 1000
+
+
+# Slow (two trainers on the test model): the default run covers adapter versions as deltas
+# (test_adapter_sync) and the LoRA step (test_lora).
+@pytest.mark.slow
+def test_adapter_bytes_encodes_both_sides_versions(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = run_harness("adapter_bytes.py", "--model-path", str(tiny_model_dir), "--steps", "3", "--rank", "4",
+                         "--out", str(tmp_path / "out"), cwd=tmp_path)
+    for side in ("full", "adapter"):
+        figures = result[side]
+        assert figures["raw_bytes"] > 0 and figures["keyframe_bytes"] > 0 and len(figures["delta_bytes"]) == 2
+    assert result["full"]["raw_bytes"] > result["adapter"]["raw_bytes"] == 4 * result["adapter_params"]
+    assert result["full_over_adapter_delta"] > 0 and (tmp_path / "out" / "adapter_bytes.png").exists()
