@@ -1,0 +1,166 @@
+"""A learner of many LoRA runs over one frozen base (the many-runs mode).
+
+Trajectories are held per run, unacknowledged, as the single-run learner holds them. Whenever
+runs hold a full batch (their own groups_per_step), the fair share (learner.fair) picks one; its
+adapter takes a step, and the version goes in the write-ahead order of the single-run learner —
+LEDGER, then the publisher (under the run's adapter name, as an exact XOR delta of the adapter
+tensors alone), then the version registry, then the samples' acks. Each run has its own version
+sequence, staleness bound and drops; a run that is slow, or has no batch, holds up no other. A
+run removed while it holds samples records them as dropped (reason `run_stopped`) before they
+are acked, so every trajectory stays accounted for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from policyloop.bus import Bus, Delivery, PermanentError
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.learner.fair import FairShare
+from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.ledger import StepRecord, record_dropped, record_trained
+from policyloop.rl.batching import Admission, RecentSteps
+from policyloop.rl.lora import AdapterTrainer, LoraSpec, adapter_model_name
+from policyloop.telemetry.logging import get_logger
+from policyloop.weights.push import VersionPusher
+
+if TYPE_CHECKING:
+    from policyloop.state import VersionRegistry
+    from policyloop.weights.client import WeightClient
+
+log = get_logger(__name__)
+
+RUN_STOPPED = "run_stopped"
+
+
+class RunNotServed(Exception):
+    """A trajectory of a run this learner has no adapter for (yet): handed back, retried later."""
+
+
+@dataclass
+class RunSlot:
+    run_id: str
+    model: str                 # its adapter versions' name in the publisher, LEDGER and the registry
+    held: HeldTrajectories
+    max_lag: int
+    pusher: VersionPusher
+    dropped: int = 0
+
+
+class AdapterLearner:
+    def __init__(self, model: str, instance_id: str, trainer: AdapterTrainer, bus: Bus, *,
+                 versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000) -> None:
+        self.model, self.instance_id = model, instance_id
+        self.trainer, self.bus, self.versions, self.publisher = trainer, bus, versions, publisher
+        self.dedupe_steps = dedupe_steps
+        self.slots: dict[str, RunSlot] = {}
+        self.removed: set[str] = set()  # runs stopped here: what still arrives for them is dropped
+        self.fair = FairShare()
+        self._batch_ready = asyncio.Event()
+        self._trainer_lock = asyncio.Lock()  # the peft model changes under no step
+
+    async def add_run(self, run_id: str, spec: LoraSpec, *, groups_per_step: int, max_lag: int,
+                      weight: float = 1.0) -> RunSlot:
+        """Serves a new run from now on: its adapter starts at the base (version 0)."""
+        if run_id in self.slots:
+            raise ValueError(f"run {run_id!r} is served already")
+        async with self._trainer_lock:
+            await asyncio.to_thread(self.trainer.add_run, run_id, spec)
+        name = adapter_model_name(self.model, run_id)
+        slot = RunSlot(run_id, name, HeldTrajectories(groups_per_step, RecentSteps(self.dedupe_steps)), max_lag,
+                       VersionPusher(self.publisher, name, run_id=run_id))
+        self.slots[run_id] = slot
+        self.fair.add(run_id, weight)
+        log.info("run_added", run=run_id, adapter=name, rank=spec.rank, groups_per_step=groups_per_step)
+        return slot
+
+    async def remove_run(self, run_id: str) -> None:
+        """Stops serving a run: what it holds is recorded as dropped and acked; its adapter is freed."""
+        slot = self.slots.pop(run_id)
+        self.removed.add(run_id)
+        self.fair.remove(run_id)
+        held = slot.held.collector
+        groups = list(held.complete.values()) + [list(members.values()) for members in held.groups.values()]
+        await self._drop(slot, groups, RUN_STOPPED)
+        async with self._trainer_lock:
+            await asyncio.to_thread(self.trainer.remove_run, run_id)
+        log.info("run_removed", run=run_id, dropped_samples=sum(len(g) for g in groups))
+
+    async def admit(self, delivery: Delivery[bus_pb2.Trajectory]) -> None:
+        """Handles one delivery (the pull worker acks when this returns): held until its run's
+        step made a stored version, or it was dropped, or recognised as a copy of one that was."""
+        traj = delivery.message
+        if not traj.scored:
+            raise PermanentError("trajectory was not scored by the reward service")
+        slot = self.slots.get(traj.run_id)
+        if slot is None and traj.run_id in self.removed:
+            await record_dropped(self.bus, adapter_model_name(self.model, traj.run_id), traj.run_id, self.instance_id,
+                                 RUN_STOPPED, [(traj.trajectory_id, delivery.stream_seq)])
+            return
+        if slot is None:
+            raise RunNotServed(f"run {traj.run_id!r} has no adapter on this learner")
+        admission = slot.held.add(traj, delivery.stream_seq)
+        if admission is Admission.DUPLICATE:
+            await slot.held.until_released(traj.trajectory_id)
+            return
+        if admission is Admission.COMPLETE:
+            self._batch_ready.set()
+        await slot.held.until_released(traj.trajectory_id)
+
+    def ready(self) -> list[str]:
+        return [run_id for run_id, slot in self.slots.items()
+                if slot.held.collector.complete_groups >= slot.held.groups_per_step]
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Steps the run the fair share picks whenever one holds a full batch, until `stop`."""
+        stopping = asyncio.ensure_future(stop.wait())
+        try:
+            while not stop.is_set():
+                self._batch_ready.clear()
+                chosen = self.fair.pick(self.ready())
+                if chosen is None:
+                    waiting = asyncio.ensure_future(self._batch_ready.wait())
+                    await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                    continue
+                await self.step(chosen)
+        finally:
+            stopping.cancel()
+
+    async def step(self, run_id: str) -> int:
+        """One step of `run_id`'s adapter on its oldest full batch; returns its new version (the
+        current one when every group of the batch was stale)."""
+        from policyloop.weights.torch_io import weight_set
+
+        slot = self.slots[run_id]
+        run = self.trainer.run(run_id)
+        fresh, stale = slot.held.take(run.version, slot.max_lag)
+        await self._drop(slot, stale, "stale")
+        if not fresh:
+            return run.version
+        samples = [t for group in fresh for t in group]
+        async with self._trainer_lock:
+            report = await asyncio.to_thread(self.trainer.step, run_id, fresh)
+            tensors = await asyncio.to_thread(self.trainer.export_adapter, run_id)
+        weights = await asyncio.to_thread(weight_set, run.version, tensors)
+        await record_trained(self.bus, slot.model, run_id, self.instance_id, StepRecord(
+            step=report.step, version=run.version, manifest_hash=weights.manifest_hash,
+            trajectory_ids=tuple(t.trajectory_id for t in samples),
+            stream_sequences=tuple(slot.held.sequence(t.trajectory_id) for t in samples)))
+        pushed = await slot.pusher.push(weights, report.step)
+        await self.versions.advance(slot.model, run.version)
+        slot.held.release(samples)
+        log.info("run_step", run=run_id, step=report.step, version=run.version, loss=round(report.loss, 5),
+                 mean_reward=round(report.mean_reward, 4), pushed=pushed.kind, payload_bytes=pushed.payload_bytes)
+        return run.version
+
+    async def _drop(self, slot: RunSlot, groups: Groups, reason: str) -> None:
+        for group in groups:
+            if not group:
+                continue
+            await record_dropped(self.bus, slot.model, slot.run_id, self.instance_id, reason,
+                                 [(t.trajectory_id, slot.held.sequence(t.trajectory_id)) for t in group])
+            slot.dropped += len(group)
+            slot.held.release(group)

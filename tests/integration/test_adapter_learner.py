@@ -1,0 +1,131 @@
+"""Many LoRA runs on one learner (learner.adapters.AdapterLearner) against real NATS, Redis and an
+in-process publisher on loopback gRPC: each run steps when it holds its own full batch, its
+versions are recorded, pushed (adapter tensors only) and registered under its own name, a run
+that is short of a batch holds up no other, a run added while others train steps too, and a
+removed run's samples are recorded as dropped before they are acked."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+
+from policyloop.bus import Bus, trajectories_subject
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.learner.adapters import RUN_STOPPED, AdapterLearner
+from policyloop.ledger import DROPPED, trained_steps
+from policyloop.rl.lora import AdapterTrainer, LoraSpec
+from policyloop.rl.trainer import TrainerConfig
+from policyloop.state import VersionRegistry
+from policyloop.weights.client import WeightClient
+from policyloop.weights.library import WeightLibrary
+from policyloop.weights.server import WeightServicer, start_weight_server
+from policyloop.weights.store import VersionStore
+from tests.helpers import eventually, scored_group, stored
+
+SPEC = LoraSpec(rank=4, target_modules=("q_proj", "v_proj"))
+
+
+async def _announce(_: object) -> None:
+    pass
+
+
+@asynccontextmanager
+async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
+                  ) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
+    publisher = WeightServicer(WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=4),
+                               on_stored=_announce)
+    server, port = await start_weight_server(publisher, host="127.0.0.1", port=0)
+    client = WeightClient(f"127.0.0.1:{port}", deadline_s=60)
+    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, TrainerConfig(lr=1e-3, device="cpu"))
+    learner = AdapterLearner("policy", "learner-0", trainer, bus, versions=VersionRegistry(redis_client, "default"),
+                             publisher=client)
+    from policyloop.bus import PullWorker
+    from policyloop.contracts.validate import validate_trajectory
+
+    consumer = bus.topology.consumers["learner"]
+    worker = PullWorker(bus, consumer, bus_pb2.Trajectory, learner.admit, service="learner",
+                        validator=validate_trajectory, concurrency=consumer.max_ack_pending)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(learner.run(stop))]
+    try:
+        yield learner, publisher
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await worker.drain(5)
+        await client.close()
+        await server.stop(None)
+
+
+async def publish_group(bus: Bus, run_id: str, task: str) -> None:
+    for traj in scored_group(task, size=2):
+        traj.run_id = run_id
+        await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+
+
+@pytest.mark.timeout(240)
+async def test_runs_step_on_their_own_batches_and_never_hold_each_other_up(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    versions = VersionRegistry(redis_client, "default")
+    async with running(bus, redis_client, tiny_model_dir, tmp_path) as (learner, publisher):
+        a = await learner.add_run("a", SPEC, groups_per_step=1, max_lag=-1)
+        b = await learner.add_run("b", LoraSpec(rank=8), groups_per_step=2, max_lag=-1)
+        assert a.model != b.model and a.model.startswith("policy.lora.a-")
+
+        await publish_group(bus, "b", "b1")  # half of b's batch
+        for i in range(3):
+            await publish_group(bus, "a", f"a{i}")
+        await eventually(lambda: _at(versions, a.model, 3), timeout_s=120)  # a never waited for b
+        assert await versions.get(b.model) == 0 and learner.trainer.run("b").version == 0
+        assert (await bus.backlog("learner")).ack_pending == 2  # b's group: held, unacked
+
+        await publish_group(bus, "b", "b2")
+        await eventually(lambda: _at(versions, b.model, 1), timeout_s=120)
+        [record] = await trained_steps(bus, b.model)
+        assert sorted(record.trajectory_ids) == ["b1/0", "b1/1", "b2/0", "b2/1"] and record.version == 1
+        assert [r.version for r in await trained_steps(bus, a.model)] == [1, 2, 3]
+        store = publisher.library.store
+        assert (await asyncio.to_thread(store.get, a.model, 3)).manifest_hash == \
+            (await trained_steps(bus, a.model))[-1].manifest_hash
+        assert (await asyncio.to_thread(store.get, b.model, 1)).manifest_hash == record.manifest_hash
+
+        # A third run joins while the others train (its first group came before it did: handed back
+        # to the bus until then); b is removed with a group it holds.
+        await publish_group(bus, "c", "c-early")
+        await eventually(lambda: _redelivered(bus), timeout_s=60)
+        c = await learner.add_run("c", SPEC, groups_per_step=1, max_lag=-1)
+        await publish_group(bus, "b", "b3")
+        await eventually(lambda: _held(learner, "b", 2), timeout_s=60)
+        await publish_group(bus, "c", "c0")
+        await publish_group(bus, "a", "a3")
+        await eventually(lambda: _at(versions, c.model, 2), timeout_s=120)
+        await eventually(lambda: _at(versions, a.model, 4), timeout_s=120)
+        await learner.remove_run("b")
+        await publish_group(bus, "b", "b4")  # arrives after the stop: dropped, not retried
+
+        async def all_acked() -> bool:
+            return (await bus.backlog("learner")).ack_pending == 0 and (await bus.backlog("learner")).pending == 0
+
+        await eventually(all_acked, timeout_s=60)
+        dropped = [e for e in await stored(bus, "LEDGER", bus_pb2.LedgerEvent) if e.kind == DROPPED]
+        assert {(e.run_id, e.reason, tuple(sorted(e.trajectory_ids))) for e in dropped} == {
+            ("b", RUN_STOPPED, ("b3/0", "b3/1")), ("b", RUN_STOPPED, ("b4/0",)), ("b", RUN_STOPPED, ("b4/1",))}
+        assert {e.model for e in dropped} == {b.model}
+        assert "b" not in learner.trainer.runs and learner.trainer.run("a").version == 4
+
+
+async def _at(versions: VersionRegistry, model: str, version: int) -> bool:
+    return await versions.get(model) >= version
+
+
+async def _redelivered(bus: Bus) -> bool:
+    return (await bus.backlog("learner")).redelivered > 0
+
+
+async def _held(learner: AdapterLearner, run_id: str, samples: int) -> bool:
+    collector = learner.slots[run_id].held.collector
+    return sum(len(m) for m in collector.groups.values()) + sum(len(g) for g in collector.complete.values()) >= samples
