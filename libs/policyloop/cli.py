@@ -600,6 +600,12 @@ def run_start(
     max_lag: Annotated[int | None, typer.Option(
         help="Most versions a trained sample may lag (-1: unbounded); must be the cluster's (default: it).")] = None,
     seed: Annotated[int, typer.Option(help="Seed of the task order.")] = 0,
+    lora_rank: Annotated[int, typer.Option(
+        help="Train the run as a LoRA adapter of this rank over the cluster's base (0: the full model).")] = 0,
+    lora_alpha: Annotated[float, typer.Option(help="LoRA alpha (0: 2 x rank).")] = 0.0,
+    lora_dropout: Annotated[float, typer.Option(help="LoRA dropout.")] = 0.0,
+    lora_target_modules: Annotated[str, typer.Option(
+        help="Comma-separated module names the adapter adapts (default: the attention and MLP projections).")] = "",
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
     """Start a run over a mix of submitted environments; prints the run."""
@@ -615,6 +621,10 @@ def run_start(
         raise typer.Exit(2) from exc
     request = loop_pb2.StartRunRequest(run_id=run_id, environments=mixes, model=model, num_tasks=num_tasks,
                                        max_lag=max_lag, seed=seed)  # None: unset, the cluster's
+    if lora_rank or lora_alpha or lora_dropout or lora_target_modules:
+        request.lora.CopyFrom(loop_pb2.LoraSpec(
+            rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+            target_modules=[m.strip() for m in lora_target_modules.split(",") if m.strip()]))
     run = _with_gateway(gateway, run_dir, token, lambda client: client.start(request))
     print(json.dumps(MessageToDict(run)))
 

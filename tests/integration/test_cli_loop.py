@@ -46,6 +46,15 @@ async def test_submit_start_watch_and_stop_through_the_cli(services: ServiceLaun
     run = json.loads(started.stdout)
     assert run["runId"] == "cli-run" and run["state"] == "RUN_STATE_RUNNING" and run["tasksTotal"] == 6
 
+    # No learner is up to say what it trains: a LoRA run is checked for itself, its defaults filled in.
+    bad_rank = await asyncio.to_thread(cli, "run", "start", "--env", "sums@v1", "--lora-rank", "5000", *address)
+    assert bad_rank.returncode == 1 and "INVALID_ARGUMENT" in bad_rank.stdout and "lora.rank" in bad_rank.stdout
+    lora = await asyncio.to_thread(cli, "run", "start", "--env", "sums@v1", "--num-tasks", "2", "--run-id",
+                                   "lora-run", "--lora-rank", "8", "--lora-target-modules", "q_proj, v_proj", *address)
+    assert lora.returncode == 0, lora.stdout + lora.stderr
+    assert json.loads(lora.stdout)["lora"] == {"rank": 8, "alpha": 16.0, "targetModules": ["q_proj", "v_proj"]}
+    assert (await asyncio.to_thread(cli, "run", "stop", "lora-run", *address)).returncode == 0
+
     stopped = await asyncio.to_thread(cli, "run", "stop", "cli-run", *address)
     assert stopped.returncode == 0 and stopped.stdout.startswith("stopped")
     watched = await asyncio.to_thread(cli, "run", "watch", "cli-run", *address)  # ends with the run

@@ -262,6 +262,12 @@ async def _runs_feed_tasks(stub: loop_pb2_grpc.LoopServiceStub, bus: Bus) -> Non
             environments=[loop_pb2.EnvironmentMix(environment="addition@demo", weight=0)]), timeout=5, metadata=AUTH)
     assert bad_weight.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert bad_weight.value.details().startswith("environments[0].weight:")
+    with pytest.raises(grpc.aio.AioRpcError) as bad_rank:
+        await stub.StartRun(loop_pb2.StartRunRequest(
+            environments=[loop_pb2.EnvironmentMix(environment="addition@demo", weight=1)],
+            lora=loop_pb2.LoraSpec(rank=4096)), timeout=5, metadata=AUTH)
+    assert bad_rank.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert bad_rank.value.details().startswith("lora.rank:")
     with pytest.raises(grpc.aio.AioRpcError) as unknown_run:
         await stub.GetRun(loop_pb2.GetRunRequest(run_id="ghost"), timeout=5, metadata=AUTH)
     assert unknown_run.value.code() == grpc.StatusCode.NOT_FOUND

@@ -21,6 +21,7 @@ from policyloop.gateway.validation import (
     MAX_TASKS_PER_ENVIRONMENT,
     check_run_against_learner,
     environment_key,
+    lora_spec,
     validate_environment,
     validate_start_run,
 )
@@ -145,6 +146,8 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
             stored.model = learner.loop.model if learner is not None else "policy"
         if not stored.HasField("max_lag") and learner is not None:
             stored.max_lag = learner.loop.max_lag  # what the run gets, for GetRun/WatchRun
+        if stored.HasField("lora"):
+            stored.lora.CopyFrom(lora_spec(request.lora).to_proto())  # its defaults, spelled out
         try:
             await self.stores.runs.create(run_id, stored, tasks_total(stored, environments))
         except RunConflict as exc:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import math
 import re
 
+from pydantic import ValidationError
+
 from policyloop.contracts.v1 import loop_pb2, status_pb2
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
 from policyloop.gateway.errors import FailedPrecondition, InvalidField
 from policyloop.gateway.feeding import DEFAULT_MAX_NEW_TOKENS
 from policyloop.gateway.model_context import ModelContext
-from policyloop.rl.settings import RUN_LOSS_KEYS
+from policyloop.rl.settings import RUN_LOSS_KEYS, LoraSpec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
@@ -173,6 +175,18 @@ def validate_start_run(request: loop_pb2.StartRunRequest) -> None:
             raise InvalidField(f"environments[{i}].weight", "must be a finite number > 0")
     if request.max_lag < -1:
         raise InvalidField("max_lag", "must be -1 (unbounded) or >= 0")
+    if request.HasField("lora"):
+        lora_spec(request.lora)
+
+
+def lora_spec(spec: loop_pb2.LoraSpec) -> LoraSpec:
+    """A run's LoRA spec with its defaults filled in; InvalidField naming lora.<field> otherwise."""
+    try:
+        return LoraSpec.from_proto(spec)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        where = ".".join(str(part) for part in error["loc"] if not isinstance(part, int))
+        raise InvalidField(f"lora.{where}" if where else "lora", error["msg"]) from None
 
 
 def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status_pb2.LearnerStatus | None) -> None:
@@ -185,6 +199,12 @@ def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status
             raise InvalidField(f"loss[{key}]", f"not a learner loss setting (one of {', '.join(RUN_LOSS_KEYS)})")
     if learner is None:
         return
+    if request.HasField("lora") and not learner.lora_runs:
+        raise FailedPrecondition("lora", "the cluster's learner trains the full model, for one run: it trains no "
+                                         "LoRA runs")
+    if learner.lora_runs and not request.HasField("lora"):
+        raise FailedPrecondition("lora", "the cluster's learner trains LoRA runs: give the run a LoRA spec "
+                                         "(--lora-rank)")
     if request.model and request.model != learner.loop.model:
         raise FailedPrecondition("model", f"the cluster's learner trains {learner.loop.model!r}, "
                                           f"not {request.model!r}")

@@ -22,60 +22,20 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import PackedBatch, token_logprobs
-from policyloop.rl.settings import OptimizerSettings
+from policyloop.rl.settings import DEFAULT_TARGET_MODULES, LoraSpec, OptimizerSettings
 from policyloop.rl.trainer import LrSchedule, StepReport, TrainerConfig, grpo_loss, resolve_device
 from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
-    from peft import LoraConfig, PeftModel
+    from peft import PeftModel
 
-# The projections of a Llama/Qwen-style decoder: attention and MLP.
-DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+__all__ = ["DEFAULT_TARGET_MODULES", "AdapterTrainer", "LoraSpec", "UnknownRun"]
+
 # A run's checkpoint: its adapter, its optimizer's state, and the rest.
 ADAPTER_FILE, OPTIMIZER_FILE, RUN_FILE = "adapter_model.safetensors", "optimizer.pt", "run.json"
-
-
-class LoraSpec(BaseModel):
-    """A run's adapter: rank, scaling, dropout and the modules it adapts (StartRun's LoRA spec)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r: the adapter's inner dimension.")
-    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
-    target_modules: tuple[str, ...] = Field(
-        DEFAULT_TARGET_MODULES, min_length=1,
-        description="Names of the linear modules adapted (the last part of their name in the model).")
-
-    @field_validator("target_modules")
-    @classmethod
-    def _names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
-        bad = [n for n in names if not _MODULE_NAME.match(n)]
-        if bad:
-            raise ValueError(f"not module names: {bad}")
-        if len(set(names)) != len(names):
-            raise ValueError("a module is named twice")
-        return names
-
-    def peft_config(self) -> LoraConfig:
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
-
-    def check_model(self, model: torch.nn.Module) -> None:
-        """Raises ValueError naming target_modules when the model has no linear module of a name."""
-        linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                  if _adaptable(name, module)}
-        missing = [n for n in self.target_modules if n not in linear]
-        if missing:
-            raise ValueError(f"target_modules: the model has no linear modules named {missing} "
-                             f"(it has {sorted(linear)})")
 
 
 def _adaptable(name: str, module: torch.nn.Module) -> bool:
@@ -83,6 +43,14 @@ def _adaptable(name: str, module: torch.nn.Module) -> bool:
     if ".lora_" in name or name.endswith(".base_layer"):
         return False  # the inside of an adapted module
     return isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "base_layer", None), torch.nn.Linear)
+
+
+def check_target_modules(spec: LoraSpec, model: torch.nn.Module) -> None:
+    """Raises ValueError naming target_modules when the model has no linear module of a name."""
+    linear = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if _adaptable(name, module)}
+    missing = [n for n in spec.target_modules if n not in linear]
+    if missing:
+        raise ValueError(f"target_modules: the model has no linear modules named {missing} (it has {sorted(linear)})")
 
 
 class UnknownRun(KeyError):
@@ -181,7 +149,7 @@ class AdapterTrainer:
 
         if run_id in self.runs:
             raise ValueError(f"run {run_id!r} has an adapter already")
-        spec.check_model(self.base)
+        check_target_modules(spec, self.base)
         adapter = f"run{self._made}"  # run ids may hold characters a module name may not
         self._made += 1
         if self.model is None:

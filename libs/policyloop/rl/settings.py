@@ -4,9 +4,15 @@ and the CLI without torch."""
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import re
+from typing import TYPE_CHECKING, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+    from policyloop.contracts.v1 import loop_pb2
 
 LossKind = Literal["ppo", "gspo", "cispo"]
 Normalization = Literal["token", "sequence", "constant"]
@@ -82,3 +88,50 @@ class OptimizerSettings(BaseModel):
         if self.schedule == "cosine" and self.decay_steps <= self.warmup_steps:
             raise ValueError("a cosine schedule needs decay_steps > warmup_steps")
         return self
+
+
+# The projections of a Llama/Qwen-style decoder: attention and MLP.
+DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class LoraSpec(BaseModel):
+    """A run's adapter: rank, scaling, dropout and the modules it adapts (StartRun's LoRA spec)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rank: int = Field(16, ge=1, le=1024, description="LoRA rank r: the adapter's inner dimension.")
+    alpha: float = Field(32.0, gt=0, description="LoRA alpha: the update is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input while training.")
+    target_modules: tuple[str, ...] = Field(
+        DEFAULT_TARGET_MODULES, min_length=1,
+        description="Names of the linear modules adapted (the last part of their name in the model).")
+
+    @field_validator("target_modules")
+    @classmethod
+    def _names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        bad = [n for n in names if not _MODULE_NAME.match(n)]
+        if bad:
+            raise ValueError(f"not module names: {bad}")
+        if len(set(names)) != len(names):
+            raise ValueError("a module is named twice")
+        return names
+
+    def peft_config(self) -> LoraConfig:
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=list(self.target_modules), bias="none", task_type="CAUSAL_LM")
+
+    @classmethod
+    def from_proto(cls, spec: loop_pb2.LoraSpec) -> LoraSpec:
+        """StartRunRequest.lora, where a field left unset takes its default (alpha: 2 x rank)."""
+        rank = spec.rank or cls.model_fields["rank"].default
+        return cls(rank=rank, alpha=spec.alpha or 2.0 * rank, dropout=spec.dropout,
+                   target_modules=tuple(spec.target_modules) or DEFAULT_TARGET_MODULES)
+
+    def to_proto(self) -> loop_pb2.LoraSpec:
+        from policyloop.contracts.v1 import loop_pb2
+
+        return loop_pb2.LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
+                                 target_modules=list(self.target_modules))

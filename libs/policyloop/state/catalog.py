@@ -96,6 +96,7 @@ class RunRegistry:
             created_unix_ms=int(fields.get(b"created", b"0")),
             updated_unix_ms=int(fields.get(b"updated", b"0")),
             error=fields.get(b"error", b"").decode(),
+            lora=request.lora if request.HasField("lora") else None,
         )
 
     async def state(self, run_id: str) -> int | None:

@@ -26,7 +26,7 @@ from policyloop.contracts.v1 import bus_pb2 as policyloop_dot_v1_dot_bus__pb2
 
 from policyloop.contracts.v1.bus_pb2 import *
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18policyloop/v1/loop.proto\x12\rpolicyloop.v1\x1a\x17policyloop/v1/bus.proto\"\xb3\x01\n\x08TaskSpec\x12\x13\n\x0bprompt_text\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06\x61nswer\x18\x03 \x01(\t\x12\x37\n\x08metadata\x18\x04 \x03(\x0b\x32%.policyloop.v1.TaskSpec.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe5\x02\n\x0b\x45nvironment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12&\n\x05tasks\x18\x03 \x03(\x0b\x32\x17.policyloop.v1.TaskSpec\x12\x31\n\x07\x62uiltin\x18\x04 \x01(\x0b\x32\x1e.policyloop.v1.BuiltinVerifierH\x00\x12\x33\n\nunit_tests\x18\x05 \x01(\x0b\x32\x1d.policyloop.v1.UnitTestScorerH\x00\x12\x36\n\x0breward_code\x18\x06 \x01(\x0b\x32\x1f.policyloop.v1.RewardCodeScorerH\x00\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12/\n\x08sampling\x18\x08 \x01(\x0b\x32\x1d.policyloop.v1.SamplingParams\x12\x11\n\tmax_turns\x18\t \x01(\r\x12\r\n\x05tools\x18\n \x03(\tB\x08\n\x06scorer\"K\n\x18SubmitEnvironmentRequest\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.policyloop.v1.Environment\"s\n\x18UploadEnvironmentRequest\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.policyloop.v1.Environment\x12&\n\x05tasks\x18\x02 \x03(\x0b\x32\x17.policyloop.v1.TaskSpec\"T\n\x19SubmitEnvironmentResponse\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\"5\n\x0e\x45nvironmentMix\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\x8d\x02\n\x0fStartRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x33\n\x0c\x65nvironments\x18\x02 \x03(\x0b\x32\x1d.policyloop.v1.EnvironmentMix\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tnum_tasks\x18\x04 \x01(\r\x12\x14\n\x07max_lag\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x36\n\x04loss\x18\x06 \x03(\x0b\x32(.policyloop.v1.StartRunRequest.LossEntry\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x1a+\n\tLossEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\n\n\x08_max_lag\"\xc6\x02\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.policyloop.v1.RunState\x12\x33\n\x0c\x65nvironments\x18\x03 \x03(\x0b\x32\x1d.policyloop.v1.EnvironmentMix\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07max_lag\x18\x05 \x01(\x05\x12\x13\n\x0btasks_total\x18\x06 \x01(\r\x12\x16\n\x0etasks_enqueued\x18\x07 \x01(\r\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x17\n\x0f\x63reated_unix_ms\x18\t \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\n \x01(\x03\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12,\n\x08progress\x18\x0c \x01(\x0b\x32\x1a.policyloop.v1.RunProgress\"\xe6\x03\n\x0bRunProgress\x12\x14\n\x0clearner_step\x18\x01 \x01(\x03\x12\x17\n\x0ftrained_samples\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ropped_samples\x18\x03 \x01(\x04\x12\x42\n\x0c\x65nvironments\x18\x04 \x03(\x0b\x32,.policyloop.v1.RunProgress.EnvironmentsEntry\x12\x43\n\rlag_histogram\x18\x05 \x03(\x0b\x32,.policyloop.v1.RunProgress.LagHistogramEntry\x12!\n\x19trained_tokens_per_second\x18\x06 \x01(\x01\x12#\n\x1bgenerated_tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x12\x16\n\x0etrained_tokens\x18\t \x01(\x04\x1aW\n\x11\x45nvironmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x05value\x18\x02 \x01(\x0b\x32\".policyloop.v1.EnvironmentProgress:\x02\x38\x01\x1a\x33\n\x11LagHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"]\n\x13\x45nvironmentProgress\x12\x17\n\x0ftrained_samples\x18\x01 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x02 \x01(\x01\x12\x18\n\x10last_step_reward\x18\x03 \x01(\x01\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x15\n\x13ListPoliciesRequest\"A\n\x06Policy\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x03 \x01(\x03\"?\n\x14ListPoliciesResponse\x12\'\n\x08policies\x18\x01 \x03(\x0b\x32\x15.policyloop.v1.Policy*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_STOPPING\x10\x02\x12\x15\n\x11RUN_STATE_STOPPED\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xb4\x04\n\x0bLoopService\x12\x66\n\x11SubmitEnvironment\x12\'.policyloop.v1.SubmitEnvironmentRequest\x1a(.policyloop.v1.SubmitEnvironmentResponse\x12h\n\x11UploadEnvironment\x12\'.policyloop.v1.UploadEnvironmentRequest\x1a(.policyloop.v1.SubmitEnvironmentResponse(\x01\x12>\n\x08StartRun\x12\x1e.policyloop.v1.StartRunRequest\x1a\x12.policyloop.v1.Run\x12<\n\x07StopRun\x12\x1d.policyloop.v1.StopRunRequest\x1a\x12.policyloop.v1.Run\x12:\n\x06GetRun\x12\x1c.policyloop.v1.GetRunRequest\x1a\x12.policyloop.v1.Run\x12@\n\x08WatchRun\x12\x1e.policyloop.v1.WatchRunRequest\x1a\x12.policyloop.v1.Run0\x01\x12W\n\x0cListPolicies\x12\".policyloop.v1.ListPoliciesRequest\x1a#.policyloop.v1.ListPoliciesResponseP\x00\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18policyloop/v1/loop.proto\x12\rpolicyloop.v1\x1a\x17policyloop/v1/bus.proto\"\xb3\x01\n\x08TaskSpec\x12\x13\n\x0bprompt_text\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x0e\n\x06\x61nswer\x18\x03 \x01(\t\x12\x37\n\x08metadata\x18\x04 \x03(\x0b\x32%.policyloop.v1.TaskSpec.MetadataEntry\x1a/\n\rMetadataEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xe5\x02\n\x0b\x45nvironment\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\t\x12&\n\x05tasks\x18\x03 \x03(\x0b\x32\x17.policyloop.v1.TaskSpec\x12\x31\n\x07\x62uiltin\x18\x04 \x01(\x0b\x32\x1e.policyloop.v1.BuiltinVerifierH\x00\x12\x33\n\nunit_tests\x18\x05 \x01(\x0b\x32\x1d.policyloop.v1.UnitTestScorerH\x00\x12\x36\n\x0breward_code\x18\x06 \x01(\x0b\x32\x1f.policyloop.v1.RewardCodeScorerH\x00\x12\x12\n\ngroup_size\x18\x07 \x01(\r\x12/\n\x08sampling\x18\x08 \x01(\x0b\x32\x1d.policyloop.v1.SamplingParams\x12\x11\n\tmax_turns\x18\t \x01(\r\x12\r\n\x05tools\x18\n \x03(\tB\x08\n\x06scorer\"K\n\x18SubmitEnvironmentRequest\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.policyloop.v1.Environment\"s\n\x18UploadEnvironmentRequest\x12/\n\x0b\x65nvironment\x18\x01 \x01(\x0b\x32\x1a.policyloop.v1.Environment\x12&\n\x05tasks\x18\x02 \x03(\x0b\x32\x17.policyloop.v1.TaskSpec\"T\n\x19SubmitEnvironmentResponse\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x11\n\tnum_tasks\x18\x02 \x01(\r\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x08\"5\n\x0e\x45nvironmentMix\x12\x13\n\x0b\x65nvironment\x18\x01 \x01(\t\x12\x0e\n\x06weight\x18\x02 \x01(\x01\"\xb4\x02\n\x0fStartRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x33\n\x0c\x65nvironments\x18\x02 \x03(\x0b\x32\x1d.policyloop.v1.EnvironmentMix\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tnum_tasks\x18\x04 \x01(\r\x12\x14\n\x07max_lag\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x36\n\x04loss\x18\x06 \x03(\x0b\x32(.policyloop.v1.StartRunRequest.LossEntry\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12%\n\x04lora\x18\x08 \x01(\x0b\x32\x17.policyloop.v1.LoraSpec\x1a+\n\tLossEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\n\n\x08_max_lag\"P\n\x08LoraSpec\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\r\n\x05\x61lpha\x18\x02 \x01(\x02\x12\x0f\n\x07\x64ropout\x18\x03 \x01(\x02\x12\x16\n\x0etarget_modules\x18\x04 \x03(\t\"\xed\x02\n\x03Run\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12&\n\x05state\x18\x02 \x01(\x0e\x32\x17.policyloop.v1.RunState\x12\x33\n\x0c\x65nvironments\x18\x03 \x03(\x0b\x32\x1d.policyloop.v1.EnvironmentMix\x12\r\n\x05model\x18\x04 \x01(\t\x12\x0f\n\x07max_lag\x18\x05 \x01(\x05\x12\x13\n\x0btasks_total\x18\x06 \x01(\r\x12\x16\n\x0etasks_enqueued\x18\x07 \x01(\r\x12\x16\n\x0epolicy_version\x18\x08 \x01(\x03\x12\x17\n\x0f\x63reated_unix_ms\x18\t \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\n \x01(\x03\x12\r\n\x05\x65rror\x18\x0b \x01(\t\x12,\n\x08progress\x18\x0c \x01(\x0b\x32\x1a.policyloop.v1.RunProgress\x12%\n\x04lora\x18\r \x01(\x0b\x32\x17.policyloop.v1.LoraSpec\"\xe6\x03\n\x0bRunProgress\x12\x14\n\x0clearner_step\x18\x01 \x01(\x03\x12\x17\n\x0ftrained_samples\x18\x02 \x01(\x04\x12\x17\n\x0f\x64ropped_samples\x18\x03 \x01(\x04\x12\x42\n\x0c\x65nvironments\x18\x04 \x03(\x0b\x32,.policyloop.v1.RunProgress.EnvironmentsEntry\x12\x43\n\rlag_histogram\x18\x05 \x03(\x0b\x32,.policyloop.v1.RunProgress.LagHistogramEntry\x12!\n\x19trained_tokens_per_second\x18\x06 \x01(\x01\x12#\n\x1bgenerated_tokens_per_second\x18\x07 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x08 \x01(\x04\x12\x16\n\x0etrained_tokens\x18\t \x01(\x04\x1aW\n\x11\x45nvironmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x31\n\x05value\x18\x02 \x01(\x0b\x32\".policyloop.v1.EnvironmentProgress:\x02\x38\x01\x1a\x33\n\x11LagHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"]\n\x13\x45nvironmentProgress\x12\x17\n\x0ftrained_samples\x18\x01 \x01(\x04\x12\x13\n\x0bmean_reward\x18\x02 \x01(\x01\x12\x18\n\x10last_step_reward\x18\x03 \x01(\x01\" \n\x0eStopRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x1f\n\rGetRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"!\n\x0fWatchRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\x15\n\x13ListPoliciesRequest\"A\n\x06Policy\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x17\n\x0fupdated_unix_ms\x18\x03 \x01(\x03\"?\n\x14ListPoliciesResponse\x12\'\n\x08policies\x18\x01 \x03(\x0b\x32\x15.policyloop.v1.Policy*\x99\x01\n\x08RunState\x12\x19\n\x15RUN_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11RUN_STATE_RUNNING\x10\x01\x12\x16\n\x12RUN_STATE_STOPPING\x10\x02\x12\x15\n\x11RUN_STATE_STOPPED\x10\x03\x12\x16\n\x12RUN_STATE_FINISHED\x10\x04\x12\x14\n\x10RUN_STATE_FAILED\x10\x05\x32\xb4\x04\n\x0bLoopService\x12\x66\n\x11SubmitEnvironment\x12\'.policyloop.v1.SubmitEnvironmentRequest\x1a(.policyloop.v1.SubmitEnvironmentResponse\x12h\n\x11UploadEnvironment\x12\'.policyloop.v1.UploadEnvironmentRequest\x1a(.policyloop.v1.SubmitEnvironmentResponse(\x01\x12>\n\x08StartRun\x12\x1e.policyloop.v1.StartRunRequest\x1a\x12.policyloop.v1.Run\x12<\n\x07StopRun\x12\x1d.policyloop.v1.StopRunRequest\x1a\x12.policyloop.v1.Run\x12:\n\x06GetRun\x12\x1c.policyloop.v1.GetRunRequest\x1a\x12.policyloop.v1.Run\x12@\n\x08WatchRun\x12\x1e.policyloop.v1.WatchRunRequest\x1a\x12.policyloop.v1.Run0\x01\x12W\n\x0cListPolicies\x12\".policyloop.v1.ListPoliciesRequest\x1a#.policyloop.v1.ListPoliciesResponseP\x00\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,8 +41,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_RUNPROGRESS_ENVIRONMENTSENTRY']._serialized_options = b'8\001'
   _globals['_RUNPROGRESS_LAGHISTOGRAMENTRY']._loaded_options = None
   _globals['_RUNPROGRESS_LAGHISTOGRAMENTRY']._serialized_options = b'8\001'
-  _globals['_RUNSTATE']._serialized_start=2388
-  _globals['_RUNSTATE']._serialized_end=2541
+  _globals['_RUNSTATE']._serialized_start=2548
+  _globals['_RUNSTATE']._serialized_end=2701
   _globals['_TASKSPEC']._serialized_start=69
   _globals['_TASKSPEC']._serialized_end=248
   _globals['_TASKSPEC_METADATAENTRY']._serialized_start=201
@@ -58,31 +58,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENVIRONMENTMIX']._serialized_start=890
   _globals['_ENVIRONMENTMIX']._serialized_end=943
   _globals['_STARTRUNREQUEST']._serialized_start=946
-  _globals['_STARTRUNREQUEST']._serialized_end=1215
-  _globals['_STARTRUNREQUEST_LOSSENTRY']._serialized_start=1160
-  _globals['_STARTRUNREQUEST_LOSSENTRY']._serialized_end=1203
-  _globals['_RUN']._serialized_start=1218
-  _globals['_RUN']._serialized_end=1544
-  _globals['_RUNPROGRESS']._serialized_start=1547
-  _globals['_RUNPROGRESS']._serialized_end=2033
-  _globals['_RUNPROGRESS_ENVIRONMENTSENTRY']._serialized_start=1893
-  _globals['_RUNPROGRESS_ENVIRONMENTSENTRY']._serialized_end=1980
-  _globals['_RUNPROGRESS_LAGHISTOGRAMENTRY']._serialized_start=1982
-  _globals['_RUNPROGRESS_LAGHISTOGRAMENTRY']._serialized_end=2033
-  _globals['_ENVIRONMENTPROGRESS']._serialized_start=2035
-  _globals['_ENVIRONMENTPROGRESS']._serialized_end=2128
-  _globals['_STOPRUNREQUEST']._serialized_start=2130
-  _globals['_STOPRUNREQUEST']._serialized_end=2162
-  _globals['_GETRUNREQUEST']._serialized_start=2164
-  _globals['_GETRUNREQUEST']._serialized_end=2195
-  _globals['_WATCHRUNREQUEST']._serialized_start=2197
-  _globals['_WATCHRUNREQUEST']._serialized_end=2230
-  _globals['_LISTPOLICIESREQUEST']._serialized_start=2232
-  _globals['_LISTPOLICIESREQUEST']._serialized_end=2253
-  _globals['_POLICY']._serialized_start=2255
-  _globals['_POLICY']._serialized_end=2320
-  _globals['_LISTPOLICIESRESPONSE']._serialized_start=2322
-  _globals['_LISTPOLICIESRESPONSE']._serialized_end=2385
-  _globals['_LOOPSERVICE']._serialized_start=2544
-  _globals['_LOOPSERVICE']._serialized_end=3108
+  _globals['_STARTRUNREQUEST']._serialized_end=1254
+  _globals['_STARTRUNREQUEST_LOSSENTRY']._serialized_start=1199
+  _globals['_STARTRUNREQUEST_LOSSENTRY']._serialized_end=1242
+  _globals['_LORASPEC']._serialized_start=1256
+  _globals['_LORASPEC']._serialized_end=1336
+  _globals['_RUN']._serialized_start=1339
+  _globals['_RUN']._serialized_end=1704
+  _globals['_RUNPROGRESS']._serialized_start=1707
+  _globals['_RUNPROGRESS']._serialized_end=2193
+  _globals['_RUNPROGRESS_ENVIRONMENTSENTRY']._serialized_start=2053
+  _globals['_RUNPROGRESS_ENVIRONMENTSENTRY']._serialized_end=2140
+  _globals['_RUNPROGRESS_LAGHISTOGRAMENTRY']._serialized_start=2142
+  _globals['_RUNPROGRESS_LAGHISTOGRAMENTRY']._serialized_end=2193
+  _globals['_ENVIRONMENTPROGRESS']._serialized_start=2195
+  _globals['_ENVIRONMENTPROGRESS']._serialized_end=2288
+  _globals['_STOPRUNREQUEST']._serialized_start=2290
+  _globals['_STOPRUNREQUEST']._serialized_end=2322
+  _globals['_GETRUNREQUEST']._serialized_start=2324
+  _globals['_GETRUNREQUEST']._serialized_end=2355
+  _globals['_WATCHRUNREQUEST']._serialized_start=2357
+  _globals['_WATCHRUNREQUEST']._serialized_end=2390
+  _globals['_LISTPOLICIESREQUEST']._serialized_start=2392
+  _globals['_LISTPOLICIESREQUEST']._serialized_end=2413
+  _globals['_POLICY']._serialized_start=2415
+  _globals['_POLICY']._serialized_end=2480
+  _globals['_LISTPOLICIESRESPONSE']._serialized_start=2482
+  _globals['_LISTPOLICIESRESPONSE']._serialized_end=2545
+  _globals['_LOOPSERVICE']._serialized_start=2704
+  _globals['_LOOPSERVICE']._serialized_end=3268
 # @@protoc_insertion_point(module_scope)

@@ -134,7 +134,7 @@ class EnvironmentMix(_message.Message):
     def __init__(self, environment: _Optional[str] = ..., weight: _Optional[float] = ...) -> None: ...
 
 class StartRunRequest(_message.Message):
-    __slots__ = ("run_id", "environments", "model", "num_tasks", "max_lag", "loss", "seed")
+    __slots__ = ("run_id", "environments", "model", "num_tasks", "max_lag", "loss", "seed", "lora")
     class LossEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class StartRunRequest(_message.Message):
     MAX_LAG_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
     model: str
@@ -156,10 +157,23 @@ class StartRunRequest(_message.Message):
     max_lag: int
     loss: _containers.ScalarMap[str, str]
     seed: int
-    def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ...) -> None: ...
+    lora: LoraSpec
+    def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
+
+class LoraSpec(_message.Message):
+    __slots__ = ("rank", "alpha", "dropout", "target_modules")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    ALPHA_FIELD_NUMBER: _ClassVar[int]
+    DROPOUT_FIELD_NUMBER: _ClassVar[int]
+    TARGET_MODULES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    alpha: float
+    dropout: float
+    target_modules: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress")
+    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress", "lora")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +186,7 @@ class Run(_message.Message):
     UPDATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
@@ -184,7 +199,8 @@ class Run(_message.Message):
     updated_unix_ms: int
     error: str
     progress: RunProgress
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ...) -> None: ...
+    lora: LoraSpec
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
 
 class RunProgress(_message.Message):
     __slots__ = ("learner_step", "trained_samples", "dropped_samples", "environments", "lag_histogram", "trained_tokens_per_second", "generated_tokens_per_second", "generated_tokens", "trained_tokens")

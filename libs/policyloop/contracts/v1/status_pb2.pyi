@@ -97,7 +97,7 @@ class StepStats(_message.Message):
     def __init__(self, mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., approx_kl: _Optional[float] = ..., entropy: _Optional[float] = ..., kl_reference: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("loop", "loss", "step", "trajectories_seen", "groups_complete", "dropped", "lag_histogram", "trained_samples", "trained_tokens", "busy_s", "first_trajectory_at", "last_step_at", "checkpoint_version", "resumed_checkpoint_version", "replayed_steps", "weights", "last_step")
+    __slots__ = ("loop", "loss", "step", "trajectories_seen", "groups_complete", "dropped", "lag_histogram", "trained_samples", "trained_tokens", "busy_s", "first_trajectory_at", "last_step_at", "checkpoint_version", "resumed_checkpoint_version", "replayed_steps", "weights", "last_step", "lora_runs")
     class LagHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class LearnerStatus(_message.Message):
     REPLAYED_STEPS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    LORA_RUNS_FIELD_NUMBER: _ClassVar[int]
     loop: LoopConfig
     loss: LossSettings
     step: int
@@ -139,7 +140,8 @@ class LearnerStatus(_message.Message):
     replayed_steps: int
     weights: WeightPushTotals
     last_step: StepStats
-    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ...) -> None: ...
+    lora_runs: bool
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., lora_runs: _Optional[bool] = ...) -> None: ...
 
 class WeightFetch(_message.Message):
     __slots__ = ("kind", "bytes", "raw_bytes")
