@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
+import torch
 
 from policyloop.bus import Bus, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2
@@ -35,14 +36,14 @@ async def _announce(_: object) -> None:
 
 @asynccontextmanager
 async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
-                  ) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
+                  checkpoint_every: int = 0) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
     publisher = WeightServicer(WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=4),
                                on_stored=_announce)
     server, port = await start_weight_server(publisher, host="127.0.0.1", port=0)
     client = WeightClient(f"127.0.0.1:{port}", deadline_s=60)
     trainer = await asyncio.to_thread(AdapterTrainer, model_dir, TrainerConfig(lr=1e-3, device="cpu"))
     learner = AdapterLearner("policy", "learner-0", trainer, bus, versions=VersionRegistry(redis_client, "default"),
-                             publisher=client)
+                             publisher=client, checkpoint_root=root / "checkpoints", checkpoint_every=checkpoint_every)
     from policyloop.bus import PullWorker
     from policyloop.contracts.validate import validate_trajectory
 
@@ -129,3 +130,31 @@ async def _redelivered(bus: Bus) -> bool:
 async def _held(learner: AdapterLearner, run_id: str, samples: int) -> bool:
     collector = learner.slots[run_id].held.collector
     return sum(len(m) for m in collector.groups.values()) + sum(len(g) for g in collector.complete.values()) >= samples
+
+
+@pytest.mark.timeout(240)
+async def test_a_run_resumes_from_its_checkpoint_and_ledger_with_no_gap_and_no_reuse(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    versions = VersionRegistry(redis_client, "default")
+    async with running(bus, redis_client, tiny_model_dir, tmp_path, checkpoint_every=2) as (learner, _):
+        a = await learner.add_run("a", SPEC, groups_per_step=1, max_lag=-1)
+        assert a.resumed is not None and a.resumed.replayed == [] and a.resumed.checkpoint is None
+        for i in range(3):
+            await publish_group(bus, "a", f"a{i}")
+        await eventually(lambda: _at(versions, a.model, 3), timeout_s=120)
+        first = learner.trainer.export_adapter("a")
+
+    # A new learner (fresh adapter) takes the run up again: checkpoint of version 2, step 3 replayed.
+    async with running(bus, redis_client, tiny_model_dir, tmp_path, checkpoint_every=2) as (learner, publisher):
+        a = await learner.add_run("a", SPEC, groups_per_step=1, max_lag=-1)
+        assert a.resumed is not None and a.resumed.checkpoint_version == 2 and a.resumed.replayed == [3]
+        assert learner.trainer.run("a").version == 3
+        for name, tensor in first.items():
+            assert torch.equal(learner.trainer.export_adapter("a")[name], tensor), name
+        await publish_group(bus, "a", "a0")  # published again: a trained sample is never trained twice
+        await publish_group(bus, "a", "a3")
+        await eventually(lambda: _at(versions, a.model, 4), timeout_s=120)
+        records = await trained_steps(bus, a.model)
+        assert [r.version for r in records] == [1, 2, 3, 4] and records[-1].trajectory_ids == ("a3/0", "a3/1")
+        assert (await asyncio.to_thread(publisher.library.store.get, a.model, 4)).manifest_hash == \
+            records[-1].manifest_hash

@@ -8,21 +8,29 @@ tensors alone), then the version registry, then the samples' acks. Each run has 
 sequence, staleness bound and drops; a run that is slow, or has no batch, holds up no other. A
 run removed while it holds samples records them as dropped (reason `run_stopped`) before they
 are acked, so every trajectory stays accounted for.
+
+A run resumes as the single-run learner does, on its own: when it is added, its newest
+checkpoint (every `checkpoint_every` of its versions) is loaded and the steps LEDGER recorded for
+it after that are replayed from TRAJECTORIES, each reproducing its recorded manifest hash, so its
+versions go on with no gap and no reuse.
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policyloop.bus import Bus, Delivery, PermanentError
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.learner.fair import FairShare
 from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.learner.start import VersionBehind
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
-from policyloop.rl.lora import AdapterTrainer, LoraSpec, adapter_model_name
+from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
+from policyloop.rl.recovery import Resumed, resume
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.push import VersionPusher
 
@@ -47,12 +55,17 @@ class RunSlot:
     max_lag: int
     pusher: VersionPusher
     dropped: int = 0
+    ledger_seq: int = 0        # LEDGER position of its newest recorded step
+    resumed: Resumed | None = None
 
 
 class AdapterLearner:
     def __init__(self, model: str, instance_id: str, trainer: AdapterTrainer, bus: Bus, *,
-                 versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000) -> None:
+                 versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000,
+                 checkpoint_root: Path | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 2) -> None:
         self.model, self.instance_id = model, instance_id
+        self.checkpoint_root, self.checkpoint_every, self.checkpoint_keep = checkpoint_root, checkpoint_every, \
+            checkpoint_keep
         self.trainer, self.bus, self.versions, self.publisher = trainer, bus, versions, publisher
         self.dedupe_steps = dedupe_steps
         self.slots: dict[str, RunSlot] = {}
@@ -66,15 +79,35 @@ class AdapterLearner:
         """Serves a new run from now on: its adapter starts at the base (version 0)."""
         if run_id in self.slots:
             raise ValueError(f"run {run_id!r} is served already")
+        name = adapter_model_name(self.model, run_id)
+        checkpoints = None if self.checkpoint_root is None else self.checkpoint_root / run_directory(run_id)
         async with self._trainer_lock:
             await asyncio.to_thread(self.trainer.add_run, run_id, spec)
-        name = adapter_model_name(self.model, run_id)
-        slot = RunSlot(run_id, name, HeldTrajectories(groups_per_step, RecentSteps(self.dedupe_steps)), max_lag,
-                       VersionPusher(self.publisher, name, run_id=run_id))
+            resumed = await resume(RunTrainer(self.trainer, run_id), self.bus, name, checkpoints, RUN_FILE)
+        slot = RunSlot(run_id, name, HeldTrajectories(groups_per_step, RecentSteps(self.dedupe_steps,
+                                                                                   resumed.recent_steps)),
+                       max_lag, VersionPusher(self.publisher, name, run_id=run_id), ledger_seq=resumed.ledger_seq,
+                       resumed=resumed)
+        await self._publish_resumed(slot, resumed)
+        self.removed.discard(run_id)
         self.slots[run_id] = slot
         self.fair.add(run_id, weight)
         log.info("run_added", run=run_id, adapter=name, rank=spec.rank, groups_per_step=groups_per_step)
         return slot
+
+    async def _publish_resumed(self, slot: RunSlot, resumed: Resumed) -> None:
+        """The newest replayed version may not have reached the publisher before the crash (LEDGER
+        is written first): it is pushed again (a copy the publisher holds is recognised)."""
+        version = self.trainer.run(slot.run_id).version
+        registered = await self.versions.get(slot.model)
+        if registered > version:  # training an older adapter under a later number would publish a regression
+            raise VersionBehind(f"{slot.model} is at version {registered} but run {slot.run_id!r} resumes only to "
+                                f"version {version}: is another learner serving it, or were checkpoints lost?")
+        if resumed.weights is not None and resumed.replayed:
+            await slot.pusher.push(resumed.weights, self.trainer.run(slot.run_id).steps)
+        if version > registered:
+            await self.versions.advance(slot.model, version)
+        slot.pusher.confirmed = resumed.weights
 
     async def remove_run(self, run_id: str) -> None:
         """Stops serving a run: what it holds is recorded as dropped and acked; its adapter is freed."""
@@ -145,13 +178,18 @@ class AdapterLearner:
             report = await asyncio.to_thread(self.trainer.step, run_id, fresh)
             tensors = await asyncio.to_thread(self.trainer.export_adapter, run_id)
         weights = await asyncio.to_thread(weight_set, run.version, tensors)
-        await record_trained(self.bus, slot.model, run_id, self.instance_id, StepRecord(
+        slot.ledger_seq = await record_trained(self.bus, slot.model, run_id, self.instance_id, StepRecord(
             step=report.step, version=run.version, manifest_hash=weights.manifest_hash,
             trajectory_ids=tuple(t.trajectory_id for t in samples),
             stream_sequences=tuple(slot.held.sequence(t.trajectory_id) for t in samples)))
         pushed = await slot.pusher.push(weights, report.step)
         await self.versions.advance(slot.model, run.version)
         slot.held.release(samples)
+        if self.checkpoint_root is not None and self.checkpoint_every and run.version % self.checkpoint_every == 0:
+            async with self._trainer_lock:
+                await asyncio.to_thread(self.trainer.save, self.checkpoint_root, run_id,
+                                        list(slot.held.trained.steps), {"ledger_seq": slot.ledger_seq},
+                                        self.checkpoint_keep)
         log.info("run_step", run=run_id, step=report.step, version=run.version, loss=round(report.loss, 5),
                  mean_reward=round(report.mean_reward, 4), pushed=pushed.kind, payload_bytes=pushed.payload_bytes)
         return run.version

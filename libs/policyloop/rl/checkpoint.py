@@ -115,13 +115,13 @@ def commit_checkpoint(tmp: Path, final: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The directory `latest` names, if it is complete."""
+def latest_checkpoint(root: Path, record: str = "trainer.json") -> Path | None:
+    """The directory `latest` names, if it is complete (holds its `record`, written last)."""
     pointer = Path(root) / LATEST
     if not pointer.exists():
         return None
     directory = Path(root) / pointer.read_text().strip()
-    return directory if (directory / "trainer.json").exists() else None
+    return directory if (directory / record).exists() else None
 
 
 def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:

@@ -288,3 +288,25 @@ class AdapterTrainer:
         for name, p in self.model.named_parameters():
             p.requires_grad_(f".{run.adapter}." in name)
         return self.model
+
+
+class RunTrainer:
+    """One run of an AdapterTrainer seen as a trainer of one version sequence: what a resume
+    (rl.recovery.resume) restores and replays."""
+
+    def __init__(self, trainer: AdapterTrainer, run_id: str) -> None:
+        self.trainer, self.run_id = trainer, run_id
+
+    @property
+    def version(self) -> int:
+        return self.trainer.run(self.run_id).version
+
+    def restore(self, directory: Path) -> AdapterCheckpoint:
+        return self.trainer.restore(directory)
+
+    def step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
+        return self.trainer.step(self.run_id, groups)
+
+    def export_tensors(self) -> dict[str, torch.Tensor]:
+        return self.trainer.export_adapter(self.run_id)
+

@@ -11,9 +11,10 @@ manifest hash it was published under; the version sequence goes on with no gap a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from policyloop.ledger import StepRecord, regroup, stored_trajectories, trained_steps
 from policyloop.rl.checkpoint import latest_checkpoint
@@ -21,7 +22,10 @@ from policyloop.telemetry.logging import get_logger
 from policyloop.weights.codec import WeightSet
 
 if TYPE_CHECKING:
+    import torch
+
     from policyloop.bus import Bus
+    from policyloop.contracts.v1 import bus_pb2
     from policyloop.rl.trainer import PolicyTrainer
 
 log = get_logger(__name__)
@@ -41,11 +45,27 @@ class Resumed:
     weights: WeightSet | None = None                          # the resumed version's weights (None: base)
 
 
-async def resume(trainer: PolicyTrainer, bus: Bus, model: str, checkpoint_dir: Path | None) -> Resumed:
-    """Brings `trainer` (fresh, at the base weights) to the newest version the ledger recorded."""
+class Replayable(Protocol):
+    """What a resume steps: a trainer of one policy version sequence (PolicyTrainer, or one LoRA
+    run of an AdapterTrainer, rl.lora.RunTrainer)."""
+
+    @property
+    def version(self) -> int: ...
+
+    def restore(self, directory: Path) -> Any: ...
+
+    def step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> Any: ...
+
+    def export_tensors(self) -> dict[str, torch.Tensor]: ...
+
+
+async def resume(trainer: PolicyTrainer | Replayable, bus: Bus, model: str, checkpoint_dir: Path | None,
+                 checkpoint_record: str = "trainer.json") -> Resumed:
+    """Brings `trainer` (fresh, at the base weights) to the newest version the ledger recorded
+    for `model`: its newest checkpoint under `checkpoint_dir`, then the steps recorded after it."""
     from policyloop.weights.torch_io import weight_set
 
-    directory = latest_checkpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    directory = latest_checkpoint(checkpoint_dir, checkpoint_record) if checkpoint_dir is not None else None
     resumed = Resumed(checkpoint=directory, checkpoint_version=0)
     if directory is not None:
         state = await asyncio.to_thread(trainer.restore, directory)
@@ -64,7 +84,7 @@ async def resume(trainer: PolicyTrainer, bus: Bus, model: str, checkpoint_dir: P
     return resumed
 
 
-async def replay_step(trainer: PolicyTrainer, bus: Bus, record: StepRecord) -> WeightSet:
+async def replay_step(trainer: PolicyTrainer | Replayable, bus: Bus, record: StepRecord) -> WeightSet:
     """Takes the recorded step again on the same trajectories; the result must be the version
     that was recorded (and maybe published) bit for bit."""
     from policyloop.weights.torch_io import weight_set
