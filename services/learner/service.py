@@ -45,6 +45,9 @@ async def body(ctx: ServiceContext) -> None:
         require_tracker(settings.tracker.kind)  # a missing extra: refused before the model loads
     except (DeviceUnavailable, TrackerUnavailable) as exc:
         raise ServiceCannotStart(str(exc)) from exc
+    if settings.lora_runs:
+        await serve_lora_runs(ctx, settings)
+        return
     trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, settings.trainer_config(), 0)
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
@@ -66,6 +69,51 @@ async def body(ctx: ServiceContext) -> None:
         await colocated.close()
         await asyncio.to_thread(tracker.close)
         trainer.close()
+
+
+async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> None:
+    """The many-runs learner: one frozen base, an adapter per LoRA run the gateway starts."""
+    from policyloop.bus import PullWorker
+    from policyloop.contracts.v1 import bus_pb2
+    from policyloop.contracts.validate import validate_trajectory
+    from policyloop.learner.adapters import AdapterLearner, follow_runs
+    from policyloop.rl.lora import AdapterTrainer
+    from policyloop.state import connect_redis
+    from policyloop.state.catalog import RunRegistry
+
+    if settings.colocated.engines or settings.tracker.kind != "none":
+        raise ServiceCannotStart("lora_runs: colocated engines and trackers are not served with LoRA runs yet")
+    trainer = await asyncio.to_thread(AdapterTrainer, settings.model_path, settings.trainer_config())
+    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
+                             deadline_s=settings.publish_deadline_s)
+    checkpoints = settings.checkpoint.dir if settings.checkpoint.resume else None
+    learner = AdapterLearner(settings.model, settings.instance_id, trainer, ctx.bus, versions=ctx.versions,
+                             publisher=publisher, dedupe_steps=settings.dedupe_steps, checkpoint_root=checkpoints,
+                             checkpoint_every=settings.checkpoint.every, checkpoint_keep=settings.checkpoint.kept)
+    consumer = ctx.bus.topology.consumers["learner"]
+    worker = PullWorker(ctx.bus, consumer, bus_pb2.Trajectory, learner.admit, service="learner",
+                        validator=validate_trajectory, concurrency=consumer.max_ack_pending)
+    # Run definitions are protobuf bytes: a client that does not decode responses reads them.
+    raw = await connect_redis(settings.redis_url, decode_responses=False)
+    training = asyncio.create_task(learner.run(ctx.stop))
+    following = asyncio.create_task(follow_runs(learner, RunRegistry(raw, settings.namespace), ctx.stop,
+                                                groups_per_step=settings.groups_per_step, max_lag=settings.max_lag))
+
+    def on_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:  # hand the held messages back: stop
+            log.error("lora_learner_failed", error=repr(task.exception()))
+            ctx.stop.set()
+
+    training.add_done_callback(on_done)
+    following.add_done_callback(on_done)
+    try:
+        await run_pull_workers(ctx, worker)
+    finally:
+        for task in (training, following):
+            task.cancel()
+        await asyncio.gather(training, following, return_exceptions=True)
+        await publisher.close()
+        await raw.aclose()
 
 
 async def serve_learner(ctx: ServiceContext, learner: Learner) -> None:

@@ -22,20 +22,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from redis.exceptions import RedisError
+
 from policyloop.bus import Bus, Delivery, PermanentError
-from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.learner.fair import FairShare
 from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.start import VersionBehind
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
-from policyloop.rl.recovery import Resumed, resume
+from policyloop.rl.recovery import Resumed, ResumeError, resume
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.push import VersionPusher
 
 if TYPE_CHECKING:
     from policyloop.state import VersionRegistry
+    from policyloop.state.catalog import RunRegistry
     from policyloop.weights.client import WeightClient
 
 log = get_logger(__name__)
@@ -83,7 +86,11 @@ class AdapterLearner:
         checkpoints = None if self.checkpoint_root is None else self.checkpoint_root / run_directory(run_id)
         async with self._trainer_lock:
             await asyncio.to_thread(self.trainer.add_run, run_id, spec)
-            resumed = await resume(RunTrainer(self.trainer, run_id), self.bus, name, checkpoints, RUN_FILE)
+            try:
+                resumed = await resume(RunTrainer(self.trainer, run_id), self.bus, name, checkpoints, RUN_FILE)
+            except BaseException:
+                await asyncio.to_thread(self.trainer.remove_run, run_id)
+                raise
         slot = RunSlot(run_id, name, HeldTrajectories(groups_per_step, RecentSteps(self.dedupe_steps,
                                                                                    resumed.recent_steps)),
                        max_lag, VersionPusher(self.publisher, name, run_id=run_id), ledger_seq=resumed.ledger_seq,
@@ -202,3 +209,44 @@ class AdapterLearner:
                                  [(t.trajectory_id, slot.held.sequence(t.trajectory_id)) for t in group])
             slot.dropped += len(group)
             slot.held.release(group)
+
+
+SERVED_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED)  # finished: its last samples still come
+ENDED_STATES = (loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FAILED)
+
+
+async def follow_runs(learner: AdapterLearner, runs: RunRegistry, stop: asyncio.Event, *, groups_per_step: int,
+                      max_lag: int, poll_s: float = 1.0) -> None:
+    """Serves the cluster's LoRA runs as the gateway starts and stops them (its run registry):
+    a running run with a LoRA spec is added (resumed, if it trained before), a stopped or failed
+    one removed. A run whose adapter cannot be made is marked failed, with the reason."""
+    while not stop.is_set():
+        try:
+            await _follow_once(learner, runs, groups_per_step=groups_per_step, max_lag=max_lag)
+        except RedisError as exc:
+            log.warning("runs_not_read", error=repr(exc))
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=poll_s)
+        except TimeoutError:
+            pass
+
+
+async def _follow_once(learner: AdapterLearner, runs: RunRegistry, *, groups_per_step: int, max_lag: int) -> None:
+    for run_id in await runs.run_ids():
+        state = await runs.state(run_id)
+        if run_id in learner.slots:
+            if state in ENDED_STATES:
+                await learner.remove_run(run_id)
+            continue
+        if state not in SERVED_STATES or run_id in learner.removed:
+            continue
+        definition = await runs.definition(run_id)
+        if definition is None or not definition.HasField("lora"):
+            continue
+        try:
+            await learner.add_run(run_id, LoraSpec.from_proto(definition.lora), groups_per_step=groups_per_step,
+                                  max_lag=definition.max_lag if definition.HasField("max_lag") else max_lag)
+        except (ValueError, VersionBehind, ResumeError) as exc:
+            log.error("run_not_served", run=run_id, error=str(exc))
+            learner.removed.add(run_id)
+            await runs.set_state(run_id, loop_pb2.RUN_STATE_FAILED, f"the learner cannot train it: {exc}")

@@ -69,7 +69,8 @@ def advertised_status(settings: LearnerSettings) -> status_pb2.LearnerStatus:
     """What the learner advertises from its start: the loop's shared settings and its objective,
     which rollout replicas and the gateway check theirs and runs' against."""
     return status_pb2.LearnerStatus(loop=settings.loop_config(),
-                                    loss=status_pb2.LossSettings(**settings.loss.model_dump()))
+                                    loss=status_pb2.LossSettings(**settings.loss.model_dump()),
+                                    lora_runs=settings.lora_runs)
 
 
 class LearnerFigures:

@@ -102,6 +102,11 @@ class LearnerSettings(ServiceSettings):
         1000, ge=1, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later "
                                 "ones exceed max_lag and are dropped as stale).")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads of this process.")
+    lora_runs: bool = Field(
+        False, description="Train LoRA runs — each its own adapter over the frozen base, many at once, sharing "
+                            "the learner fairly (learner.adapters) — instead of the full model for one run. The "
+                            "runs are those the gateway starts with a LoRA spec; each resumes from its own "
+                            "checkpoints and ledger. Not with colocated engines or a tracker yet.")
     overlap_publication: bool = Field(
         True, description="Publish version N (colocated broadcast, delta encode, push, registry, acks) while step "
                           "N+1 computes. Step N+1 is recorded in LEDGER only once N is published, so at most one "
