@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
+import redis.asyncio as aioredis
+
 from policyloop.common.ports import free_port
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.sglang_client import SGLangClient
@@ -38,6 +40,7 @@ async def body(ctx: ServiceContext) -> None:
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     status = status_pb2.RolloutStatus(loop=settings.loop_config(), engine_url=url)
     ctx.status = lambda: status
+    runs_redis = None
     try:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
         ctx.policy_version = await name_base_version(client)
@@ -49,8 +52,12 @@ async def body(ctx: ServiceContext) -> None:
         ctx.add_health_probe("loop", agreement.probe)
         replica = RolloutReplica(ctx, settings, client, tokenizer, engine_health, status,
                                  ready=lambda: engine_health.ready() and agreement.agrees())
+        if settings.lora_runs:
+            runs_redis = await serve_lora_runs(ctx, settings, replica, client, follower)
         await serve_replica(ctx, replica, follower, engine_health, agreement)
     finally:
+        if runs_redis is not None:
+            await runs_redis.aclose()
         await client.close()
         if engine_proc is not None:
             engine_proc.terminate()
@@ -58,6 +65,25 @@ async def body(ctx: ServiceContext) -> None:
                 await asyncio.to_thread(engine_proc.wait, 15)
             except subprocess.TimeoutExpired:
                 engine_proc.kill()
+
+
+async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replica: RolloutReplica,
+                          client: SGLangClient, follower: WeightFollower) -> aioredis.Redis:
+    """LoRA runs: the replica samples each task with its run's adapter, loaded as announced.
+    Returns the Redis client it reads run definitions with (closed by the caller)."""
+    from nats.js import api
+
+    from policyloop.rollout.adapters import LoraRuns, ServedAdapters
+    from policyloop.state import connect_redis
+    from policyloop.state.catalog import RunRegistry
+
+    raw = await connect_redis(settings.redis_url, decode_responses=False)  # run definitions are bytes
+    served = ServedAdapters(client, settings.weights_dir / "adapters", follower.publisher)
+    replica.lora = LoraRuns(ctx.bus, RunRegistry(raw, settings.namespace), served, settings.model, replica.pacer_for,
+                            on_serving=replica.serving_runs)
+    await ctx.bus.js.subscribe(replica.lora.subscription_subject(), cb=replica.lora.on_event, ordered_consumer=True,
+                               deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+    return raw
 
 
 async def serve_replica(ctx: ServiceContext, replica: RolloutReplica, follower: WeightFollower,

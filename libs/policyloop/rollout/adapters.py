@@ -18,9 +18,15 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.js.errors
+
+from policyloop.bus import Bus, PermanentError, weights_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rl.lora import LoraSpec, save_adapter_directory
+from policyloop.rl.lora import adapter_model_name, save_adapter_directory
+from policyloop.rl.settings import LoraSpec
+from policyloop.state.catalog import RunRegistry
+from policyloop.state.pacing import Pacer
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
@@ -55,6 +61,7 @@ class ServedAdapters:
         self.leases: Counter[str] = Counter()  # requests holding each loaded name
         self.loaded: dict[str, Path] = {}      # names loaded in the engine, and the directory each came from
         self._loading = asyncio.Lock()
+        self._moved = asyncio.Condition()       # notified whenever a run's newest version changes
 
     def serve(self, run_id: str, spec: LoraSpec, model: str) -> None:
         """Serves `run_id` from its next announced version on."""
@@ -79,6 +86,8 @@ class ServedAdapters:
             await self.engine.load_lora_adapter(name, str(directory))
             self.loaded[name] = directory
             previous, served.held, served.name = served.name, weights, name
+            async with self._moved:
+                self._moved.notify_all()
             log.info("adapter_loaded", run=run_id, version=weights.version, kind=report.kind,
                      payload_bytes=report.payload_bytes)
             if previous is not None:
@@ -93,6 +102,23 @@ class ServedAdapters:
         prefix = f"{run_id}@"
         for name in [n for n in self.loaded if n.startswith(prefix)]:
             await self._unload_if_unused(name)
+
+    def version(self, run_id: str) -> int:
+        """The newest version of the run loaded here (0: none yet, the base, which its adapter starts as)."""
+        served = self.runs.get(run_id)
+        return served.held.version if served is not None and served.held is not None else 0
+
+    def run_of(self, model: str) -> str | None:
+        """The served run whose adapter versions go under `model` at the publisher."""
+        return next((run_id for run_id, served in self.runs.items() if served.model == model), None)
+
+    async def version_moved(self, run_id: str, since: int, timeout_s: float) -> None:
+        """Returns once the run's loaded version is past `since`, or after `timeout_s`."""
+        async with self._moved:
+            try:
+                await asyncio.wait_for(self._moved.wait_for(lambda: self.version(run_id) > since), timeout_s)
+            except TimeoutError:
+                pass
 
     def current(self, run_id: str) -> AdapterLease | None:
         served = self.runs.get(run_id)
@@ -127,3 +153,70 @@ class ServedAdapters:
         await self.engine.unload_lora_adapter(name)
         shutil.rmtree(directory, ignore_errors=True)
         log.info("adapter_unloaded", name=name)
+
+
+class LoraRuns:
+    """A replica's LoRA runs (settings.lora_runs): which runs it serves — each known by its
+    definition in the run registry, read once — their adapters in its engine, and their pacing,
+    by each run's own versions."""
+
+    def __init__(self, bus: Bus, runs: RunRegistry, served: ServedAdapters, model: str,
+                 pacer_for: Callable[[str], Pacer | None],
+                 on_serving: Callable[[int], None] = lambda _: None) -> None:
+        self.bus, self.runs, self.served, self.model, self.pacer_for = bus, runs, served, model, pacer_for
+        self.on_serving = on_serving  # told how many runs are served, as that changes
+        self.pacers: dict[str, Pacer | None] = {}
+
+    async def serve(self, run_id: str) -> None:
+        """Serves the run from now on (its newest announced version loaded): PermanentError when
+        the run has no LoRA spec, which a cluster of LoRA runs cannot train."""
+        if run_id in self.served.runs:
+            return
+        definition = await self.runs.definition(run_id)
+        if definition is None or not definition.HasField("lora"):
+            raise PermanentError(f"run {run_id!r} has no LoRA spec: this cluster trains LoRA runs")
+        name = adapter_model_name(self.model, run_id)
+        self.served.serve(run_id, LoraSpec.from_proto(definition.lora), name)
+        self.pacers[run_id] = self.pacer_for(name)
+        self.on_serving(len(self.served.runs))
+        subject = weights_subject(name)
+        try:  # a run that trained before this replica started: its newest version now
+            newest = await self.bus.js.get_last_msg(self.bus.topology.stream_for_subject(subject).name, subject)
+        except nats.js.errors.NotFoundError:
+            return
+        await self.served.update(run_id, bus_pb2.WeightsPublished.FromString(newest.data))
+
+    async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
+        """A WEIGHTS announcement of some run's adapter: loaded when the run is served here."""
+        event = bus_pb2.WeightsPublished.FromString(msg.data)
+        run_id = self.served.run_of(event.model)
+        if run_id is None:
+            return
+        try:
+            await self.served.update(run_id, event)
+        except Exception as exc:  # noqa: BLE001 - the run samples with the version it has; the next one retries
+            log.warning("adapter_not_loaded", run=run_id, version=event.version, error=repr(exc))
+
+    def subscription_subject(self) -> str:
+        """Every model's announcements (a model name is one subject token, so a run's adapter has
+        no subject of its own under the base's): on_event keeps those of the runs served here."""
+        return weights_subject(self.model).rsplit(".", 1)[0] + ".*"
+
+    @asynccontextmanager
+    async def adapter(self, run_id: str) -> AsyncIterator[AdapterLease | None]:
+        """The run's newest loaded adapter, held while sampling with it; None while the run is at
+        version 0 (its adapter is still the base: the base samples)."""
+        if self.served.current(run_id) is None:
+            yield None
+            return
+        async with self.served.lease(run_id) as lease:
+            yield lease
+
+
+def stamp_version(traj: bus_pb2.Trajectory, version: int) -> None:
+    """Every token of a LoRA run's sample carries the adapter version that made it (the engine
+    reports the base's)."""
+    n = len(traj.response_token_ids)
+    del traj.version_spans[:]
+    if n:
+        traj.version_spans.append(bus_pb2.VersionSpan(version=version, start=0, end=n))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager, nullcontext
 from typing import Any
 
 from redis.exceptions import RedisError
@@ -27,6 +28,7 @@ from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
+from policyloop.rollout.adapters import AdapterLease, LoraRuns, stamp_version
 from policyloop.rollout.episodes import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.records import TaskRequestError, generate_request, group_members, record_response
@@ -45,7 +47,7 @@ log = get_logger(__name__)
 class RolloutReplica:
     def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient, tokenizer: Any,
                  engine_health: EngineHealth, status: status_pb2.RolloutStatus,
-                 ready: Callable[[], bool] | None = None) -> None:
+                 ready: Callable[[], bool] | None = None, lora: LoraRuns | None = None) -> None:
         self.ctx, self.settings, self.client, self.tokenizer = ctx, settings, client, tokenizer
         self.engine_health, self.status = engine_health, status
         self.ready = ready or engine_health.ready  # whether to take a new Task now
@@ -53,33 +55,58 @@ class RolloutReplica:
         self.episode_tokenizer = from_hf(tokenizer)
         self.progress = RunProgressStore(ctx.redis, settings.namespace)
         self.stopped_runs = StoppedRuns(RunRegistry(ctx.redis, settings.namespace))
-        self.pacer = None if settings.max_lag < 0 else Pacer(
-            ctx.redis, settings.namespace, settings.model, groups_per_step=settings.groups_per_step,
-            max_lag=settings.max_lag)
+        self.pacer = self.pacer_for(settings.model)
+        self.lora = lora  # LoRA runs: each samples with its run's adapter, paced by its versions
+        self.worker: PullWorker[bus_pb2.Task] | None = None
+
+    def pacer_for(self, model: str) -> Pacer | None:
+        settings = self.settings
+        return None if settings.max_lag < 0 else Pacer(self.ctx.redis, settings.namespace, model,
+                                                       groups_per_step=settings.groups_per_step,
+                                                       max_lag=settings.max_lag)
 
     def pull_worker(self) -> PullWorker[bus_pb2.Task]:
-        return PullWorker(self.ctx.bus, self.ctx.bus.topology.consumers["rollout"], bus_pb2.Task, self.handle,
-                          service="rollout", concurrency=self.settings.task_concurrency, validator=validate_task,
-                          ready=self.ready)
+        self.worker = PullWorker(self.ctx.bus, self.ctx.bus.topology.consumers["rollout"], bus_pb2.Task,
+                                 self.handle, service="rollout", concurrency=self.settings.task_concurrency,
+                                 validator=validate_task, ready=self.ready)
+        return self.worker
+
+    def serving_runs(self, count: int) -> None:
+        """LoRA runs: a run's tasks that wait for its pacing hold task slots, so each run served
+        gets task_concurrency of them — a paced run cannot take every slot from the others."""
+        if self.worker is not None:
+            self.worker.concurrency = self.settings.task_concurrency * max(1, count)
 
     async def handle(self, delivery: Delivery[bus_pb2.Task]) -> None:
         task = delivery.message
+        if self.lora is not None:
+            await self.lora.serve(task.run_id)
         if not await self._admit(task, delivery.delivery_count):
             return
         group = group_members(task, self.settings.instance_id)
         prompt_ids = self._prompt_ids(task)
         for traj in group:
             traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
-        batch: asyncio.Future[list[Completion]] | None = None
-        if task.max_turns <= 1:
-            # One engine call for the group: its requests go together (SGLang's batch form).
-            batch = asyncio.ensure_future(self.generate_batch([self._request(task, traj) for traj in group]))
-        try:
-            traces = await asyncio.gather(*(self.sample(task, traj, batch, i) for i, traj in enumerate(group)))
-        finally:
-            if batch is not None and not batch.done():
-                batch.cancel()
+        async with self._adapter(task.run_id) as adapter:
+            lora_path = None if adapter is None else adapter.name
+            batch: asyncio.Future[list[Completion]] | None = None
+            if task.max_turns <= 1:
+                # One engine call for the group: its requests go together (SGLang's batch form).
+                batch = asyncio.ensure_future(self.generate_batch(
+                    [self._request(task, traj, lora_path) for traj in group]))
+            try:
+                traces = await asyncio.gather(*(self.sample(task, traj, batch, i, lora_path)
+                                                for i, traj in enumerate(group)))
+            finally:
+                if batch is not None and not batch.done():
+                    batch.cancel()
+        if self.lora is not None:
+            for traj in group:
+                stamp_version(traj, 0 if adapter is None else adapter.version)
         await self._store(task, group, traces)
+
+    def _adapter(self, run_id: str) -> AbstractAsyncContextManager[AdapterLease | None]:
+        return nullcontext(None) if self.lora is None else self.lora.adapter(run_id)
 
     async def _admit(self, task: bus_pb2.Task, delivery_count: int) -> bool:
         """False for a first delivery of a stopped run's Task (acked unsampled: never generated,
@@ -89,13 +116,18 @@ class RolloutReplica:
         if delivery_count == 1 and await self._run_ended(task.run_id):
             self.status.tasks_skipped += 1
             return False
-        while self.pacer is not None:
-            served = self.ctx.policy_version
-            if await self.pacer.try_admit(task.task_id, served):
+        lora = self.lora
+        pacer = self.pacer if lora is None else lora.pacers.get(task.run_id)
+        while pacer is not None:
+            served = self.ctx.policy_version if lora is None else lora.served.version(task.run_id)
+            if await pacer.try_admit(task.task_id, served):
                 break
             self.status.paced = True
             # Only this replica's engine moving to a newer version can open a slot for it.
-            await self.ctx.version_moved(served, self.settings.pacing_poll_s)
+            if lora is None:
+                await self.ctx.version_moved(served, self.settings.pacing_poll_s)
+            else:
+                await lora.served.version_moved(task.run_id, served, self.settings.pacing_poll_s)
         self.status.paced = False
         return True
 
@@ -132,21 +164,23 @@ class RolloutReplica:
         self.status.tasks_done += 1
         self.status.generated_tokens += generated
 
-    def _request(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> GenerateRequest:
+    def _request(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, lora_path: str | None = None) -> GenerateRequest:
         try:
-            return generate_request(task, traj, self.stop_ids)
+            request = generate_request(task, traj, self.stop_ids)
         except TaskRequestError as exc:
             raise PermanentError(str(exc)) from exc
+        return request if lora_path is None else request.model_copy(update={"lora_path": lora_path})
 
     async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory,
-                     batch: asyncio.Future[list[Completion]] | None, index: int) -> tracing.Context:
+                     batch: asyncio.Future[list[Completion]] | None, index: int,
+                     lora_path: str | None = None) -> tracing.Context:
         """Samples one member of the group: a single-turn member takes the `index`-th answer of the
         group's `batch`, a multi-turn one (no batch) runs its episode. Returns the trace context it
         was sampled in."""
         with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
                                                 tracing.ENVIRONMENT: task.environment}) as made:
             if batch is None:
-                await self._episode(task, traj, self._request(task, traj))
+                await self._episode(task, traj, self._request(task, traj, lora_path))
             else:
                 completion = (await asyncio.shield(batch))[index]
                 self._count_resubmits(completion)

@@ -48,6 +48,11 @@ class RolloutSettings(ServiceSettings):
                                 "with the rest of the budget (partial rollouts). The cache is flushed only with abort "
                                 "(SGLang cannot flush while requests are held).")
     max_resubmits: int = Field(8, description="Most resubmissions of one sample cut short by weight updates.")
+    lora_runs: bool = Field(
+        False, description="Serve LoRA runs, as a learner with lora_runs trains them: each task samples with its "
+                           "run's newest adapter (loaded into the engine by version, rollout.adapters), its tokens "
+                           "stamped with that adapter version, paced by the run's own versions. The base stays "
+                           "as loaded.")
     engine_health_interval_s: float = Field(
         2.0, description="How often the engine's /health is checked; the replica reports unhealthy while it fails, "
                          "and takes no new Task until it answers again.")
