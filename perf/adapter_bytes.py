@@ -6,7 +6,7 @@ encoded as the learner pushes it (policyloop.weights.codec: an exact XOR delta f
 version, the first a keyframe). Reported per side: raw bytes of a version, the keyframe's bytes,
 the median delta's bytes and encode seconds, and the full/adapter ratio of the deltas.
 
-    .venv/bin/python perf/adapter_bytes.py                   # a ~85M-parameter Qwen2, rank 16
+    .venv/bin/python perf/adapter_bytes.py                   # a ~75M-parameter Qwen2, rank 16
     .venv/bin/python perf/adapter_bytes.py --size demo --steps 5
 
 Prints JSON; writes it and adapter_bytes.png to --out.
@@ -35,9 +35,9 @@ from policyloop.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
 from policyloop.weights import codec  # noqa: E402
 from policyloop.weights.torch_io import weight_set  # noqa: E402
 
-# A Qwen2 of about 85M parameters with the bootstrap tokenizer (its embeddings are small).
+# A Qwen2 of about 75M parameters with the bootstrap tokenizer (its embeddings are small).
 SIZES = {"demo": None,
-         "85m": BootstrapConfig(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
+         "75m": BootstrapConfig(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2048,
                                 max_position_embeddings=128)}
 
 
@@ -121,7 +121,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--size", choices=sorted(SIZES), default="85m")
+    parser.add_argument("--size", choices=sorted(SIZES), default="75m")
     parser.add_argument("--model-path", type=Path, default=None, help="a model directory instead of --size")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
