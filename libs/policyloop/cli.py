@@ -421,8 +421,12 @@ def demo(
     groups_per_step: Annotated[int, typer.Option(help=field_help(ServiceSettings, "groups_per_step"))]
     = field_default(ServiceSettings, "groups_per_step"),
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
-    lr: Annotated[float, typer.Option(help=field_help(OptimizerSettings, "lr"))]
-    = field_default(OptimizerSettings, "lr"),
+    lr: Annotated[float | None, typer.Option(
+        help=field_help(OptimizerSettings, "lr") + f" Default: {field_default(OptimizerSettings, 'lr')}, "
+             "or 3e-4 with --lora-rank.")] = None,
+    runs: Annotated[int, typer.Option(help="With --lora-rank: LoRA runs of the task trained at once.")] = 1,
+    lora_rank: Annotated[int, typer.Option(
+        help="Train LoRA runs of this rank over the frozen base, --runs of them at once (0: the full model).")] = 0,
     max_lag: Annotated[int, typer.Option(help=field_help(ServiceSettings, "max_lag"))]
     = field_default(ServiceSettings, "max_lag"),
     weight_update_mode: Annotated[str, typer.Option(
@@ -455,11 +459,18 @@ def demo(
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
+    if runs < 1 or lora_rank < 0 or (runs > 1 and not lora_rank) or (lora_rank and (tools or tracker != "none")):
+        console.print("[red]--runs N needs --lora-rank; LoRA runs go without --tools and --tracker[/red]")
+        raise typer.Exit(2)
+    from policyloop.cluster.demo_runs import LORA_DEMO_LR
+
+    if lr is None:
+        lr = LORA_DEMO_LR if lora_rank else field_default(OptimizerSettings, "lr")
     config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
-                        prometheus=prometheus, tracker=tracker)
+                        prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 

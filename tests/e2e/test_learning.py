@@ -74,3 +74,26 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
     evaluations.Reload()
     assert [(e.step, e.value) for e in evaluations.Scalars("eval/heldout_accuracy")] == \
         [(e["version"], pytest.approx(e["accuracy"])) for e in summary["evaluations"]]
+
+
+# Slow (the whole cluster for minutes): the default run covers two LoRA runs through the loop
+# (tests/integration/test_lora_loop.py) and each part on its own.
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_trains_two_lora_runs_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"), "--out", str(out),
+         "--runs", "2", "--lora-rank", "16", "--budget-s", "240", "--eval-interval-s", "60",
+         "--eval-problems", str(EVAL_PROBLEMS), "--no-prometheus"],
+        capture_output=True, text=True, timeout=840,
+    )
+    summary = json.loads((out / "summary.json").read_text())
+    runs = summary["runs"]
+    assert len(runs) == 2 and len({r["run_id"] for r in runs}) == 2, summary
+    for run in runs:
+        assert run["steps"] > 0 and run["accuracy_after"] > run["accuracy_before"], run
+        assert 0 < run["adapter_bytes_per_version"] <= run["adapter_raw_bytes"]
+        assert run["evaluations"], run
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert (out / "reward_accuracy.png").stat().st_size > 1000

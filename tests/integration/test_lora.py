@@ -19,19 +19,6 @@ from tests.integration.test_trainer import group
 PROMPT, GOOD, BAD = [4, 5, 14, 6, 7, 16], [8, 1], [9, 1]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from policyloop.models.bootstrap import BootstrapConfig, make_model
-    from policyloop.models.tokenizer import save_tokenizer
-
-    directory = tmp_path_factory.mktemp("tiny-base")
-    torch.manual_seed(0)
-    make_model(BootstrapConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                               intermediate_size=64)).save_pretrained(directory)
-    save_tokenizer(directory)
-    return directory
-
-
 def batch_of(step: int, behaviour_shift: float = 0.0) -> list[list]:
     behaviour = [[-1.0 - behaviour_shift] * 2, [-1.2 + behaviour_shift] * 2]
     return [group(f"t{step}", PROMPT, [GOOD, BAD], [1.0, 0.0], behaviour)] * 2
@@ -51,7 +38,7 @@ def config(**loss: object) -> TrainerConfig:
     return TrainerConfig(lr=1e-2, weight_decay=0.01, device="cpu", loss=LossConfig(**loss))
 
 
-def test_a_spec_is_checked_field_by_field(model_dir: Path) -> None:
+def test_a_spec_is_checked_field_by_field(tiny_model_dir: Path) -> None:
     with pytest.raises(ValidationError, match="rank"):
         LoraSpec(rank=0)
     with pytest.raises(ValidationError, match="dropout"):
@@ -60,7 +47,7 @@ def test_a_spec_is_checked_field_by_field(model_dir: Path) -> None:
         LoraSpec(target_modules=("q_proj", "q_proj"))
     with pytest.raises(ValidationError, match="target_modules"):
         LoraSpec(target_modules=("layers.0.q_proj",))
-    trainer = AdapterTrainer(model_dir, config())
+    trainer = AdapterTrainer(tiny_model_dir, config())
     with pytest.raises(ValueError, match="target_modules: the model has no linear modules named \\['qkv'\\]"):
         trainer.add_run("a", LoraSpec(target_modules=("q_proj", "qkv")))
     trainer.add_run("a", LoraSpec(rank=4))
@@ -70,7 +57,7 @@ def test_a_spec_is_checked_field_by_field(model_dir: Path) -> None:
         trainer.step("b", batch_of(0))
 
 
-def test_a_lora_step_is_the_step_peft_gives(model_dir: Path) -> None:
+def test_a_lora_step_is_the_step_peft_gives(tiny_model_dir: Path) -> None:
     """Two steps of a run against the same two steps done by hand on a peft model built directly
     (same initial adapter, AdamW over its trainable parameters, clipping and schedule)."""
     from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
@@ -78,10 +65,10 @@ def test_a_lora_step_is_the_step_peft_gives(model_dir: Path) -> None:
 
     cfg = config()
     spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
-    trainer = AdapterTrainer(model_dir, cfg)
+    trainer = AdapterTrainer(tiny_model_dir, cfg)
     trainer.add_run("a", spec)
 
-    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
                                spec.peft_config(), adapter_name="ref")
     set_peft_model_state_dict(reference, trainer.export_adapter("a"), adapter_name="ref")  # the same random A
     params = [p for p in reference.parameters() if p.requires_grad]
@@ -105,8 +92,8 @@ def test_a_lora_step_is_the_step_peft_gives(model_dir: Path) -> None:
     assert trainer.run("a").version == 2
 
 
-def test_two_runs_never_touch_each_others_adapter_or_optimizer_and_the_base_stays(model_dir: Path) -> None:
-    trainer = AdapterTrainer(model_dir, config())
+def test_two_runs_never_touch_each_others_adapter_or_optimizer_and_the_base_stays(tiny_model_dir: Path) -> None:
+    trainer = AdapterTrainer(tiny_model_dir, config())
     base = list(trainer.base.parameters())  # before any adapter: the base weights alone
     base_before = [p.detach().clone() for p in base]
     trainer.add_run("a", LoraSpec(rank=4, target_modules=("q_proj", "v_proj")))
@@ -135,8 +122,8 @@ def test_two_runs_never_touch_each_others_adapter_or_optimizer_and_the_base_stay
     assert all(torch.equal(p, before) for p, before in zip(base, base_before, strict=True))
 
 
-def test_a_removed_run_frees_its_adapter_and_the_others_train_on(model_dir: Path) -> None:
-    trainer = AdapterTrainer(model_dir, config())
+def test_a_removed_run_frees_its_adapter_and_the_others_train_on(tiny_model_dir: Path) -> None:
+    trainer = AdapterTrainer(tiny_model_dir, config())
     trainer.add_run("a", LoraSpec(rank=4))
     trainer.add_run("b", LoraSpec(rank=4))
     adapter_b = trainer.run("b").adapter
@@ -149,8 +136,8 @@ def test_a_removed_run_frees_its_adapter_and_the_others_train_on(model_dir: Path
     assert trainer.run("b").adapter != adapter_b and trainer.run("b").version == 0
 
 
-def test_the_kl_reference_of_a_run_is_the_base(model_dir: Path) -> None:
-    trainer = AdapterTrainer(model_dir, config(kl_coef=0.1))
+def test_the_kl_reference_of_a_run_is_the_base(tiny_model_dir: Path) -> None:
+    trainer = AdapterTrainer(tiny_model_dir, config(kl_coef=0.1))
     trainer.add_run("a", LoraSpec(rank=4))
     first = trainer.step("a", batch_of(0))
     assert first.kl_reference == pytest.approx(0.0, abs=1e-9)  # B = 0: the run starts at the base
@@ -159,10 +146,10 @@ def test_the_kl_reference_of_a_run_is_the_base(model_dir: Path) -> None:
     assert report.kl_reference > 0
 
 
-def test_runs_resume_from_their_own_checkpoints_exactly(model_dir: Path, tmp_path: Path) -> None:
+def test_runs_resume_from_their_own_checkpoints_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:
     from policyloop.rl.lora import latest_run_checkpoint, run_directory
 
-    first = AdapterTrainer(model_dir, config())
+    first = AdapterTrainer(tiny_model_dir, config())
     first.add_run("team/a", LoraSpec(rank=4, target_modules=("q_proj", "v_proj")))
     first.add_run("b", LoraSpec(rank=8))
     for step in range(2):
@@ -172,7 +159,7 @@ def test_runs_resume_from_their_own_checkpoints_exactly(model_dir: Path, tmp_pat
     first.save(tmp_path, "b")
     first.step("team/a", batch_of(2))  # what the resumed trainer must reproduce
 
-    second = AdapterTrainer(model_dir, config())
+    second = AdapterTrainer(tiny_model_dir, config())
     assert latest_run_checkpoint(tmp_path, "c") is None
     state = second.restore(latest_run_checkpoint(tmp_path, "team/a"))
     assert (state.run_id, state.version, state.steps) == ("team/a", 2, 2)
@@ -193,7 +180,7 @@ def test_runs_resume_from_their_own_checkpoints_exactly(model_dir: Path, tmp_pat
         ["version-000000004", "version-000000005"]
     assert "/" not in run_directory("team/a") and run_directory("team/a") != run_directory("team_a")
 
-    third = AdapterTrainer(model_dir, config())
+    third = AdapterTrainer(tiny_model_dir, config())
     third.add_run("b", LoraSpec(rank=4))
     with pytest.raises(ValueError, match="LoRA spec"):
         third.restore(latest_run_checkpoint(tmp_path, "b"))

@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +31,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from policyloop.bus import Bus
+from policyloop.cluster.demo_runs import AdapterEvaluator, RunEvaluation, RunResult, run_versions, start_lora_runs
 from policyloop.cluster.local import LocalCluster
 from policyloop.cluster.status import ClusterStatus, cluster_status
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, status_pb2
@@ -41,9 +42,9 @@ from policyloop.envs import arithmetic
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
 from policyloop.learner.settings import LearnerSettings, TrackerSettings
 from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, mlflow_tracking_uri, open_tracker
-from policyloop.rl.settings import LossConfig
+from policyloop.rl.settings import LoraSpec, LossConfig
 from policyloop.rollout.episodes import from_hf, run_episode, sandbox_tools
-from policyloop.state import Heartbeat, HeartbeatRegistry, connect_redis
+from policyloop.state import Heartbeat, HeartbeatRegistry, VersionRegistry, connect_redis
 from policyloop.telemetry.dashboard import grafana_dir
 
 
@@ -70,6 +71,8 @@ class DemoConfig:
     tools: bool = False                  # the multi-turn environment (python tool in the sandbox)
     prometheus: bool | None = None       # Prometheus beside the cluster (None: when it is installed)
     tracker: str = "none"                # experiment tracker of the learner's steps and the evaluations
+    runs: int = 1                        # with lora_rank: LoRA runs trained at once
+    lora_rank: int = 0                   # 0: the full model, one run; else each run a LoRA adapter of this rank
 
 
 @dataclass
@@ -112,6 +115,7 @@ class DemoResult:
     progress: list[Progress] = field(default_factory=list)
     evaluations: list[Evaluation] = field(default_factory=list)
     tracker_run: str = ""                # the run's name in the tracker, when there is one
+    runs: list[RunResult] = field(default_factory=list)  # LoRA runs: each run's own figures
 
 
 TOOL_MAX_TURNS = 3          # model turns of a tools episode: call, call, answer at most
@@ -146,7 +150,7 @@ class Evaluated:
 
 
 async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Problem],  # type: ignore[no-untyped-def]
-                   tools_bus: Bus | None = None) -> Evaluated:
+                   tools_bus: Bus | None = None, lora_path: str | None = None) -> Evaluated:
     """Greedy held-out accuracy of what the engine serves now. With `tools_bus`, each problem is a
     tools episode whose calls run in the cluster's sandbox, judged on the last model turn."""
     eos = tokenizer.eos_token_id
@@ -154,8 +158,10 @@ async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Pr
 
     async def one(i: int, problem: arithmetic.Problem) -> tuple[GenerateResult, str, bool]:
         prompt = (TOOLS_PROMPT_TOKEN if tools_bus else "") + problem.prompt
+        rid = f"eval-{i}" if lora_path is None else f"eval-{lora_path}-{i}"
         request = GenerateRequest(
-            input_ids=tokenizer(prompt, add_special_tokens=False).input_ids, rid=f"eval-{i}", return_logprob=False,
+            input_ids=tokenizer(prompt, add_special_tokens=False).input_ids, rid=rid, return_logprob=False,
+            lora_path=lora_path,
             sampling_params=SamplingParams(max_new_tokens=TOOL_MAX_NEW_TOKENS if tools_bus else 8, temperature=0.0,
                                            stop_token_ids=(eos,)))
         if tools_bus is None:
@@ -256,6 +262,18 @@ def record_final_figures(result: DemoResult, beats: dict[str, Heartbeat]) -> Non
     result.dropped = {f.name: v for f, v in learner.dropped.ListFields()}
 
 
+async def wait_for_published(heartbeats: HeartbeatRegistry, timeout_s: float) -> dict[str, Heartbeat]:
+    """The heartbeats once the learner's last counted step has its version pushed (a step counts
+    when it is recorded; with overlap_publication its version is pushed while the next computes)."""
+    deadline = time.monotonic() + timeout_s
+    beats = await _heartbeats(heartbeats)
+    while (beats["learner"].learner.weights.versions_pushed < beats["learner"].learner.step
+           and time.monotonic() < deadline):
+        await asyncio.sleep(0.5)
+        beats = await _heartbeats(heartbeats)
+    return beats
+
+
 async def wait_for_last_version(heartbeats: HeartbeatRegistry, timeout_s: float) -> None:
     """The engine loads the last published version shortly after the learner's last step."""
     deadline = time.monotonic() + timeout_s
@@ -291,6 +309,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
     # Tools episodes in the evaluation run their calls in the cluster's sandbox, over the bus.
     tools_bus = await Bus.connect(cluster.nats_url, name="demo-eval") if config.tools else None
     result = DemoResult("", 0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
+    evaluator: AdapterEvaluator | None = None
 
     async def held_out(t: float) -> Evaluation:
         measured = await evaluate(client, tokenizer, heldout, tools_bus)
@@ -312,11 +331,37 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
         gateway = cluster.process("gateway-0").ports["grpc"]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
             stub = loop_pb2_grpc.LoopServiceStub(channel)
-            reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens,
-                                                    config.temperature, config.seed, config.tools)
-            result.run_id = run.run_id
-            console.print(f"run {run.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
-                          f"{config.groups_per_step} groups per step, lr {config.lr}")
+            if config.lora_rank:
+                env = arithmetic_environment(config.group_size, config.max_new_tokens, config.temperature)
+                reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
+                started_runs = await start_lora_runs(stub, reply.environment, config.runs, config.lora_rank,
+                                                     config.seed)
+                result.runs = [RunResult(r.run_id, accuracy_before=before.accuracy) for r in started_runs]
+                publisher = f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}"
+                evaluator = AdapterEvaluator(client, publisher, LoraSpec.from_proto(started_runs[0].lora))
+                run_versions_of = VersionRegistry(redis_client, cluster.namespace)
+            else:
+                reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens,
+                                                        config.temperature, config.seed, config.tools)
+                started_runs = [run]
+            result.run_id = "+".join(r.run_id for r in started_runs)
+            console.print(f"run {result.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
+                          f"{config.groups_per_step} groups per step, lr {config.lr}"
+                          + (f", LoRA rank {config.lora_rank}" if config.lora_rank else ""))
+
+            async def adapter_held_out(run: RunResult, t: float) -> RunEvaluation | None:
+                loaded = await evaluator.load(run.run_id)
+                if loaded is None:
+                    return None
+                name, version = loaded
+                try:
+                    measured = await evaluate(client, tokenizer, heldout, lora_path=name)
+                finally:
+                    await evaluator.unload(name)
+                evaluation = RunEvaluation(round(t, 1), version, measured.accuracy)
+                run.evaluations.append(evaluation)
+                return evaluation
+
             started = time.monotonic()
             next_eval = config.eval_interval_s
             last_tokens, last_t = 0, 0.0
@@ -328,32 +373,67 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
                 tokens = beats["rollout"].rollout.generated_tokens
                 rate = (tokens - last_tokens) / max(1e-6, t - last_t)
                 last_tokens, last_t = tokens, t
-                progress = Progress(round(t, 1), learner.learner.step, learner.policy_version,
-                                    learner.learner.last_step.mean_reward, tokens, round(rate, 1))
+                if config.lora_rank:
+                    per_run = await run_versions(run_versions_of, result.runs)
+                    progress = Progress(round(t, 1), min(per_run.values()), min(per_run.values()), 0.0, tokens,
+                                        round(rate, 1))
+                    line = f"[{t:6.1f}s] steps by run {per_run}  {rate:7.0f} tok/s"
+                else:
+                    progress = Progress(round(t, 1), learner.learner.step, learner.policy_version,
+                                        learner.learner.last_step.mean_reward, tokens, round(rate, 1))
+                    lag = dict(sorted(learner.learner.lag_histogram.items()))
+                    line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
+                            f"lag {lag}  {rate:7.0f} tok/s")
                 result.progress.append(progress)
-                lag = dict(sorted(learner.learner.lag_histogram.items()))
-                line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
-                        f"lag {lag}  {rate:7.0f} tok/s")
                 if t >= next_eval:
-                    evaluation = await held_out(time.monotonic() - started)
-                    line += f"  held-out {described(evaluation)} (v{evaluation.version})"
+                    if config.lora_rank:
+                        for run_result in result.runs:
+                            measured_run = await adapter_held_out(run_result, time.monotonic() - started)
+                            if measured_run is not None:
+                                line += f"  {run_result.run_id} {measured_run.accuracy:.1%} (v{measured_run.version})"
+                    else:
+                        evaluation = await held_out(time.monotonic() - started)
+                        line += f"  held-out {described(evaluation)} (v{evaluation.version})"
                     next_eval += config.eval_interval_s
                 console.print(line)
                 if t >= config.budget_s or (config.max_steps and progress.step >= config.max_steps):
                     break
-            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
+            for started_run in started_runs:
+                await stub.StopRun(loop_pb2.StopRunRequest(run_id=started_run.run_id), timeout=30)
             result.wall_seconds = round(time.monotonic() - started, 1)
-        record_final_figures(result, await _heartbeats(heartbeats))
-        await wait_for_last_version(heartbeats, timeout_s=30)
-        after = await held_out(result.wall_seconds)
-        result.accuracy_after, result.tool_use_after = after.accuracy, after.tool_use
-        console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version})")
+        record_final_figures(result, await wait_for_published(heartbeats, timeout_s=30))
+        if config.lora_rank:
+            await _finish_lora_runs(result, adapter_held_out, evaluator, console)
+        else:
+            await wait_for_last_version(heartbeats, timeout_s=30)
+            after = await held_out(result.wall_seconds)
+            result.accuracy_after, result.tool_use_after = after.accuracy, after.tool_use
+            console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version})")
     finally:
+        if evaluator is not None:
+            await evaluator.close()
         await client.close()
         if tools_bus is not None:
             await tools_bus.close()
         await redis_client.aclose()
     return result
+
+
+async def _finish_lora_runs(result: DemoResult, adapter_held_out: Callable[[RunResult, float],
+                                                                          Awaitable[RunEvaluation | None]],
+                            evaluator: AdapterEvaluator, console: Console) -> None:
+    """Each LoRA run's final figures: its newest adapter on the held-out problems, its versions
+    and the bytes of one of them; the demo's before/after are the runs' means."""
+    for run in result.runs:
+        after = await adapter_held_out(run, result.wall_seconds)
+        run.accuracy_after = run.accuracy_before if after is None else after.accuracy
+        run.steps = 0 if after is None else after.version
+        run.adapter_bytes_per_version, run.adapter_raw_bytes = await evaluator.bytes_per_version(run.run_id)
+        console.print(f"run {run.run_id}: held-out {run.accuracy_before:.1%} → [bold]{run.accuracy_after:.1%}"
+                      f"[/bold] in {run.steps} steps; {run.adapter_bytes_per_version / 1e6:.2f} MB per adapter "
+                      f"version (delta; {run.adapter_raw_bytes / 1e6:.2f} MB raw)")
+    result.steps = sum(run.steps for run in result.runs)
+    result.accuracy_after = sum(run.accuracy_after for run in result.runs) / len(result.runs)
 
 
 def write_plot(result: DemoResult, path: Path) -> None:
@@ -363,10 +443,16 @@ def write_plot(result: DemoResult, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    trained = [p for p in result.progress if p.step > 0]  # before the first step there is no reward yet
-    ax.plot([p.t for p in trained], [p.mean_reward for p in trained], label="mean reward (train)")
-    ax.plot([e.t for e in result.evaluations], [e.accuracy for e in result.evaluations], "o-",
-            label="held-out accuracy")
+    if result.runs:  # LoRA runs: each run's adapter on the held-out problems, from the base's accuracy
+        for run in result.runs:
+            points = [(0.0, run.accuracy_before)] + [(e.t, e.accuracy) for e in run.evaluations]
+            ax.plot([t for t, _ in points], [a for _, a in points], "o-",
+                    label=f"{run.run_id}: held-out accuracy ({run.steps} steps)")
+    else:
+        trained = [p for p in result.progress if p.step > 0]  # before the first step there is no reward yet
+        ax.plot([p.t for p in trained], [p.mean_reward for p in trained], label="mean reward (train)")
+        ax.plot([e.t for e in result.evaluations], [e.accuracy for e in result.evaluations], "o-",
+                label="held-out accuracy")
     if any(e.tool_use for e in result.evaluations):
         ax.plot([e.t for e in result.evaluations], [e.tool_use for e in result.evaluations], "s--",
                 label="held-out episodes that ran the tool")
@@ -402,6 +488,7 @@ def loop_env(config: DemoConfig) -> dict[str, str]:
         **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
         "POLICYLOOP_MAX_LAG": str(config.max_lag),
         "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
+        **({"POLICYLOOP_LORA_RUNS": "true"} if config.lora_rank else {}),
     }
 
 
@@ -496,4 +583,6 @@ def _run_demo(config: DemoConfig, tracking: TrackerSettings, tracker: Tracker, *
     if result.tracker_run:
         console.print(f"tracker: run {result.tracker_run} (learner steps and held-out evaluations): "
                       f"{where_to_look(tracking)}")
+    if result.runs:
+        return 0 if all(run.accuracy_after > run.accuracy_before for run in result.runs) else 1
     return 0 if gain > 0 else 1

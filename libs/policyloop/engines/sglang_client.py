@@ -55,6 +55,7 @@ from policyloop.engines.protocol import (
 from policyloop.weights.broadcast.engine_control import EngineControlError, WeightSyncError
 
 R = TypeVar("R", UpdateWeightsResult, ControlResult)
+A = TypeVar("A", ControlResult, LoraUpdateResult)
 
 
 class EngineError(EngineControlError):
@@ -332,13 +333,18 @@ class SGLangClient:
     async def unload_lora_adapter(self, lora_name: str) -> LoraUpdateResult:
         return await self._lora_update("/unload_lora_adapter", UnloadLoraAdapterRequest(lora_name=lora_name).to_json())
 
-    async def _lora_update(self, path: str, payload: dict[str, Any]) -> LoraUpdateResult:
+    async def _post_once(self, path: str, payload: dict[str, Any], parse: Callable[[Any], A]) -> tuple[int, str, A]:
+        """Sends one request that is never resent once it may have reached the engine; (status,
+        body, the parsed answer), or SGLang's ErrorResponse raised."""
         status, body = await self._call("POST", path, payload, idempotent=False)
         try:
-            result = LoraUpdateResult.from_json(json.loads(body))
+            return status, body, parse(json.loads(body))
         except ValueError:
             self._raise_for_status("POST", path, status, body)  # SGLang's ErrorResponse (validation)
             raise EngineProtocolError(f"{path}: unexpected answer {body[:200]!r}", status, body) from None
+
+    async def _lora_update(self, path: str, payload: dict[str, Any]) -> LoraUpdateResult:
+        status, body, result = await self._post_once(path, payload, LoraUpdateResult.from_json)
         if not result.success or status >= 400:
             raise EngineError(f"POST {path}: HTTP {status}: {result.error_message}", status, body)
         return result
@@ -348,12 +354,7 @@ class SGLangClient:
     async def _control(self, path: str, payload: dict[str, Any], what: str) -> ControlResult:
         """Sends one weight-sync request (never resent once it may have reached the engine) and
         returns its successful `{success, message}` answer; raises WeightUpdateError otherwise."""
-        status, body = await self._call("POST", path, payload, idempotent=False)
-        try:
-            result = ControlResult.from_json(json.loads(body))
-        except ValueError:
-            self._raise_for_status("POST", path, status, body)  # SGLang's ErrorResponse (validation)
-            raise EngineProtocolError(f"{path}: unexpected answer {body[:200]!r}", status, body) from None
+        status, body, result = await self._post_once(path, payload, ControlResult.from_json)
         if not result.success or status >= 400:
             raise WeightUpdateError(f"{what} failed: {result.message}", status, body)
         return result

@@ -43,20 +43,37 @@ class RunFeeder:
 
     async def run(self) -> None:
         """Looks for running runs with tasks left to feed (new ones, or ones whose feeder died)
-        until stopped; `wake` starts a look at once."""
-        while not self.stop.is_set():
-            self.wake.clear()
-            try:
-                for run_id in await self.runs.run_ids():
-                    run = await self.runs.get(run_id)
-                    if run and run.state == loop_pb2.RUN_STATE_RUNNING and run.tasks_enqueued < run.tasks_total:
-                        await self.feed(run_id)
-            except (redis.exceptions.RedisError, BusError, OSError) as exc:
-                log.warning("feeder_error", error=repr(exc))
-            try:
-                await asyncio.wait_for(self.wake.wait(), timeout=self.lease_s / 2)
-            except TimeoutError:
-                pass
+        until stopped; `wake` starts a look at once. Runs are fed side by side, each by a task of
+        its own, so that they share TASKS (one run's long feed never holds up another's)."""
+        feeding: dict[str, asyncio.Task[None]] = {}
+        try:
+            while not self.stop.is_set():
+                self.wake.clear()
+                for run_id in [r for r, task in feeding.items() if task.done()]:
+                    del feeding[run_id]
+                try:
+                    for run_id in await self.runs.run_ids():
+                        if run_id in feeding:
+                            continue
+                        run = await self.runs.get(run_id)
+                        if run and run.state == loop_pb2.RUN_STATE_RUNNING and run.tasks_enqueued < run.tasks_total:
+                            feeding[run_id] = asyncio.create_task(self._feed_logged(run_id))
+                except (redis.exceptions.RedisError, BusError, OSError) as exc:
+                    log.warning("feeder_error", error=repr(exc))
+                try:
+                    await asyncio.wait_for(self.wake.wait(), timeout=self.lease_s / 2)
+                except TimeoutError:
+                    pass
+        finally:
+            for task in feeding.values():
+                task.cancel()
+            await asyncio.gather(*feeding.values(), return_exceptions=True)
+
+    async def _feed_logged(self, run_id: str) -> None:
+        try:
+            await self.feed(run_id)
+        except (redis.exceptions.RedisError, BusError, OSError) as exc:
+            log.warning("feeder_error", run=run_id, error=repr(exc))
 
     async def feed(self, run_id: str) -> None:
         """Publishes the run's remaining tasks while this replica holds the run's lease."""
