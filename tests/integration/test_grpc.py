@@ -241,6 +241,42 @@ async def test_runs_feed_tasks_with_backpressure_and_clear_errors(gateway, nats_
         await bus.close()
 
 
+async def test_runs_are_fed_side_by_side(gateway, nats_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """A run whose feeding waits on a full TASKS (it holds 20) does not hold up another run's
+    feeder: the second run's feeder runs (holds its lease) while the first is still waiting."""
+    from policyloop.state import IdempotencyKeys
+
+    _, _, stub = gateway
+    bus = await Bus.connect(nats_server.url, name="test", topology=build_topology(fast_limits(tasks_capacity=20)))
+    leases = IdempotencyKeys(redis_client, "default")
+    try:
+        env = addition_environment(5, group_size=2)
+        await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
+
+        async def start(run_id: str) -> None:
+            await stub.StartRun(loop_pb2.StartRunRequest(
+                run_id=run_id, environments=[loop_pb2.EnvironmentMix(environment="addition@demo", weight=1)],
+                num_tasks=40), timeout=5, metadata=AUTH)
+
+        await start("first")
+
+        async def first_waits() -> bool:
+            return len(await stored_messages(bus, "TASKS")) == 20 and await leases.owner("feeder:first") is not None
+
+        await eventually(first_waits)
+        await start("second")
+
+        async def second_fed() -> bool:
+            return await leases.owner("feeder:second") is not None
+
+        await eventually(second_fed)
+        assert await leases.owner("feeder:first") is not None  # still waiting for room: both feed at once
+        for run_id in ("first", "second"):
+            await stub.StopRun(loop_pb2.StopRunRequest(run_id=run_id), timeout=5, metadata=AUTH)
+    finally:
+        await bus.close()
+
+
 async def _runs_feed_tasks(stub: loop_pb2_grpc.LoopServiceStub, bus: Bus) -> None:
     env = addition_environment(5, group_size=2)
     first = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
