@@ -173,3 +173,14 @@ def make_lora_adapter(model_dir: Path, out_dir: Path, *, seed: int, rank: int = 
                 param.mul_(50.0)  # strong enough to move greedy choices of a tiny random model
     model.save_pretrained(out_dir)
     return out_dir
+
+
+def greedy_ids(model, prompt: list[int], steps: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """Greedy decoding without a cache: the reference a served model's greedy answer must equal."""
+    import torch
+
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]

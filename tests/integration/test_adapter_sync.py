@@ -22,6 +22,7 @@ from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
 from policyloop.weights.sync import sync_weights
 from policyloop.weights.torch_io import to_tensor, weight_set
+from tests.helpers import greedy_ids
 from tests.integration.test_trainer import group
 
 PROMPT = [4, 5, 14, 6, 16]
@@ -29,14 +30,6 @@ PROMPT = [4, 5, 14, 6, 16]
 
 async def _announce(_: object) -> None:
     pass
-
-
-def greedy_with(model: torch.nn.Module, steps: int = 6) -> list[int]:
-    ids = list(PROMPT)
-    with torch.no_grad():
-        for _ in range(steps):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
 
 
 async def test_a_runs_adapter_versions_reach_an_engine_as_deltas_and_sample_as_trained(
@@ -77,7 +70,7 @@ async def test_a_runs_adapter_versions_reach_an_engine_as_deltas_and_sample_as_t
                 input_ids=PROMPT, rid="s1", lora_path="team/arith@3",
                 sampling_params=SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)))
         trainer.model.eval()
-        assert answer.output_ids == greedy_with(trainer.model)  # the learner's own adapter, active
+        assert answer.output_ids == greedy_ids(trainer.model, PROMPT, 6)  # the learner's own adapter, active
     finally:
         await engine.stop()
         await client.close()

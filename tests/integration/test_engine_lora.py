@@ -15,7 +15,7 @@ import torch
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import EngineError, SGLangClient
-from tests.helpers import make_lora_adapter, until
+from tests.helpers import greedy_ids, make_lora_adapter, until
 
 PROMPT = [4, 5, 14, 6, 16]
 NEW_TOKENS = 6
@@ -48,11 +48,7 @@ def reference_greedy(model_dir: Path, adapter: Path | None) -> list[int]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    ids = list(PROMPT)
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(PROMPT):]
+    return greedy_ids(model, PROMPT, NEW_TOKENS)
 
 
 async def test_rows_of_different_adapters_decode_together_as_each_alone(
