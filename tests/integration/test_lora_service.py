@@ -1,7 +1,8 @@
 """The learner service in the many-runs mode (lora_runs) with the gateway and the publisher as
 processes: LoRA runs started through the gateway are trained side by side on their own adapters
 and version sequences, a full-model run is refused naming the field, a run whose adapter cannot
-be made fails with the reason, and a stopped run is let go while the others keep stepping."""
+be made fails with the reason, a stopped run is let go while the others keep stepping, and a run
+started while another trains trains too."""
 
 from __future__ import annotations
 
@@ -81,3 +82,14 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
 
             await eventually(ra_on, timeout_s=120)  # the stopped and the failed run hold up nothing
         assert await versions.get(rb) == 1
+
+        # A third run started while ra trains trains too, and ra goes on.
+        await stub.StartRun(lora_run("rd"), timeout=10)
+        rd = adapter_model_name("policy", "rd")
+        await publish_group(bus, "rd", "d0")
+        await publish_group(bus, "ra", "a3", 3)
+
+        async def both_on() -> bool:
+            return await versions.get(rd) == 1 and await versions.get(ra) == 4
+
+        await eventually(both_on, timeout_s=120)
