@@ -31,6 +31,7 @@ Prints `nats_nodes`, `steps_while_node_down` (per node kill) and `steps_while_no
     .venv/bin/python perf/chaos.py --kills 10
     .venv/bin/python perf/chaos.py --kills 3 --steps 20     # a quicker look
     .venv/bin/python perf/chaos.py --nats-nodes 3 --kills 8
+    .venv/bin/python perf/chaos.py --runs 2 --kills 10        # two LoRA runs, each audited (`runs`)
 """
 
 from __future__ import annotations
@@ -50,11 +51,13 @@ import grpc  # noqa: E402
 
 from policyloop.bus import Bus  # noqa: E402
 from policyloop.cluster.catalogue import SERVICES  # noqa: E402
-from policyloop.cluster.demo import start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import arithmetic_environment, start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.demo_runs import start_lora_runs  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.cluster.nats_cluster import meta_leader, stream_leader, wait_cluster_ready  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
 from policyloop.ledger import audit_bus, trained_steps, wait_settled  # noqa: E402
+from policyloop.rl.lora import adapter_model_name  # noqa: E402
 from policyloop.state import VersionRegistry, connect_redis  # noqa: E402
 from policyloop.weights.client import WeightClient  # noqa: E402
 
@@ -139,15 +142,19 @@ async def kill_node(cluster: LocalCluster, kind: str, version: int, args: argpar
             "at_s": round(killed_at - started, 1)}
 
 
-async def learner_version(cluster: LocalCluster, attempts: int = 30) -> int:
-    """The newest step the ledger holds (what survives any one process's death). Asked again
-    while a restarted nats-server's JetStream is not answering yet."""
+async def learner_version(cluster: LocalCluster, models: tuple[str, ...] = ("policy",), attempts: int = 30) -> int:
+    """The newest step the ledger holds (what survives any one process's death); with several
+    models (LoRA runs), the least of theirs. Asked again while a restarted nats-server's
+    JetStream is not answering yet."""
     for attempt in range(attempts):
         try:
             bus = await Bus.connect(cluster.nats_url, name="chaos", connect_timeout_s=30)
             try:
-                steps = await trained_steps(bus, "policy")
-                return steps[-1].version if steps else 0
+                newest = []
+                for model in models:
+                    steps = await trained_steps(bus, model)
+                    newest.append(steps[-1].version if steps else 0)
+                return min(newest)
             finally:
                 await bus.close()
         except Exception:  # noqa: BLE001 - a server being restarted
@@ -177,15 +184,22 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         raise RuntimeError(f"the cluster is not healthy: missing {status.missing}")
     gateway = f"127.0.0.1:{cluster.process('gateway-0').ports['grpc']}"
     async with grpc.aio.insecure_channel(gateway) as channel:
-        _, run = await start_arithmetic_run(loop_pb2_grpc.LoopServiceStub(channel), args.group_size, 8, 1.0,
-                                            args.seed)
+        stub = loop_pb2_grpc.LoopServiceStub(channel)
+        if args.runs > 1:  # LoRA runs, each its own version sequence under its adapter's name
+            env = arithmetic_environment(args.group_size, 8, 1.0)
+            reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
+            runs = await start_lora_runs(stub, reply.environment, args.runs, args.lora_rank, args.seed)
+        else:
+            _, run = await start_arithmetic_run(stub, args.group_size, 8, 1.0, args.seed)
+            runs = [run]
+    models = tuple(adapter_model_name("policy", r.run_id) for r in runs) if args.runs > 1 else ("policy",)
     kills = []
     clustered = args.nats_nodes > 1
     schedule = (kill_schedule(args.kills, rng, CLUSTER_KINDS, (META_LEADER, TRAJECTORIES_LEADER)) if clustered
                 else kill_schedule(args.kills, rng))
     for name in schedule:
         await asyncio.sleep(rng.uniform(args.min_gap_s, args.max_gap_s))
-        version = await learner_version(cluster)
+        version = await learner_version(cluster, models)
         if name.startswith("nats:"):
             kills.append(await kill_node(cluster, name, version, args, started))
             print(json.dumps(kills[-1]), file=sys.stderr)
@@ -199,23 +213,35 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         print(json.dumps(kills[-1]), file=sys.stderr)
     # The loop must go on after the last kill, not only have got far before it.
     target = max(args.steps, (kills[-1]["at_version"] if kills else 0) + args.steps_after_kills)
-    reached = await until(lambda: _reached(cluster, target), args.timeout_s, poll_s=2.0)
+    reached = await until(lambda: _reached(cluster, target, models), args.timeout_s, poll_s=2.0)
     async with grpc.aio.insecure_channel(gateway) as channel:
-        await loop_pb2_grpc.LoopServiceStub(channel).StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
+        for run in runs:
+            await loop_pb2_grpc.LoopServiceStub(channel).StopRun(loop_pb2.StopRunRequest(run_id=run.run_id),
+                                                                 timeout=30)
     bus = await Bus.connect(cluster.nats_url, name="chaos-audit", connect_timeout_s=30)
     redis_client = await connect_redis(cluster.redis_url)
+    publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
     try:
         settled = await wait_settled(bus, args.settle_s, timeout_s=120)
         report = await audit_bus(bus)
-        registry = await VersionRegistry(redis_client, cluster.namespace).get("policy")
-        publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
-        try:
-            held = sorted(v.version for v in await publisher.list_versions("policy"))
-        finally:
-            await publisher.close()
+        per_model = {}
+        for run, model in zip(runs, models, strict=True):
+            audited = await audit_bus(bus, run.run_id) if args.runs > 1 else report
+            registry = await VersionRegistry(redis_client, cluster.namespace).get(model)
+            held = sorted(v.version for v in await publisher.list_versions(model))
+            per_model[model] = {
+                "run_id": run.run_id, "lost": audited.lost, "trained_twice": audited.trained_twice,
+                "versions_monotonic": audited.versions_monotonic, "steps": audited.steps,
+                "trained_not_generated": audited.trained_not_generated, "registry_version": registry,
+                "publisher_newest_version": held[-1] if held else 0,
+                # The learner may be one step ahead of what was read a moment earlier.
+                "versions_agree": abs(registry - audited.steps) <= 1 and bool(held)
+                and abs(held[-1] - audited.steps) <= 1}
     finally:
+        await publisher.close()
         await bus.close()
         await redis_client.aclose()
+    first = per_model[models[0]]
     node_kills = [k for k in kills if "picked" in k]
     return {
         "kills": len(kills), "kill_log": kills, "nats_nodes": args.nats_nodes,
@@ -224,18 +250,18 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         "meta_leader_kills": sum(k["process"] == k["meta_leader"] for k in node_kills),
         "trajectories_leader_kills": sum(k["process"] == k["trajectories_leader"] for k in node_kills),
         **{k: v for k, v in report.as_dict().items() if k not in ("steps",)},
-        "steps": report.steps, "registry_version": registry,
-        "publisher_newest_version": held[-1] if held else 0,
-        # The learner may be one step ahead of what was read a moment earlier.
-        "versions_agree": abs(registry - report.steps) <= 1 and bool(held) and abs(held[-1] - report.steps) <= 1,
+        "steps": report.steps, "registry_version": first["registry_version"],
+        "publisher_newest_version": first["publisher_newest_version"],
+        "versions_agree": all(m["versions_agree"] for m in per_model.values()),
+        "runs": list(per_model.values()) if args.runs > 1 else [],
         "reached_target_steps": reached, "target_steps": target, "settled_before_audit": settled,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
 
 
-async def _reached(cluster: LocalCluster, steps: int) -> bool:
+async def _reached(cluster: LocalCluster, steps: int, models: tuple[str, ...]) -> bool:
     cluster.supervise()  # anything that died by itself comes back too
-    return await learner_version(cluster) >= steps
+    return await learner_version(cluster, models) >= steps
 
 
 def main() -> None:
@@ -264,6 +290,10 @@ def main() -> None:
                         help="after stopping the run, how long LEDGER must stay unchanged before the audit")
     parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--runs", type=int, default=1,
+                        help="runs trained at once: more than one are LoRA runs (learner and rollout in the "
+                             "many-runs mode), each audited on its own")
+    parser.add_argument("--lora-rank", type=int, default=16, help="with --runs > 1: each run's adapter rank")
     parser.add_argument("--out", type=Path, default=Path("runs/perf/chaos"))
     args = parser.parse_args()
     model_path = args.model_path
@@ -281,6 +311,7 @@ def main() -> None:
         "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
         **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
            for kind in ("rollout", "reward", "learner", "sandbox")},
+        **({"POLICYLOOP_LORA_RUNS": "true"} if args.runs > 1 else {}),
     }
     cluster = LocalCluster(root, extra_env=env, fresh=True, nats_nodes=args.nats_nodes)
     # SIGTERM stops the cluster too, as Ctrl-C does.
@@ -291,6 +322,8 @@ def main() -> None:
     finally:
         cluster.stop()
     result["ok"] = (result["lost"] == 0 and result["trained_twice"] == 0 and result["versions_monotonic"]
+                    and all(r["lost"] == 0 and r["trained_twice"] == 0 and r["versions_monotonic"]
+                            for r in result["runs"])
                     and result["reached_target_steps"] and result["versions_agree"]
                     and result["trained_not_generated"] == 0
                     # In a cluster the loop trained while each killed node was down, and the

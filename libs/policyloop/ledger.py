@@ -156,24 +156,26 @@ def audit(events: Iterable[bus_pb2.LedgerEvent], *, scored: Iterable[str] = (), 
     generated: set[str] = set()
     trained_in: defaultdict[str, set[int]] = defaultdict(set)
     dropped_for: dict[str, str] = {}
-    steps: dict[int, tuple[str, tuple[str, ...]]] = {}
+    # Each model (the full policy, or a LoRA run's adapter) has its own version sequence.
+    steps: dict[tuple[str, int], tuple[str, tuple[str, ...]]] = {}
     monotonic = True
-    last_version = 0
+    last_version: defaultdict[str, int] = defaultdict(int)
     for event in events:
         if event.kind == GENERATED:
             generated.update(event.trajectory_ids)
         elif event.kind == TRAINED:
             record = (event.manifest_hash, tuple(event.trajectory_ids))
-            if event.policy_version in steps:
+            key = (event.model, event.policy_version)
+            if key in steps:
                 # The same step recorded again (a replay) is fine; another step under a used
                 # version number is not.
-                monotonic &= steps[event.policy_version] == record
+                monotonic &= steps[key] == record
                 continue
-            monotonic &= event.policy_version == last_version + 1
-            last_version = event.policy_version
-            steps[event.policy_version] = record
+            monotonic &= event.policy_version == last_version[event.model] + 1
+            last_version[event.model] = event.policy_version
+            steps[key] = record
             for trajectory_id in event.trajectory_ids:
-                trained_in[trajectory_id].add(event.policy_version)
+                trained_in[trajectory_id].add(key)
         elif event.kind == DROPPED:
             for trajectory_id in event.trajectory_ids:
                 dropped_for.setdefault(trajectory_id, event.reason)
@@ -204,12 +206,28 @@ def audit(events: Iterable[bus_pb2.LedgerEvent], *, scored: Iterable[str] = (), 
     return report
 
 
-async def audit_bus(bus: Bus) -> Audit:
-    """`audit` over what the bus holds, while the loop runs. Waiting: in ROLLOUTS (not yet
-    scored) or in TRAJECTORIES above the learner's ack floor (everything at or below it was
-    acked). The reads go in the order a trajectory travels, so one moving on meanwhile is seen
-    at its next stop: generated events first, then the ack floor, ROLLOUTS, TRAJECTORIES, the
-    learner's events (recorded before its acks) and DLQ."""
+def of_run(run_id: str, events: Iterable[bus_pb2.LedgerEvent]) -> list[bus_pb2.LedgerEvent]:
+    """The events as far as they concern one run's trajectories (whose ids are its tasks',
+    `<run>:<index>/<sample>`), with the others' ids left out."""
+    prefix = f"{run_id}:"
+    out = []
+    for event in events:
+        ids = [t for t in event.trajectory_ids if t.startswith(prefix)]
+        if ids:
+            kept = bus_pb2.LedgerEvent()
+            kept.CopyFrom(event)
+            del kept.trajectory_ids[:]
+            kept.trajectory_ids.extend(ids)
+            out.append(kept)
+    return out
+
+
+async def audit_bus(bus: Bus, run_id: str | None = None) -> Audit:
+    """`audit` over what the bus holds, while the loop runs (`run_id`: of that run's trajectories
+    alone). Waiting: in ROLLOUTS (not yet scored) or in TRAJECTORIES above the learner's ack floor
+    (everything at or below it was acked). The reads go in the order a trajectory travels, so one
+    moving on meanwhile is seen at its next stop: generated events first, then the ack floor,
+    ROLLOUTS, TRAJECTORIES, the learner's events (recorded before its acks) and DLQ."""
     generated = [bus_pb2.LedgerEvent.FromString(m.data) async for _, m in bus.read("LEDGER", "pl.ledger.generated.>")]
     floor = (await bus.js.consumer_info("TRAJECTORIES", "learner")).ack_floor.stream_seq
     pending = set()
@@ -231,7 +249,12 @@ async def audit_bus(bus: Bus) -> Audit:
                 dead.add(bus_pb2.Trajectory.FromString(letter.payload).trajectory_id)
             except DecodeError:  # garbage dead-lettered as undecodable: no trajectory to name
                 continue
-    return audit([*generated, *learner], scored=scored, dead_lettered=dead, pending=pending)
+    events = [*generated, *learner]
+    if run_id is not None:
+        prefix = f"{run_id}:"
+        events = of_run(run_id, events)
+        scored, dead, pending = ({t for t in ids if t.startswith(prefix)} for ids in (scored, dead, pending))
+    return audit(events, scored=scored, dead_lettered=dead, pending=pending)
 
 
 async def wait_settled(bus: Bus, quiet_s: float, timeout_s: float) -> bool:

@@ -59,3 +59,22 @@ def test_regroup_splits_batch_order_into_groups() -> None:
 def test_trained_ids_never_recorded_as_generated_are_a_gap_not_ignored() -> None:
     report = audit([generated("a/0"), trained(1, "a/0", "x/0", "x/1")])
     assert report.trained == 1 and report.trained_not_generated == 2 and report.lost == 0
+
+
+def test_each_model_has_its_own_version_sequence_and_a_run_can_be_audited_alone() -> None:
+    from policyloop.ledger import of_run
+
+    def step(model: str, version: int, *ids: str) -> bus_pb2.LedgerEvent:
+        return E(kind=TRAINED, model=model, policy_version=version, step=version, trajectory_ids=ids,
+                 manifest_hash=f"{model}{version}")
+
+    events = [generated("ra:1/0", "ra:2/0", "rb:1/0", "rb:2/0"), step("policy.lora.ra", 1, "ra:1/0"),
+              step("policy.lora.rb", 1, "rb:1/0"), step("policy.lora.ra", 2, "ra:2/0"),
+              step("policy.lora.rb", 2, "rb:1/0")]  # rb trains a sample twice
+    whole = audit(events)
+    assert whole.versions_monotonic and whole.steps == 4 and whole.trained_twice == 1
+    ra, rb = audit(of_run("ra", events)), audit(of_run("rb", events))
+    assert (ra.generated, ra.trained, ra.trained_twice, ra.lost, ra.steps) == (2, 2, 0, 0, 2)
+    assert (rb.generated, rb.trained, rb.trained_twice, rb.lost, rb.twice_ids) == (2, 1, 1, 1, ["rb:1/0"])
+    skipped = audit([generated("ra:1/0"), step("policy.lora.ra", 1, "ra:1/0"), step("policy.lora.rb", 2, "rb:1/0")])
+    assert not skipped.versions_monotonic  # rb's sequence starts at 2

@@ -24,11 +24,6 @@ if TYPE_CHECKING:
     from policyloop.engines.sglang_client import SGLangClient
     from policyloop.state import VersionRegistry
 
-# The demo's LoRA learning rate when none is given: on the demo's task a rank-16 adapter learns
-# fastest near it (one process, 120 s: 16% -> 44% at 3e-4, 29% at 1e-3, and collapse at 3e-3).
-LORA_DEMO_LR = 3e-4
-
-
 @dataclass
 class RunEvaluation:
     t: float

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import nats.errors
 import nats.js.errors
 
 from policyloop.bus import Bus, PermanentError, weights_subject
@@ -166,6 +168,7 @@ class LoraRuns:
         self.bus, self.runs, self.served, self.model, self.pacer_for = bus, runs, served, model, pacer_for
         self.on_serving = on_serving  # told how many runs are served, as that changes
         self.pacers: dict[str, Pacer | None] = {}
+        self._caught_up: dict[str, float] = {}  # when each run last read WEIGHTS directly
 
     async def serve(self, run_id: str) -> None:
         """Serves the run from now on (its newest announced version loaded): PermanentError when
@@ -179,12 +182,30 @@ class LoraRuns:
         self.served.serve(run_id, LoraSpec.from_proto(definition.lora), name)
         self.pacers[run_id] = self.pacer_for(name)
         self.on_serving(len(self.served.runs))
-        subject = weights_subject(name)
-        try:  # a run that trained before this replica started: its newest version now
+        await self.catch_up(run_id)  # a run that trained before this replica started: its newest version now
+
+    async def catch_up(self, run_id: str, every_s: float = 0.0) -> None:
+        """Loads the run's newest announced version if this replica has an older one, read from
+        WEIGHTS directly (at most once per `every_s`): announcements missed while the
+        subscription was down (a NATS restart) are caught up by the run's paced tasks."""
+        now = time.monotonic()
+        if now - self._caught_up.get(run_id, -1e9) < every_s:
+            return
+        self._caught_up[run_id] = now
+        served = self.served.runs.get(run_id)
+        if served is None:
+            return
+        subject = weights_subject(served.model)
+        try:
             newest = await self.bus.js.get_last_msg(self.bus.topology.stream_for_subject(subject).name, subject)
         except nats.js.errors.NotFoundError:
             return
-        await self.served.update(run_id, bus_pb2.WeightsPublished.FromString(newest.data))
+        except (TimeoutError, nats.errors.Error) as exc:  # the server restarting: the next try
+            log.warning("adapter_catch_up_failed", run=run_id, error=repr(exc))
+            return
+        event = bus_pb2.WeightsPublished.FromString(newest.data)
+        if event.version > self.served.version(run_id):
+            await self.served.update(run_id, event)
 
     async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
         """A WEIGHTS announcement of some run's adapter: loaded when the run is served here."""

@@ -128,6 +128,7 @@ class RolloutReplica:
                 await self.ctx.version_moved(served, self.settings.pacing_poll_s)
             else:
                 await lora.served.version_moved(task.run_id, served, self.settings.pacing_poll_s)
+                await lora.catch_up(task.run_id, every_s=self.settings.pacing_poll_s)
         self.status.paced = False
         return True
 
