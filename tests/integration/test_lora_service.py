@@ -1,8 +1,8 @@
 """The learner service in the many-runs mode (lora_runs) with the gateway and the publisher as
 processes: LoRA runs started through the gateway are trained side by side on their own adapters
 and version sequences, a full-model run is refused naming the field, a run whose adapter cannot
-be made fails with the reason, a stopped run is let go while the others keep stepping, and a run
-started while another trains trains too."""
+be made fails with the reason, and a third run started while two train trains too, one of the two
+stopped and the other stepping on. GetRun and ListPolicies show each run's adapter version."""
 
 from __future__ import annotations
 
@@ -62,6 +62,10 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
 
         await eventually(both_stepped, timeout_s=120)  # each run added once the gateway started it
 
+        # A third run starts while the two train, then one of the two is stopped.
+        await stub.StartRun(lora_run("rd"), timeout=10)
+        rd = adapter_model_name("policy", "rd")
+        await publish_group(bus, "rd", "d0")
         await stub.StopRun(loop_pb2.StopRunRequest(run_id="rb"), timeout=10)
         bad = await stub.StartRun(lora_run("rc", "q_proj", "no_such_proj"), timeout=10)
         assert bad.state == loop_pb2.RUN_STATE_RUNNING  # the gateway cannot know the model's modules
@@ -81,15 +85,13 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
                 return await versions.get(ra) == version + 1
 
             await eventually(ra_on, timeout_s=120)  # the stopped and the failed run hold up nothing
+
+        async def rd_trained() -> bool:
+            return await versions.get(rd) == 1
+
+        await eventually(rd_trained, timeout_s=120)
         assert await versions.get(rb) == 1
-
-        # A third run started while ra trains trains too, and ra goes on.
-        await stub.StartRun(lora_run("rd"), timeout=10)
-        rd = adapter_model_name("policy", "rd")
-        await publish_group(bus, "rd", "d0")
-        await publish_group(bus, "ra", "a3", 3)
-
-        async def both_on() -> bool:
-            return await versions.get(rd) == 1 and await versions.get(ra) == 4
-
-        await eventually(both_on, timeout_s=120)
+        # GetRun shows a LoRA run's own adapter version; ListPolicies lists every adapter.
+        assert (await stub.GetRun(loop_pb2.GetRunRequest(run_id="ra"), timeout=10)).policy_version == 3
+        policies = await stub.ListPolicies(loop_pb2.ListPoliciesRequest(), timeout=10)
+        assert {(p.model, p.version) for p in policies.policies} >= {(ra, 3), (rb, 1), (rd, 1)}

@@ -25,6 +25,7 @@ from policyloop.gateway.validation import (
     validate_environment,
     validate_start_run,
 )
+from policyloop.rl.settings import adapter_model_name
 from policyloop.runtime.agreement import advertised_learner
 from policyloop.state import HeartbeatRegistry, VersionRegistry
 from policyloop.state.catalog import TERMINAL_STATES, EnvironmentCatalog, EnvironmentConflict, RunConflict, RunRegistry
@@ -203,7 +204,11 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
 
     async def _run(self, run_id: str) -> loop_pb2.Run:
         definition = await self.stores.runs.definition(run_id)
-        version = await self.stores.versions.get(definition.model) if definition else 0
+        version = 0
+        if definition is not None:
+            # A LoRA run's policy is its own adapter, with a version sequence of its own.
+            model = adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
+            version = await self.stores.versions.get(model)
         run = await self.stores.runs.get(run_id, policy_version=version)
         assert run is not None
         run.progress.CopyFrom(await self.stores.progress.get(run_id))

@@ -11,7 +11,6 @@ The trainer runs on one rank; the base is not sharded.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import time
 from collections.abc import Sequence
@@ -21,18 +20,24 @@ from typing import TYPE_CHECKING, Any
 
 import safetensors.torch
 import torch
-import xxhash
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import PackedBatch, token_logprobs
-from policyloop.rl.settings import DEFAULT_TARGET_MODULES, LoraSpec, OptimizerSettings
+from policyloop.rl.settings import (
+    DEFAULT_TARGET_MODULES,
+    LoraSpec,
+    OptimizerSettings,
+    adapter_model_name,
+    run_directory,
+)
 from policyloop.rl.trainer import LrSchedule, StepReport, TrainerConfig, grpo_loss, resolve_device
 from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
     from peft import PeftModel
 
-__all__ = ["DEFAULT_TARGET_MODULES", "AdapterTrainer", "LoraSpec", "UnknownRun"]
+__all__ = ["DEFAULT_TARGET_MODULES", "AdapterTrainer", "LoraSpec", "UnknownRun", "adapter_model_name",
+           "run_directory"]
 
 # A run's checkpoint: its adapter, its optimizer's state, and the rest.
 ADAPTER_FILE, OPTIMIZER_FILE, RUN_FILE = "adapter_model.safetensors", "optimizer.pt", "run.json"
@@ -79,22 +84,6 @@ class AdapterCheckpoint:
     steps: int
     trained_ids: list[list[str]]
     extra: dict[str, Any]
-
-
-def run_directory(run_id: str) -> str:
-    """A run's checkpoint directory name: readable, and distinct for distinct run ids."""
-    readable = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:48]
-    return f"{readable}-{xxhash.xxh3_64_hexdigest(run_id.encode())[:12]}"
-
-
-def adapter_model_name(model: str, run_id: str) -> str:
-    """The publisher's name for a run's adapter versions (they travel as the base's do, as exact
-    XOR deltas, but on their own): the base model's name, then the run's."""
-    from policyloop.weights.store import validate_model_name
-
-    name = f"{model}.lora.{run_directory(run_id)}"
-    validate_model_name(name)
-    return name
 
 
 def save_adapter_directory(tensors: dict[str, torch.Tensor], spec: LoraSpec, directory: Path,

@@ -135,3 +135,23 @@ class LoraSpec(BaseModel):
 
         return loop_pb2.LoraSpec(rank=self.rank, alpha=self.alpha, dropout=self.dropout,
                                  target_modules=list(self.target_modules))
+
+
+def run_directory(run_id: str) -> str:
+    """A name for a run in places that take fewer characters than run ids may hold (its
+    checkpoint directory, its adapter's model name): readable, and distinct for distinct ids."""
+    import xxhash
+
+    readable = re.sub(r"[^A-Za-z0-9._-]", "_", run_id)[:48]
+    return f"{readable}-{xxhash.xxh3_64_hexdigest(run_id.encode())[:12]}"
+
+
+def adapter_model_name(model: str, run_id: str) -> str:
+    """The name a LoRA run's adapter versions go under — at the publisher, in LEDGER and in the
+    version registry (they travel as the base's do, as exact XOR deltas, but on their own): the
+    base model's name, then the run's."""
+    from policyloop.weights.store import validate_model_name
+
+    name = f"{model}.lora.{run_directory(run_id)}"
+    validate_model_name(name)
+    return name
