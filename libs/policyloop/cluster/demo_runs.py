@@ -66,6 +66,7 @@ class AdapterEvaluator:
         self.engine, self.spec = engine, spec
         self.publisher = WeightClient(publisher_endpoint)
         self.root = Path(tempfile.mkdtemp(prefix="demo-adapters-"))
+        self.raw_bytes: dict[str, int] = {}  # one version of each run's adapter, as last loaded
 
     async def load(self, run_id: str) -> tuple[str, int] | None:
         """(lora_path, version) of the run's newest adapter, loaded; None while it has none."""
@@ -75,6 +76,7 @@ class AdapterEvaluator:
             return None
         newest = max(v.version for v in listed)
         weights, _ = await sync_weights(self.publisher, model, None, newest)
+        self.raw_bytes[run_id] = weights.raw_bytes
         directory = save_adapter_directory({k: to_tensor(t) for k, t in weights.tensors.items()}, self.spec,
                                            self.root / f"{model}-{newest}")
         name = f"demo-eval/{run_id}@{newest}"
@@ -85,15 +87,11 @@ class AdapterEvaluator:
         await self.engine.unload_lora_adapter(name)
 
     async def bytes_per_version(self, run_id: str) -> tuple[int, int]:
-        """(median stored bytes of the deltas, raw bytes of one version) of the run's adapter."""
+        """(median stored bytes of the deltas, raw bytes of one version) of the run's adapter (the
+        raw bytes as of its last `load`)."""
         listed = await self.publisher.list_versions(adapter_model_name("policy", run_id))
         deltas = [v.bytes for v in listed if v.kind == weights_pb2.PAYLOAD_KIND_DELTA]
-        raw = 0
-        if listed:
-            weights, _ = await sync_weights(self.publisher, adapter_model_name("policy", run_id), None,
-                                            max(v.version for v in listed))
-            raw = weights.raw_bytes
-        return (int(statistics.median(deltas)) if deltas else 0), raw
+        return (int(statistics.median(deltas)) if deltas else 0), self.raw_bytes.get(run_id, 0)
 
     async def close(self) -> None:
         await self.publisher.close()
