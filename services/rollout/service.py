@@ -78,7 +78,8 @@ async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replic
     from policyloop.state.catalog import RunRegistry
 
     raw = await connect_redis(settings.redis_url, decode_responses=False)  # run definitions are bytes
-    served = ServedAdapters(client, settings.weights_dir / "adapters", follower.publisher)
+    served = ServedAdapters(client, settings.weights_dir / "adapters", follower.publisher,
+                            load_from=settings.adapter_source)
     replica.lora = LoraRuns(ctx.bus, RunRegistry(raw, settings.namespace), served, settings.model, replica.pacer_for,
                             on_serving=replica.serving_runs)
     await ctx.bus.js.subscribe(replica.lora.subscription_subject(), cb=replica.lora.on_event, ordered_consumer=True,

@@ -9,6 +9,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import aiohttp
 import pytest
 import torch
 
@@ -104,3 +105,67 @@ async def test_bad_adapter_requests_are_refused_naming_the_field(
         await client.continue_generation()
         assert len((await held).output_ids) == NEW_TOKENS
         await client.unload_lora_adapter("a")
+
+
+def sent_as_tensors(adapter: Path) -> tuple[dict, bytes, dict[str, str]]:
+    """A peft directory as /load_lora_adapter_from_tensors takes it: config, safetensors, checksums."""
+    import json
+
+    import safetensors.torch
+
+    from policyloop.rl.lora import adapter_safetensors
+
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    payload, checksums = adapter_safetensors(safetensors.torch.load_file(adapter / "adapter_model.safetensors"))
+    return config, payload, checksums
+
+
+async def test_an_adapter_sent_as_tensors_serves_as_the_same_adapter_loaded_from_its_directory(
+        engine: EmbeddedEngine, tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    config, payload, checksums = sent_as_tensors(adapters["b"])
+    async with SGLangClient(engine.base_url, timeout_s=60, retries=0) as client:
+        loaded = await client.load_lora_adapter_from_tensors("run-b@1", config, payload, checksums)
+        assert loaded.loaded_adapters == {"run-b@1": "__tensor__"}
+        await client.load_lora_adapter("from-disk", str(adapters["b"]))
+        sent, read = await client.generate_batch([greedy("t1", "run-b@1"), greedy("t2", "from-disk")])
+        assert sent.output_ids == read.output_ids == reference_greedy(tiny_model_dir, adapters["b"])
+        # Loaded again under the same name, it replaces the old one (no checksums: not checked).
+        config_a, payload_a, _ = sent_as_tensors(adapters["a"])
+        await client.load_lora_adapter_from_tensors("run-b@1", config_a, payload_a)
+        assert (await client.generate(greedy("t3", "run-b@1"))).output_ids == reference_greedy(
+            tiny_model_dir, adapters["a"])
+
+
+async def test_adapters_sent_as_tensors_are_checked_and_a_refusal_leaves_nothing_behind(
+        engine: EmbeddedEngine, adapters: dict[str, Path]) -> None:
+    import base64
+
+    import safetensors.torch
+
+    config, payload, checksums = sent_as_tensors(adapters["a"])
+    tensors = safetensors.torch.load(payload)
+    first = sorted(tensors)[0]
+    async with SGLangClient(engine.base_url, timeout_s=60, retries=0) as client:
+        with pytest.raises(EngineError, match="serialized_named_tensors\\[0\\]: not a safetensors file"):
+            await client.load_lora_adapter_from_tensors("x", config, payload[: len(payload) // 2])
+        damaged = {**tensors, first: tensors[first] + 1}
+        with pytest.raises(EngineError, match=f"expected_checksums: .* 1 differ \\['{first}'\\]"):
+            await client.load_lora_adapter_from_tensors("x", config, safetensors.torch.save(damaged), checksums)
+        fewer = {name: t for name, t in tensors.items() if name != first}
+        with pytest.raises(EngineError, match="serialized_named_tensors: the adapter sent does not fit this model: "
+                                              "missing 1 tensors"):
+            await client.load_lora_adapter_from_tensors("x", config, safetensors.torch.save(fewer))
+        with pytest.raises(EngineError, match="config_dict: the adapter sent asks for init_lora_weights='pissa'"):
+            await client.load_lora_adapter_from_tensors("x", {**config, "init_lora_weights": "pissa"}, payload)
+        with pytest.raises(EngineError, match="config_dict: not a peft adapter config"):
+            await client.load_lora_adapter_from_tensors("x", {**config, "peft_type": "NOPE"}, payload)
+        assert engine.served.lora is None and not engine.served.adapters  # nothing half-loaded
+
+        # SGLang's own formats are pickles: refused unread, naming the field, as raw HTTP shows.
+        body = {"lora_name": "x", "config_dict": config, "serialized_named_tensors": [
+            base64.b64encode(b"\x80\x04pickle").decode()], "load_format": "flattened_bucket"}
+        async with aiohttp.ClientSession() as http, \
+                http.post(f"{engine.base_url}/load_lora_adapter_from_tensors", json=body) as answer:
+            refusal = await answer.json()
+        assert answer.status == 400 and not refusal["success"]
+        assert refusal["error_message"].startswith("load_format: the embedded engine takes only 'safetensors'")

@@ -14,7 +14,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.embedded import start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rl.lora import AdapterTrainer, LoraSpec, adapter_model_name
+from policyloop.rl.lora import AdapterTrainer, LoraSpec, adapter_model_name, save_adapter_directory
 from policyloop.rl.trainer import TrainerConfig
 from policyloop.rollout.adapters import ServedAdapters
 from policyloop.weights.client import WeightClient
@@ -91,8 +91,18 @@ async def test_a_replica_follows_the_adapters_of_the_runs_it_serves(tiny_model_d
             with pytest.raises(LookupError):
                 async with adapters.lease("b"):
                     pass
-            info = await engine_client.load_lora_adapter("probe", str(adapters.loaded["a@2"]))
+            # The versions went to the engine as tensors (nothing written): it serves exactly the
+            # trainer's adapter, as the same tensors loaded from a peft directory give.
+            assert adapters.loaded == {"a@2": None} and not (tmp_path / "adapters").exists()
+            directory = save_adapter_directory(trainer.export_adapter("a"), SPEC, tmp_path / "a-v2")
+            info = await engine_client.load_lora_adapter("probe", str(directory))
             assert set(info.loaded_adapters) == {"a@2", "probe"}  # the engine holds what the replica says
+            greedy = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+            sent, read = [await engine_client.generate(GenerateRequest(input_ids=[4, 5, 14, 6], rid=f"g-{name}",
+                                                                       lora_path=name, sampling_params=greedy,
+                                                                       return_logprob=True))
+                          for name in ("a@2", "probe")]
+            assert sent.output_ids == read.output_ids and sent.output_logprobs == read.output_logprobs
     finally:
         await engine.stop()
         await asyncio.gather(client.close(), replica_client.close())

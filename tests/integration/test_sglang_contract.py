@@ -6,6 +6,7 @@ talks to the embedded engine, so what is checked is what was sent."""
 
 from __future__ import annotations
 
+import base64
 import inspect
 import json
 import re
@@ -22,6 +23,7 @@ from policyloop.engines.partial import generate_resumable, generate_resumable_ba
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import EngineError, SGLangClient
 from tests.helpers import make_lora_adapter
+from tests.integration.test_engine_lora import sent_as_tensors
 
 REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-api.json").read_text())
 # io_struct.BaseReq (the base of every *ReqInput but GenerateReqInput), left out of the extraction.
@@ -117,6 +119,10 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         await call("generate_batch", [request.model_copy(update={"rid": "l2", "lora_path": "run-a@3"}),
                                       second.model_copy(update={"rid": "l3"})])
         await call("unload_lora_adapter", "run-a@3")
+        config, payload, checksums = sent_as_tensors(adapter)
+        await call("load_lora_adapter_from_tensors", "run-a@4", config, payload, checksums)
+        await call("generate", request.model_copy(update={"rid": "l4", "lora_path": "run-a@4"}))
+        await call("unload_lora_adapter", "run-a@4")
         await call("model_info")
         await call("load")
         await call("health")
@@ -146,15 +152,20 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/pause_generation",
         "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
-        "/destroy_weights_update_group", "/metrics", "/load_lora_adapter", "/unload_lora_adapter"}
+        "/destroy_weights_update_group", "/metrics", "/load_lora_adapter", "/unload_lora_adapter",
+        "/load_lora_adapter_from_tensors"}
     bodies = {path: body for _, path, body in sent if body}
     assert bodies["/pause_generation"]["mode"]
     generated = [body for _, path, body in sent if path == "/generate"]
     assert generated[0]["sampling_params"]["sampling_seed"] == 3
     batches = [body for body in generated if isinstance(body["input_ids"][0], list)]
     assert len(batches) == 3 and batches[0]["rid"] == ["b1", "c2"] and len(batches[0]["sampling_params"]) == 2
-    assert batches[2]["lora_path"] == ["run-a@3", None] and generated[-2]["lora_path"] == "run-a@3"
+    assert batches[2]["lora_path"] == ["run-a@3", None] and generated[-3]["lora_path"] == "run-a@3"
+    assert generated[-1]["lora_path"] == "run-a@4"
     assert bodies["/load_lora_adapter"] == {"lora_name": "run-a@3", "lora_path": str(adapter)}
+    from_tensors = bodies["/load_lora_adapter_from_tensors"]
+    assert from_tensors["load_format"] == "safetensors" and from_tensors["expected_checksums"] == checksums
+    assert [base64.b64decode(c) for c in from_tensors["serialized_named_tensors"]] == [payload]
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
     assert not problems, problems
 

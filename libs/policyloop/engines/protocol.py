@@ -41,6 +41,8 @@ refuses). Answers are read with the same types, leaving out the keys policyloop 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import re
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
@@ -52,6 +54,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    PlainSerializer,
     Strict,
     ValidationError,
     ValidatorFunctionWrapHandler,
@@ -734,6 +737,51 @@ class LoadLoraAdapterRequest(_Request):
 
     lora_name: Annotated[str, Field(min_length=1)]
     lora_path: Annotated[str, Field(min_length=1)]
+
+
+def _from_base64(value: Any) -> Any:
+    if not isinstance(value, str):
+        return value  # pydantic refuses it
+    try:
+        return base64.b64decode(value, validate=True)
+    except binascii.Error as exc:
+        raise _refused(f"not base64: {exc}") from None
+
+
+# bytes sent as standard base64 text, as SGLang's Base64Bytes.
+Base64Bytes = Annotated[bytes, BeforeValidator(_from_base64), Strict(),
+                        PlainSerializer(lambda raw: base64.b64encode(raw).decode("ascii"), return_type=str)]
+
+
+# The embedded engine's load_format for /load_lora_adapter_from_tensors: each entry of
+# serialized_named_tensors is a safetensors file of the adapter's tensors (named as peft saves
+# them). SGLang's own formats (null, "flattened_bucket") are pickles (MultiprocessingSerializer),
+# made for processes that trust each other; an HTTP body is never unpickled here.
+SAFETENSORS_FORMAT = "safetensors"
+
+
+class LoadLoraAdapterFromTensorsRequest(_Request):
+    """LoadLoRAAdapterFromTensorsReqInput: load an adapter sent in the body under `lora_name`:
+    `config_dict` is its adapter_config.json, `serialized_named_tensors` one serialized copy of
+    its tensors per TP rank (base64 on the wire; the embedded engine has one rank), and
+    `expected_checksums` (name -> sha256 of a tensor's raw bytes) is checked when given."""
+
+    unsupported = {"lora_id": None, "added_tokens_config": None}
+    ignored = _Request.ignored | {"pinned"}  # nothing is ever evicted here
+
+    lora_name: Annotated[str, Field(min_length=1)]
+    config_dict: dict[str, Any]
+    serialized_named_tensors: Annotated[list[Base64Bytes], Field(min_length=1)]
+    load_format: str | None = _default_unsent(None)
+    expected_checksums: dict[str, str] | None = _default_unsent(None)
+
+    @model_validator(mode="after")
+    def _safetensors_only(self) -> Self:
+        if self.load_format != SAFETENSORS_FORMAT:
+            raise _refused(f"the embedded engine takes only {SAFETENSORS_FORMAT!r}, the tensors of each copy as one "
+                           f"safetensors file, got {self.load_format!r} (SGLang's null and 'flattened_bucket' are "
+                           f"pickles, which an HTTP body must never be)", "load_format")
+        return self
 
 
 class UnloadLoraAdapterRequest(_Request):

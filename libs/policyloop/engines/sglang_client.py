@@ -34,6 +34,7 @@ import aiohttp
 from policyloop.engines.protocol import (
     DEFAULT_WEIGHT_GROUP,
     PAUSE_MODES,
+    SAFETENSORS_FORMAT,
     AbortRequest,
     BeginWeightUpdateRequest,
     ControlResult,
@@ -41,6 +42,7 @@ from policyloop.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterFromTensorsRequest,
     LoadLoraAdapterRequest,
     LoraUpdateResult,
     ModelInfo,
@@ -329,6 +331,17 @@ class SGLangClient:
         lora_path then names); raises EngineError with the engine's reason when it is refused."""
         payload = LoadLoraAdapterRequest(lora_name=lora_name, lora_path=lora_path).to_json()
         return await self._lora_update("/load_lora_adapter", payload)
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict[str, Any], safetensors: bytes,
+                                             expected_checksums: dict[str, str] | None = None) -> LoraUpdateResult:
+        """Loads an adapter sent in the request under `lora_name`: its adapter_config.json as a
+        dict and its tensors as one safetensors file (load_format "safetensors", which the embedded
+        engine takes; SGLang takes pickles only, so an SGLang engine loads adapters from a
+        directory). The engine checks each tensor's sha256 against `expected_checksums` when given."""
+        payload = LoadLoraAdapterFromTensorsRequest(
+            lora_name=lora_name, config_dict=config_dict, serialized_named_tensors=[safetensors],
+            load_format=SAFETENSORS_FORMAT, expected_checksums=expected_checksums).to_json()
+        return await self._lora_update("/load_lora_adapter_from_tensors", payload)
 
     async def unload_lora_adapter(self, lora_name: str) -> LoraUpdateResult:
         return await self._lora_update("/unload_lora_adapter", UnloadLoraAdapterRequest(lora_name=lora_name).to_json())

@@ -99,6 +99,26 @@ def save_adapter_directory(tensors: dict[str, torch.Tensor], spec: LoraSpec, dir
     return directory
 
 
+def adapter_config_dict(spec: LoraSpec, base_model: str = "") -> dict[str, Any]:
+    """The run's adapter_config.json as a JSON-ready dict (what an engine's
+    /load_lora_adapter_from_tensors takes as config_dict)."""
+    config = spec.peft_config()
+    config.base_model_name_or_path = base_model or None
+    return json.loads(json.dumps(config.to_dict(), default=lambda value: sorted(value)
+                                 if isinstance(value, set | frozenset) else str(value)))
+
+
+def adapter_safetensors(tensors: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, str]]:
+    """A run's adapter tensors as one safetensors file, with each tensor's sha256 (of its raw
+    bytes, as an engine checks what it received)."""
+    import hashlib
+
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    checksums = {name: hashlib.sha256(t.reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                 for name, t in tensors.items()}
+    return safetensors.torch.save(tensors), checksums
+
+
 def latest_run_checkpoint(root: Path, run_id: str) -> Path | None:
     """The newest complete checkpoint of `run_id` under `root`."""
     from policyloop.rl.checkpoint import LATEST

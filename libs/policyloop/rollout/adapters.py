@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import nats.errors
 import nats.js.errors
@@ -25,7 +26,7 @@ import nats.js.errors
 from policyloop.bus import Bus, PermanentError, weights_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rl.lora import adapter_model_name, save_adapter_directory
+from policyloop.rl.lora import adapter_config_dict, adapter_model_name, adapter_safetensors, save_adapter_directory
 from policyloop.rl.settings import LoraSpec
 from policyloop.state.catalog import RunRegistry
 from policyloop.state.pacing import Pacer
@@ -35,6 +36,12 @@ from policyloop.weights.codec import WeightSet
 from policyloop.weights.sync import SyncReport, sync_weights
 
 log = get_logger(__name__)
+
+
+# How a version reaches the engine: sent in the request (/load_lora_adapter_from_tensors, the
+# embedded engine) or written as a peft directory the engine reads (/load_lora_adapter: SGLang,
+# whose from-tensors route takes pickles only).
+AdapterSource = Literal["tensors", "directory"]
 
 
 def lora_name(run_id: str, version: int) -> str:
@@ -57,11 +64,13 @@ class AdapterLease:
 
 
 class ServedAdapters:
-    def __init__(self, engine: SGLangClient, root: Path, publisher_for: Callable[[str], WeightClient]) -> None:
-        self.engine, self.root, self.publisher_for = engine, Path(root), publisher_for
+    def __init__(self, engine: SGLangClient, root: Path, publisher_for: Callable[[str], WeightClient],
+                 load_from: AdapterSource = "tensors") -> None:
+        self.engine, self.root, self.publisher_for, self.load_from = engine, Path(root), publisher_for, load_from
         self.runs: dict[str, ServedRun] = {}
         self.leases: Counter[str] = Counter()  # requests holding each loaded name
-        self.loaded: dict[str, Path] = {}      # names loaded in the engine, and the directory each came from
+        # names loaded in the engine, and the directory each came from (None: sent as tensors)
+        self.loaded: dict[str, Path | None] = {}
         self._loading = asyncio.Lock()
         self._moved = asyncio.Condition()       # notified whenever a run's newest version changes
 
@@ -80,13 +89,8 @@ class ServedAdapters:
                 return None
             client = self.publisher_for(event.fetch_endpoint)
             weights, report = await sync_weights(client, served.model, served.held, event.version)
-            from policyloop.weights.torch_io import to_tensor
-
             name = lora_name(run_id, weights.version)
-            directory = save_adapter_directory({k: to_tensor(t) for k, t in weights.tensors.items()}, served.spec,
-                                               self.root / served.model / f"v{weights.version:09d}")
-            await self.engine.load_lora_adapter(name, str(directory))
-            self.loaded[name] = directory
+            self.loaded[name] = await self._load(name, served, weights)
             previous, served.held, served.name = served.name, weights, name
             async with self._moved:
                 self._moved.notify_all()
@@ -95,6 +99,21 @@ class ServedAdapters:
             if previous is not None:
                 await self._unload_if_unused(previous)
             return report
+
+    async def _load(self, name: str, served: ServedRun, weights: WeightSet) -> Path | None:
+        """Loads a version into the engine under `name`; the directory it was written to, if any."""
+        from policyloop.weights.torch_io import to_tensor
+
+        tensors = {k: to_tensor(t) for k, t in weights.tensors.items()}
+        if self.load_from == "tensors":
+            payload, checksums = await asyncio.to_thread(adapter_safetensors, tensors)
+            await self.engine.load_lora_adapter_from_tensors(name, adapter_config_dict(served.spec), payload,
+                                                             checksums)
+            return None
+        directory = await asyncio.to_thread(save_adapter_directory, tensors, served.spec,
+                                            self.root / served.model / f"v{weights.version:09d}")
+        await self.engine.load_lora_adapter(name, str(directory))
+        return directory
 
     async def remove(self, run_id: str) -> None:
         """Stops serving a run: its names are unloaded once no request holds them."""
@@ -153,7 +172,8 @@ class ServedAdapters:
             return
         directory = self.loaded.pop(name)
         await self.engine.unload_lora_adapter(name)
-        shutil.rmtree(directory, ignore_errors=True)
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
         log.info("adapter_unloaded", name=name)
 
 

@@ -53,6 +53,12 @@ class RolloutSettings(ServiceSettings):
                            "run's newest adapter (loaded into the engine by version, rollout.adapters), its tokens "
                            "stamped with that adapter version, paced by the run's own versions. The base stays "
                            "as loaded.")
+    lora_load: Literal["auto", "tensors", "directory"] = Field(
+        "auto", description="How a LoRA run's adapter versions reach the engine: tensors — sent in the request "
+                            "(/load_lora_adapter_from_tensors as one safetensors file, sha256-checked by the "
+                            "engine, nothing written to disk); directory — written under weights_dir as a peft "
+                            "directory the engine loads (/load_lora_adapter). auto: tensors for the embedded "
+                            "engine, directory for SGLang, whose from-tensors route takes pickled tensors only.")
     engine_health_interval_s: float = Field(
         2.0, description="How often the engine's /health is checked; the replica reports unhealthy while it fails, "
                          "and takes no new Task until it answers again.")
@@ -75,6 +81,12 @@ class RolloutSettings(ServiceSettings):
             raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
         if self.engine == "sglang" and not self.engine_url:
             raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")
+
+    @property
+    def adapter_source(self) -> Literal["tensors", "directory"]:
+        if self.lora_load != "auto":
+            return self.lora_load
+        return "tensors" if self.engine == "embedded" else "directory"
 
     @property
     def task_concurrency(self) -> int:

@@ -5,7 +5,7 @@ pass with the KV cache, each row with its own adapter or none."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,36 @@ from policyloop.telemetry.logging import get_logger
 log = get_logger("policyloop.engines.embedded")
 # peft's name for "no adapter" in a batch whose rows choose their adapter.
 BASE_ADAPTER = "__base__"
+TENSOR_SOURCE = "__tensor__"  # the path SGLang reports for an adapter loaded from tensors
+
+
+def adapter_tensors(copies: Sequence[bytes], expected_checksums: dict[str, str] | None) -> dict[str, torch.Tensor]:
+    """The tensors of /load_lora_adapter_from_tensors' serialized_named_tensors (one safetensors
+    file per TP rank; this engine has one), checked against expected_checksums (name -> sha256
+    of the tensor's raw bytes, as SGLang checks them) when given; RequestError naming the field."""
+    import hashlib
+
+    import safetensors.torch
+
+    if len(copies) != 1:
+        raise RequestError("serialized_named_tensors", f"the embedded engine has one rank: send one copy, "
+                                                       f"got {len(copies)}")
+    try:
+        tensors = safetensors.torch.load(copies[0])
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types for damaged bytes
+        raise RequestError("serialized_named_tensors[0]", f"not a safetensors file: {exc}") from None
+    if expected_checksums is not None:
+        def sha256(tensor: torch.Tensor) -> str:
+            return hashlib.sha256(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+
+        wrong = sorted(n for n, want in expected_checksums.items() if n in tensors and sha256(tensors[n]) != want)
+        missing = sorted(set(expected_checksums) - set(tensors))
+        extra = sorted(set(tensors) - set(expected_checksums))
+        if wrong or missing or extra:
+            raise RequestError("expected_checksums", f"the tensors sent do not match: {len(wrong)} differ "
+                                                     f"{wrong[:3]}, {len(missing)} missing {missing[:3]}, "
+                                                     f"{len(extra)} not expected {extra[:3]}")
+    return tensors
 
 
 class ServedModel:
@@ -90,29 +120,76 @@ class ServedModel:
     def load_adapter(self, name: str, path: str) -> None:
         """Loads the peft LoRA adapter in directory `path` under `name` (replacing one of that
         name); RequestError naming lora_path when it is not an adapter this model can take."""
-        from peft import PeftConfig, PeftModel
+        from peft import PeftConfig
 
         try:
             config = PeftConfig.from_pretrained(path)
         except Exception as exc:  # noqa: BLE001 - peft raises ValueError/OSError/JSON errors alike
             raise RequestError("lora_path", f"{path} holds no peft adapter: {exc}") from None
-        if getattr(config, "peft_type", None) != "LORA":
-            raise RequestError("lora_path", f"{path} is a {config.peft_type} adapter, not LoRA")
-        if name in self.adapters:
-            self.unload_adapter(name)
-        try:
+
+        def attach() -> None:
+            from peft import PeftModel
+
             if self.lora is None:
                 self.lora = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
             else:
                 self.lora.load_adapter(path, adapter_name=name, is_trainable=False)
+
+        self._attach(name, config, attach, "lora_path", f"the adapter in {path}")
+        self.adapters[name] = path
+
+    def load_adapter_tensors(self, name: str, config_dict: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+        """Loads a LoRA adapter given as its adapter_config.json and its tensors (named as peft
+        saves them) under `name`; RequestError naming the field that does not fit. Every tensor
+        of the adapter must be given, and no other."""
+        from peft import PeftConfig
+
+        try:
+            config = PeftConfig.from_peft_type(**config_dict)
+        except Exception as exc:  # noqa: BLE001 - unknown peft_type, bad or unknown config fields
+            raise RequestError("config_dict", f"not a peft adapter config: {exc}") from None
+
+        def attach() -> None:
+            from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
+
+            if self.lora is None:
+                self.lora = PeftModel(self.model, config, adapter_name=name)
+            else:
+                self.lora.add_adapter(name, config)
+            expected = set(get_peft_model_state_dict(self.lora, adapter_name=name))
+            if set(tensors) != expected:
+                missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+                raise ValueError(f"missing {len(missing)} tensors {missing[:3]}, unexpected {len(extra)} {extra[:3]}")
+            set_peft_model_state_dict(self.lora, tensors, adapter_name=name)
+
+        self._attach(name, config, attach, "serialized_named_tensors", "the adapter sent")
+        self.adapters[name] = TENSOR_SOURCE
+
+    def _attach(self, name: str, config: Any, attach: Callable[[], None], field: str, what: str) -> None:
+        """Runs `attach` (which adds adapter `name` to self.lora) after the checks common to
+        both sources; a failure leaves the adapters loaded before as they were."""
+        config_field = "config_dict" if field != "lora_path" else field
+        if getattr(config, "peft_type", None) != "LORA":
+            raise RequestError(config_field, f"{what} is a {config.peft_type} adapter, not LoRA")
+        # Initialisations that rewrite the base weights (PiSSA, OLoRA, LoftQ, ...) or import
+        # modules by name would change what every other adapter and the base serve.
+        if getattr(config, "init_lora_weights", True) not in (True, False, "gaussian"):
+            raise RequestError(config_field, f"{what} asks for init_lora_weights={config.init_lora_weights!r}, "
+                                             f"which rewrites the shared base weights: only true, false or "
+                                             f"'gaussian' are taken")
+        if getattr(config, "megatron_config", None):
+            raise RequestError(config_field, f"{what} sets megatron_config, which this engine does not take")
+        if name in self.adapters:
+            self.unload_adapter(name)
+        try:
+            attach()
         except Exception as exc:  # noqa: BLE001 - shapes or module names that do not fit this model
             if self.lora is not None and name in self.lora.peft_config:
                 self.lora.delete_adapter(name)
             if not self.adapters and self.lora is not None:
                 self.model, self.lora = self.lora.unload(), None
-            raise RequestError("lora_path", f"the adapter in {path} does not fit this model: {exc}") from None
+            raise RequestError(field, f"{what} does not fit this model: {exc}") from None
         self.lora.eval()
-        self.adapters[name] = path
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:

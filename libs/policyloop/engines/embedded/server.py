@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from policyloop.engines.embedded.model import ServedModel
+from policyloop.engines.embedded.model import ServedModel, adapter_tensors
 from policyloop.engines.embedded.receiver import WeightReceiver
 from policyloop.engines.embedded.sampling import request_generator
 from policyloop.engines.embedded.scheduler import EngineRequest, Scheduler
@@ -31,6 +31,7 @@ from policyloop.engines.protocol import (
     GenerateRequest,
     GenerateResult,
     InitWeightsUpdateGroupRequest,
+    LoadLoraAdapterFromTensorsRequest,
     LoadLoraAdapterRequest,
     LoraUpdateResult,
     RequestError,
@@ -194,6 +195,7 @@ class EmbeddedEngine:
             ("POST", "/destroy_weights_update_group", self._destroy_weights_group),
             ("GET", "/metrics", self._metrics_page),
             ("POST", "/load_lora_adapter", self._load_lora_adapter),
+            ("POST", "/load_lora_adapter_from_tensors", self._load_lora_adapter_from_tensors),
             ("POST", "/unload_lora_adapter", self._unload_lora_adapter),
         ]
         for method, path, handler in routes:
@@ -323,6 +325,20 @@ class EmbeddedEngine:
         except RequestError as exc:
             return self._lora_answer(exc)
         log.info("engine_lora_loaded", lora_name=parsed.lora_name, lora_path=parsed.lora_path)
+        return self._lora_answer()
+
+    async def _load_lora_adapter_from_tensors(self, request: web.Request) -> web.Response:
+        try:
+            parsed = LoadLoraAdapterFromTensorsRequest.from_json(await _json_body(request, empty_ok=False))
+            self._not_in_use(parsed.lora_name, "lora_name")
+            tensors = await asyncio.to_thread(adapter_tensors, parsed.serialized_named_tensors,
+                                              parsed.expected_checksums)
+            async with self.scheduler.load_lock:
+                await self.scheduler.compute(self.served.load_adapter_tensors, parsed.lora_name,
+                                             parsed.config_dict, tensors)
+        except RequestError as exc:
+            return self._lora_answer(exc)
+        log.info("engine_lora_loaded", lora_name=parsed.lora_name, tensors=len(tensors))
         return self._lora_answer()
 
     async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
