@@ -20,6 +20,8 @@ from policyloop.bus.topology import (
     rollouts_subject,
     sandbox_subject,
     tasks_subject,
+    tinker_request_subject,
+    tinker_result_subject,
     trajectories_subject,
     weights_subject,
 )
@@ -28,5 +30,5 @@ __all__ = [
     "Backlog", "Bus", "BusError", "BusLimits", "BusUnavailable", "ConsumerSpec", "Delivery",
     "PermanentError", "PublishFailed", "PullWorker", "StreamFull", "StreamSpec", "Topology",
     "build_topology", "decode_message", "dlq_subject", "ledger_subject", "rollouts_subject", "sandbox_subject",
-    "tasks_subject", "trajectories_subject", "weights_subject",
+    "tasks_subject", "tinker_request_subject", "tinker_result_subject", "trajectories_subject", "weights_subject",
 ]

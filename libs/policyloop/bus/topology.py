@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from nats.js import api
 from pydantic import BaseModel, Field
 
-from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.v1 import bus_pb2, tinker_pb2
 
 SUBJECT_PREFIX = "pl"
 DAY_SECONDS = 24 * 3600.0
@@ -55,6 +55,12 @@ class BusLimits(BaseModel):
         7 * DAY_SECONDS, description="How long LEDGER keeps the record of trajectories' fates (at least as long "
                                      "as TRAJECTORIES: the learner replays steps from both).")
     dlq_max_age_s: float = Field(7 * DAY_SECONDS, description="How long DLQ keeps dead letters.")
+    tinker_max_age_s: float = Field(
+        7 * DAY_SECONDS, description="How long TINKER keeps Tinker API training requests (a restarting learner "
+                                     "applies those after its models' checkpoints again: keep them longer than "
+                                     "a model goes without an optim_step).")
+    tinker_results_max_age_s: float = Field(
+        DAY_SECONDS, description="How long TINKER_RESULTS keeps the results retrieve_future answers with.")
     duplicate_window_s: float = Field(
         600.0, description="Window in which a repeated Nats-Msg-Id is recognised as a duplicate."
     )
@@ -180,6 +186,16 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
             max_age_s=lim.dlq_max_age_s, duplicate_window_s=lim.duplicate_window_s,
             description="Messages no service could handle, with the reason.",
         ),
+        StreamSpec(
+            "TINKER", (f"{p}.tinkerreq.>",), tinker_pb2.TinkerRequest, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.tinker_max_age_s, duplicate_window_s=lim.duplicate_window_s,
+            description="Tinker API training requests, per model in its client's order; the learner's log.",
+        ),
+        StreamSpec(
+            "TINKER_RESULTS", (f"{p}.tinkerres.>",), tinker_pb2.TinkerResult, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.tinker_results_max_age_s, max_msgs_per_subject=1, duplicate_window_s=lim.duplicate_window_s,
+            description="The result of each Tinker request, under its request id.",
+        ),
     ]
 
     streams = [replace(s, num_replicas=lim.stream_replicas) for s in streams]
@@ -260,3 +276,11 @@ def _subject_matches(pattern: str, subject: str) -> bool:
         if i >= len(sub) or (token != "*" and token != sub[i]):
             return False
     return len(pat) == len(sub)
+
+
+def tinker_request_subject(model_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.tinkerreq.{subject_token(model_id)}"
+
+
+def tinker_result_subject(request_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.tinkerres.{subject_token(request_id)}"

@@ -1,0 +1,141 @@
+from policyloop.contracts.v1 import tinker_wire_pb2 as _tinker_wire_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TinkerRequest(_message.Message):
+    __slots__ = ("request_id", "model_id", "seq_id", "create_model", "forward_backward", "optim_step", "save_weights", "load_weights")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    CREATE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVE_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    seq_id: int
+    create_model: TinkerCreateModel
+    forward_backward: _tinker_wire_pb2.ForwardBackwardRequest
+    optim_step: TinkerAdamParams
+    save_weights: TinkerSaveWeights
+    load_weights: TinkerLoadWeights
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., create_model: _Optional[_Union[TinkerCreateModel, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_wire_pb2.ForwardBackwardRequest, _Mapping]] = ..., optim_step: _Optional[_Union[TinkerAdamParams, _Mapping]] = ..., save_weights: _Optional[_Union[TinkerSaveWeights, _Mapping]] = ..., load_weights: _Optional[_Union[TinkerLoadWeights, _Mapping]] = ...) -> None: ...
+
+class TinkerCreateModel(_message.Message):
+    __slots__ = ("base_model", "rank", "train_mlp", "train_attn", "train_unembed", "seed")
+    BASE_MODEL_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_MLP_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_ATTN_FIELD_NUMBER: _ClassVar[int]
+    TRAIN_UNEMBED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    base_model: str
+    rank: int
+    train_mlp: bool
+    train_attn: bool
+    train_unembed: bool
+    seed: int
+    def __init__(self, base_model: _Optional[str] = ..., rank: _Optional[int] = ..., train_mlp: _Optional[bool] = ..., train_attn: _Optional[bool] = ..., train_unembed: _Optional[bool] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class TinkerAdamParams(_message.Message):
+    __slots__ = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    LEARNING_RATE_FIELD_NUMBER: _ClassVar[int]
+    BETA1_FIELD_NUMBER: _ClassVar[int]
+    BETA2_FIELD_NUMBER: _ClassVar[int]
+    EPS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_DECAY_FIELD_NUMBER: _ClassVar[int]
+    GRAD_CLIP_NORM_FIELD_NUMBER: _ClassVar[int]
+    learning_rate: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_clip_norm: float
+    def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
+
+class TinkerSaveWeights(_message.Message):
+    __slots__ = ("name", "for_sampler")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FOR_SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    for_sampler: bool
+    def __init__(self, name: _Optional[str] = ..., for_sampler: _Optional[bool] = ...) -> None: ...
+
+class TinkerLoadWeights(_message.Message):
+    __slots__ = ("path", "optimizer")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZER_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    optimizer: bool
+    def __init__(self, path: _Optional[str] = ..., optimizer: _Optional[bool] = ...) -> None: ...
+
+class TinkerError(_message.Message):
+    __slots__ = ("message", "category")
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CATEGORY_FIELD_NUMBER: _ClassVar[int]
+    message: str
+    category: str
+    def __init__(self, message: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...
+
+class TinkerResult(_message.Message):
+    __slots__ = ("request_id", "model_id", "error", "created", "forward_backward", "optim_step", "saved", "loaded")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
+    SAVED_FIELD_NUMBER: _ClassVar[int]
+    LOADED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model_id: str
+    error: TinkerError
+    created: TinkerCreated
+    forward_backward: _tinker_wire_pb2.ForwardBackwardOutput
+    optim_step: TinkerOptimStepDone
+    saved: TinkerSaved
+    loaded: TinkerLoaded
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., error: _Optional[_Union[TinkerError, _Mapping]] = ..., created: _Optional[_Union[TinkerCreated, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_wire_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[TinkerOptimStepDone, _Mapping]] = ..., saved: _Optional[_Union[TinkerSaved, _Mapping]] = ..., loaded: _Optional[_Union[TinkerLoaded, _Mapping]] = ...) -> None: ...
+
+class TinkerCreated(_message.Message):
+    __slots__ = ("model_id", "lora_rank")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    lora_rank: int
+    def __init__(self, model_id: _Optional[str] = ..., lora_rank: _Optional[int] = ...) -> None: ...
+
+class TinkerOptimStepDone(_message.Message):
+    __slots__ = ("metrics", "step")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    metrics: _containers.ScalarMap[str, float]
+    step: int
+    def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class TinkerSaved(_message.Message):
+    __slots__ = ("path", "version")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    version: int
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class TinkerLoaded(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...

@@ -1,0 +1,291 @@
+"""The Tinker HTTP API (the routes the official `tinker` SDK 0.38 calls), served by a stateless
+front: training requests go on TINKER in each client's seq_id order and the learner applies
+them; retrieve_future answers from TINKER_RESULTS. What it keeps in Redis: the models (their
+create request) and the request ids it handed out. Auth: the `X-API-Key` header must be the
+cluster's key (any key when none is set; the SDK itself wants keys that start with "tml-")."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from aiohttp import web
+from google.protobuf.message import DecodeError
+from redis import asyncio as aioredis
+
+from policyloop.bus import Bus, tinker_request_subject, tinker_result_subject
+from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+API = "/api/v1"
+PROTOBUF = "application/x-protobuf"
+RESULTS_STREAM = "TINKER_RESULTS"
+
+
+def _error(status: int, message: str) -> web.Response:
+    # A JSON body: the SDK raises at once with it (an empty 400 reads as a connection error, and
+    # 5xx, 408, 409 and 429 are retried for minutes).
+    return web.json_response({"detail": message}, status=status)
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class ModelOrder:
+    """Puts one model's requests on TINKER in seq_id order (the SDK may send them concurrently)."""
+
+    next_seq: int = 1
+    moved: asyncio.Condition = field(default_factory=asyncio.Condition)
+
+
+class TinkerApi:
+    def __init__(self, bus: Bus, redis: aioredis.Redis, *, namespace: str, base_model: str, api_key: str = "",
+                 poll_s: float = 25.0, order_wait_s: float = 30.0) -> None:
+        self.bus, self.redis, self.ns = bus, redis, namespace
+        self.base_model, self.api_key = base_model, api_key
+        self.poll_s, self.order_wait_s = poll_s, order_wait_s
+        self.orders: dict[str, ModelOrder] = {}
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
+        json_routes = {
+            "client/config": self._client_config, "create_session": self._create_session,
+            "session_heartbeat": self._heartbeat, "telemetry": self._telemetry, "create_model": self._create_model,
+            "get_info": self._get_info, "forward_backward": self._forward_backward, "optim_step": self._optim_step,
+            "retrieve_future": self._retrieve_future,
+        }
+        for name, handler in json_routes.items():
+            app.router.add_post(f"{API}/{name}", handler)
+        app.router.add_post(f"{API}/sessions/{{session_id}}/finish", self._finish)
+        app.router.add_get(f"{API}/get_server_capabilities", self._capabilities)
+        app.router.add_get(f"{API}/healthz", self._healthz)
+        return app
+
+    # -- plumbing -------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if self.api_key and not hmac.compare_digest(request.headers.get("X-API-Key", ""), self.api_key):
+            return _error(401, "X-API-Key is not this cluster's API key")
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return _error(exc.status, str(exc))
+
+    async def _json(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise BadRequest(f"body: not JSON ({exc})") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body: a JSON object expected")
+        return body
+
+    @staticmethod
+    def _field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        value = body.get(name, default)
+        if value is ...:
+            raise BadRequest(f"{name}: required")
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
+            raise BadRequest(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        return value
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.ns, "tinker", *parts))
+
+    # -- session --------------------------------------------------------------------------------
+
+    async def _client_config(self, _: web.Request) -> web.Response:
+        # Custom losses run in the client (forward_backward_custom); no JWT exchange, no zstd bodies.
+        return web.json_response({"custom_loss_server_side": False, "proto_compress_fwdbwd": False,
+                                  "pjwt_auth_enabled": False, "sample_use_retrieve_futures": False})
+
+    async def _create_session(self, _: web.Request) -> web.Response:
+        return web.json_response({"type": "create_session", "session_id": f"s{uuid.uuid4().hex[:16]}"})
+
+    async def _heartbeat(self, _: web.Request) -> web.Response:
+        return web.json_response({"type": "session_heartbeat"})
+
+    async def _telemetry(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "accepted"})
+
+    async def _finish(self, _: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def _healthz(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _capabilities(self, _: web.Request) -> web.Response:
+        return web.json_response({"supported_models": [
+            {"model_name": self.base_model, "trainable": True, "sampleable": False}]})
+
+    # -- training -------------------------------------------------------------------------------
+
+    async def _create_model(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        session = self._field(body, "session_id", str)
+        model_seq = self._field(body, "model_seq_id", int)
+        base_model = self._field(body, "base_model", str)
+        lora = self._field(body, "lora_config", dict, {})
+        if base_model != self.base_model:
+            raise BadRequest(f"base_model: this cluster trains {self.base_model!r}, not {base_model!r}")
+        optimizer = self._field(body, "optimizer_config", dict, {"type": "adamw"})
+        if optimizer.get("type", "adamw") != "adamw":
+            raise BadRequest(f"optimizer_config.type: only 'adamw' is supported, not {optimizer.get('type')!r}")
+        create = tinker_pb2.TinkerCreateModel(
+            base_model=base_model, rank=self._field(lora, "rank", int, 32),
+            train_mlp=self._field(lora, "train_mlp", bool, True),
+            train_attn=self._field(lora, "train_attn", bool, True),
+            train_unembed=self._field(lora, "train_unembed", bool, True))
+        if "seed" in lora and lora["seed"] is not None:
+            create.seed = self._field(lora, "seed", int)
+        if not 1 <= create.rank <= 1024:
+            raise BadRequest(f"lora_config.rank: {create.rank} is outside [1, 1024]")
+        model_id = f"{session}:train:{model_seq}"
+        if not await self.redis.set(self._key("model", model_id), create.SerializeToString(), nx=True):
+            existing = tinker_pb2.TinkerCreateModel.FromString(await self.redis.get(self._key("model", model_id)))
+            if existing != create:
+                raise BadRequest(f"model_seq_id: model {model_id!r} exists with another configuration", 409)
+        request_id = f"{model_id}#0"
+        await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=0,
+                                                    create_model=create), ordered=False)
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    async def _model(self, model_id: Any) -> tinker_pb2.TinkerCreateModel:
+        if not isinstance(model_id, str) or not model_id:
+            raise BadRequest("model_id: required")
+        raw = await self.redis.get(self._key("model", model_id))
+        if raw is None:
+            raise BadRequest(f"model_id: no model {model_id!r}", 404)
+        return tinker_pb2.TinkerCreateModel.FromString(raw)
+
+    async def _get_info(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        create = await self._model(body.get("model_id"))
+        return web.json_response({
+            "type": "get_info", "model_id": body["model_id"], "is_lora": True, "lora_rank": create.rank,
+            "model_name": self.base_model, "optimizer_config": {"type": "adamw"},
+            "model_data": {"model_name": self.base_model, "tokenizer_id": self.base_model}})
+
+    async def _forward_backward(self, request: web.Request) -> web.Response:
+        if PROTOBUF not in request.headers.get("Content-Type", ""):
+            raise BadRequest(f"Content-Type: forward_backward takes {PROTOBUF}", 415)
+        if request.headers.get("Content-Encoding", "identity") not in ("identity", ""):
+            raise BadRequest("Content-Encoding: compressed bodies are not taken (client/config says so)", 415)
+        try:
+            parsed = tinker_wire_pb2.ForwardBackwardRequest.FromString(await request.read())
+        except DecodeError as exc:
+            raise BadRequest(f"body: not a ForwardBackwardRequest ({exc})") from None
+        await self._model(parsed.model_id)
+        if parsed.seq_id < 1:
+            raise BadRequest(f"seq_id: from 1, got {parsed.seq_id}")
+        request_id = f"{parsed.model_id}#{parsed.seq_id}"
+        await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=parsed.model_id,
+                                                    seq_id=parsed.seq_id, forward_backward=parsed))
+        return web.json_response({"request_id": request_id, "model_id": parsed.model_id})
+
+    async def _optim_step(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        model_id = body.get("model_id")
+        await self._model(model_id)
+        seq_id = self._field(body, "seq_id", int)
+        if "optimizer_params" in body:
+            raise BadRequest("optimizer_params: only Adam (adam_params) is supported")
+        adam = self._field(body, "adam_params", dict)
+        number = (int, float)
+        params = tinker_pb2.TinkerAdamParams(
+            learning_rate=self._field(adam, "learning_rate", number, 1e-4),
+            beta1=self._field(adam, "beta1", number, 0.9),
+            beta2=self._field(adam, "beta2", number, 0.95), eps=self._field(adam, "eps", number, 1e-12),
+            weight_decay=self._field(adam, "weight_decay", number, 0.0),
+            grad_clip_norm=self._field(adam, "grad_clip_norm", number, 0.0))
+        request_id = f"{model_id}#{seq_id}"
+        await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=seq_id,
+                                                    optim_step=params))
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    async def _submit(self, request: tinker_pb2.TinkerRequest, ordered: bool = True) -> None:
+        """Records the request id, then puts the request on TINKER after the model's earlier
+        seq_ids (waiting up to order_wait_s for a missing one: the SDK spends a seq_id on a
+        request it never sends when it fails locally). The Nats-Msg-Id is the request id, so a
+        retried HTTP call is stored once."""
+        await self.redis.set(self._key("request", request.request_id), request.WhichOneof("op"), ex=7 * 24 * 3600)
+        if not ordered:
+            await self.bus.publish(tinker_request_subject(request.model_id), request, request.request_id)
+            return
+        order = self.orders.setdefault(request.model_id, ModelOrder())
+        async with order.moved:
+            if request.seq_id > order.next_seq:
+                try:
+                    await asyncio.wait_for(order.moved.wait_for(lambda: order.next_seq >= request.seq_id),
+                                           self.order_wait_s)
+                except TimeoutError:
+                    log.warning("tinker_seq_gap", model=request.model_id, waited_for=order.next_seq,
+                                seq=request.seq_id)
+            await self.bus.publish(tinker_request_subject(request.model_id), request, request.request_id)
+            order.next_seq = max(order.next_seq, request.seq_id + 1)
+            order.moved.notify_all()
+
+    # -- futures --------------------------------------------------------------------------------
+
+    async def _retrieve_future(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        request_id = self._field(body, "request_id", str)
+        if await self.redis.get(self._key("request", request_id)) is None:
+            raise BadRequest(f"request_id: no request {request_id!r}", 404)
+        subject = tinker_result_subject(request_id)
+        arrived: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        async def on_result(msg: Any) -> None:
+            if not arrived.done():
+                arrived.set_result(msg.data)
+
+        sub = await self.bus.nc.subscribe(subject, cb=on_result)  # before the look: nothing slips between
+        try:
+            result = await self._stored_result(subject)
+            if result is None:
+                try:
+                    result = tinker_pb2.TinkerResult.FromString(await asyncio.wait_for(arrived, self.poll_s))
+                except TimeoutError:
+                    return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+        finally:
+            await sub.unsubscribe()
+        return self._answer(result)
+
+    async def _stored_result(self, subject: str) -> tinker_pb2.TinkerResult | None:
+        try:
+            msg = await self.bus.js.get_last_msg(RESULTS_STREAM, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        return tinker_pb2.TinkerResult.FromString(msg.data)
+
+    @staticmethod
+    def _answer(result: tinker_pb2.TinkerResult) -> web.Response:
+        outcome = result.WhichOneof("outcome")
+        if outcome == "error":
+            return web.json_response({"error": result.error.message, "category": result.error.category or "server"})
+        if outcome == "forward_backward":
+            return web.Response(body=result.forward_backward.SerializeToString(), content_type=PROTOBUF)
+        if outcome == "created":
+            return web.json_response({"type": "create_model", "model_id": result.created.model_id})
+        if outcome == "optim_step":
+            return web.json_response({"type": "optim_step", "metrics": dict(result.optim_step.metrics)})
+        if outcome == "saved":
+            return web.json_response({"path": result.saved.path})
+        if outcome == "loaded":
+            return web.json_response({"type": "load_weights", "path": result.loaded.path})
+        return web.json_response({"error": f"result of unknown kind {outcome!r}", "category": "server"})
+
+

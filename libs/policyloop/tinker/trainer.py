@@ -1,0 +1,217 @@
+"""Tinker training requests executed on the learner's AdapterTrainer: each Tinker model is a
+LoRA run (its own adapter, AdamW state and version sequence over the shared frozen base).
+
+forward_backward adds to the adapter's gradients and optim_step applies them (Adam with the
+request's parameters), then checkpoints the run with the TINKER stream sequence it covers.
+Gradients between two optim_steps live only in memory: after a restart they are recomputed by
+applying the same forward_backward requests (still on the stream) to the checkpointed weights,
+which gives the same gradients and the same results, so nothing accepted is lost and no
+optim_step is applied twice."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
+from policyloop.rl.lora import AdapterTrainer, LoraSpec
+from policyloop.rl.settings import run_directory
+from policyloop.telemetry.logging import get_logger
+from policyloop.tinker import wire
+from policyloop.tinker.losses import LossInputError, LossSpec
+
+log = get_logger(__name__)
+
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+LORA_ALPHA = 32.0  # the update is scaled by alpha / rank, as the hosted service's LoRA
+STREAM_SEQ = "tinker_stream_seq"  # the checkpoint's `extra` key: the TINKER sequence it covers
+
+
+class TinkerRequestError(ValueError):
+    """A request that cannot be done as asked (category "user"); the message names the field."""
+
+
+def lora_spec(create: tinker_pb2.TinkerCreateModel, tied_embeddings: bool) -> LoraSpec:
+    """The adapter a create_model asks for. A model whose unembedding is tied to its embedding
+    takes no LoRA on lm_head (peft would then save the whole embedding with every adapter)."""
+    unembed = UNEMBED_MODULES if create.train_unembed and not tied_embeddings else ()
+    modules = (ATTENTION_MODULES if create.train_attn else ()) + (MLP_MODULES if create.train_mlp else ()) + unembed
+    if not modules:
+        raise TinkerRequestError("lora_config: train_attn, train_mlp and train_unembed are all false: "
+                                 "nothing to train")
+    if not 1 <= create.rank <= 1024:
+        raise TinkerRequestError(f"lora_config.rank: {create.rank} is outside [1, 1024]")
+    return LoraSpec(rank=create.rank, alpha=LORA_ALPHA, target_modules=modules)
+
+
+@dataclass
+class TinkerModel:
+    model_id: str
+    spec: LoraSpec
+    stream_seq: int = 0                  # the last TINKER sequence applied to it
+    pending: int = 0                     # forward_backward calls whose gradients wait for optim_step
+    checkpointed: int = 0                # the TINKER sequence its newest checkpoint covers
+    to_checkpoint: bool = False          # its weights changed: checkpoint once the result is out
+    saved: dict[str, Path] = field(default_factory=dict)
+
+
+class TinkerTrainer:
+    def __init__(self, trainer: AdapterTrainer, root: Path, base_model: str) -> None:
+        self.trainer, self.root, self.base_model = trainer, Path(root), base_model
+        self.models: dict[str, TinkerModel] = {}
+        self.vocab_size = int(trainer.base.config.vocab_size)
+
+    # -- recovery -------------------------------------------------------------------------------
+
+    def restore_all(self) -> int:
+        """Loads every model's newest checkpoint under root; returns the TINKER sequence to
+        read from (the oldest a model still needs; 1 when there is nothing)."""
+        from policyloop.rl.lora import latest_run_checkpoint
+
+        checkpoints = self.root / "checkpoints"
+        for pointer in sorted(checkpoints.glob("*/LATEST")) if checkpoints.exists() else []:
+            record = json.loads((pointer.parent / pointer.read_text().strip() / "run.json").read_text())
+            directory = latest_run_checkpoint(checkpoints, record["run_id"])
+            if directory is None:
+                continue
+            restored = self.trainer.restore(directory)
+            seq = int(restored.extra[STREAM_SEQ])
+            spec = LoraSpec.model_validate(record["spec"])
+            self.models[restored.run_id] = TinkerModel(restored.run_id, spec, seq, 0, seq)
+            log.info("tinker_model_restored", model=restored.run_id, stream_seq=seq, step=restored.steps)
+        return min((m.stream_seq for m in self.models.values()), default=0) + 1
+
+    def covers(self, model_id: str, stream_seq: int) -> bool:
+        """Whether the request at `stream_seq` is already reflected in the model's state."""
+        model = self.models.get(model_id)
+        return model is not None and stream_seq <= model.stream_seq
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def apply(self, request: tinker_pb2.TinkerRequest, stream_seq: int) -> tinker_pb2.TinkerResult:
+        """Executes one request; a request that cannot be done answers an error and changes nothing."""
+        result = tinker_pb2.TinkerResult(request_id=request.request_id, model_id=request.model_id)
+        op = request.WhichOneof("op")
+        try:
+            if op == "create_model":
+                result.created.CopyFrom(self._create(request.model_id, request.create_model, stream_seq))
+            else:
+                model = self._model(request.model_id)
+                if op == "forward_backward":
+                    result.forward_backward.CopyFrom(self._forward_backward(model, request.forward_backward))
+                elif op == "optim_step":
+                    result.optim_step.CopyFrom(self._optim_step(model, request.optim_step, stream_seq))
+                elif op == "save_weights":
+                    result.saved.CopyFrom(self._save(model, request.save_weights, stream_seq))
+                else:
+                    raise TinkerRequestError(f"{op}: not supported by this learner")
+                model.stream_seq = max(model.stream_seq, stream_seq)
+        except (TinkerRequestError, LossInputError, wire.WireError) as exc:
+            result.error.CopyFrom(tinker_pb2.TinkerError(message=str(exc), category="user"))
+        return result
+
+    def _model(self, model_id: str) -> TinkerModel:
+        model = self.models.get(model_id)
+        if model is None:
+            raise TinkerRequestError(f"model_id: no model {model_id!r} on this learner")
+        return model
+
+    def _create(self, model_id: str, create: tinker_pb2.TinkerCreateModel, stream_seq: int) -> tinker_pb2.TinkerCreated:
+        if create.base_model != self.base_model:
+            raise TinkerRequestError(f"base_model: this cluster trains {self.base_model!r}, not {create.base_model!r}")
+        if model_id in self.models:
+            raise TinkerRequestError(f"model_id: {model_id!r} exists already")
+        spec = lora_spec(create, bool(getattr(self.trainer.base.config, "tie_word_embeddings", False)))
+        # The adapter's A matrices are random: seeded by the request (or the model id), so a
+        # replay after a restart makes the same adapter.
+        seed = create.seed if create.HasField("seed") else int.from_bytes(model_id.encode()[-8:].rjust(8, b"\0"), "big")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed % 2**63)
+            try:
+                self.trainer.add_run(model_id, spec)
+            except ValueError as exc:
+                raise TinkerRequestError(f"lora_config: {exc}") from None
+        model = TinkerModel(model_id, spec, stream_seq, to_checkpoint=True)
+        self.models[model_id] = model
+        return tinker_pb2.TinkerCreated(model_id=model_id, lora_rank=spec.rank)
+
+    def _forward_backward(self, model: TinkerModel,
+                          request: tinker_wire_pb2.ForwardBackwardRequest) -> tinker_wire_pb2.ForwardBackwardOutput:
+        examples = wire.examples(request, self.vocab_size)
+        names = set(examples[0].inputs)
+        if any(set(e.inputs) != names for e in examples):
+            raise TinkerRequestError("data: every datum must carry the same loss_fn_inputs")
+        loss = LossSpec.parse(request.loss_fn, wire.loss_config(request), names)
+        peft_model = self.trainer._activate(self.trainer.run(model.model_id))
+        device = self.trainer.device
+        outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
+        total = 0.0
+        with torch.set_grad_enabled(not request.forward_only):
+            for example in examples:
+                tokens = torch.as_tensor(example.tokens, device=device).unsqueeze(0)
+                inputs = {name: torch.as_tensor(array, device=device) for name, array in example.inputs.items()}
+                targets = inputs.pop("target_tokens").long()
+                inputs = {name: t.float() for name, t in inputs.items()}
+                logits = peft_model(input_ids=tokens).logits[0].float()
+                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+                datum_loss, per_token = loss.loss(logprobs, inputs)
+                if not request.forward_only:
+                    datum_loss.backward()
+                total += float(datum_loss.detach())
+                outputs["logprobs"].append(logprobs.detach().cpu().numpy().astype(np.float32))
+                outputs["elementwise_loss"].append(per_token.detach().cpu().numpy().astype(np.float32))
+        if not request.forward_only:
+            model.pending += 1
+        if not math.isfinite(total):
+            log.warning("tinker_loss_not_finite", model=model.model_id, loss=total)
+        return wire.output(outputs, {"loss:sum": total})
+
+    def _optim_step(self, model: TinkerModel, adam: tinker_pb2.TinkerAdamParams,
+                    stream_seq: int) -> tinker_pb2.TinkerOptimStepDone:
+        checks = {"learning_rate": adam.learning_rate >= 0, "beta1": 0 <= adam.beta1 < 1,
+                  "beta2": 0 <= adam.beta2 < 1, "eps": adam.eps >= 0, "weight_decay": adam.weight_decay >= 0,
+                  "grad_clip_norm": adam.grad_clip_norm >= 0}
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise TinkerRequestError(f"adam_params.{bad[0]}: out of range ({getattr(adam, bad[0])})")
+        run = self.trainer.run(model.model_id)
+        params = [p for group in run.optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        grad_norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
+            if grads else 0.0
+        if adam.grad_clip_norm > 0 and grads:
+            torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+        for group in run.optimizer.param_groups:
+            group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                         weight_decay=adam.weight_decay)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.steps += 1
+        run.version += 1
+        applied, model.pending = model.pending, 0
+        model.to_checkpoint = True
+        return tinker_pb2.TinkerOptimStepDone(step=run.steps, metrics={
+            "grad_norm:mean": grad_norm, "forward_backward_calls:sum": float(applied)})
+
+    def _save(self, model: TinkerModel, save: tinker_pb2.TinkerSaveWeights, stream_seq: int) -> tinker_pb2.TinkerSaved:
+        raise TinkerRequestError("save_weights: not supported yet")
+
+    def commit(self, model_id: str) -> None:
+        """Checkpoints the model if its last request changed its weights: called once that
+        request's result is published, so that a result is never lost to a crash (a request
+        the checkpoint covers is not applied again after a restart, nor answered again)."""
+        model = self.models.get(model_id)
+        if model is None or not model.to_checkpoint:
+            return
+        self.trainer.save(self.root / "checkpoints", model_id, extra={STREAM_SEQ: model.stream_seq}, keep=2)
+        model.checkpointed, model.to_checkpoint = model.stream_seq, False
+
+    def checkpoint_dir(self, model_id: str) -> Path:
+        return self.root / "checkpoints" / run_directory(model_id)

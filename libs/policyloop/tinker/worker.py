@@ -1,0 +1,93 @@
+"""The learner's side of the Tinker API: it follows TINKER from the oldest sequence its models'
+checkpoints do not cover, applies each request in stream order (compute runs on a worker
+thread, one request at a time), publishes the result under the request id, then checkpoints a
+model whose weights changed. A request that cannot be decoded goes to the DLQ with the reason."""
+
+from __future__ import annotations
+
+import asyncio
+
+import nats.errors
+from nats.aio.msg import Msg
+from nats.js import api
+
+from policyloop.bus import Bus, PermanentError, decode_message, tinker_result_subject
+from policyloop.bus.deadletter import publish_dead_letter
+from policyloop.contracts.v1 import tinker_pb2
+from policyloop.telemetry.logging import get_logger
+from policyloop.tinker.trainer import TinkerTrainer
+
+log = get_logger(__name__)
+
+STREAM = "TINKER"
+SUBJECTS = "pl.tinkerreq.>"
+
+
+class TinkerWorker:
+    def __init__(self, bus: Bus, trainer: TinkerTrainer, service: str = "learner") -> None:
+        self.bus, self.trainer, self.service = bus, trainer, service
+        self.applied = 0               # requests applied since start (replayed ones included)
+        self.position = 0              # the last TINKER sequence handled
+        self._moved = asyncio.Condition()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        start = await asyncio.to_thread(self.trainer.restore_all)
+        self.position = start - 1
+        log.info("tinker_worker_started", from_seq=start, models=len(self.trainer.models))
+        while not stop.is_set():
+            config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                        opt_start_seq=self.position + 1)
+            try:
+                sub = await self.bus.js.subscribe(SUBJECTS, stream=STREAM, ordered_consumer=True, config=config)
+            except (TimeoutError, nats.errors.Error) as exc:
+                log.warning("tinker_subscribe_retry", error=repr(exc))
+                await asyncio.sleep(0.5)
+                continue
+            try:
+                while not stop.is_set():
+                    try:
+                        msg = await sub.next_msg(timeout=0.5)
+                    except TimeoutError:
+                        continue
+                    await self.handle(msg)
+            except nats.errors.Error as exc:  # the connection went: resume after the last handled
+                log.warning("tinker_follow_retry", error=repr(exc))
+                await asyncio.sleep(0.5)
+            finally:
+                try:
+                    await sub.unsubscribe()
+                except (TimeoutError, nats.errors.Error):
+                    pass
+
+    async def handle(self, msg: Msg) -> None:
+        seq = msg.metadata.sequence.stream
+        if seq <= self.position:
+            return  # delivered again after a resubscription
+        try:
+            request = decode_message(msg, tinker_pb2.TinkerRequest)
+            if not request.request_id or not request.model_id or request.WhichOneof("op") is None:
+                raise PermanentError("a TinkerRequest needs request_id, model_id and an op")
+        except PermanentError as exc:
+            await publish_dead_letter(self.bus, origin_stream=STREAM, origin_subject=msg.subject, stream_seq=seq,
+                                      consumer="", payload=msg.data, headers=msg.headers, reason=str(exc),
+                                      kind="malformed", delivery_count=1, service=self.service)
+            await self._advance(seq)
+            return
+        if not self.trainer.covers(request.model_id, seq):
+            result = await asyncio.to_thread(self.trainer.apply, request, seq)
+            await self.bus.publish(tinker_result_subject(request.request_id), result, f"tinker-result-{seq}")
+            await asyncio.to_thread(self.trainer.commit, request.model_id)
+            self.applied += 1
+            log.info("tinker_applied", seq=seq, model=request.model_id, op=request.WhichOneof("op"),
+                     error=result.error.message if result.HasField("error") else None)
+        await self._advance(seq)
+
+    async def _advance(self, seq: int) -> None:
+        async with self._moved:
+            self.position = seq
+            self._moved.notify_all()
+
+    async def reached(self, seq: int, timeout_s: float) -> None:
+        """Returns once the request at `seq` is handled (TimeoutError after `timeout_s`)."""
+        async with self._moved:
+            await asyncio.wait_for(self._moved.wait_for(lambda: self.position >= seq), timeout_s)

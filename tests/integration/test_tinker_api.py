@@ -1,0 +1,200 @@
+"""The Tinker API driven by the official `tinker` SDK (pinned 0.38.0) against a real HTTP front,
+NATS JetStream and Redis, with the learner's side (TinkerWorker over an AdapterTrainer on the
+tiny model) applying the requests: a supervised loop lowers the loss; bad requests are refused
+with a clear message; a learner that restarts between forward_backward and optim_step loses
+nothing and applies nothing twice."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from policyloop.bus import Bus
+from policyloop.rl.lora import AdapterTrainer
+from policyloop.rl.trainer import TrainerConfig
+from policyloop.state import connect_redis
+from policyloop.tinker.server import TinkerApi
+from policyloop.tinker.trainer import TinkerTrainer
+from policyloop.tinker.worker import TinkerWorker
+
+tinker = pytest.importorskip("tinker")
+
+BASE_MODEL = "policyloop/tiny"
+API_KEY = "tml-cluster-test-key"
+SEQUENCES = [[4, 5, 14, 6, 16, 7, 8], [9, 10, 11, 12, 13, 15, 17], [5, 5, 6, 6, 7, 7, 8, 8]]
+
+
+@dataclass
+class Learner:
+    worker: TinkerWorker
+    task: asyncio.Task[None]
+    stop: asyncio.Event
+
+    async def close(self) -> None:
+        self.stop.set()
+        await self.task
+
+
+def start_learner(bus: Bus, model_dir: Path, root: Path) -> Learner:
+    trainer = TinkerTrainer(AdapterTrainer(model_dir, TrainerConfig(device="cpu")), root, BASE_MODEL)
+    worker = TinkerWorker(bus, trainer)
+    stop = asyncio.Event()
+    return Learner(worker, asyncio.create_task(worker.run(stop)), stop)
+
+
+@pytest.fixture
+async def front(bus: Bus, redis_server) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    redis = await connect_redis(redis_server.url, decode_responses=False)
+    api = TinkerApi(bus, redis, namespace="test", base_model=BASE_MODEL, api_key=API_KEY, poll_s=5.0)
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+    await redis.aclose()
+
+
+def datum(tokens: list[int]):  # type: ignore[no-untyped-def]
+    """Next-token prediction over the whole sequence."""
+    return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+                              loss_fn_inputs={"target_tokens": np.array(tokens[1:], dtype=np.int64),
+                                              "weights": np.ones(len(tokens) - 1, dtype=np.float32)})
+
+
+def service_client(base_url: str, monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("TINKER_BASE_URL", base_url)
+    monkeypatch.setenv("TINKER_API_KEY", API_KEY)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    return tinker.ServiceClient()
+
+
+@pytest.mark.timeout(300)
+async def test_a_supervised_loop_written_with_the_sdk_lowers_the_loss(
+        bus: Bus, front: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    learner = start_learner(bus, tiny_model_dir, tmp_path / "learner")
+
+    def train() -> tuple[list[float], object, int]:
+        client = service_client(front, monkeypatch)
+        capabilities = client.get_server_capabilities()
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
+        data = [datum(s) for s in SEQUENCES]
+        losses = []
+        for _ in range(12):
+            result = training.forward_backward(data, "cross_entropy").result()
+            losses.append(result.metrics["loss:sum"])
+            training.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
+        forward = training.forward(data, "cross_entropy").result()
+        return losses, (capabilities, forward, training.get_info()), len(data)
+
+    try:
+        losses, (capabilities, forward, info), count = await asyncio.to_thread(train)
+    finally:
+        await learner.close()
+    assert [m.model_name for m in capabilities.supported_models] == [BASE_MODEL]
+    assert info.model_data.model_name == BASE_MODEL and info.lora_rank == 8
+    assert losses[-1] < 0.5 * losses[0], losses
+    # forward: per-datum logprobs of the targets, and the loss they make (nothing applied).
+    assert len(forward.loss_fn_outputs) == count
+    logprobs = [np.asarray(out["logprobs"].tolist()) for out in forward.loss_fn_outputs]
+    assert [len(lp) for lp in logprobs] == [len(s) - 1 for s in SEQUENCES]
+    assert forward.metrics["loss:sum"] == pytest.approx(-sum(lp.sum() for lp in logprobs), rel=1e-4)
+    assert forward.metrics["loss:sum"] < losses[-1]  # the last optim_step lowered it further
+
+
+@pytest.mark.timeout(300)
+async def test_a_learner_restart_between_forward_backward_and_optim_step_loses_nothing_and_applies_nothing_twice(
+        bus: Bus, front: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two models made alike (same seed, data and step): `steady` takes its optim_step before the
+    learner stops, `restarted` after a new learner took over. They must end equal, bit for bit."""
+    root = tmp_path / "learner"
+    learner = start_learner(bus, tiny_model_dir, root)
+    client = await asyncio.to_thread(service_client, front, monkeypatch)
+    data = [datum(s) for s in SEQUENCES]
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+
+    def before() -> tuple[object, object, float]:
+        restarted = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=7).result()
+        steady = client.create_lora_training_client(base_model=BASE_MODEL, rank=4, seed=7).result()
+        loss = restarted.forward_backward(data, "cross_entropy").result().metrics["loss:sum"]
+        steady.forward_backward(data, "cross_entropy").result()
+        steady.optim_step(adam).result()
+        return restarted, steady, loss
+
+    restarted, steady, loss_before = await asyncio.to_thread(before)
+    await learner.close()  # restarted's gradients were in this learner's memory only
+    learner = start_learner(bus, tiny_model_dir, root)
+    try:
+        done = await asyncio.to_thread(lambda: restarted.optim_step(adam).result())
+        assert done.metrics["forward_backward_calls:sum"] == 1  # its forward_backward, recomputed once
+        ids = [c.model_id for c in (restarted, steady)]
+        trainer = learner.worker.trainer.trainer
+        assert [trainer.run(i).steps for i in ids] == [1, 1]
+        adapters = [trainer.export_adapter(i) for i in ids]
+        assert adapters[0].keys() == adapters[1].keys()
+        assert all(np.array_equal(adapters[0][k].numpy(), adapters[1][k].numpy()) for k in adapters[0])
+        # The step was applied to the weights the new learner serves.
+        again = await asyncio.to_thread(lambda: restarted.forward(data, "cross_entropy").result())
+        assert again.metrics["loss:sum"] < loss_before
+    finally:
+        await learner.close()
+    # A third learner restores both from their checkpoints: one step each, nothing applied again.
+    learner = start_learner(bus, tiny_model_dir, root)
+    try:
+        await asyncio.to_thread(lambda: restarted.forward(data, "cross_entropy").result())
+        assert [learner.worker.trainer.trainer.run(i).steps for i in ids] == [1, 1]
+    finally:
+        await learner.close()
+
+
+@pytest.mark.timeout(300)
+async def test_requests_that_cannot_be_done_are_refused_with_a_clear_message(
+        bus: Bus, front: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from policyloop.bus.topology import dlq_subject, tinker_request_subject
+    from policyloop.contracts.v1 import bus_pb2
+
+    learner = start_learner(bus, tiny_model_dir, tmp_path / "learner")
+
+    def misuse() -> list[str]:
+        client = service_client(front, monkeypatch)
+        with pytest.raises(tinker.BadRequestError, match="base_model: this cluster trains"):
+            client.create_lora_training_client(base_model="someone/else", rank=4).result()
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        refusals = []
+        for loss, data in (("stable_reinforce", [datum(SEQUENCES[0])]), ("no_such_loss", [datum(SEQUENCES[0])]),
+                           ("importance_sampling", [datum(SEQUENCES[0])])):
+            with pytest.raises(tinker.RequestFailedError) as refused:
+                training.forward_backward(data, loss).result()
+            refusals.append(str(refused.value))
+        wrong = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([1, 2, 3]),
+                                   loss_fn_inputs={"target_tokens": np.array([1, 2], dtype=np.int64),
+                                                   "weights": np.ones(2, dtype=np.float32)})
+        with pytest.raises(tinker.RequestFailedError) as refused:
+            training.forward_backward([wrong], "cross_entropy").result()
+        refusals.append(str(refused.value))
+        monkeypatch.setenv("TINKER_API_KEY", "tml-not-the-key")
+        with pytest.raises(tinker.AuthenticationError, match="X-API-Key is not this cluster's API key"):
+            tinker.ServiceClient().create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        return refusals
+
+    try:
+        refusals = await asyncio.to_thread(misuse)
+        # A message on TINKER that is no TinkerRequest goes to the DLQ with the reason; the learner goes on.
+        ack = await bus.publish_bytes(tinker_request_subject("m"), b"\xff\x00 not protobuf",
+                                      {"Nats-Msg-Id": "garbage-1"})
+        await learner.worker.reached(ack.seq, timeout_s=30)
+        letter = bus_pb2.DeadLetter.FromString((await bus.js.get_last_msg("DLQ", dlq_subject("TINKER"))).data)
+    finally:
+        await learner.close()
+    assert "loss_fn: 'stable_reinforce' is not supported" in refusals[0]
+    assert "loss_fn: unknown loss 'no_such_loss'" in refusals[1]
+    assert "loss_fn_inputs: importance_sampling needs ['target_tokens', 'logprobs', 'advantages']" in refusals[2]
+    assert "data[0].loss_fn_inputs.target_tokens: shape [2], expected [3]" in refusals[3]
+    assert letter.stream_sequence == ack.seq and letter.reason.startswith("malformed: cannot decode")
