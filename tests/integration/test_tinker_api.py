@@ -179,6 +179,8 @@ async def test_requests_that_cannot_be_done_are_refused_with_a_clear_message(
         with pytest.raises(tinker.RequestFailedError) as refused:
             training.forward_backward([wrong], "cross_entropy").result()
         refusals.append(str(refused.value))
+        with pytest.raises(tinker.NotFoundError, match="not served by this cluster's Tinker API"):
+            training.save_state("later").result()
         monkeypatch.setenv("TINKER_API_KEY", "tml-not-the-key")
         with pytest.raises(tinker.AuthenticationError, match="X-API-Key is not this cluster's API key"):
             tinker.ServiceClient().create_lora_training_client(base_model=BASE_MODEL, rank=4).result()

@@ -71,7 +71,12 @@ class TinkerApi:
         app.router.add_post(f"{API}/sessions/{{session_id}}/finish", self._finish)
         app.router.add_get(f"{API}/get_server_capabilities", self._capabilities)
         app.router.add_get(f"{API}/healthz", self._healthz)
+        app.router.add_route("*", f"{API}/{{route:.*}}", self._not_served)
         return app
+
+    async def _not_served(self, request: web.Request) -> web.Response:
+        return _error(404, f"{request.method} {request.path}: not served by this cluster's Tinker API (docs/tinker.md "
+                           f"lists what is)")
 
     # -- plumbing -------------------------------------------------------------------------------
 
