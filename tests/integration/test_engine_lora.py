@@ -169,3 +169,32 @@ async def test_adapters_sent_as_tensors_are_checked_and_a_refusal_leaves_nothing
             refusal = await answer.json()
         assert answer.status == 400 and not refusal["success"]
         assert refusal["error_message"].startswith("load_format: the embedded engine takes only 'safetensors'")
+
+
+async def test_prompt_logprobs_are_those_of_the_model_with_the_adapter(
+        engine: EmbeddedEngine, tiny_model_dir: Path, adapters: dict[str, Path]) -> None:
+    """logprob_start_len (SGLang's input_token_logprobs): each prompt token's log-probability
+    given those before it, from the base or an adapter, as a plain forward of the model gives."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    def reference(adapter: Path | None) -> list[float]:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        if adapter is not None:
+            model = PeftModel.from_pretrained(model, str(adapter))
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([PROMPT])).logits[0, :-1]
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROMPT[1:]).unsqueeze(-1)).squeeze(-1).tolist()
+
+    async with SGLangClient(engine.base_url, timeout_s=60, retries=0) as client:
+        await client.load_lora_adapter("a", str(adapters["a"]))
+        asked = greedy("p1").model_copy(update={"logprob_start_len": 0})
+        base, adapted, later = await client.generate_batch([
+            asked, asked.model_copy(update={"rid": "p2", "lora_path": "a"}),
+            asked.model_copy(update={"rid": "p3", "logprob_start_len": 3})])
+        assert base.input_logprobs[0] is None and base.input_logprobs[1:] == pytest.approx(reference(None), abs=1e-4)
+        assert adapted.input_logprobs[1:] == pytest.approx(reference(adapters["a"]), abs=1e-4)
+        assert later.input_logprobs[:3] == [None] * 3 and later.input_logprobs[3:] == base.input_logprobs[3:]
+        assert (await client.generate(greedy("p4"))).input_logprobs is None  # not asked for
+        with pytest.raises(EngineError, match="logprob_start_len: 5 is not a position"):
+            await client.generate(asked.model_copy(update={"rid": "p5", "logprob_start_len": len(PROMPT)}))

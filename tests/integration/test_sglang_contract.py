@@ -121,7 +121,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         await call("unload_lora_adapter", "run-a@3")
         config, payload, checksums = sent_as_tensors(adapter)
         await call("load_lora_adapter_from_tensors", "run-a@4", config, payload, checksums)
-        await call("generate", request.model_copy(update={"rid": "l4", "lora_path": "run-a@4"}))
+        await call("generate", request.model_copy(update={"rid": "l4", "lora_path": "run-a@4", "logprob_start_len": 0}))
         await call("unload_lora_adapter", "run-a@4")
         await call("model_info")
         await call("load")

@@ -16,12 +16,19 @@ import pytest
 from aiohttp import web
 
 from policyloop.bus import Bus
+from policyloop.engines.embedded import EmbeddedEngine, start_engine
+from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rl.lora import AdapterTrainer
 from policyloop.rl.trainer import TrainerConfig
 from policyloop.state import connect_redis
+from policyloop.tinker.sampling import EngineSampler
 from policyloop.tinker.server import TinkerApi
 from policyloop.tinker.trainer import TinkerTrainer
 from policyloop.tinker.worker import TinkerWorker
+from policyloop.weights.client import WeightClient
+from policyloop.weights.library import WeightLibrary
+from policyloop.weights.server import WeightServicer, start_weight_server
+from policyloop.weights.store import VersionStore
 
 tinker = pytest.importorskip("tinker")
 
@@ -41,25 +48,60 @@ class Learner:
         await self.task
 
 
-def start_learner(bus: Bus, model_dir: Path, root: Path) -> Learner:
+def start_learner(bus: Bus, model_dir: Path, root: Path, publisher: WeightClient | None = None,
+                  endpoint: str = "") -> Learner:
     trainer = TinkerTrainer(AdapterTrainer(model_dir, TrainerConfig(device="cpu")), root, BASE_MODEL)
-    worker = TinkerWorker(bus, trainer)
+    worker = TinkerWorker(bus, trainer, publisher=publisher, fetch_endpoint=endpoint)
     stop = asyncio.Event()
     return Learner(worker, asyncio.create_task(worker.run(stop)), stop)
 
 
+@dataclass
+class Publisher:
+    client: WeightClient
+    endpoint: str
+
+
 @pytest.fixture
-async def front(bus: Bus, redis_server) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+async def publisher(tmp_path: Path) -> AsyncIterator[Publisher]:
+    async def announce(_: object) -> None:
+        pass
+
+    servicer = WeightServicer(WeightLibrary(VersionStore(tmp_path / "store", retention=4), snapshot_every=4),
+                              on_stored=announce)
+    server, port = await start_weight_server(servicer, host="127.0.0.1", port=0)
+    client = WeightClient(f"127.0.0.1:{port}", deadline_s=60)
+    yield Publisher(client, f"127.0.0.1:{port}")
+    await client.close()
+    await server.stop(None)
+
+
+@pytest.fixture
+async def engine(tiny_model_dir: Path) -> AsyncIterator[EmbeddedEngine]:
+    running = await start_engine(tiny_model_dir, max_batch=8, threads=1, weight_version="0")
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def front(bus: Bus, redis_server, engine: EmbeddedEngine) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
     redis = await connect_redis(redis_server.url, decode_responses=False)
-    api = TinkerApi(bus, redis, namespace="test", base_model=BASE_MODEL, api_key=API_KEY, poll_s=5.0)
+    engine_client = SGLangClient(engine.base_url, timeout_s=60, retries=0)
+    fetchers: dict[str, WeightClient] = {}
+    sampler = EngineSampler(engine_client, lambda endpoint: fetchers.setdefault(endpoint, WeightClient(endpoint)))
+    api = TinkerApi(bus, redis, namespace="test", base_model=BASE_MODEL, api_key=API_KEY, poll_s=5.0,
+                    sampler=sampler)
     runner = web.AppRunner(api.app())
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
     yield f"http://127.0.0.1:{port}"
+    await api.close()
     await runner.cleanup()
     await redis.aclose()
+    await engine_client.close()
+    await asyncio.gather(*(f.close() for f in fetchers.values()))
 
 
 def datum(tokens: list[int]):  # type: ignore[no-untyped-def]
@@ -200,3 +242,54 @@ async def test_requests_that_cannot_be_done_are_refused_with_a_clear_message(
     assert "loss_fn_inputs: importance_sampling needs ['target_tokens', 'logprobs', 'advantages']" in refusals[2]
     assert "data[0].loss_fn_inputs.target_tokens: shape [2], expected [3]" in refusals[3]
     assert letter.stream_sequence == ack.seq and letter.reason.startswith("malformed: cannot decode")
+
+
+@pytest.mark.timeout(300)
+async def test_sampling_serves_exactly_the_weights_saved_for_the_sampler(
+        bus: Bus, front: str, publisher: Publisher, tiny_model_dir: Path, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_weights_for_sampler publishes the adapter through the publisher; a sampling client
+    samples it on the engine: its sampled tokens' logprobs, and compute_logprobs, are the
+    training client's own logprobs of those tokens."""
+    learner = start_learner(bus, tiny_model_dir, tmp_path / "learner", publisher.client, publisher.endpoint)
+    target = SEQUENCES[0]
+
+    def train_and_sample():  # type: ignore[no-untyped-def]
+        client = service_client(front, monkeypatch)
+        training = client.create_lora_training_client(base_model=BASE_MODEL, rank=8).result()
+        base = client.create_sampling_client(base_model=BASE_MODEL)
+        prompt = tinker.types.ModelInput.from_ints(target[:3])
+        greedy = tinker.types.SamplingParams(max_tokens=len(target) - 3, temperature=0.0, stop=[])
+        before = base.sample(prompt, 1, greedy).result().sequences[0].tokens
+        for _ in range(15):
+            training.forward_backward([datum(target)], "cross_entropy").result()
+            training.optim_step(tinker.types.AdamParams(learning_rate=2e-2)).result()
+        path = training.save_weights_for_sampler("memorised").result().path
+        named = client.create_sampling_client(model_path=path)
+        drawn = named.sample(prompt, 4, tinker.types.SamplingParams(max_tokens=4, temperature=1.0, seed=5,
+                                                                     stop=[])).result()
+        after = named.sample(prompt, 1, greedy).result().sequences[0]
+        unnamed = training.save_weights_and_get_sampling_client().result()
+        prompt_logprobs = unnamed.compute_logprobs(tinker.types.ModelInput.from_ints(target)).result()
+        forward = training.forward([datum(target)], "cross_entropy").result()
+        checks = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(target[:3] + s.tokens[:-1]),
+                                     loss_fn_inputs={"target_tokens": np.array(target[1:3] + s.tokens, dtype=np.int64),
+                                                     "weights": np.ones(len(s.tokens) + 2, dtype=np.float32)})
+                  for s in drawn.sequences]
+        learner_logprobs = training.forward(checks, "cross_entropy").result()
+        return path, before, after, drawn, prompt_logprobs, forward, learner_logprobs
+
+    try:
+        path, before, after, drawn, prompt_logprobs, forward, learner_logprobs = await asyncio.to_thread(
+            train_and_sample)
+    finally:
+        await learner.close()
+    assert path.startswith("tinker://") and path.endswith("/sampler_weights/memorised")
+    assert after.tokens != before  # the trained adapter samples, not the base
+    assert after.stop_reason == "length" and len(after.logprobs) == len(after.tokens)
+    assert len(drawn.sequences) == 4 and len({tuple(s.tokens) for s in drawn.sequences}) > 1
+    # The engine's logprobs of what it sampled are the learner's logprobs of the same tokens.
+    for sequence, learned in zip(drawn.sequences, learner_logprobs.loss_fn_outputs, strict=True):
+        assert sequence.logprobs == pytest.approx(learned["logprobs"].tolist()[2:], abs=2e-3)
+    assert prompt_logprobs[0] is None
+    assert prompt_logprobs[1:] == pytest.approx(forward.loss_fn_outputs[0]["logprobs"].tolist(), abs=2e-3)

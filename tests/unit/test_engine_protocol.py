@@ -76,7 +76,7 @@ def generate(**fields: Any) -> dict[str, Any]:
     (generate(sampling_params={"temprature": 0.5}), "sampling_params.temprature", 400),
     # SGLang features the embedded engine lacks, when they are on.
     (generate(stream=True), "stream", 400),
-    (generate(logprob_start_len=0), "logprob_start_len", 400),
+    (generate(logprob_start_len=-2), "logprob_start_len", 400),
     (generate(sampling_params={"frequency_penalty": 0.5}), "sampling_params.frequency_penalty", 400),
     (generate(sampling_params={"n": 2}), "sampling_params.n", 400),
 ])

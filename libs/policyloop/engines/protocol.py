@@ -337,8 +337,6 @@ _GENERATE_UNSUPPORTED: dict[str, Any] = {
     "image_max_dynamic_patch": None, "video_max_dynamic_patch": None, "images_config": None,
     "mm_processor_kwargs": None, "multi_item_delimiter_indices": None, "token_indices_to_pool": None,
     "kv_hints": None, "background": False,
-    # -1 (SGLang's default meaning) asks for no prompt logprobs; prompt logprobs are not implemented.
-    "logprob_start_len": -1,
 }
 
 
@@ -361,6 +359,8 @@ class GenerateRequest(_Request):
     return_text_in_logprobs: bool = _default_unsent(False)
     # The LoRA adapter to sample with, by the name /load_lora_adapter gave it (None: the base).
     lora_path: Annotated[str, Field(min_length=1), _LIST_BATCH] | None = _default_unsent(None)
+    # From which prompt position input_token_logprobs are returned (with return_logprob); -1: none.
+    logprob_start_len: Annotated[int, Field(ge=-1), _LIST_BATCH] = _default_unsent(-1)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> Self:
@@ -489,9 +489,12 @@ class GenerateResult(_Answer):
     finish_detail: FinishReason | None = None
     weight_versions: list[WeightVersionSpan] | None = None
     text: str | None = None
+    # The log-probability of each prompt token (None where not computed: always the first, and
+    # those before logprob_start_len); None when prompt logprobs were not asked for.
+    input_logprobs: list[float | None] | None = None
 
-    def to_json(self, token_texts: list[str | None] | None = None, e2e_latency: float | None = None
-                ) -> dict[str, Any]:
+    def to_json(self, token_texts: list[str | None] | None = None, e2e_latency: float | None = None,
+                prompt_ids: Sequence[int] = ()) -> dict[str, Any]:
         finish = self.finish_detail or FinishReason(self.finish_reason)
         meta: dict[str, Any] = {
             "id": self.rid,
@@ -507,6 +510,12 @@ class GenerateResult(_Answer):
             texts = token_texts or [None] * len(self.output_ids)
             meta["output_token_logprobs"] = [[lp, tok, txt] for lp, tok, txt in
                                              zip(self.output_logprobs, self.output_ids, texts, strict=True)]
+        if self.input_logprobs is not None:
+            # From logprob_start_len on; SGLang's first entry carries no logprob.
+            start = next((i for i, lp in enumerate(self.input_logprobs) if lp is not None), len(prompt_ids))
+            start = max(0, start - 1)
+            meta["input_token_logprobs"] = [[lp, tok, None] for lp, tok in
+                                            zip(self.input_logprobs[start:], prompt_ids[start:], strict=True)]
         if e2e_latency is not None:
             meta["e2e_latency"] = e2e_latency
         return {"text": self.text or "", "output_ids": list(self.output_ids), "meta_info": meta}
@@ -534,7 +543,13 @@ class GenerateResult(_Answer):
             if output_ids != tokens and output_ids != tokens[:-1]:
                 raise ValueError("output_ids and output_token_logprobs disagree")
             output_ids = tokens
+        input_logprobs = None
+        prompt_triples = meta.get("input_token_logprobs")
+        if prompt_triples:  # [logprob | null, token_id, text | null] per prompt token from logprob_start_len
+            skipped = max(0, meta.get("prompt_tokens", len(prompt_triples)) - len(prompt_triples))
+            input_logprobs = [None] * skipped + [t[0] for t in prompt_triples]
         return super().from_json({
+            "input_logprobs": input_logprobs,
             "rid": meta.get("id", ""), "output_ids": output_ids, "output_logprobs": logprobs,
             "finish_reason": finish.type, "finish_detail": finish, "weight_version": meta.get("weight_version", ""),
             "prompt_tokens": meta.get("prompt_tokens", 0),

@@ -22,6 +22,7 @@ from redis import asyncio as aioredis
 from policyloop.bus import Bus, tinker_request_subject, tinker_result_subject
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
 from policyloop.telemetry.logging import get_logger
+from policyloop.tinker.sampling import EngineSampler, SampleRequestError, SampleSpec, parse_sample_request
 
 log = get_logger(__name__)
 
@@ -52,11 +53,18 @@ class ModelOrder:
 
 class TinkerApi:
     def __init__(self, bus: Bus, redis: aioredis.Redis, *, namespace: str, base_model: str, api_key: str = "",
-                 poll_s: float = 25.0, order_wait_s: float = 30.0) -> None:
+                 sampler: EngineSampler | None = None, tokenizer_id: str = "", poll_s: float = 25.0,
+                 order_wait_s: float = 30.0, max_sampling: int = 64) -> None:
+        """`sampler`: the engine sampling requests run on (None: this cluster does not sample);
+        `tokenizer_id`: what get_info names as the tokenizer (the SDK's get_tokenizer() loads
+        it with AutoTokenizer.from_pretrained: a hub id or a directory the client can read)."""
         self.bus, self.redis, self.ns = bus, redis, namespace
-        self.base_model, self.api_key = base_model, api_key
+        self.base_model, self.api_key, self.sampler = base_model, api_key, sampler
+        self.tokenizer_id = tokenizer_id or base_model
         self.poll_s, self.order_wait_s = poll_s, order_wait_s
         self.orders: dict[str, ModelOrder] = {}
+        self.sampling = asyncio.Semaphore(max_sampling)
+        self.running: set[asyncio.Task[None]] = set()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
@@ -64,12 +72,14 @@ class TinkerApi:
             "client/config": self._client_config, "create_session": self._create_session,
             "session_heartbeat": self._heartbeat, "telemetry": self._telemetry, "create_model": self._create_model,
             "get_info": self._get_info, "forward_backward": self._forward_backward, "optim_step": self._optim_step,
-            "retrieve_future": self._retrieve_future,
+            "retrieve_future": self._retrieve_future, "save_weights_for_sampler": self._save_for_sampler,
+            "create_sampling_session": self._create_sampling_session, "asample": self._asample,
         }
         for name, handler in json_routes.items():
             app.router.add_post(f"{API}/{name}", handler)
         app.router.add_post(f"{API}/sessions/{{session_id}}/finish", self._finish)
         app.router.add_get(f"{API}/get_server_capabilities", self._capabilities)
+        app.router.add_get(f"{API}/samplers/{{sampler_id}}", self._get_sampler)
         app.router.add_get(f"{API}/healthz", self._healthz)
         app.router.add_route("*", f"{API}/{{route:.*}}", self._not_served)
         return app
@@ -134,7 +144,7 @@ class TinkerApi:
 
     async def _capabilities(self, _: web.Request) -> web.Response:
         return web.json_response({"supported_models": [
-            {"model_name": self.base_model, "trainable": True, "sampleable": False}]})
+            {"model_name": self.base_model, "trainable": True, "sampleable": self.sampler is not None}]})
 
     # -- training -------------------------------------------------------------------------------
 
@@ -182,7 +192,7 @@ class TinkerApi:
         return web.json_response({
             "type": "get_info", "model_id": body["model_id"], "is_lora": True, "lora_rank": create.rank,
             "model_name": self.base_model, "optimizer_config": {"type": "adamw"},
-            "model_data": {"model_name": self.base_model, "tokenizer_id": self.base_model}})
+            "model_data": {"model_name": self.base_model, "tokenizer_id": self.tokenizer_id}})
 
     async def _forward_backward(self, request: web.Request) -> web.Response:
         if PROTOBUF not in request.headers.get("Content-Type", ""):
@@ -220,6 +230,95 @@ class TinkerApi:
         await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=seq_id,
                                                     optim_step=params))
         return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    async def _save_for_sampler(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        model_id = body.get("model_id")
+        await self._model(model_id)
+        seq_id = self._field(body, "seq_id", int)
+        name = self._field(body, "path", str, "")
+        if "/" in name:
+            raise BadRequest(f"path: a name without '/', got {name!r}")
+        request_id = f"{model_id}#{seq_id}"
+        if not name:  # save_weights_and_get_sampling_client: the answer is a sampling session
+            session_seq = self._field(body, "sampling_session_seq_id", int)
+            await self.redis.set(self._key("unnamed", request_id), self._session_id(model_id, session_seq),
+                                 ex=7 * 24 * 3600)
+        await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=seq_id,
+                                                    save_weights=tinker_pb2.TinkerSaveWeights(name=name,
+                                                                                              for_sampler=True)))
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    @staticmethod
+    def _session_id(model_id: str, sampling_seq: int) -> str:
+        return f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
+
+    async def _create_sampling_session(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        session = self._field(body, "session_id", str)
+        seq = self._field(body, "sampling_session_seq_id", int)
+        model_path = self._field(body, "model_path", str, "")
+        sampling_id = f"{session}:sample:{seq}"
+        if model_path:
+            raw = await self.redis.get(self._key("sampler_path", model_path))
+            if raw is None:
+                raise BadRequest(f"model_path: no sampler weights saved as {model_path!r}", 404)
+            weights = tinker_pb2.TinkerSamplingSession.FromString(raw)
+        else:
+            base_model = self._field(body, "base_model", str)
+            if base_model != self.base_model:
+                raise BadRequest(f"base_model: this cluster serves {self.base_model!r}, not {base_model!r}")
+            weights = tinker_pb2.TinkerSamplingSession()
+        weights.sampling_session_id, weights.model_path = sampling_id, model_path
+        await self.redis.set(self._key("sampling", sampling_id), weights.SerializeToString())
+        return web.json_response({"type": "create_sampling_session", "sampling_session_id": sampling_id})
+
+    async def _sampling_session(self, sampling_id: Any) -> tinker_pb2.TinkerSamplingSession:
+        if not isinstance(sampling_id, str) or not sampling_id:
+            raise BadRequest("sampling_session_id: required")
+        raw = await self.redis.get(self._key("sampling", sampling_id))
+        if raw is None:
+            raise BadRequest(f"sampling_session_id: no sampling session {sampling_id!r}", 404)
+        return tinker_pb2.TinkerSamplingSession.FromString(raw)
+
+    async def _get_sampler(self, request: web.Request) -> web.Response:
+        session = await self._sampling_session(request.match_info["sampler_id"])
+        return web.json_response({"sampler_id": session.sampling_session_id, "base_model": self.base_model,
+                                  "model_path": session.model_path or None})
+
+    async def _asample(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        if self.sampler is None:
+            raise BadRequest("asample: this cluster's Tinker API has no engine to sample on", 404)
+        session = await self._sampling_session(body.get("sampling_session_id"))
+        try:
+            spec = parse_sample_request(body)
+        except SampleRequestError as exc:
+            raise BadRequest(str(exc)) from None
+        request_id = f"{session.sampling_session_id}#{self._field(body, 'seq_id', int)}#{uuid.uuid4().hex[:8]}"
+        await self.redis.set(self._key("request", request_id), "sample", ex=24 * 3600)
+        task = asyncio.create_task(self._sample(session, spec, request_id))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        return web.json_response({"request_id": request_id,
+                                  "sample_sequence_ids": [f"{request_id}:{i}" for i in range(spec.num_samples)]})
+
+    async def _sample(self, session: tinker_pb2.TinkerSamplingSession, spec: SampleSpec, request_id: str) -> None:
+        """Samples on the engine and puts the result on TINKER_RESULTS, where retrieve_future finds it."""
+        result = tinker_pb2.TinkerResult(request_id=request_id)
+        async with self.sampling:
+            try:
+                assert self.sampler is not None
+                result.sample.CopyFrom(await self.sampler.sample(session, spec, request_id))
+            except Exception as exc:  # noqa: BLE001 - the engine or the publisher failed: the client is told
+                log.warning("tinker_sample_failed", request=request_id, error=repr(exc))
+                result.error.CopyFrom(tinker_pb2.TinkerError(message=f"sampling failed: {exc}", category="server"))
+        await self.bus.publish(tinker_result_subject(request_id), result, f"tinker-result-{request_id}")
+
+    async def close(self) -> None:
+        for task in list(self.running):
+            task.cancel()
+        await asyncio.gather(*self.running, return_exceptions=True)
 
     async def _submit(self, request: tinker_pb2.TinkerRequest, ordered: bool = True) -> None:
         """Records the request id, then puts the request on TINKER after the model's earlier
@@ -267,7 +366,24 @@ class TinkerApi:
                     return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         finally:
             await sub.unsubscribe()
+        if result.WhichOneof("outcome") == "saved" and result.saved.weights_model:
+            return await self._sampler_saved(request_id, result.saved)
         return self._answer(result)
+
+    async def _sampler_saved(self, request_id: str, saved: tinker_pb2.TinkerSaved) -> web.Response:
+        """A published sampler version: its path (or, unnamed, a sampling session) now names it."""
+        weights = tinker_pb2.TinkerSamplingSession(weights_model=saved.weights_model, version=saved.version,
+                                                   fetch_endpoint=saved.fetch_endpoint, lora=saved.lora)
+        if saved.path:
+            await self.redis.set(self._key("sampler_path", saved.path), weights.SerializeToString())
+            return web.json_response({"type": "save_weights_for_sampler", "path": saved.path})
+        sampling_id = await self.redis.get(self._key("unnamed", request_id))
+        if sampling_id is None:
+            return web.json_response({"error": "the sampling session of this save is unknown", "category": "server"})
+        weights.sampling_session_id = sampling_id.decode()
+        await self.redis.set(self._key("sampling", weights.sampling_session_id), weights.SerializeToString())
+        return web.json_response({"type": "save_weights_for_sampler",
+                                  "sampling_session_id": weights.sampling_session_id})
 
     async def _stored_result(self, subject: str) -> tinker_pb2.TinkerResult | None:
         try:
@@ -283,6 +399,8 @@ class TinkerApi:
             return web.json_response({"error": result.error.message, "category": result.error.category or "server"})
         if outcome == "forward_backward":
             return web.Response(body=result.forward_backward.SerializeToString(), content_type=PROTOBUF)
+        if outcome == "sample":
+            return web.Response(body=result.sample.SerializeToString(), content_type=PROTOBUF)
         if outcome == "created":
             return web.json_response({"type": "create_model", "model_id": result.created.model_id})
         if outcome == "optim_step":

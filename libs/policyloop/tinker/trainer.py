@@ -32,6 +32,7 @@ MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 UNEMBED_MODULES = ("lm_head",)
 LORA_ALPHA = 32.0  # the update is scaled by alpha / rank, as the hosted service's LoRA
 STREAM_SEQ = "tinker_stream_seq"  # the checkpoint's `extra` key: the TINKER sequence it covers
+SAMPLER_VERSION = "tinker_sampler_version"  # and the last adapter version published for samplers
 
 
 class TinkerRequestError(ValueError):
@@ -59,6 +60,7 @@ class TinkerModel:
     pending: int = 0                     # forward_backward calls whose gradients wait for optim_step
     checkpointed: int = 0                # the TINKER sequence its newest checkpoint covers
     to_checkpoint: bool = False          # its weights changed: checkpoint once the result is out
+    sampler_version: int = 0             # the last adapter version published for samplers
     saved: dict[str, Path] = field(default_factory=dict)
 
 
@@ -84,7 +86,8 @@ class TinkerTrainer:
             restored = self.trainer.restore(directory)
             seq = int(restored.extra[STREAM_SEQ])
             spec = LoraSpec.model_validate(record["spec"])
-            self.models[restored.run_id] = TinkerModel(restored.run_id, spec, seq, 0, seq)
+            self.models[restored.run_id] = TinkerModel(restored.run_id, spec, seq, 0, seq,
+                                                       sampler_version=int(restored.extra.get(SAMPLER_VERSION, 0)))
             log.info("tinker_model_restored", model=restored.run_id, stream_seq=seq, step=restored.steps)
         return min((m.stream_seq for m in self.models.values()), default=0) + 1
 
@@ -201,7 +204,22 @@ class TinkerTrainer:
             "grad_norm:mean": grad_norm, "forward_backward_calls:sum": float(applied)})
 
     def _save(self, model: TinkerModel, save: tinker_pb2.TinkerSaveWeights, stream_seq: int) -> tinker_pb2.TinkerSaved:
-        raise TinkerRequestError("save_weights: not supported yet")
+        raise TinkerRequestError("save_weights: saving training state is not supported yet (save_weights_for_sampler "
+                                 "is)" if not save.for_sampler else "save_weights_for_sampler: this learner publishes "
+                                 "no weights (it has no publisher)")
+
+    def sampler_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor], LoraSpec]:
+        """The model's next sampler version and its adapter tensors, to publish."""
+        model = self._model(model_id)
+        return model.sampler_version + 1, self.trainer.export_adapter(model_id), model.spec
+
+    def published_for_sampler(self, model_id: str, version: int, stream_seq: int) -> None:
+        """Records a published sampler version: the model is checkpointed with it once the result
+        is out, so a replay after a restart never publishes it again."""
+        model = self._model(model_id)
+        model.sampler_version = version
+        model.stream_seq = max(model.stream_seq, stream_seq)
+        model.to_checkpoint = True
 
     def commit(self, model_id: str) -> None:
         """Checkpoints the model if its last request changed its weights: called once that
@@ -210,7 +228,8 @@ class TinkerTrainer:
         model = self.models.get(model_id)
         if model is None or not model.to_checkpoint:
             return
-        self.trainer.save(self.root / "checkpoints", model_id, extra={STREAM_SEQ: model.stream_seq}, keep=2)
+        self.trainer.save(self.root / "checkpoints", model_id, keep=2,
+                          extra={STREAM_SEQ: model.stream_seq, SAMPLER_VERSION: model.sampler_version})
         model.checkpointed, model.to_checkpoint = model.stream_seq, False
 
     def checkpoint_dir(self, model_id: str) -> Path:

@@ -14,8 +14,12 @@ from nats.js import api
 from policyloop.bus import Bus, PermanentError, decode_message, tinker_result_subject
 from policyloop.bus.deadletter import publish_dead_letter
 from policyloop.contracts.v1 import tinker_pb2
+from policyloop.rl.settings import adapter_model_name
 from policyloop.telemetry.logging import get_logger
-from policyloop.tinker.trainer import TinkerTrainer
+from policyloop.tinker.trainer import TinkerRequestError, TinkerTrainer
+from policyloop.weights.client import WeightClient
+from policyloop.weights.push import VersionPusher
+from policyloop.weights.torch_io import weight_set
 
 log = get_logger(__name__)
 
@@ -24,8 +28,14 @@ SUBJECTS = "pl.tinkerreq.>"
 
 
 class TinkerWorker:
-    def __init__(self, bus: Bus, trainer: TinkerTrainer, service: str = "learner") -> None:
+    def __init__(self, bus: Bus, trainer: TinkerTrainer, service: str = "learner", *,
+                 publisher: WeightClient | None = None, fetch_endpoint: str = "",
+                 weights_model: str = "policy") -> None:
+        """`publisher`: where save_weights_for_sampler publishes adapter versions (under
+        `<weights_model>.lora.<model id>`; engines fetch them from `fetch_endpoint`)."""
         self.bus, self.trainer, self.service = bus, trainer, service
+        self.publisher, self.fetch_endpoint, self.weights_model = publisher, fetch_endpoint, weights_model
+        self.pushers: dict[str, VersionPusher] = {}
         self.applied = 0               # requests applied since start (replayed ones included)
         self.position = 0              # the last TINKER sequence handled
         self._moved = asyncio.Condition()
@@ -74,13 +84,41 @@ class TinkerWorker:
             await self._advance(seq)
             return
         if not self.trainer.covers(request.model_id, seq):
-            result = await asyncio.to_thread(self.trainer.apply, request, seq)
+            if request.WhichOneof("op") == "save_weights" and request.save_weights.for_sampler and self.publisher:
+                result = await self._publish_for_sampler(request, seq)
+            else:
+                result = await asyncio.to_thread(self.trainer.apply, request, seq)
             await self.bus.publish(tinker_result_subject(request.request_id), result, f"tinker-result-{seq}")
             await asyncio.to_thread(self.trainer.commit, request.model_id)
             self.applied += 1
             log.info("tinker_applied", seq=seq, model=request.model_id, op=request.WhichOneof("op"),
                      error=result.error.message if result.HasField("error") else None)
         await self._advance(seq)
+
+    async def _publish_for_sampler(self, request: tinker_pb2.TinkerRequest, seq: int) -> tinker_pb2.TinkerResult:
+        """Publishes the model's adapter as its next sampler version (an exact delta from the last)."""
+        result = tinker_pb2.TinkerResult(request_id=request.request_id, model_id=request.model_id)
+        try:
+            version, tensors, spec = await asyncio.to_thread(self.trainer.sampler_weights, request.model_id)
+        except TinkerRequestError as exc:
+            result.error.CopyFrom(tinker_pb2.TinkerError(message=str(exc), category="user"))
+            return result
+        name = adapter_model_name(self.weights_model, request.model_id)
+        pusher = self.pushers.setdefault(request.model_id, VersionPusher(self.publisher, name,
+                                                                          run_id=request.model_id))
+        try:
+            await pusher.push(await asyncio.to_thread(weight_set, version, tensors), version)
+        except Exception as exc:  # noqa: BLE001 - the publisher refused or is gone: the client is told
+            log.warning("tinker_sampler_publish_failed", model=request.model_id, error=repr(exc))
+            result.error.CopyFrom(tinker_pb2.TinkerError(message=f"publishing the weights failed: {exc}",
+                                                         category="server"))
+            return result
+        self.trainer.published_for_sampler(request.model_id, version, seq)
+        path = f"tinker://{request.model_id}/sampler_weights/{request.save_weights.name}" \
+            if request.save_weights.name else ""
+        result.saved.CopyFrom(tinker_pb2.TinkerSaved(path=path, version=version, weights_model=name,
+                                                     fetch_endpoint=self.fetch_endpoint, lora=spec.to_proto()))
+        return result
 
     async def _advance(self, seq: int) -> None:
         async with self._moved:

@@ -1,3 +1,5 @@
+from policyloop.contracts.v1 import loop_pb2 as _loop_pb2
+from policyloop.contracts.v1 import bus_pb2 as _bus_pb2
 from policyloop.contracts.v1 import tinker_wire_pb2 as _tinker_wire_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -84,7 +86,7 @@ class TinkerError(_message.Message):
     def __init__(self, message: _Optional[str] = ..., category: _Optional[str] = ...) -> None: ...
 
 class TinkerResult(_message.Message):
-    __slots__ = ("request_id", "model_id", "error", "created", "forward_backward", "optim_step", "saved", "loaded")
+    __slots__ = ("request_id", "model_id", "error", "created", "forward_backward", "optim_step", "saved", "loaded", "sample")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +95,7 @@ class TinkerResult(_message.Message):
     OPTIM_STEP_FIELD_NUMBER: _ClassVar[int]
     SAVED_FIELD_NUMBER: _ClassVar[int]
     LOADED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_id: str
     error: TinkerError
@@ -101,7 +104,8 @@ class TinkerResult(_message.Message):
     optim_step: TinkerOptimStepDone
     saved: TinkerSaved
     loaded: TinkerLoaded
-    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., error: _Optional[_Union[TinkerError, _Mapping]] = ..., created: _Optional[_Union[TinkerCreated, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_wire_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[TinkerOptimStepDone, _Mapping]] = ..., saved: _Optional[_Union[TinkerSaved, _Mapping]] = ..., loaded: _Optional[_Union[TinkerLoaded, _Mapping]] = ...) -> None: ...
+    sample: _tinker_wire_pb2.SampleResponse
+    def __init__(self, request_id: _Optional[str] = ..., model_id: _Optional[str] = ..., error: _Optional[_Union[TinkerError, _Mapping]] = ..., created: _Optional[_Union[TinkerCreated, _Mapping]] = ..., forward_backward: _Optional[_Union[_tinker_wire_pb2.ForwardBackwardOutput, _Mapping]] = ..., optim_step: _Optional[_Union[TinkerOptimStepDone, _Mapping]] = ..., saved: _Optional[_Union[TinkerSaved, _Mapping]] = ..., loaded: _Optional[_Union[TinkerLoaded, _Mapping]] = ..., sample: _Optional[_Union[_tinker_wire_pb2.SampleResponse, _Mapping]] = ...) -> None: ...
 
 class TinkerCreated(_message.Message):
     __slots__ = ("model_id", "lora_rank")
@@ -127,12 +131,34 @@ class TinkerOptimStepDone(_message.Message):
     def __init__(self, metrics: _Optional[_Mapping[str, float]] = ..., step: _Optional[int] = ...) -> None: ...
 
 class TinkerSaved(_message.Message):
-    __slots__ = ("path", "version")
+    __slots__ = ("path", "version", "weights_model", "fetch_endpoint", "lora")
     PATH_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     path: str
     version: int
-    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    weights_model: str
+    fetch_endpoint: str
+    lora: _loop_pb2.LoraSpec
+    def __init__(self, path: _Optional[str] = ..., version: _Optional[int] = ..., weights_model: _Optional[str] = ..., fetch_endpoint: _Optional[str] = ..., lora: _Optional[_Union[_loop_pb2.LoraSpec, _Mapping]] = ...) -> None: ...
+
+class TinkerSamplingSession(_message.Message):
+    __slots__ = ("sampling_session_id", "model_path", "weights_model", "version", "fetch_endpoint", "lora")
+    SAMPLING_SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    FETCH_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
+    sampling_session_id: str
+    model_path: str
+    weights_model: str
+    version: int
+    fetch_endpoint: str
+    lora: _loop_pb2.LoraSpec
+    def __init__(self, sampling_session_id: _Optional[str] = ..., model_path: _Optional[str] = ..., weights_model: _Optional[str] = ..., version: _Optional[int] = ..., fetch_endpoint: _Optional[str] = ..., lora: _Optional[_Union[_loop_pb2.LoraSpec, _Mapping]] = ...) -> None: ...
 
 class TinkerLoaded(_message.Message):
     __slots__ = ("path",)

@@ -64,6 +64,9 @@ class ServedModel:
         self.max_context: int | None = None
         self.lora: Any = None  # the peft model around `model`, once an adapter is loaded
         self.adapters: dict[str, str] = {}  # loaded adapters: name -> the directory it came from
+        # Their names inside peft (which takes no '.' in a name: SGLang's lora_name may hold any).
+        self.adapter_ids: dict[str, str] = {}
+        self._made = 0
 
     def load(self) -> None:
         import transformers
@@ -111,11 +114,23 @@ class ServedModel:
         model = self.model
         if self.lora is not None:
             model = self.lora
-            kwargs["adapter_names"] = [a or BASE_ADAPTER for a in adapters] if adapters else \
+            kwargs["adapter_names"] = [self._peft_name(a) for a in adapters] if adapters else \
                 [BASE_ADAPTER] * input_ids.shape[0]
         out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                     use_cache=True, logits_to_keep=1, **kwargs)
         return out.logits[:, -1].float(), out.past_key_values
+
+    def prompt_logprobs(self, input_ids: list[int], adapter: str | None = None) -> list[float]:
+        """The log-probability of each prompt token after the first, given the tokens before it
+        (SGLang's input_token_logprobs): one forward over the whole prompt, without a cache."""
+        model, kwargs = self.model, {}
+        if self.lora is not None:
+            model, kwargs = self.lora, {"adapter_names": [self._peft_name(adapter)]}
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        with torch.inference_mode():
+            logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0, :-1].float()
+            chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        return chosen.tolist()
 
     def load_adapter(self, name: str, path: str) -> None:
         """Loads the peft LoRA adapter in directory `path` under `name` (replacing one of that
@@ -127,13 +142,13 @@ class ServedModel:
         except Exception as exc:  # noqa: BLE001 - peft raises ValueError/OSError/JSON errors alike
             raise RequestError("lora_path", f"{path} holds no peft adapter: {exc}") from None
 
-        def attach() -> None:
+        def attach(internal: str) -> None:
             from peft import PeftModel
 
             if self.lora is None:
-                self.lora = PeftModel.from_pretrained(self.model, path, adapter_name=name, is_trainable=False)
+                self.lora = PeftModel.from_pretrained(self.model, path, adapter_name=internal, is_trainable=False)
             else:
-                self.lora.load_adapter(path, adapter_name=name, is_trainable=False)
+                self.lora.load_adapter(path, adapter_name=internal, is_trainable=False)
 
         self._attach(name, config, attach, "lora_path", f"the adapter in {path}")
         self.adapters[name] = path
@@ -149,23 +164,23 @@ class ServedModel:
         except Exception as exc:  # noqa: BLE001 - unknown peft_type, bad or unknown config fields
             raise RequestError("config_dict", f"not a peft adapter config: {exc}") from None
 
-        def attach() -> None:
+        def attach(internal: str) -> None:
             from peft import PeftModel, get_peft_model_state_dict, set_peft_model_state_dict
 
             if self.lora is None:
-                self.lora = PeftModel(self.model, config, adapter_name=name)
+                self.lora = PeftModel(self.model, config, adapter_name=internal)
             else:
-                self.lora.add_adapter(name, config)
-            expected = set(get_peft_model_state_dict(self.lora, adapter_name=name))
+                self.lora.add_adapter(internal, config)
+            expected = set(get_peft_model_state_dict(self.lora, adapter_name=internal))
             if set(tensors) != expected:
                 missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
                 raise ValueError(f"missing {len(missing)} tensors {missing[:3]}, unexpected {len(extra)} {extra[:3]}")
-            set_peft_model_state_dict(self.lora, tensors, adapter_name=name)
+            set_peft_model_state_dict(self.lora, tensors, adapter_name=internal)
 
         self._attach(name, config, attach, "serialized_named_tensors", "the adapter sent")
         self.adapters[name] = TENSOR_SOURCE
 
-    def _attach(self, name: str, config: Any, attach: Callable[[], None], field: str, what: str) -> None:
+    def _attach(self, name: str, config: Any, attach: Callable[[str], None], field: str, what: str) -> None:
         """Runs `attach` (which adds adapter `name` to self.lora) after the checks common to
         both sources; a failure leaves the adapters loaded before as they were."""
         config_field = "config_dict" if field != "lora_path" else field
@@ -181,22 +196,29 @@ class ServedModel:
             raise RequestError(config_field, f"{what} sets megatron_config, which this engine does not take")
         if name in self.adapters:
             self.unload_adapter(name)
+        internal = f"adapter{self._made}"
+        self._made += 1
         try:
-            attach()
+            attach(internal)
         except Exception as exc:  # noqa: BLE001 - shapes or module names that do not fit this model
-            if self.lora is not None and name in self.lora.peft_config:
-                self.lora.delete_adapter(name)
+            if self.lora is not None and internal in self.lora.peft_config:
+                self.lora.delete_adapter(internal)
             if not self.adapters and self.lora is not None:
                 self.model, self.lora = self.lora.unload(), None
             raise RequestError(field, f"{what} does not fit this model: {exc}") from None
         self.lora.eval()
+        self.adapter_ids[name] = internal
+
+    def _peft_name(self, adapter: str | None) -> str:
+        return BASE_ADAPTER if adapter is None else self.adapter_ids[adapter]
 
     def unload_adapter(self, name: str) -> None:
         if name not in self.adapters:
             raise RequestError("lora_name", f"no adapter named {name!r} is loaded")
         del self.adapters[name]
+        internal = self.adapter_ids.pop(name)
         if self.adapters:
-            self.lora.delete_adapter(name)
+            self.lora.delete_adapter(internal)
         else:  # the last one: the base model as it was, without LoRA layers
             self.model, self.lora = self.lora.unload(), None
 

@@ -52,6 +52,8 @@ class EngineRequest:
     generator: torch.Generator | None
     received: float
     adapter: str | None = None  # the LoRA adapter it samples with (None: the base)
+    logprob_start_len: int = -1  # prompt logprobs from this position (-1: none)
+    input_logprobs: list[float | None] | None = None
     state: str = "waiting"  # waiting → running → done
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -334,6 +336,11 @@ class Scheduler:
             # Prompt plus the tokens so far (none, unless the wave was retracted).
             ids, mask, positions = left_padded([r.input_ids + r.output_ids for r in batch], self.served.pad_id)
             logits, cache = self.served.forward(ids, mask, positions, None, [r.adapter for r in batch])
+            for req in batch:
+                if req.logprob_start_len >= 0 and req.input_logprobs is None:
+                    prompt = self.served.prompt_logprobs(req.input_ids, req.adapter)
+                    req.input_logprobs = [None] + [lp if i + 1 >= req.logprob_start_len else None
+                                                   for i, lp in enumerate(prompt)]
             return Wave(list(batch), cache, mask, positions[:, -1:], logits, self.served.weight_version)
 
     def _step(self, wave: Wave, sample: bool) -> list[EngineRequest]:

@@ -244,8 +244,12 @@ class EmbeddedEngine:
             raise RequestError("lora_path", f"no adapter named {parsed.lora_path!r} is loaded (loaded: "
                                             f"{sorted(self.served.adapters)}): load it with /load_lora_adapter")
         prompt = self.served.prompt_ids(parsed)
+        if parsed.logprob_start_len >= len(prompt):
+            raise RequestError("logprob_start_len", f"{parsed.logprob_start_len} is not a position of the "
+                                                    f"{len(prompt)}-token prompt")
         return EngineRequest(rid=parsed.rid or uuid.uuid4().hex, input_ids=prompt, params=parsed.sampling_params,
                              adapter=parsed.lora_path,
+                             logprob_start_len=parsed.logprob_start_len if parsed.return_logprob else -1,
                              max_new_tokens=self.served.max_new_tokens(parsed.sampling_params, len(prompt)),
                              return_logprob=parsed.return_logprob,
                              return_text_in_logprobs=parsed.return_text_in_logprobs,
@@ -267,8 +271,8 @@ class EmbeddedEngine:
             rid=req.rid, output_ids=req.output_ids, output_logprobs=req.logprobs if req.return_logprob else None,
             finish_reason=finish.type, finish_detail=finish, weight_version=spans[-1].version,
             prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids), weight_versions=spans,
-            text=text)
-        return result.to_json(token_texts=token_texts, e2e_latency=latency)
+            text=text, input_logprobs=req.input_logprobs)
+        return result.to_json(token_texts=token_texts, e2e_latency=latency, prompt_ids=req.input_ids)
 
     async def _pause(self, request: web.Request) -> web.Response:
         try:
