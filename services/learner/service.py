@@ -45,6 +45,9 @@ async def body(ctx: ServiceContext) -> None:
         require_tracker(settings.tracker.kind)  # a missing extra: refused before the model loads
     except (DeviceUnavailable, TrackerUnavailable) as exc:
         raise ServiceCannotStart(str(exc)) from exc
+    if settings.tinker:
+        await serve_tinker(ctx, settings)
+        return
     if settings.lora_runs:
         await serve_lora_runs(ctx, settings)
         return
@@ -69,6 +72,29 @@ async def body(ctx: ServiceContext) -> None:
         await colocated.close()
         await asyncio.to_thread(tracker.close)
         trainer.close()
+
+
+async def serve_tinker(ctx: ServiceContext, settings: LearnerSettings) -> None:
+    """The Tinker API's learner: applies TINKER's requests to LoRA adapters over the base."""
+    from policyloop.rl.lora import AdapterTrainer
+    from policyloop.tinker.settings import TinkerSettings
+    from policyloop.tinker.trainer import TinkerTrainer
+    from policyloop.tinker.worker import TinkerWorker
+
+    if settings.lora_runs or settings.colocated.engines or settings.tracker.kind != "none":
+        raise ServiceCannotStart("tinker: not with lora_runs, colocated engines or a tracker")
+    trainer = await asyncio.to_thread(AdapterTrainer, settings.model_path, settings.trainer_config())
+    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
+                             deadline_s=settings.publish_deadline_s)
+    base_model = TinkerSettings(model_path=settings.model_path).model_name()
+    worker = TinkerWorker(ctx.bus, TinkerTrainer(trainer, settings.checkpoint.dir / "tinker", base_model),
+                          publisher=publisher, fetch_endpoint=settings.publisher_endpoint,
+                          weights_model=settings.model)
+    ctx.ready = True
+    try:
+        await worker.run(ctx.stop)
+    finally:
+        await publisher.close()
 
 
 async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> None:

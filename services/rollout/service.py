@@ -35,7 +35,8 @@ async def body(ctx: ServiceContext) -> None:
     url, engine_proc = settings.engine_url, None
     if not url:
         port = free_port()
-        engine_proc = start_embedded_engine(settings, port)
+        engine_proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
+                                            threads=settings.engine_threads)
         url = f"http://127.0.0.1:{port}"
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     status = status_pb2.RolloutStatus(loop=settings.loop_config(), engine_url=url)

@@ -29,6 +29,8 @@ SERVICES: tuple[ServiceEntry, ...] = (
                  "Trajectories in, new policy versions out."),
     ServiceEntry("publisher", "policyloop.services.publisher", True, False,
                  "gRPC WeightService: stores versions, serves them, announces them on WEIGHTS."),
+    ServiceEntry("tinker", "policyloop.services.tinker", False, True,
+                 "The Tinker HTTP API: users' own training loops (the learner with tinker=true trains)."),
 )
 
 SERVICE_NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)

@@ -107,6 +107,10 @@ class LearnerSettings(ServiceSettings):
                             "the learner fairly (learner.adapters) — instead of the full model for one run. The "
                             "runs are those the gateway starts with a LoRA spec; each resumes from its own "
                             "checkpoints and ledger. Not with colocated engines or a tracker yet.")
+    tinker: bool = Field(
+        False, description="Train the Tinker API's models (the tinker service puts their requests on TINKER): each "
+                           "its own LoRA adapter over the frozen base, checkpointed under checkpoint.dir/tinker at "
+                           "every optim_step. Instead of RL runs; not with colocated engines or a tracker.")
     overlap_publication: bool = Field(
         True, description="Publish version N (colocated broadcast, delta encode, push, registry, acks) while step "
                           "N+1 computes. Step N+1 is recorded in LEDGER only once N is published, so at most one "

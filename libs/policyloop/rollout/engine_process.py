@@ -7,10 +7,10 @@ import asyncio
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from policyloop.engines.protocol import ModelInfo
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rollout.settings import RolloutSettings
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -26,11 +26,12 @@ def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start_embedded_engine(settings: RolloutSettings, port: int) -> subprocess.Popen:
+def start_embedded_engine(model_path: Path, port: int, *, max_batch: int, threads: int) -> subprocess.Popen:
+    """The embedded engine on 127.0.0.1:`port`, a child process that dies with its parent."""
     return subprocess.Popen(
-        [sys.executable, "-m", "policyloop.engines.embedded", "--model-path", str(settings.model_path),
-         "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(settings.engine_max_batch),
-         "--threads", str(settings.engine_threads)],
+        [sys.executable, "-m", "policyloop.engines.embedded", "--model-path", str(model_path),
+         "--host", "127.0.0.1", "--port", str(port), "--max-batch", str(max_batch),
+         "--threads", str(threads)],
         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
 

@@ -1,0 +1,44 @@
+"""The Tinker API service's settings (flags `--<field>`, env vars `POLICYLOOP_<FIELD>`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+
+from policyloop.runtime import ServiceSettings
+
+
+class TinkerSettings(ServiceSettings):
+    api_host: str = Field("127.0.0.1", description="Interface of the Tinker HTTP API.")
+    api_port: int = Field(8088, description="Port of the Tinker HTTP API (0: any free port); TINKER_BASE_URL is "
+                                            "http://<host>:<port>.")
+    api_key: str = Field(
+        "", description="The key every request must carry in X-API-Key (the SDK's TINKER_API_KEY; the SDK itself "
+                        "wants keys that start with 'tml-'). Empty: any key.")
+    base_model: str = Field(
+        "", description="The name clients use for the cluster's base model (base_model of create_lora_training_client"
+                        "); empty: the name of model_path's directory.")
+    model_path: Path = Field(Path("model"), description="Hugging Face directory of the base model.")
+    tokenizer_id: str = Field(
+        "", description="What get_info names as the tokenizer: the SDK's get_tokenizer() loads it with "
+                        "AutoTokenizer.from_pretrained (a hub id, or a directory the clients can read); empty: "
+                        "model_path.")
+    engine_url: str = Field(
+        "", description="The SGLang-protocol engine sampling requests run on (an SGLang server or an embedded "
+                        "engine); empty: an embedded engine started as a child process.")
+    engine_max_batch: int = Field(64, ge=1, description="Most sequences the embedded engine decodes together.")
+    engine_threads: int = Field(1, ge=1, description="torch threads of the embedded engine process.")
+    engine_start_timeout_s: float = Field(120.0, description="How long the engine may take to answer /health.")
+    generate_timeout_s: float = Field(300.0, description="Deadline of one sampling request on the engine.")
+    publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    adapters_kept: int = Field(4, ge=1, description="Sampler adapter versions kept loaded in the engine.")
+    max_sampling: int = Field(64, ge=1, description="Sampling requests running on the engine at once.")
+    poll_s: float = Field(25.0, gt=0, description="How long retrieve_future waits for a result before answering "
+                                                  "try_again (the SDK waits 45 s).")
+    order_wait_s: float = Field(
+        30.0, gt=0, description="How long a model's request waits for an earlier seq_id that has not arrived "
+                                "(the SDK spends a seq_id on a request that fails in the client).")
+
+    def model_name(self) -> str:
+        return self.base_model or self.model_path.resolve().name

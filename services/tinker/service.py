@@ -1,0 +1,70 @@
+"""tinker service: the Tinker HTTP API. Training requests go on TINKER for the learner (started
+with `tinker=true`); sampling runs on an engine through the SGLang client, with adapter versions
+fetched from the publisher. This is the wiring; the logic is in policyloop.tinker."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+from aiohttp import web
+
+from policyloop.common.ports import free_port
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.rollout.engine_process import start_embedded_engine, wait_for_engine
+from policyloop.runtime import ServiceContext, run_main
+from policyloop.state import connect_redis
+from policyloop.tinker.sampling import EngineSampler
+from policyloop.tinker.server import TinkerApi
+from policyloop.tinker.settings import TinkerSettings
+from policyloop.weights.client import WeightClient
+
+
+async def body(ctx: ServiceContext) -> None:
+    settings: TinkerSettings = ctx.settings  # type: ignore[assignment]
+    url, engine_proc = settings.engine_url, None
+    if not url:
+        port = free_port()
+        engine_proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
+                                            threads=settings.engine_threads)
+        url = f"http://127.0.0.1:{port}"
+    engine = SGLangClient(url, timeout_s=settings.generate_timeout_s)
+    fetchers: dict[str, WeightClient] = {}
+
+    def publisher_for(endpoint: str) -> WeightClient:
+        return fetchers.setdefault(endpoint, WeightClient(endpoint, bearer_token=settings.publisher_token))
+
+    redis = await connect_redis(settings.redis_url, decode_responses=False)  # models and sessions are protobuf
+    runner: web.AppRunner | None = None
+    api: TinkerApi | None = None
+    try:
+        await wait_for_engine(engine, engine_proc, settings.engine_start_timeout_s)
+        api = TinkerApi(ctx.bus, redis, namespace=settings.namespace, base_model=settings.model_name(),
+                        api_key=settings.api_key, sampler=EngineSampler(engine, publisher_for, settings.adapters_kept),
+                        tokenizer_id=settings.tokenizer_id or str(settings.model_path.resolve()),
+                        poll_s=settings.poll_s, order_wait_s=settings.order_wait_s,
+                        max_sampling=settings.max_sampling)
+        runner = web.AppRunner(api.app(), shutdown_timeout=settings.shutdown_grace_s)
+        await runner.setup()
+        site = web.TCPSite(runner, settings.api_host, settings.api_port)
+        await site.start()
+        ctx.ready = True
+        await ctx.stop.wait()
+    finally:
+        if api is not None:
+            await api.close()
+        if runner is not None:
+            await runner.cleanup()
+        await redis.aclose()
+        await engine.close()
+        await asyncio.gather(*(client.close() for client in fetchers.values()))
+        if engine_proc is not None:
+            engine_proc.terminate()
+            try:
+                await asyncio.to_thread(engine_proc.wait, 15)
+            except subprocess.TimeoutExpired:
+                engine_proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("tinker", TinkerSettings, body, argv)
