@@ -293,3 +293,61 @@ async def test_sampling_serves_exactly_the_weights_saved_for_the_sampler(
         assert sequence.logprobs == pytest.approx(learned["logprobs"].tolist()[2:], abs=2e-3)
     assert prompt_logprobs[0] is None
     assert prompt_logprobs[1:] == pytest.approx(forward.loss_fn_outputs[0]["logprobs"].tolist(), abs=2e-3)
+
+
+async def run_example(front_url: str, model_name: str, *args: str) -> str:
+    """examples/tinker_rl_loop.py as a user runs it: its own process, two environment variables."""
+    import os
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("POLICYLOOP_", "TINKER_"))}
+    env.update(TINKER_BASE_URL=front_url, TINKER_API_KEY=API_KEY, TINKER_TELEMETRY="0")
+    example = Path(__file__).resolve().parents[2] / "examples" / "tinker_rl_loop.py"
+    proc = await asyncio.create_subprocess_exec(sys.executable, str(example), "--base-model", model_name, *args,
+                                                env=env, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out.decode()[-4000:]
+    return out.decode()
+
+
+@pytest.fixture
+async def arithmetic_cluster(bus: Bus, redis_server, publisher: Publisher,  # type: ignore[no-untyped-def]
+                             tmp_path: Path) -> AsyncIterator[str]:
+    """The Tinker API over the bootstrapped arithmetic model: front, engine, learner, publisher."""
+    from policyloop.models.bootstrap import bootstrap
+
+    model_dir = await asyncio.to_thread(bootstrap)
+    engine = await start_engine(model_dir, max_batch=256, threads=1, weight_version="0")
+    redis = await connect_redis(redis_server.url, decode_responses=False)
+    engine_client = SGLangClient(engine.base_url, timeout_s=120, retries=0)
+    fetcher = WeightClient(publisher.endpoint)
+    api = TinkerApi(bus, redis, namespace="rl", base_model="arith", api_key=API_KEY, tokenizer_id=str(model_dir),
+                    sampler=EngineSampler(engine_client, lambda _: fetcher))
+    trainer = TinkerTrainer(AdapterTrainer(model_dir, TrainerConfig(device="cpu")), tmp_path / "rl-learner", "arith")
+    worker = TinkerWorker(bus, trainer, publisher=publisher.client, fetch_endpoint=publisher.endpoint)
+    stop = asyncio.Event()
+    learning = asyncio.create_task(worker.run(stop))
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await api.close()
+        await runner.cleanup()
+        stop.set()
+        await learning
+        await asyncio.gather(engine_client.close(), fetcher.close(), redis.aclose())
+        await engine.stop()
+
+
+@pytest.mark.timeout(900)
+async def test_the_example_rl_loop_raises_heldout_accuracy(arithmetic_cluster: str) -> None:
+    out = await run_example(arithmetic_cluster, "arith", "--steps", "100", "--eval-problems", "300")
+    print(out)
+    lines = [line for line in out.splitlines() if line.startswith("held-out accuracy")]
+    before = float(lines[0].split(":")[1].strip().rstrip("%")) / 100
+    after = float(lines[1].split(":")[1].split("(")[0].strip().rstrip("%")) / 100
+    assert after >= before + 0.04, out  # +7 and +11 points in two 80-step runs

@@ -156,20 +156,32 @@ class TinkerTrainer:
         device = self.trainer.device
         outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
         total = 0.0
+        # All datums in one right-padded forward; each datum's loss is its own rows' sum.
+        lengths = [len(e.tokens) for e in examples]
+        width = max(lengths)
+        ids = torch.full((len(examples), width), self.trainer.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(examples), width), dtype=torch.long)
+        targets = torch.zeros((len(examples), width), dtype=torch.long)
+        for row, example in enumerate(examples):
+            ids[row, :lengths[row]] = torch.as_tensor(example.tokens)
+            mask[row, :lengths[row]] = 1
+            targets[row, :lengths[row]] = torch.as_tensor(example.inputs["target_tokens"])
+        ids, mask, targets = ids.to(device), mask.to(device), targets.to(device)
         with torch.set_grad_enabled(not request.forward_only):
-            for example in examples:
-                tokens = torch.as_tensor(example.tokens, device=device).unsqueeze(0)
-                inputs = {name: torch.as_tensor(array, device=device) for name, array in example.inputs.items()}
-                targets = inputs.pop("target_tokens").long()
-                inputs = {name: t.float() for name, t in inputs.items()}
-                logits = peft_model(input_ids=tokens).logits[0].float()
-                logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-                datum_loss, per_token = loss.loss(logprobs, inputs)
-                if not request.forward_only:
-                    datum_loss.backward()
-                total += float(datum_loss.detach())
-                outputs["logprobs"].append(logprobs.detach().cpu().numpy().astype(np.float32))
+            logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+            losses = []
+            for row, example in enumerate(examples):
+                inputs = {name: torch.as_tensor(array, device=device).float()
+                          for name, array in example.inputs.items() if name != "target_tokens"}
+                datum_loss, per_token = loss.loss(logprobs[row, :lengths[row]], inputs)
+                losses.append(datum_loss)
+                outputs["logprobs"].append(logprobs[row, :lengths[row]].detach().cpu().numpy().astype(np.float32))
                 outputs["elementwise_loss"].append(per_token.detach().cpu().numpy().astype(np.float32))
+            summed = torch.stack(losses).sum()
+            if not request.forward_only:
+                summed.backward()
+            total = float(summed.detach())
         if not request.forward_only:
             model.pending += 1
         if not math.isfinite(total):
