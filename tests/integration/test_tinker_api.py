@@ -222,7 +222,8 @@ async def test_requests_that_cannot_be_done_are_refused_with_a_clear_message(
             training.forward_backward([wrong], "cross_entropy").result()
         refusals.append(str(refused.value))
         with pytest.raises(tinker.NotFoundError, match="not served by this cluster's Tinker API"):
-            training.save_state("later").result()
+            client.create_rest_client().publish_checkpoint_from_tinker_path(
+                f"tinker://{training.model_id}/weights/w").result()
         monkeypatch.setenv("TINKER_API_KEY", "tml-not-the-key")
         with pytest.raises(tinker.AuthenticationError, match="X-API-Key is not this cluster's API key"):
             tinker.ServiceClient().create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
@@ -351,3 +352,63 @@ async def test_the_example_rl_loop_raises_heldout_accuracy(arithmetic_cluster: s
     before = float(lines[0].split(":")[1].strip().rstrip("%")) / 100
     after = float(lines[1].split(":")[1].split("(")[0].strip().rstrip("%")) / 100
     assert after >= before + 0.04, out  # +7 and +11 points in two 80-step runs
+
+
+@pytest.mark.timeout(300)
+async def test_a_saved_state_outlives_the_learner_and_training_continues_from_it(
+        bus: Bus, front: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """save_state, the learner killed and replaced, then a training client created from the
+    state with its optimizer: it computes what the saved model computed, and its next step is
+    the step the original model takes, bit for bit."""
+    root = tmp_path / "learner"
+    learner = start_learner(bus, tiny_model_dir, root)
+    client = await asyncio.to_thread(service_client, front, monkeypatch)
+    data = [datum(s) for s in SEQUENCES]
+    adam = tinker.types.AdamParams(learning_rate=1e-2)
+
+    def train_and_save() -> tuple[object, str, float]:
+        original = client.create_lora_training_client(base_model=BASE_MODEL, rank=4).result()
+        for _ in range(3):
+            original.forward_backward(data, "cross_entropy").result()
+            original.optim_step(adam).result()
+        path = original.save_state("after-3").result().path
+        with pytest.raises(tinker.RequestFailedError, match="saved already"):
+            original.save_state("after-3").result()
+        return original, path, original.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+    original, path, saved_loss = await asyncio.to_thread(train_and_save)
+    await learner.close()
+    learner = start_learner(bus, tiny_model_dir, root)
+    try:
+        def load_and_continue() -> tuple[object, float, float]:
+            loaded = client.create_training_client_from_state_with_optimizer(path).result()
+            loaded_loss = loaded.forward(data, "cross_entropy").result().metrics["loss:sum"]
+            for training in (original, loaded):
+                training.forward_backward(data, "cross_entropy").result()
+                training.optim_step(adam).result()
+            return loaded, loaded_loss, loaded.forward(data, "cross_entropy").result().metrics["loss:sum"]
+
+        loaded, loaded_loss, continued_loss = await asyncio.to_thread(load_and_continue)
+
+        def listings():  # type: ignore[no-untyped-def]
+            rest = client.create_rest_client()
+            return (rest.list_training_runs().result(), rest.list_checkpoints(original.model_id).result(),
+                    rest.get_weights_info_by_tinker_path(path).result(), rest.list_user_checkpoints().result())
+
+        runs, checkpoints, info, everything = await asyncio.to_thread(listings)
+        trainer = learner.worker.trainer.trainer
+        ids = [original.model_id, loaded.model_id]
+        adapters = [trainer.export_adapter(i) for i in ids]
+        steps = [trainer.run(i).steps for i in ids]
+    finally:
+        await learner.close()
+    assert path == f"tinker://{original.model_id}/weights/after-3"
+    assert loaded_loss == saved_loss and continued_loss < loaded_loss
+    assert steps == [4, 4]
+    assert all(np.array_equal(adapters[0][k].numpy(), adapters[1][k].numpy()) for k in adapters[0])
+    # The REST listings: both models as training runs, the saved state as a checkpoint of the first.
+    assert {r.training_run_id for r in runs.training_runs} >= {original.model_id, loaded.model_id}
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in checkpoints.checkpoints] == [
+        ("weights/after-3", "training", path)]
+    assert info.base_model == BASE_MODEL and info.is_lora and info.lora_rank == 4
+    assert path in {c.tinker_path for c in everything.checkpoints}

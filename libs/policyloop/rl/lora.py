@@ -250,15 +250,18 @@ class AdapterTrainer:
         commit_checkpoint(tmp, final, keep)
         return final
 
-    def restore(self, directory: Path, optimizer: OptimizerSettings | None = None) -> AdapterCheckpoint:
+    def restore(self, directory: Path, optimizer: OptimizerSettings | None = None, *, run_id: str | None = None,
+                optimizer_state: bool = True) -> AdapterCheckpoint:
         """Loads a run's checkpoint: the run is added (with the saved spec) if this trainer has
-        no adapter for it, then its adapter, AdamW state, schedule, steps and version are set."""
+        no adapter for it, then its adapter, AdamW state, schedule, steps and version are set.
+        `run_id`: load it as another run (default: the run that saved it); `optimizer_state`
+        false: the adapter alone, the run's AdamW state as it was (fresh for a new run)."""
         from peft import set_peft_model_state_dict
 
         directory = Path(directory)
         record = json.loads((directory / RUN_FILE).read_text())
         spec = LoraSpec.model_validate(record["spec"])
-        run_id = record["run_id"]
+        run_id = run_id or record["run_id"]
         if run_id not in self.runs:
             self.add_run(run_id, spec, optimizer)
         run = self.runs[run_id]
@@ -270,7 +273,8 @@ class AdapterTrainer:
         unexpected = getattr(result, "unexpected_keys", [])
         if unexpected:
             raise ValueError(f"run {run_id!r}: the checkpoint holds tensors its adapter lacks: {unexpected[:3]}")
-        run.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
+        if optimizer_state:
+            run.optimizer.load_state_dict(torch.load(directory / OPTIMIZER_FILE, weights_only=True))
         run.scheduler.last_epoch = int(record["scheduler"]["last_epoch"])
         run.version, run.steps = int(record["version"]), int(record["steps"])
         return AdapterCheckpoint(run_id, run.version, run.steps, [list(ids) for ids in record["trained_ids"]],

@@ -7,8 +7,10 @@ cluster's key (any key when none is set; the SDK itself wants keys that start wi
 from __future__ import annotations
 
 import asyncio
+import datetime
 import hmac
 import json
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +31,10 @@ log = get_logger(__name__)
 API = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 RESULTS_STREAM = "TINKER_RESULTS"
+
+
+def _iso(unix_ms: int) -> str:
+    return datetime.datetime.fromtimestamp(unix_ms / 1000, datetime.UTC).isoformat()
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -74,12 +80,18 @@ class TinkerApi:
             "get_info": self._get_info, "forward_backward": self._forward_backward, "optim_step": self._optim_step,
             "retrieve_future": self._retrieve_future, "save_weights_for_sampler": self._save_for_sampler,
             "create_sampling_session": self._create_sampling_session, "asample": self._asample,
+            "save_weights": self._save_weights, "load_weights": self._load_weights,
         }
         for name, handler in json_routes.items():
             app.router.add_post(f"{API}/{name}", handler)
         app.router.add_post(f"{API}/sessions/{{session_id}}/finish", self._finish)
         app.router.add_get(f"{API}/get_server_capabilities", self._capabilities)
         app.router.add_get(f"{API}/samplers/{{sampler_id}}", self._get_sampler)
+        app.router.add_get(f"{API}/training_runs", self._training_runs)
+        app.router.add_get(f"{API}/training_runs/{{run_id}}", self._training_run)
+        app.router.add_get(f"{API}/training_runs/{{run_id}}/checkpoints", self._run_checkpoints)
+        app.router.add_get(f"{API}/checkpoints", self._all_checkpoints)
+        app.router.add_post(f"{API}/weights_info", self._weights_info)
         app.router.add_get(f"{API}/healthz", self._healthz)
         app.router.add_route("*", f"{API}/{{route:.*}}", self._not_served)
         return app
@@ -249,6 +261,41 @@ class TinkerApi:
                                                                                               for_sampler=True)))
         return web.json_response({"request_id": request_id, "model_id": model_id})
 
+    async def _save_weights(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        model_id = body.get("model_id")
+        await self._model(model_id)
+        seq_id = self._field(body, "seq_id", int)
+        save = tinker_pb2.TinkerSaveWeights(name=self._field(body, "path", str),
+                                            overwrite=self._field(body, "overwrite", bool, False))
+        request_id = f"{model_id}#{seq_id}"
+        await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=seq_id,
+                                                    save_weights=save))
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
+    async def _load_weights(self, request: web.Request) -> web.Response:
+        """On an existing model (model_id, seq_id), or creating one from the state (session_id,
+        model_seq_id: the model id is then <session>:train:<seq>, as the SDK assumes)."""
+        body = await self._json(request)
+        path = self._field(body, "path", str)
+        load = tinker_pb2.TinkerLoadWeights(path=path, optimizer=self._field(body, "optimizer", bool, False))
+        source = path.removeprefix("tinker://").split("/")[0] if path.startswith("tinker://") else ""
+        if "model_id" in body:
+            model_id = body["model_id"]
+            await self._model(model_id)
+            seq_id, ordered = self._field(body, "seq_id", int), True
+        else:
+            session = self._field(body, "session_id", str)
+            model_id, seq_id, ordered = f"{session}:train:{self._field(body, 'model_seq_id', int)}", 0, False
+            raw = await self.redis.get(self._key("model", source))
+            if raw is None:
+                raise BadRequest(f"path: no model {source!r} saved {path!r}", 404)
+            await self.redis.set(self._key("model", model_id), raw)  # the same LoRA configuration
+        request_id = f"{model_id}#{seq_id}"
+        await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=seq_id,
+                                                    load_weights=load), ordered=ordered)
+        return web.json_response({"request_id": request_id, "model_id": model_id})
+
     @staticmethod
     def _session_id(model_id: str, sampling_seq: int) -> str:
         return f"{model_id.split(':train:')[0]}:sample:{sampling_seq}"
@@ -326,6 +373,7 @@ class TinkerApi:
         request it never sends when it fails locally). The Nats-Msg-Id is the request id, so a
         retried HTTP call is stored once."""
         await self.redis.set(self._key("request", request.request_id), request.WhichOneof("op"), ex=7 * 24 * 3600)
+        await self.redis.set(self._key("last_request", request.model_id), int(time.time() * 1000))
         if not ordered:
             await self.bus.publish(tinker_request_subject(request.model_id), request, request.request_id)
             return
@@ -366,9 +414,79 @@ class TinkerApi:
                     return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
         finally:
             await sub.unsubscribe()
+        if result.WhichOneof("outcome") == "saved" and result.saved.path:
+            await self._record_checkpoint(result.model_id, result.saved.path)
         if result.WhichOneof("outcome") == "saved" and result.saved.weights_model:
             return await self._sampler_saved(request_id, result.saved)
         return self._answer(result)
+
+    async def _record_checkpoint(self, model_id: str, path: str) -> None:
+        checkpoint_id = path.removeprefix(f"tinker://{model_id}/")
+        key = self._key("checkpoints", model_id)
+        if not await self.redis.hexists(key, checkpoint_id):
+            record = tinker_pb2.TinkerCheckpoint(checkpoint_id=checkpoint_id, path=path,
+                                                 saved_unix_ms=int(time.time() * 1000))
+            await self.redis.hset(key, checkpoint_id, record.SerializeToString())
+
+    # -- listings (RestClient) ------------------------------------------------------------------
+
+    async def _checkpoints(self, model_id: str) -> list[dict[str, Any]]:
+        stored = await self.redis.hgetall(self._key("checkpoints", model_id))
+        records = sorted((tinker_pb2.TinkerCheckpoint.FromString(raw) for raw in stored.values()),
+                         key=lambda c: c.saved_unix_ms)
+        return [{"checkpoint_id": c.checkpoint_id, "tinker_path": c.path,
+                 "checkpoint_type": "training" if c.checkpoint_id.startswith("weights/") else "sampler",
+                 "time": _iso(c.saved_unix_ms), "public": False} for c in records]
+
+    async def _run(self, model_id: str) -> dict[str, Any]:
+        create = await self._model(model_id)
+        checkpoints = await self._checkpoints(model_id)
+        last = await self.redis.get(self._key("last_request", model_id))
+
+        def newest(kind: str) -> dict[str, Any] | None:
+            return next((c for c in reversed(checkpoints) if c["checkpoint_type"] == kind), None)
+
+        return {"training_run_id": model_id, "base_model": create.base_model, "model_owner": self.ns,
+                "is_lora": True, "lora_rank": create.rank, "corrupted": False,
+                "last_request_time": _iso(int(last) if last else 0), "last_checkpoint": newest("training"),
+                "last_sampler_checkpoint": newest("sampler")}
+
+    async def _model_ids(self) -> list[str]:
+        prefix = self._key("model", "")
+        return sorted([key.decode()[len(prefix):] async for key in self.redis.scan_iter(match=f"{prefix}*")])
+
+    async def _training_runs(self, request: web.Request) -> web.Response:
+        limit, offset = int(request.query.get("limit", 20)), int(request.query.get("offset", 0))
+        ids = await self._model_ids()
+        runs = [await self._run(i) for i in ids[offset:offset + limit]]
+        return web.json_response({"training_runs": runs,
+                                  "cursor": {"offset": offset, "limit": limit, "total_count": len(ids)}})
+
+    async def _training_run(self, request: web.Request) -> web.Response:
+        return web.json_response(await self._run(request.match_info["run_id"]))
+
+    async def _run_checkpoints(self, request: web.Request) -> web.Response:
+        model_id = request.match_info["run_id"]
+        await self._model(model_id)
+        return web.json_response({"checkpoints": await self._checkpoints(model_id)})
+
+    async def _all_checkpoints(self, request: web.Request) -> web.Response:
+        limit, offset = int(request.query.get("limit", 100)), int(request.query.get("offset", 0))
+        everything = [c for model_id in await self._model_ids() for c in await self._checkpoints(model_id)]
+        return web.json_response({"checkpoints": everything[offset:offset + limit],
+                                  "cursor": {"offset": offset, "limit": limit, "total_count": len(everything)}})
+
+    async def _weights_info(self, request: web.Request) -> web.Response:
+        body = await self._json(request)
+        path = self._field(body, "tinker_path", str)
+        model_id = path.removeprefix("tinker://").split("/")[0] if path.startswith("tinker://") else ""
+        create = await self._model(model_id)
+        checkpoint_id = path.removeprefix(f"tinker://{model_id}/")
+        if not await self.redis.hexists(self._key("checkpoints", model_id), checkpoint_id):
+            raise BadRequest(f"tinker_path: no checkpoint {path!r}", 404)
+        return web.json_response({"base_model": create.base_model, "is_lora": True, "lora_rank": create.rank,
+                                  "optimizer_config": {"type": "adamw"}, "train_mlp": create.train_mlp,
+                                  "train_attn": create.train_attn, "train_unembed": create.train_unembed})
 
     async def _sampler_saved(self, request_id: str, saved: tinker_pb2.TinkerSaved) -> web.Response:
         """A published sampler version: its path (or, unnamed, a sampling session) now names it."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
-from policyloop.rl.lora import AdapterTrainer, LoraSpec
+from policyloop.rl.lora import AdapterTrainer, LoraSpec, latest_run_checkpoint
 from policyloop.rl.settings import run_directory
 from policyloop.telemetry.logging import get_logger
 from policyloop.tinker import wire
@@ -33,6 +34,25 @@ UNEMBED_MODULES = ("lm_head",)
 LORA_ALPHA = 32.0  # the update is scaled by alpha / rank, as the hosted service's LoRA
 STREAM_SEQ = "tinker_stream_seq"  # the checkpoint's `extra` key: the TINKER sequence it covers
 SAMPLER_VERSION = "tinker_sampler_version"  # and the last adapter version published for samplers
+
+
+SAVED_FROM = "tinker_saved_from"
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def checkpoint_name(name: str) -> str:
+    if not _NAME.match(name):
+        raise TinkerRequestError(f"path: a checkpoint name of letters, digits, '.', '_' and '-' (at most 128), "
+                                 f"got {name!r}")
+    return name
+
+
+def parse_weights_path(path: str) -> tuple[str, str]:
+    """(model id, name) of tinker://<model id>/weights/<name>."""
+    parts = path.removeprefix("tinker://").split("/") if path.startswith("tinker://") else []
+    if len(parts) != 3 or parts[1] != "weights" or not parts[0]:
+        raise TinkerRequestError(f"path: expected tinker://<model id>/weights/<name>, got {path!r}")
+    return parts[0], checkpoint_name(parts[2])
 
 
 class TinkerRequestError(ValueError):
@@ -75,8 +95,6 @@ class TinkerTrainer:
     def restore_all(self) -> int:
         """Loads every model's newest checkpoint under root; returns the TINKER sequence to
         read from (the oldest a model still needs; 1 when there is nothing)."""
-        from policyloop.rl.lora import latest_run_checkpoint
-
         checkpoints = self.root / "checkpoints"
         for pointer in sorted(checkpoints.glob("*/LATEST")) if checkpoints.exists() else []:
             record = json.loads((pointer.parent / pointer.read_text().strip() / "run.json").read_text())
@@ -105,6 +123,8 @@ class TinkerTrainer:
         try:
             if op == "create_model":
                 result.created.CopyFrom(self._create(request.model_id, request.create_model, stream_seq))
+            elif op == "load_weights" and request.model_id not in self.models:  # a model created from a state
+                result.loaded.CopyFrom(self._load(request.model_id, request.load_weights, stream_seq))
             else:
                 model = self._model(request.model_id)
                 if op == "forward_backward":
@@ -113,6 +133,8 @@ class TinkerTrainer:
                     result.optim_step.CopyFrom(self._optim_step(model, request.optim_step, stream_seq))
                 elif op == "save_weights":
                     result.saved.CopyFrom(self._save(model, request.save_weights, stream_seq))
+                elif op == "load_weights":
+                    result.loaded.CopyFrom(self._load(model.model_id, request.load_weights, stream_seq))
                 else:
                     raise TinkerRequestError(f"{op}: not supported by this learner")
                 model.stream_seq = max(model.stream_seq, stream_seq)
@@ -216,9 +238,39 @@ class TinkerTrainer:
             "grad_norm:mean": grad_norm, "forward_backward_calls:sum": float(applied)})
 
     def _save(self, model: TinkerModel, save: tinker_pb2.TinkerSaveWeights, stream_seq: int) -> tinker_pb2.TinkerSaved:
-        raise TinkerRequestError("save_weights: saving training state is not supported yet (save_weights_for_sampler "
-                                 "is)" if not save.for_sampler else "save_weights_for_sampler: this learner publishes "
-                                 "no weights (it has no publisher)")
+        """save_weights (save_state): the adapter and its AdamW state under a name, kept until
+        saved again over it; save_weights_for_sampler is the worker's (it publishes)."""
+        if save.for_sampler:
+            raise TinkerRequestError("save_weights_for_sampler: this learner publishes no weights (no publisher)")
+        name = checkpoint_name(save.name)
+        root = self._named_root(model.model_id, name)
+        if latest_run_checkpoint(root, model.model_id) is not None and not save.overwrite:
+            raise TinkerRequestError(f"path: {save.name!r} is saved already (overwrite it with overwrite=True)")
+        self.trainer.save(root, model.model_id, keep=1, extra={SAVED_FROM: model.model_id})
+        return tinker_pb2.TinkerSaved(path=f"tinker://{model.model_id}/weights/{name}")
+
+    def _load(self, model_id: str, load: tinker_pb2.TinkerLoadWeights, stream_seq: int) -> tinker_pb2.TinkerLoaded:
+        """load_weights: a saved state into `model_id` — a new model (created from the state, with
+        its LoRA configuration) or an existing one of the same configuration."""
+        source, name = parse_weights_path(load.path)
+        directory = latest_run_checkpoint(self._named_root(source, name), source)
+        if directory is None:
+            raise TinkerRequestError(f"path: nothing is saved at {load.path!r}")
+        existing = self.models.get(model_id)
+        saved_spec = LoraSpec.model_validate(json.loads((directory / "run.json").read_text())["spec"])
+        if existing is not None and existing.spec != saved_spec:
+            raise TinkerRequestError(f"path: {load.path!r} holds an adapter of another configuration "
+                                     f"({saved_spec}) than model {model_id!r} ({existing.spec})")
+        if existing is not None and existing.pending:
+            raise TinkerRequestError(f"model_id: {model_id!r} has gradients waiting for an optim_step")
+        self.trainer.restore(directory, run_id=model_id, optimizer_state=load.optimizer)
+        model = existing or TinkerModel(model_id, saved_spec, stream_seq)
+        self.models[model_id] = model
+        model.stream_seq, model.to_checkpoint = max(model.stream_seq, stream_seq), True
+        return tinker_pb2.TinkerLoaded(path=load.path)
+
+    def _named_root(self, model_id: str, name: str) -> Path:
+        return self.root / "saved" / run_directory(model_id) / name
 
     def sampler_weights(self, model_id: str) -> tuple[int, dict[str, torch.Tensor], LoraSpec]:
         """The model's next sampler version and its adapter tensors, to publish."""

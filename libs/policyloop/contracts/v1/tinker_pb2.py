@@ -30,7 +30,7 @@ except AttributeError:
 from policyloop.contracts.v1 import tinker_wire_pb2 as policyloop_dot_v1_dot_tinker__wire__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apolicyloop/v1/tinker.proto\x12\rpolicyloop.v1\x1a\x18policyloop/v1/loop.proto\x1a\x1fpolicyloop/v1/tinker_wire.proto\"\xff\x02\n\rTinkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06seq_id\x18\x03 \x01(\x03\x12\x38\n\x0c\x63reate_model\x18\n \x01(\x0b\x32 .policyloop.v1.TinkerCreateModelH\x00\x12M\n\x10\x66orward_backward\x18\x0b \x01(\x0b\x32\x31.policyloop.v1.tinker_wire.ForwardBackwardRequestH\x00\x12\x35\n\noptim_step\x18\x0c \x01(\x0b\x32\x1f.policyloop.v1.TinkerAdamParamsH\x00\x12\x38\n\x0csave_weights\x18\r \x01(\x0b\x32 .policyloop.v1.TinkerSaveWeightsH\x00\x12\x38\n\x0cload_weights\x18\x0e \x01(\x0b\x32 .policyloop.v1.TinkerLoadWeightsH\x00\x42\x04\n\x02op\"\x8f\x01\n\x11TinkerCreateModel\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\ttrain_mlp\x18\x03 \x01(\x08\x12\x12\n\ntrain_attn\x18\x04 \x01(\x08\x12\x15\n\rtrain_unembed\x18\x05 \x01(\x08\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x82\x01\n\x10TinkerAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"6\n\x11TinkerSaveWeights\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66or_sampler\x18\x02 \x01(\x08\"4\n\x11TinkerLoadWeights\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\toptimizer\x18\x02 \x01(\x08\"0\n\x0bTinkerError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\"\xbe\x03\n\x0cTinkerResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.policyloop.v1.TinkerErrorH\x00\x12/\n\x07\x63reated\x18\x04 \x01(\x0b\x32\x1c.policyloop.v1.TinkerCreatedH\x00\x12L\n\x10\x66orward_backward\x18\x05 \x01(\x0b\x32\x30.policyloop.v1.tinker_wire.ForwardBackwardOutputH\x00\x12\x38\n\noptim_step\x18\x06 \x01(\x0b\x32\".policyloop.v1.TinkerOptimStepDoneH\x00\x12+\n\x05saved\x18\x07 \x01(\x0b\x32\x1a.policyloop.v1.TinkerSavedH\x00\x12-\n\x06loaded\x18\x08 \x01(\x0b\x32\x1b.policyloop.v1.TinkerLoadedH\x00\x12;\n\x06sample\x18\t \x01(\x0b\x32).policyloop.v1.tinker_wire.SampleResponseH\x00\x42\t\n\x07outcome\"4\n\rTinkerCreated\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tlora_rank\x18\x02 \x01(\r\"\x95\x01\n\x13TinkerOptimStepDone\x12@\n\x07metrics\x18\x01 \x03(\x0b\x32/.policyloop.v1.TinkerOptimStepDone.MetricsEntry\x12\x0c\n\x04step\x18\x02 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x82\x01\n\x0bTinkerSaved\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rweights_model\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x65tch_endpoint\x18\x04 \x01(\t\x12%\n\x04lora\x18\x05 \x01(\x0b\x32\x17.policyloop.v1.LoraSpec\"\xaf\x01\n\x15TinkerSamplingSession\x12\x1b\n\x13sampling_session_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rweights_model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65tch_endpoint\x18\x05 \x01(\t\x12%\n\x04lora\x18\x06 \x01(\x0b\x32\x17.policyloop.v1.LoraSpec\"\x1c\n\x0cTinkerLoaded\x12\x0c\n\x04path\x18\x01 \x01(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apolicyloop/v1/tinker.proto\x12\rpolicyloop.v1\x1a\x18policyloop/v1/loop.proto\x1a\x1fpolicyloop/v1/tinker_wire.proto\"\xff\x02\n\rTinkerRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x0e\n\x06seq_id\x18\x03 \x01(\x03\x12\x38\n\x0c\x63reate_model\x18\n \x01(\x0b\x32 .policyloop.v1.TinkerCreateModelH\x00\x12M\n\x10\x66orward_backward\x18\x0b \x01(\x0b\x32\x31.policyloop.v1.tinker_wire.ForwardBackwardRequestH\x00\x12\x35\n\noptim_step\x18\x0c \x01(\x0b\x32\x1f.policyloop.v1.TinkerAdamParamsH\x00\x12\x38\n\x0csave_weights\x18\r \x01(\x0b\x32 .policyloop.v1.TinkerSaveWeightsH\x00\x12\x38\n\x0cload_weights\x18\x0e \x01(\x0b\x32 .policyloop.v1.TinkerLoadWeightsH\x00\x42\x04\n\x02op\"\x8f\x01\n\x11TinkerCreateModel\x12\x12\n\nbase_model\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x11\n\ttrain_mlp\x18\x03 \x01(\x08\x12\x12\n\ntrain_attn\x18\x04 \x01(\x08\x12\x15\n\rtrain_unembed\x18\x05 \x01(\x08\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x00\x88\x01\x01\x42\x07\n\x05_seed\"\x82\x01\n\x10TinkerAdamParams\x12\x15\n\rlearning_rate\x18\x01 \x01(\x01\x12\r\n\x05\x62\x65ta1\x18\x02 \x01(\x01\x12\r\n\x05\x62\x65ta2\x18\x03 \x01(\x01\x12\x0b\n\x03\x65ps\x18\x04 \x01(\x01\x12\x14\n\x0cweight_decay\x18\x05 \x01(\x01\x12\x16\n\x0egrad_clip_norm\x18\x06 \x01(\x01\"I\n\x11TinkerSaveWeights\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x66or_sampler\x18\x02 \x01(\x08\x12\x11\n\toverwrite\x18\x03 \x01(\x08\"4\n\x11TinkerLoadWeights\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x11\n\toptimizer\x18\x02 \x01(\x08\"0\n\x0bTinkerError\x12\x0f\n\x07message\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61tegory\x18\x02 \x01(\t\"\xbe\x03\n\x0cTinkerResult\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.policyloop.v1.TinkerErrorH\x00\x12/\n\x07\x63reated\x18\x04 \x01(\x0b\x32\x1c.policyloop.v1.TinkerCreatedH\x00\x12L\n\x10\x66orward_backward\x18\x05 \x01(\x0b\x32\x30.policyloop.v1.tinker_wire.ForwardBackwardOutputH\x00\x12\x38\n\noptim_step\x18\x06 \x01(\x0b\x32\".policyloop.v1.TinkerOptimStepDoneH\x00\x12+\n\x05saved\x18\x07 \x01(\x0b\x32\x1a.policyloop.v1.TinkerSavedH\x00\x12-\n\x06loaded\x18\x08 \x01(\x0b\x32\x1b.policyloop.v1.TinkerLoadedH\x00\x12;\n\x06sample\x18\t \x01(\x0b\x32).policyloop.v1.tinker_wire.SampleResponseH\x00\x42\t\n\x07outcome\"4\n\rTinkerCreated\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x11\n\tlora_rank\x18\x02 \x01(\r\"\x95\x01\n\x13TinkerOptimStepDone\x12@\n\x07metrics\x18\x01 \x03(\x0b\x32/.policyloop.v1.TinkerOptimStepDone.MetricsEntry\x12\x0c\n\x04step\x18\x02 \x01(\x03\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x82\x01\n\x0bTinkerSaved\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x15\n\rweights_model\x18\x03 \x01(\t\x12\x16\n\x0e\x66\x65tch_endpoint\x18\x04 \x01(\t\x12%\n\x04lora\x18\x05 \x01(\x0b\x32\x17.policyloop.v1.LoraSpec\"\xaf\x01\n\x15TinkerSamplingSession\x12\x1b\n\x13sampling_session_id\x18\x01 \x01(\t\x12\x12\n\nmodel_path\x18\x02 \x01(\t\x12\x15\n\rweights_model\x18\x03 \x01(\t\x12\x0f\n\x07version\x18\x04 \x01(\x03\x12\x16\n\x0e\x66\x65tch_endpoint\x18\x05 \x01(\t\x12%\n\x04lora\x18\x06 \x01(\x0b\x32\x17.policyloop.v1.LoraSpec\"\x1c\n\x0cTinkerLoaded\x12\x0c\n\x04path\x18\x01 \x01(\t\"N\n\x10TinkerCheckpoint\x12\x15\n\rcheckpoint_id\x18\x01 \x01(\t\x12\x0c\n\x04path\x18\x02 \x01(\t\x12\x15\n\rsaved_unix_ms\x18\x03 \x01(\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -46,23 +46,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TINKERADAMPARAMS']._serialized_start=637
   _globals['_TINKERADAMPARAMS']._serialized_end=767
   _globals['_TINKERSAVEWEIGHTS']._serialized_start=769
-  _globals['_TINKERSAVEWEIGHTS']._serialized_end=823
-  _globals['_TINKERLOADWEIGHTS']._serialized_start=825
-  _globals['_TINKERLOADWEIGHTS']._serialized_end=877
-  _globals['_TINKERERROR']._serialized_start=879
-  _globals['_TINKERERROR']._serialized_end=927
-  _globals['_TINKERRESULT']._serialized_start=930
-  _globals['_TINKERRESULT']._serialized_end=1376
-  _globals['_TINKERCREATED']._serialized_start=1378
-  _globals['_TINKERCREATED']._serialized_end=1430
-  _globals['_TINKEROPTIMSTEPDONE']._serialized_start=1433
-  _globals['_TINKEROPTIMSTEPDONE']._serialized_end=1582
-  _globals['_TINKEROPTIMSTEPDONE_METRICSENTRY']._serialized_start=1536
-  _globals['_TINKEROPTIMSTEPDONE_METRICSENTRY']._serialized_end=1582
-  _globals['_TINKERSAVED']._serialized_start=1585
-  _globals['_TINKERSAVED']._serialized_end=1715
-  _globals['_TINKERSAMPLINGSESSION']._serialized_start=1718
-  _globals['_TINKERSAMPLINGSESSION']._serialized_end=1893
-  _globals['_TINKERLOADED']._serialized_start=1895
-  _globals['_TINKERLOADED']._serialized_end=1923
+  _globals['_TINKERSAVEWEIGHTS']._serialized_end=842
+  _globals['_TINKERLOADWEIGHTS']._serialized_start=844
+  _globals['_TINKERLOADWEIGHTS']._serialized_end=896
+  _globals['_TINKERERROR']._serialized_start=898
+  _globals['_TINKERERROR']._serialized_end=946
+  _globals['_TINKERRESULT']._serialized_start=949
+  _globals['_TINKERRESULT']._serialized_end=1395
+  _globals['_TINKERCREATED']._serialized_start=1397
+  _globals['_TINKERCREATED']._serialized_end=1449
+  _globals['_TINKEROPTIMSTEPDONE']._serialized_start=1452
+  _globals['_TINKEROPTIMSTEPDONE']._serialized_end=1601
+  _globals['_TINKEROPTIMSTEPDONE_METRICSENTRY']._serialized_start=1555
+  _globals['_TINKEROPTIMSTEPDONE_METRICSENTRY']._serialized_end=1601
+  _globals['_TINKERSAVED']._serialized_start=1604
+  _globals['_TINKERSAVED']._serialized_end=1734
+  _globals['_TINKERSAMPLINGSESSION']._serialized_start=1737
+  _globals['_TINKERSAMPLINGSESSION']._serialized_end=1912
+  _globals['_TINKERLOADED']._serialized_start=1914
+  _globals['_TINKERLOADED']._serialized_end=1942
+  _globals['_TINKERCHECKPOINT']._serialized_start=1944
+  _globals['_TINKERCHECKPOINT']._serialized_end=2022
 # @@protoc_insertion_point(module_scope)

@@ -62,12 +62,14 @@ class TinkerAdamParams(_message.Message):
     def __init__(self, learning_rate: _Optional[float] = ..., beta1: _Optional[float] = ..., beta2: _Optional[float] = ..., eps: _Optional[float] = ..., weight_decay: _Optional[float] = ..., grad_clip_norm: _Optional[float] = ...) -> None: ...
 
 class TinkerSaveWeights(_message.Message):
-    __slots__ = ("name", "for_sampler")
+    __slots__ = ("name", "for_sampler", "overwrite")
     NAME_FIELD_NUMBER: _ClassVar[int]
     FOR_SAMPLER_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     name: str
     for_sampler: bool
-    def __init__(self, name: _Optional[str] = ..., for_sampler: _Optional[bool] = ...) -> None: ...
+    overwrite: bool
+    def __init__(self, name: _Optional[str] = ..., for_sampler: _Optional[bool] = ..., overwrite: _Optional[bool] = ...) -> None: ...
 
 class TinkerLoadWeights(_message.Message):
     __slots__ = ("path", "optimizer")
@@ -165,3 +167,13 @@ class TinkerLoaded(_message.Message):
     PATH_FIELD_NUMBER: _ClassVar[int]
     path: str
     def __init__(self, path: _Optional[str] = ...) -> None: ...
+
+class TinkerCheckpoint(_message.Message):
+    __slots__ = ("checkpoint_id", "path", "saved_unix_ms")
+    CHECKPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SAVED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    checkpoint_id: str
+    path: str
+    saved_unix_ms: int
+    def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., saved_unix_ms: _Optional[int] = ...) -> None: ...
