@@ -412,3 +412,34 @@ async def test_a_saved_state_outlives_the_learner_and_training_continues_from_it
         ("weights/after-3", "training", path)]
     assert info.base_model == BASE_MODEL and info.is_lora and info.lora_rank == 4
     assert path in {c.tinker_path for c in everything.checkpoints}
+
+
+async def test_a_models_requests_go_on_the_stream_in_seq_id_order_across_front_restarts(
+        bus: Bus, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """The SDK may send a model's requests concurrently: the front puts them on TINKER in
+    seq_id order, and a restarted front goes on from where the order stood (no wait for a
+    seq_id it handled before the restart)."""
+    from policyloop.bus.topology import tinker_request_subject
+    from policyloop.contracts.v1 import tinker_pb2
+
+    redis = await connect_redis(redis_server.url, decode_responses=False)
+
+    def request(seq: int) -> tinker_pb2.TinkerRequest:
+        return tinker_pb2.TinkerRequest(request_id=f"m#{seq}", model_id="m", seq_id=seq,
+                                        optim_step=tinker_pb2.TinkerAdamParams(learning_rate=0.1))
+
+    try:
+        first = TinkerApi(bus, redis, namespace="order", base_model=BASE_MODEL, order_wait_s=600)
+        later = asyncio.create_task(first._submit(request(3)))
+        middle = asyncio.create_task(first._submit(request(2)))
+        await asyncio.sleep(0)  # both wait for seq_id 1
+        assert not later.done() and not middle.done()
+        await first._submit(request(1))
+        await asyncio.wait_for(asyncio.gather(later, middle), 30)
+        restarted = TinkerApi(bus, redis, namespace="order", base_model=BASE_MODEL, order_wait_s=600)
+        await asyncio.wait_for(restarted._submit(request(4)), 30)  # 1-3 were handled before the restart
+        stored = [tinker_pb2.TinkerRequest.FromString(msg.data).seq_id
+                  async for _, msg in bus.read("TINKER", tinker_request_subject("m"))]
+    finally:
+        await redis.aclose()
+    assert stored == [1, 2, 3, 4]

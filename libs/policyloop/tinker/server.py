@@ -370,14 +370,19 @@ class TinkerApi:
     async def _submit(self, request: tinker_pb2.TinkerRequest, ordered: bool = True) -> None:
         """Records the request id, then puts the request on TINKER after the model's earlier
         seq_ids (waiting up to order_wait_s for a missing one: the SDK spends a seq_id on a
-        request it never sends when it fails locally). The Nats-Msg-Id is the request id, so a
-        retried HTTP call is stored once."""
+        request it never sends when it fails locally). Where each model's order stands is kept
+        in Redis, so a restarted front goes on from it; one front orders a model's requests (a
+        client's session sticks to one replica). The Nats-Msg-Id is the request id, so a retried
+        HTTP call is stored once."""
         await self.redis.set(self._key("request", request.request_id), request.WhichOneof("op"), ex=7 * 24 * 3600)
         await self.redis.set(self._key("last_request", request.model_id), int(time.time() * 1000))
         if not ordered:
             await self.bus.publish(tinker_request_subject(request.model_id), request, request.request_id)
             return
-        order = self.orders.setdefault(request.model_id, ModelOrder())
+        order = self.orders.get(request.model_id)
+        if order is None:  # a model this front has not seen since it started: where its order stands
+            stored = await self.redis.get(self._key("next_seq", request.model_id))
+            order = self.orders.setdefault(request.model_id, ModelOrder(int(stored) if stored else 1))
         async with order.moved:
             if request.seq_id > order.next_seq:
                 try:
@@ -388,6 +393,7 @@ class TinkerApi:
                                 seq=request.seq_id)
             await self.bus.publish(tinker_request_subject(request.model_id), request, request.request_id)
             order.next_seq = max(order.next_seq, request.seq_id + 1)
+            await self.redis.set(self._key("next_seq", request.model_id), order.next_seq)
             order.moved.notify_all()
 
     # -- futures --------------------------------------------------------------------------------
