@@ -13,7 +13,7 @@ from policyloop.common.ports import free_port
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rollout.engine_process import start_embedded_engine, wait_for_engine
 from policyloop.runtime import ServiceContext, run_main
-from policyloop.state import connect_redis
+from policyloop.state import HeartbeatRegistry, connect_redis
 from policyloop.tinker.sampling import EngineSampler
 from policyloop.tinker.server import TinkerApi
 from policyloop.tinker.settings import TinkerSettings
@@ -35,6 +35,11 @@ async def body(ctx: ServiceContext) -> None:
         return fetchers.setdefault(endpoint, WeightClient(endpoint, bearer_token=settings.publisher_token))
 
     redis = await connect_redis(settings.redis_url, decode_responses=False)  # models and sessions are protobuf
+    heartbeats = HeartbeatRegistry(ctx.redis, settings.namespace)
+
+    async def fronts_alive() -> set[str]:
+        return {beat.instance for beat in await heartbeats.alive("tinker")}
+
     runner: web.AppRunner | None = None
     api: TinkerApi | None = None
     try:
@@ -43,7 +48,8 @@ async def body(ctx: ServiceContext) -> None:
                         api_key=settings.api_key, sampler=EngineSampler(engine, publisher_for, settings.adapters_kept),
                         tokenizer_id=settings.tokenizer_id or str(settings.model_path.resolve()),
                         poll_s=settings.poll_s, order_wait_s=settings.order_wait_s,
-                        max_sampling=settings.max_sampling)
+                        max_sampling=settings.max_sampling, instance_id=settings.instance_id,
+                        fronts_alive=fronts_alive)
         runner = web.AppRunner(api.app(), shutdown_timeout=settings.shutdown_grace_s)
         await runner.setup()
         site = web.TCPSite(runner, settings.api_host, settings.api_port)

@@ -443,3 +443,42 @@ async def test_a_models_requests_go_on_the_stream_in_seq_id_order_across_front_r
     finally:
         await redis.aclose()
     assert stored == [1, 2, 3, 4]
+
+
+async def test_a_sample_whose_front_is_gone_answers_410_so_the_sdk_samples_again(
+        bus: Bus, redis_server) -> None:  # type: ignore[no-untyped-def]
+    """Sampling runs on the front that took the request; when that front is gone without a
+    result, retrieve_future answers 410 (the SDK then submits the sample again). A sample whose
+    front is alive, or that has its result, is waited for / answered as usual."""
+    import aiohttp
+
+    redis = await connect_redis(redis_server.url, decode_responses=False)
+    alive = {"b"}
+
+    async def fronts_alive() -> set[str]:
+        return set(alive)
+
+    api = TinkerApi(bus, redis, namespace="lost", base_model=BASE_MODEL, instance_id="a", fronts_alive=fronts_alive,
+                    poll_s=0.2)
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/api/v1/retrieve_future"  # type: ignore
+    try:
+        for request_id, owner in (("by-b", "b"), ("by-c", "c"), ("by-a", "a")):
+            await redis.set(f"lost:tinker:request:{request_id}", f"sample@{owner}")
+        async with aiohttp.ClientSession() as http:
+            async def status(request_id: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+                async with http.post(url, json={"request_id": request_id}) as answer:
+                    return answer.status, await answer.json()
+
+            assert await status("by-b") == (200, {"type": "try_again", "request_id": "by-b", "queue_state": "active"})
+            code, body = await status("by-c")  # c stopped: its sample is lost
+            assert code == 410 and "sample again" in body["detail"]
+            assert (await status("by-a"))[0] == 410  # this front does not run it (any more)
+            alive.clear()
+            assert (await status("by-b"))[0] == 410
+    finally:
+        await runner.cleanup()
+        await redis.aclose()

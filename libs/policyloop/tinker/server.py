@@ -12,6 +12,7 @@ import hmac
 import json
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,7 @@ log = get_logger(__name__)
 API = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 RESULTS_STREAM = "TINKER_RESULTS"
+SAMPLE_BY = "sample@"  # a sample request's record: the front instance running it
 
 
 def _iso(unix_ms: int) -> str:
@@ -60,7 +62,8 @@ class ModelOrder:
 class TinkerApi:
     def __init__(self, bus: Bus, redis: aioredis.Redis, *, namespace: str, base_model: str, api_key: str = "",
                  sampler: EngineSampler | None = None, tokenizer_id: str = "", poll_s: float = 25.0,
-                 order_wait_s: float = 30.0, max_sampling: int = 64) -> None:
+                 order_wait_s: float = 30.0, max_sampling: int = 64, instance_id: str = "front",
+                 fronts_alive: Callable[[], Awaitable[set[str]]] | None = None) -> None:
         """`sampler`: the engine sampling requests run on (None: this cluster does not sample);
         `tokenizer_id`: what get_info names as the tokenizer (the SDK's get_tokenizer() loads
         it with AutoTokenizer.from_pretrained: a hub id or a directory the client can read)."""
@@ -71,6 +74,10 @@ class TinkerApi:
         self.orders: dict[str, ModelOrder] = {}
         self.sampling = asyncio.Semaphore(max_sampling)
         self.running: set[asyncio.Task[None]] = set()
+        self.sampling_ids: set[str] = set()  # sample requests this front is running
+        # `fronts_alive`: the instance ids of the fronts running now (their heartbeats), to tell
+        # a sample request whose front is gone; None: only this one is known.
+        self.instance_id, self.fronts_alive = instance_id, fronts_alive
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
@@ -343,9 +350,10 @@ class TinkerApi:
         except SampleRequestError as exc:
             raise BadRequest(str(exc)) from None
         request_id = f"{session.sampling_session_id}#{self._field(body, 'seq_id', int)}#{uuid.uuid4().hex[:8]}"
-        await self.redis.set(self._key("request", request_id), "sample", ex=24 * 3600)
+        await self.redis.set(self._key("request", request_id), f"{SAMPLE_BY}{self.instance_id}", ex=24 * 3600)
         task = asyncio.create_task(self._sample(session, spec, request_id))
         self.running.add(task)
+        self.sampling_ids.add(request_id)
         task.add_done_callback(self.running.discard)
         return web.json_response({"request_id": request_id,
                                   "sample_sequence_ids": [f"{request_id}:{i}" for i in range(spec.num_samples)]})
@@ -360,7 +368,10 @@ class TinkerApi:
             except Exception as exc:  # noqa: BLE001 - the engine or the publisher failed: the client is told
                 log.warning("tinker_sample_failed", request=request_id, error=repr(exc))
                 result.error.CopyFrom(tinker_pb2.TinkerError(message=f"sampling failed: {exc}", category="server"))
-        await self.bus.publish(tinker_result_subject(request_id), result, f"tinker-result-{request_id}")
+        try:
+            await self.bus.publish(tinker_result_subject(request_id), result, f"tinker-result-{request_id}")
+        finally:
+            self.sampling_ids.discard(request_id)
 
     async def close(self) -> None:
         for task in list(self.running):
@@ -401,7 +412,8 @@ class TinkerApi:
     async def _retrieve_future(self, request: web.Request) -> web.Response:
         body = await self._json(request)
         request_id = self._field(body, "request_id", str)
-        if await self.redis.get(self._key("request", request_id)) is None:
+        kind = await self.redis.get(self._key("request", request_id))
+        if kind is None:
             raise BadRequest(f"request_id: no request {request_id!r}", 404)
         subject = tinker_result_subject(request_id)
         arrived: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -413,6 +425,9 @@ class TinkerApi:
         sub = await self.bus.nc.subscribe(subject, cb=on_result)  # before the look: nothing slips between
         try:
             result = await self._stored_result(subject)
+            if result is None and await self._sample_lost(request_id, kind.decode(), subject):
+                # 410: the SDK submits the sample again.
+                return _error(410, f"request_id: the front that ran {request_id!r} is gone: sample again")
             if result is None:
                 try:
                     result = tinker_pb2.TinkerResult.FromString(await asyncio.wait_for(arrived, self.poll_s))
@@ -508,6 +523,18 @@ class TinkerApi:
         await self.redis.set(self._key("sampling", weights.sampling_session_id), weights.SerializeToString())
         return web.json_response({"type": "save_weights_for_sampler",
                                   "sampling_session_id": weights.sampling_session_id})
+
+    async def _sample_lost(self, request_id: str, kind: str, subject: str) -> bool:
+        """A sample request without a result whose front stopped (its work is not on the bus).
+        Looked up again once it is found not running: it may have just finished."""
+        if not kind.startswith(SAMPLE_BY):
+            return False
+        owner = kind.removeprefix(SAMPLE_BY)
+        if owner == self.instance_id:
+            gone = request_id not in self.sampling_ids
+        else:
+            gone = self.fronts_alive is not None and owner not in await self.fronts_alive()
+        return gone and await self._stored_result(subject) is None
 
     async def _stored_result(self, subject: str) -> tinker_pb2.TinkerResult | None:
         try:
