@@ -51,7 +51,9 @@ class Compose:
 
     def __init__(self, project: str, gateway_port: int) -> None:
         self.project = project
-        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "POLICYLOOP_GATEWAY_PORT": str(gateway_port)}
+        # The Tinker API's published port too (8088 by default) on a free one: nothing else on the host collides.
+        self.env = {**os.environ, "COMPOSE_PROJECT_NAME": project, "POLICYLOOP_GATEWAY_PORT": str(gateway_port),
+                    "POLICYLOOP_TINKER_PORT": str(free_port())}
         self.engine = "docker" if shutil.which("docker") and subprocess.run(
             ["docker", "info"], capture_output=True).returncode == 0 else "podman"
 

@@ -217,6 +217,8 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
         where = []
         if "grpc" in ports:
             where.append(f"gRPC 127.0.0.1:{ports['grpc']}")
+        if "api" in ports:  # the tinker service: TINKER_BASE_URL
+            where.append(f"Tinker API http://127.0.0.1:{ports['api']}")
         where.append(f"http://127.0.0.1:{ports['http']}/metrics, /healthz")
         table.add_row(name, "; ".join(where))
     console.print(table)
@@ -239,6 +241,10 @@ def up(
     prometheus: Annotated[bool | None, typer.Option(
         "--prometheus/--no-prometheus",
         help="Start Prometheus scraping every service (default: when it is installed).")] = None,
+    tinker_learner: Annotated[bool, typer.Option(
+        "--tinker-learner",
+        help="Also start tinker-learner-0: the learner that trains the Tinker API's models (tinker=true), "
+             "a second learner beside the RL one, which cannot serve Tinker too.")] = False,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cluster.local import LocalCluster
@@ -251,7 +257,8 @@ def up(
         model_path = bootstrap(BootstrapConfig())
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
-                           extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())})
+                           extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
+                           tinker_learner=tinker_learner)
     stopping = False
 
     def request_stop(*_: object) -> None:

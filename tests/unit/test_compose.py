@@ -59,12 +59,13 @@ def test_compose_config_is_valid() -> None:
 
 GPU_PROFILE = {"sglang", "rollout-sglang"}
 OBSERVABILITY_PROFILE = {"prometheus", "grafana"}
+TINKER_PROFILE = {"tinker-learner"}
 
 
 def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
     default = {name for name, service in config["services"].items() if not service.get("profiles")}
     assert default == {"nats", "redis", "models", *SERVICE_NAMES}
-    assert set(config["services"]) - default == GPU_PROFILE | OBSERVABILITY_PROFILE
+    assert set(config["services"]) - default == GPU_PROFILE | OBSERVABILITY_PROFILE | TINKER_PROFILE
 
 
 def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(config: dict[str, Any]) -> None:
@@ -225,6 +226,36 @@ def test_learner_checkpoints_on_a_volume(config: dict[str, Any]) -> None:
     assert any(m.split(":")[1] == target for m in mounts), mounts
 
 
+def test_the_tinker_profile_adds_a_second_learner_that_trains_the_tinker_api(config: dict[str, Any]) -> None:
+    """The RL learner cannot serve Tinker too: `--profile tinker` adds a learner with tinker=true,
+    started and wired like the RL one, its checkpoints on a volume of its own."""
+    from policyloop.cluster.catalogue import entry
+    from policyloop.learner.settings import LearnerSettings
+
+    tinker, learner = config["services"]["tinker-learner"], config["services"]["learner"]
+    assert tinker["profiles"] == ["tinker"]
+    assert tinker["command"] == learner["command"] == ["policyloop", *service_args(entry("learner"))]
+    assert tinker["image"] == learner["image"] and tinker["build"]["target"] == "torch"
+    env, rl = _environment(tinker), _environment(learner)
+    assert env["POLICYLOOP_TINKER"] == "true" and "POLICYLOOP_TINKER" not in rl
+    for variable in env:
+        if variable.startswith("POLICYLOOP_"):
+            assert setting_field(LearnerSettings, variable) is not None, variable
+    assert {k: v for k, v in env.items() if k not in ("POLICYLOOP_TINKER", "POLICYLOOP_ADVERTISE_HOST")} == \
+        {k: v for k, v in rl.items() if k != "POLICYLOOP_ADVERTISE_HOST"}
+    assert tinker["depends_on"] == learner["depends_on"] and tinker.get("healthcheck", {}).get("test")
+
+    def volume(service: dict[str, Any], target: str) -> str:
+        mounts = [(v if isinstance(v, str) else f"{v.get('source')}:{v.get('target')}").split(":")
+                  for v in service["volumes"]]  # short or long form
+        [source] = [m[0] for m in mounts if m[1] == target]
+        return source
+
+    checkpoints = env["POLICYLOOP_CHECKPOINT__DIR"]
+    assert volume(tinker, checkpoints) != volume(learner, checkpoints)
+    assert volume(tinker, "/models") == volume(learner, "/models")
+
+
 def _stages() -> dict[str, str]:
     """Stage name -> its instructions."""
     parts = re.split(r"^FROM\s+\S+\s+AS\s+(\S+)\s*$", DOCKERFILE.read_text(), flags=re.MULTILINE | re.IGNORECASE)
@@ -254,8 +285,9 @@ def test_dockerfile_bases_and_indexes_are_arguments_with_official_defaults() -> 
 
 def test_the_gpu_override_trains_on_a_gpu_with_the_cuda_image() -> None:
     override = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())
-    learner = override["services"]["learner"]
-    assert learner["image"].endswith(":-policyloop-torch:cuda}")
-    assert learner["environment"]["POLICYLOOP_DEVICE"] == "cuda"
-    [device] = learner["deploy"]["resources"]["reservations"]["devices"]
-    assert "gpu" in device["capabilities"]
+    for name in ("learner", "tinker-learner"):  # the Tinker learner (profile tinker) as well
+        learner = override["services"][name]
+        assert learner["image"].endswith(":-policyloop-torch:cuda}"), name
+        assert learner["environment"]["POLICYLOOP_DEVICE"] == "cuda", name
+        [device] = learner["deploy"]["resources"]["reservations"]["devices"]
+        assert "gpu" in device["capabilities"], name

@@ -46,8 +46,8 @@ LEDGER_ROWS = {
     "Drops, delays and dead letters": ["policyloop_learner_dropped_total", "policyloop_rollout_resubmits_total",
                                        "policyloop_bus_dead_lettered_total"],
 }
-# Each service's row: health (up and /healthz) for all; what is its own. Gateway, reward and
-# sandbox hold no policy version (they never set policyloop_policy_version).
+# Each service's row: health (up and /healthz) for all; what is its own. Gateway, reward,
+# sandbox and tinker hold no policy version (they never set policyloop_policy_version).
 HOLDS_A_VERSION = {"rollout", "learner", "publisher"}
 SERVICE_ROWS = {
     "gateway": ['policyloop_grpc_requests_total{service="gateway"',
@@ -59,6 +59,7 @@ SERVICE_ROWS = {
                 'policyloop_sandbox_job_seconds_bucket{service="sandbox"'],
     "learner": ['policyloop_learner_step_seconds_bucket{service="learner"', "policyloop_learner_step_stat"],
     "publisher": ['policyloop_grpc_requests_total{service="publisher"', "policyloop_weights_quarantined_total"],
+    "tinker": ['policyloop_bus_published_total{service="tinker"'],
 }
 
 

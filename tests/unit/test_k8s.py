@@ -4,8 +4,9 @@ Each overlay is rendered with `kubectl kustomize` and every object is checked ag
 Kubernetes JSON schemas of one version (kubernetes-validate ships them: no cluster, no network).
 Then the loop's own rules: every catalogue service once, with the catalogue's command and image,
 configured only through settings that exist, probed on ports it declares, given time to stop
-gracefully, its state on volumes, NATS as a 3-node JetStream cluster. The last test compares the
-three deployment paths (`policyloop up`, compose.yaml, the overlays) with each other."""
+gracefully, its state on volumes, NATS as a 3-node JetStream cluster; the Tinker learner, a
+component an overlay may add, rendered into each overlay. The last test compares the three
+deployment paths (`policyloop up`, compose.yaml, the overlays) with each other."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from policyloop.bus.topology import BusLimits
 from policyloop.cluster import local
 from policyloop.cluster.catalogue import SERVICE_NAMES, SERVICES, ServiceEntry
 from policyloop.cluster.local import LocalCluster, ManagedProcess, free_port, service_args
+from policyloop.tinker.settings import TinkerSettings
 from tests.helpers import setting_field, settings_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -314,7 +316,7 @@ def test_publisher_and_learner_keep_their_state_on_claims(rendered: Rendered) ->
 
 def test_the_base_model_is_read_from_the_models_claim(rendered: Rendered) -> None:
     using = [s for s in rendered.services.values() if "POLICYLOOP_MODEL_PATH" in s.env]
-    assert {s.entry.name for s in using} == {"gateway", "rollout", "learner"}
+    assert {s.entry.name for s in using} == {"gateway", "rollout", "learner", "tinker"}
     for service in using:
         path = service.env["POLICYLOOP_MODEL_PATH"]
         assert path == "/models/base", service.entry.name
@@ -622,6 +624,70 @@ def test_gpu_trains_on_a_gpu_and_samples_with_sglang_beside_rollout() -> None:
     assert source is same and "emptyDir" in source and written["mountPath"] == read["mountPath"]
 
 
+# --- the Tinker learner: a component an overlay may add ----------------------------------------------------
+
+COMPONENTS = {"cpu-local": ("tinker-learner",), "gpu": ("tinker-learner", "tinker-learner-gpu")}
+
+
+def _render_with_components(overlay: str, directory: Path) -> tuple[dict[str, Any], ...]:
+    """The overlay with the Tinker learner's components listed in it, as docs/kubernetes.md says
+    (a copy of the overlay in `directory`: kustomize takes no absolute paths)."""
+    copy = directory / overlay
+    shutil.copytree(REPO / "deploy" / "k8s" / "overlays" / overlay, copy)
+    k8s = Path(os.path.relpath(REPO / "deploy" / "k8s", copy)).as_posix()
+    kustomization = yaml.safe_load((copy / "kustomization.yaml").read_text())
+    kustomization["resources"] = [f"{k8s}/base" if r == "../../base" else r for r in kustomization["resources"]]
+    kustomization["components"] = [f"{k8s}/components/{name}" for name in COMPONENTS[overlay]]
+    (copy / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    result = subprocess.run([_kubectl(), "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return tuple(obj for obj in yaml.safe_load_all(result.stdout) if obj)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_tinker_learner_component_adds_a_second_learner(overlay: str, tmp_path: Path) -> None:
+    """The RL learner cannot serve Tinker too: the component adds a learner with tinker=true,
+    run like the RL one (its settings, so both advertise the same loop settings), its checkpoints
+    on a claim of its own; the rest of the overlay is left as it was."""
+    import kubernetes_validate
+
+    from policyloop.learner.settings import LearnerSettings
+
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
+    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path)
+    added = [o for o in objects if key(o) not in {key(p) for p in plain}]
+    assert sorted(key(o)[0] for o in added) == ["ConfigMap", "Service", "StatefulSet"]
+    assert [o for o in objects if o not in added] == list(plain)
+    for obj in added:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == "policyloop", key(obj)
+
+    rendered = Rendered(overlay, objects)
+    workload = rendered.get("StatefulSet", "tinker-learner")
+    [container] = workload["spec"]["template"]["spec"]["containers"]
+    rl = Rendered(overlay, plain).services["learner"]
+    assert container["command"] == rl.container["command"] == ["policyloop", "serve", "learner"]
+    assert container["image"] == rl.container["image"] and workload["spec"]["replicas"] == 1
+    env = rendered.environment(container)
+    assert env == {**rl.env, "POLICYLOOP_TINKER": "true"}
+    assert all(setting_field(LearnerSettings, v) is not None for v in env if v.startswith("POLICYLOOP_"))
+    # Its checkpoints on a claim of its own (the StatefulSet's), not the RL learner's.
+    tinker = Service(rl.entry, workload, container, env)
+    mount, source = tinker.mount_for(env["POLICYLOOP_CHECKPOINT__DIR"])
+    assert _is_claim(source) and not mount.get("readOnly")
+    assert source is not rl.mount_for(rl.env["POLICYLOOP_CHECKPOINT__DIR"])[1]
+    assert tinker.mount_for(env["POLICYLOOP_MODEL_PATH"])[1]["persistentVolumeClaim"]["claimName"] == "models"
+    assert _gpus(container) == _gpus(rl.container) == (1 if overlay == "gpu" else 0)
+    # Scraped once, as the service tinker-learner.
+    [job] = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    found = {frozenset(t.items()) for t in (_relabel(d, job["relabel_configs"])
+                                             for d in _discovered(workload, "tinker-learner-0", "10.1.2.3")) if t}
+    assert [dict(t) for t in found] == [{"__address__": "10.1.2.3:9100", "service": "tinker-learner",
+                                         "instance": "tinker-learner-0"}]
+
+
 # --- three deployment paths, one topology -------------------------------------------------------------
 
 # What `policyloop up` sets that only makes sense for processes on one machine: free ports, the
@@ -629,8 +695,7 @@ def test_gpu_trains_on_a_gpu_and_samples_with_sglang_beside_rollout() -> None:
 UP_LOCAL_ONLY = {"POLICYLOOP_INSTANCE_ID", "POLICYLOOP_HTTP_PORT", "POLICYLOOP_GRPC_PORT", "POLICYLOOP_RUN_ID"}
 
 
-@pytest.fixture(scope="module")
-def up_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ManagedProcess]:
+def _up_processes(run_dir: Path, **options: Any) -> list[ManagedProcess]:
     """The processes `policyloop up` would start (nothing is started)."""
     def server(name: str) -> Callable[[Path], ManagedProcess]:
         return lambda run_dir: ManagedProcess(name, [name], {}, run_dir / f"{name}.log", {"client": free_port()})
@@ -639,10 +704,36 @@ def up_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ManagedPr
         patch.setattr(ManagedProcess, "start", lambda self: None)
         patch.setattr(local, "start_nats", server("nats-server"))
         patch.setattr(local, "start_redis", server("redis-server"))
-        cluster = LocalCluster(tmp_path_factory.mktemp("up"),
-                               extra_env={"POLICYLOOP_MODEL_PATH": "/models/base"})  # as cli.up adds it
+        cluster = LocalCluster(run_dir, extra_env={"POLICYLOOP_MODEL_PATH": "/models/base"},  # as cli.up adds it
+                               **options)
         cluster.start()
-    return {p.name.rsplit("-", 1)[0]: p for p in cluster.processes}
+    return cluster.processes
+
+
+@pytest.fixture(scope="module")
+def up_services(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ManagedProcess]:
+    return {p.name.rsplit("-", 1)[0]: p for p in _up_processes(tmp_path_factory.mktemp("up"))}
+
+
+def test_up_serves_the_tinker_api_on_a_free_port(up_services: dict[str, ManagedProcess]) -> None:
+    """Not the default 8088: clusters side by side (tests) each get one; `up` prints it."""
+    tinker = up_services["tinker"]
+    assert int(tinker.env["POLICYLOOP_API_PORT"]) == tinker.ports["api"] != TinkerSettings().api_port
+
+
+def test_up_starts_the_tinker_learner_beside_the_rl_learner_on_request(tmp_path: Path) -> None:
+    """`up --tinker-learner`: a second learner, tinker=true, its checkpoints apart; without it, none."""
+    assert not [p for p in _up_processes(tmp_path / "plain") if p.name.startswith(local.TINKER_LEARNER)]
+    processes = {p.name: p for p in _up_processes(tmp_path / "tinker", tinker_learner=True)}
+    rl, tinker = processes["learner-0"], processes[f"{local.TINKER_LEARNER}-0"]
+    assert local.service_of(tinker.name) == local.TINKER_LEARNER
+    assert tinker.command == rl.command
+    assert tinker.env["POLICYLOOP_TINKER"] == "true" and "POLICYLOOP_TINKER" not in rl.env
+    assert tinker.env["POLICYLOOP_CHECKPOINT__DIR"] != rl.env["POLICYLOOP_CHECKPOINT__DIR"]
+    for name in ("POLICYLOOP_MODEL_PATH", "POLICYLOOP_PUBLISHER_ENDPOINT", "POLICYLOOP_NATS_URL",
+                 "POLICYLOOP_REDIS_URL"):
+        assert tinker.env[name] == rl.env[name], name
+    assert tinker.env["POLICYLOOP_INSTANCE_ID"] == tinker.name and tinker.ports["http"] != rl.ports["http"]
 
 
 def _up_settings(process: ManagedProcess, entry: ServiceEntry) -> set[str]:

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from policyloop.cluster.catalogue import SERVICES, ServiceEntry
+from policyloop.cluster.catalogue import entry as catalogue_entry
 from policyloop.cluster.nats_cluster import node_command, plan_nodes, wait_cluster_ready
 from policyloop.cluster.prometheus import (
     ScrapeTarget,
@@ -146,8 +147,13 @@ def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
     return managed
 
 
+# The Tinker API's learner: `policyloop serve learner` with tinker=true. The RL learner cannot
+# serve Tinker too, so `up --tinker-learner` starts this second learner beside it.
+TINKER_LEARNER = "tinker-learner"
+
+
 def service_of(instance: str) -> str:
-    """The service an instance belongs to: rollout-0 → rollout."""
+    """The service an instance belongs to: rollout-0 → rollout (tinker-learner-0 → tinker-learner)."""
     return instance.rsplit("-", 1)[0]
 
 
@@ -157,8 +163,9 @@ def service_args(entry: ServiceEntry) -> list[str]:
 
 
 def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: str, redis_url: str,
-                    namespace: str, extra_env: dict[str, str] | None = None) -> ManagedProcess:
-    instance = f"{entry.name}-{index}"
+                    namespace: str, extra_env: dict[str, str] | None = None, *, role: str = "") -> ManagedProcess:
+    """`role`: a process of the service in another role, named after it (TINKER_LEARNER)."""
+    instance = f"{role or entry.name}-{index}"
     ports = {"http": free_port()}
     env = dict(os.environ)
     env.update({
@@ -182,6 +189,14 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
         env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "rollout-weights")
     if entry.name == "learner":
         env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "checkpoints")
+    if role == TINKER_LEARNER:
+        # Trains the Tinker API's models; its checkpoints apart from the RL learner's.
+        env["POLICYLOOP_TINKER"] = "true"
+        env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "tinker-checkpoints")
+    if entry.name == "tinker":
+        # The Tinker HTTP API (TINKER_BASE_URL http://127.0.0.1:<api>), on a free port like the others.
+        ports["api"] = free_port()
+        env["POLICYLOOP_API_PORT"] = str(ports["api"])
     env.update(extra_env or {})
     return ManagedProcess(
         instance, [sys.executable, "-m", "policyloop", *service_args(entry)], env,
@@ -232,8 +247,11 @@ class LocalCluster:
         fresh: bool = False,
         nats_nodes: int = 1,
         prometheus: bool | None = False,
+        tinker_learner: bool = False,
     ) -> None:
-        """`prometheus`: start one scraping every service (None: when it is installed)."""
+        """`prometheus`: start one scraping every service (None: when it is installed).
+        `tinker_learner`: also start the learner that trains the Tinker API's models
+        (TINKER_LEARNER), as a second learner beside the RL one."""
         if nats_nodes < 1:
             raise ValueError("nats_nodes must be at least 1")
         if nats_nodes > 1 and nats_url:
@@ -255,11 +273,13 @@ class LocalCluster:
         self.redis_url = redis_url or ""
         self.want_prometheus = prometheus
         self.prometheus: ManagedProcess | None = None
+        self.tinker_learner = tinker_learner
 
     def start(self) -> ClusterInfo:
         if self.fresh:
             # A new run: no streams, versions or weights left from an earlier one.
-            for data in ("nats", "redis", "weights", "rollout-weights", "checkpoints", "logs", "prometheus"):
+            for data in ("nats", "redis", "weights", "rollout-weights", "checkpoints", "tinker-checkpoints", "logs",
+                         "prometheus"):
                 shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -279,6 +299,9 @@ class LocalCluster:
                 for index in range(self.replicas.get(entry.name, 1)):
                     self.processes.append(service_process(entry, index, self.run_dir, self.nats_url,
                                                           self.redis_url, self.namespace, extra_env))
+            if self.tinker_learner:
+                self.processes.append(service_process(catalogue_entry("learner"), 0, self.run_dir, self.nats_url,
+                                                      self.redis_url, self.namespace, extra_env, role=TINKER_LEARNER))
             for proc in self.processes:
                 self._point_at_publisher(proc)
                 proc.start()
