@@ -677,3 +677,40 @@ def run_stop(
 
 if __name__ == "__main__":
     app()
+
+
+traces_app = typer.Typer(no_args_is_help=True, help="Traces of the serving endpoint (TRACES, FEEDBACK).")
+app.add_typer(traces_app, name="traces")
+
+
+@traces_app.command("export")
+def traces_export(
+    model: Annotated[str, typer.Option(help="The served model's name (what callers pass as `model`).")],
+    to: Annotated[Path, typer.Option(help="The JSON-lines file to write (one exchange per line).")],
+    min_reward: Annotated[float | None, typer.Option(
+        help="Only exchanges whose newest feedback gave at least this reward.")] = None,
+    run_dir: Annotated[Path, typer.Option(help="Run directory of a `policyloop up`.")] = DEFAULT_RUN_DIR,
+    nats_url: Annotated[str | None, typer.Option(help="Instead of the run directory's.")] = None,
+) -> None:
+    """Write the model's traces, with their exact token ids, weights version and feedback, as
+    training data (SFT)."""
+    from policyloop.bus import Bus
+    from policyloop.cluster.local import ClusterError, ClusterInfo
+    from policyloop.serving.traces import export_sft, read_exchanges
+
+    if not nats_url:
+        try:
+            nats_url = ClusterInfo.load(run_dir).nats_url
+        except ClusterError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from exc
+
+    async def export() -> int:
+        bus = await Bus.connect(nats_url, name="policyloop-traces-export")
+        try:
+            return export_sft(await read_exchanges(bus, model), to, min_reward=min_reward)
+        finally:
+            await bus.close()
+
+    count = asyncio.run(export())
+    console.print(f"{count} exchanges of {model} written to {to}")

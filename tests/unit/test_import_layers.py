@@ -15,7 +15,7 @@ LAYERS: list[set[str]] = [
     {"contracts", "telemetry"},
     {"bus", "state"},
     {"ledger", "weights", "engines", "rl", "envs", "models", "sandbox", "runtime"},
-    {"learner", "rollout", "gateway", "reward", "publisher", "tinker"},
+    {"learner", "rollout", "gateway", "reward", "publisher", "tinker", "serving"},
     {"cluster", "cli", "__main__", "services"},
 ]
 ROLES = LAYERS[4]

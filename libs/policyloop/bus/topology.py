@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from nats.js import api
 from pydantic import BaseModel, Field
 
-from policyloop.contracts.v1 import bus_pb2, tinker_pb2
+from policyloop.contracts.v1 import bus_pb2, serving_pb2, tinker_pb2
 
 SUBJECT_PREFIX = "pl"
 DAY_SECONDS = 24 * 3600.0
@@ -59,6 +59,11 @@ class BusLimits(BaseModel):
         7 * DAY_SECONDS, description="How long TINKER keeps Tinker API training requests (a restarting learner "
                                      "applies those after its models' checkpoints again: keep them longer than "
                                      "a model goes without an optim_step).")
+    traces_max_age_s: float = Field(
+        30 * DAY_SECONDS, description="How long TRACES and FEEDBACK keep the serving endpoint's traces and the "
+                                      "feedback on them (export them to keep them longer).")
+    traces_max_bytes: int = Field(
+        4 * 1024**3, description="Size bound of TRACES; the oldest traces go first.")
     tinker_results_max_age_s: float = Field(
         DAY_SECONDS, description="How long TINKER_RESULTS keeps the results retrieve_future answers with.")
     duplicate_window_s: float = Field(
@@ -196,6 +201,16 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
             max_age_s=lim.tinker_results_max_age_s, max_msgs_per_subject=1, duplicate_window_s=lim.duplicate_window_s,
             description="The result of each Tinker request, under its request id.",
         ),
+        StreamSpec(
+            "TRACES", (f"{p}.traces.>",), serving_pb2.Trace, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.traces_max_age_s, max_bytes=lim.traces_max_bytes, duplicate_window_s=lim.duplicate_window_s,
+            description="Every request the serving endpoint answered, with its exact tokens and weights version.",
+        ),
+        StreamSpec(
+            "FEEDBACK", (f"{p}.feedback.>",), serving_pb2.TraceFeedback, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.traces_max_age_s, duplicate_window_s=lim.duplicate_window_s,
+            description="Feedback callers attached to traces (a reward, a label, a correction).",
+        ),
     ]
 
     streams = [replace(s, num_replicas=lim.stream_replicas) for s in streams]
@@ -284,3 +299,11 @@ def tinker_request_subject(model_id: str) -> str:
 
 def tinker_result_subject(request_id: str) -> str:
     return f"{SUBJECT_PREFIX}.tinkerres.{subject_token(request_id)}"
+
+
+def trace_subject(model: str, trace_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.traces.{subject_token(model)}.{subject_token(trace_id)}"
+
+
+def feedback_subject(model: str, trace_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.feedback.{subject_token(model)}.{subject_token(trace_id)}"

@@ -1,0 +1,215 @@
+"""`/v1/chat/completions`, `/v1/completions`, `/v1/models` and `/v1/feedback` over an engine.
+
+The prompt is tokenized here (the chat template of the model directory for chat), sent to the
+engine as token ids, and the engine's output ids are what the caller gets decoded and what the
+trace records: nothing is re-tokenized. A trace is on TRACES before the answer leaves, under
+the response's id, which is what `/v1/feedback` takes. Errors have OpenAI's shape."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from policyloop.bus import Bus
+from policyloop.bus.topology import feedback_subject, trace_subject
+from policyloop.contracts.v1 import serving_pb2
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from policyloop.engines.sglang_client import EngineError, SGLangClient
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+TRACES_STREAM = "TRACES"
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.param, self.status, self.kind = param, status, kind
+
+    def response(self) -> web.Response:
+        return web.json_response({"error": {"message": str(self), "type": self.kind, "param": self.param,
+                                            "code": None}}, status=self.status)
+
+
+class _Sampling(BaseModel):
+    """The sampling fields both endpoints take (others OpenAI defines are refused by name)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0, le=2)
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int | None = Field(None, ge=0)
+    n: Literal[1] = 1
+    stream: Literal[False] = False
+    user: str | None = None
+
+
+class ChatRequest(_Sampling):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: bool = False
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=0)  # the sampled token's logprob only
+
+
+def _parse(model: type[BaseModel], body: Any) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        param = ".".join(str(p) for p in error["loc"]) or None
+        hint = {"stream": " (streaming is not served yet)", "n": " (one choice per request)"}.get(param or "", "")
+        raise ApiError(f"{param}: {error['msg']}{hint}", param) from None
+
+
+class OpenAIApi:
+    def __init__(self, engine: SGLangClient, tokenizer: Any, bus: Bus, served_model: str,
+                 default_max_tokens: int = 64) -> None:
+        self.engine, self.tokenizer, self.bus = engine, tokenizer, bus
+        self.served_model, self.default_max_tokens = served_model, default_max_tokens
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors])
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/feedback", self._feedback)
+        return app
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return exc.response()
+        except EngineError as exc:
+            return ApiError(f"the engine refused the request: {exc}", status=502, kind="server_error").response()
+
+    async def _body(self, request: web.Request) -> Any:
+        try:
+            return await request.json()
+        except ValueError as exc:
+            raise ApiError(f"body: not JSON ({exc})") from None
+
+    async def _models(self, _: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self.served_model, "object": "model", "created": 0, "owned_by": "policyloop"}]})
+
+    def _check_model(self, name: str) -> None:
+        if name != self.served_model:
+            raise ApiError(f"model: this endpoint serves {self.served_model!r}, not {name!r}", "model", 404,
+                           "not_found_error")
+
+    async def _completions(self, request: web.Request) -> web.Response:
+        parsed: CompletionRequest = _parse(CompletionRequest, await self._body(request))
+        self._check_model(parsed.model)
+        if isinstance(parsed.prompt, str):
+            prompt_ids = list(self.tokenizer(parsed.prompt, add_special_tokens=False).input_ids)
+        else:
+            prompt_ids = list(parsed.prompt)
+        trace, result = await self._generate(parsed, prompt_ids, "completions", [])
+        choice: dict[str, Any] = {"index": 0, "text": trace.response_text, "finish_reason": trace.finish_reason,
+                                  "logprobs": None}
+        if parsed.logprobs is not None:
+            choice["logprobs"] = {"tokens": [self._piece(t) for t in trace.response_token_ids],
+                                  "token_logprobs": list(result.output_logprobs or []), "top_logprobs": None,
+                                  "text_offset": None}
+        return web.json_response(self._answer(trace, "text_completion", choice))
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        parsed: ChatRequest = _parse(ChatRequest, await self._body(request))
+        self._check_model(parsed.model)
+        messages = []
+        for i, message in enumerate(parsed.messages):
+            role, content = message.get("role"), message.get("content")
+            if not isinstance(role, str) or not isinstance(content, str):
+                raise ApiError(f"messages[{i}]: a role and a text content are required", f"messages.{i}")
+            messages.append(serving_pb2.ChatMessage(role=role, content=content))
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ApiError("messages: the model directory has no chat template (use /v1/completions)", "messages")
+        prompt_text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                                         add_generation_prompt=True, tokenize=False)
+        prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+        trace, result = await self._generate(parsed, prompt_ids, "chat.completions", messages)
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": trace.response_text},
+                                  "finish_reason": trace.finish_reason, "logprobs": None}
+        if parsed.logprobs:
+            choice["logprobs"] = {"content": [
+                {"token": self._piece(t), "logprob": lp, "bytes": None, "top_logprobs": []}
+                for t, lp in zip(trace.response_token_ids, result.output_logprobs or [], strict=True)]}
+        return web.json_response(self._answer(trace, "chat.completion", choice))
+
+    def _piece(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    async def _generate(self, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
+                        messages: list[serving_pb2.ChatMessage]) -> tuple[serving_pb2.Trace, GenerateResult]:
+        if not prompt_ids:
+            raise ApiError("prompt: empty", "prompt")
+        trace_id = uuid.uuid4().hex
+        max_tokens = parsed.max_completion_tokens or parsed.max_tokens or self.default_max_tokens
+        params = SamplingParams(max_new_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p)
+        if parsed.seed is not None:
+            params = params.model_copy(update={"sampling_seed": parsed.seed})
+        result = await self.engine.generate(GenerateRequest(input_ids=prompt_ids, rid=trace_id, return_logprob=True,
+                                                            sampling_params=params))
+        trace = serving_pb2.Trace(
+            trace_id=trace_id, model=self.served_model, endpoint=endpoint, messages=messages,
+            prompt_text=self.tokenizer.decode(prompt_ids, skip_special_tokens=False),
+            prompt_token_ids=prompt_ids, response_token_ids=result.output_ids,
+            response_logprobs=result.output_logprobs or [],
+            response_text=self.tokenizer.decode(result.output_ids, skip_special_tokens=True),
+            finish_reason="length" if result.finish_reason == "length" else "stop",
+            weights_version=result.weight_version, created_unix_ms=int(time.time() * 1000),
+            temperature=parsed.temperature,
+            weights_spans=[serving_pb2.WeightsSpan(version=s.version, start=s.start, end=s.end)
+                           for s in result.weight_versions or []])
+        await self.bus.publish(trace_subject(self.served_model, trace_id), trace, f"trace-{trace_id}")
+        return trace, result
+
+    def _answer(self, trace: serving_pb2.Trace, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
+        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+        return {"id": f"{prefix}-{trace.trace_id}", "object": kind, "created": trace.created_unix_ms // 1000,
+                "model": trace.model, "choices": [choice], "system_fingerprint": f"weights-{trace.weights_version}",
+                "usage": {"prompt_tokens": len(trace.prompt_token_ids),
+                          "completion_tokens": len(trace.response_token_ids),
+                          "total_tokens": len(trace.prompt_token_ids) + len(trace.response_token_ids)}}
+
+    async def _feedback(self, request: web.Request) -> web.Response:
+        """{"id": <a response id>, "reward"?: number, "label"?: str, "correction"?: str}."""
+        body = await self._body(request)
+        if not isinstance(body, dict) or not isinstance(body.get("id"), str):
+            raise ApiError("id: the id of a response this endpoint gave is required", "id")
+        trace_id = body["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
+        try:
+            await self.bus.js.get_last_msg(TRACES_STREAM, trace_subject(self.served_model, trace_id))
+        except Exception:  # noqa: BLE001 - nats' NotFoundError and a malformed subject alike
+            raise ApiError(f"id: no trace {body['id']!r}", "id", 404, "not_found_error") from None
+        feedback = serving_pb2.TraceFeedback(trace_id=trace_id, feedback_id=uuid.uuid4().hex,
+                                             created_unix_ms=int(time.time() * 1000))
+        reward = body.get("reward")
+        if reward is not None:
+            if not isinstance(reward, int | float) or isinstance(reward, bool):
+                raise ApiError(f"reward: a number, got {reward!r}", "reward")
+            feedback.reward = float(reward)
+        for name in ("label", "correction"):
+            value = body.get(name)
+            if value is not None and not isinstance(value, str):
+                raise ApiError(f"{name}: a string, got {value!r}", name)
+            setattr(feedback, name, value or "")
+        if reward is None and not feedback.label and not feedback.correction:
+            raise ApiError("give a reward, a label or a correction")
+        await self.bus.publish(feedback_subject(self.served_model, trace_id), feedback,
+                               f"feedback-{feedback.feedback_id}")
+        return web.json_response({"id": feedback.feedback_id, "trace_id": trace_id, "object": "feedback"})

@@ -1,0 +1,132 @@
+"""The serving endpoint driven by the official `openai` client, over the embedded engine and a
+real NATS: chat and text completions answer with what the engine produced, every exchange is a
+trace on TRACES with the engine's exact token ids and weights version, feedback attaches to a
+response by its id, and the export writes them as training data."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from policyloop.bus import Bus
+from policyloop.engines.embedded import EmbeddedEngine, start_engine
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.serving.openai_api import OpenAIApi
+from policyloop.serving.traces import export_sft, read_exchanges
+
+openai = pytest.importorskip("openai")
+
+SERVED = "tiny-arith"
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+@pytest.fixture
+def chat_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    """The tiny model with a chat template in its tokenizer config (the model directory's own)."""
+    directory = tmp_path / "chat-model"
+    shutil.copytree(tiny_model_dir, directory)
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture
+async def engine(chat_model_dir: Path) -> AsyncIterator[EmbeddedEngine]:
+    running = await start_engine(chat_model_dir, max_batch=8, threads=1, weight_version="3")
+    yield running
+    await running.stop()
+
+
+@pytest.fixture
+async def endpoint(engine: EmbeddedEngine, chat_model_dir: Path, bus: Bus) -> AsyncIterator[tuple[str, SGLangClient]]:
+    from transformers import AutoTokenizer
+
+    client = SGLangClient(engine.base_url, timeout_s=60, retries=0)
+    api = OpenAIApi(client, AutoTokenizer.from_pretrained(chat_model_dir), bus, SERVED)
+    runner = web.AppRunner(api.app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", client  # type: ignore[union-attr]
+    await runner.cleanup()
+    await client.close()
+
+
+async def greedy_ids(engine: SGLangClient, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    result = await engine.generate(GenerateRequest(input_ids=prompt_ids, sampling_params=SamplingParams(
+        max_new_tokens=max_tokens, temperature=0.0)))
+    return result.output_ids
+
+
+@pytest.mark.timeout(180)
+async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_becomes_training_data(
+        endpoint: tuple[str, SGLangClient], chat_model_dir: Path, bus: Bus, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    url, engine = endpoint
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in (await client.models.list()).data] == [SERVED]
+
+    chat = await client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": "12+34="}],
+                                                max_tokens=4, temperature=0, logprobs=True)
+    text = await client.completions.create(model=SERVED, prompt="5+6=", max_tokens=3, temperature=0, logprobs=0)
+    chat_prompt = tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": "12+34="}],
+                                                          add_generation_prompt=True, tokenize=False),
+                            add_special_tokens=False).input_ids
+    chat_ids = await greedy_ids(engine, list(chat_prompt), 4)
+    text_ids = await greedy_ids(engine, tokenizer("5+6=", add_special_tokens=False).input_ids, 3)
+    assert chat.choices[0].message.content == tokenizer.decode(chat_ids, skip_special_tokens=True)
+    assert [c.token for c in chat.choices[0].logprobs.content] == [tokenizer.decode([t]) for t in chat_ids]
+    assert text.choices[0].text == tokenizer.decode(text_ids, skip_special_tokens=True)
+    assert chat.system_fingerprint == "weights-3" and chat.usage.completion_tokens == len(chat_ids)
+
+    # New weights: the next trace records the version that made its tokens.
+    await engine.update_weights_from_disk(str(chat_model_dir), weight_version="4")
+    later = await client.completions.create(model=SERVED, prompt="7+8=", max_tokens=2, temperature=0)
+
+    async with aiohttp.ClientSession() as http:
+        async def feedback(body: dict) -> tuple[int, dict]:  # type: ignore[type-arg]
+            async with http.post(f"{url}/v1/feedback", json=body) as answer:
+                return answer.status, await answer.json()
+
+        assert (await feedback({"id": chat.id, "reward": 1.0, "label": "good"}))[0] == 200
+        assert (await feedback({"id": text.id, "reward": 0.0, "correction": "11"}))[0] == 200
+        status, refused = await feedback({"id": "chatcmpl-nope", "reward": 1.0})
+        assert status == 404 and refused["error"]["param"] == "id"
+        assert (await feedback({"id": later.id}))[1]["error"]["message"] == "give a reward, a label or a correction"
+
+    # Refusals in OpenAI's shape, which the client raises.
+    with pytest.raises(openai.NotFoundError, match="this endpoint serves"):
+        await client.completions.create(model="other", prompt="1+1=", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="stream"):
+        await client.completions.create(model=SERVED, prompt="1+1=", max_tokens=2, stream=True)
+
+    exchanges = await read_exchanges(bus, SERVED)
+    by_id = {e.trace.trace_id: e for e in exchanges}
+    assert len(exchanges) == 3
+    chat_trace = by_id[chat.id.removeprefix("chatcmpl-")].trace
+    assert list(chat_trace.prompt_token_ids) == list(chat_prompt) and list(chat_trace.response_token_ids) == chat_ids
+    assert chat_trace.weights_version == "3" and [m.content for m in chat_trace.messages] == ["12+34="]
+    assert by_id[later.id.removeprefix("cmpl-")].trace.weights_version == "4"
+
+    written = export_sft(exchanges, tmp_path / "sft.jsonl")
+    lines = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
+    assert written == 3 and [line["trace_id"] for line in lines] == [e.trace.trace_id for e in exchanges]
+    rewarded = {line["trace_id"]: line for line in lines}
+    assert rewarded[chat_trace.trace_id]["reward"] == 1.0 and rewarded[chat_trace.trace_id]["response_token_ids"] \
+        == chat_ids
+    assert rewarded[text.id.removeprefix("cmpl-")]["feedback"][0]["correction"] == "11"
+    assert export_sft(exchanges, tmp_path / "best.jsonl", min_reward=0.5) == 1
+    await client.close()
+    await asyncio.sleep(0)
