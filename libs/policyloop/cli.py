@@ -675,10 +675,6 @@ def run_stop(
     console.print(progress_line(run), highlight=False)
 
 
-if __name__ == "__main__":
-    app()
-
-
 traces_app = typer.Typer(no_args_is_help=True, help="Traces of the serving endpoint (TRACES, FEEDBACK).")
 app.add_typer(traces_app, name="traces")
 
@@ -714,3 +710,8 @@ def traces_export(
 
     count = asyncio.run(export())
     console.print(f"{count} exchanges of {model} written to {to}")
+
+
+if __name__ == "__main__":
+    app()
+

@@ -227,7 +227,7 @@ class AdapterTrainer:
         return {name: t.detach().to("cpu", copy=True).contiguous() for name, t in state.items()}
 
     def save(self, root: Path, run_id: str, trained_ids: Sequence[Sequence[str]] = (),
-             extra: dict[str, Any] | None = None, keep: int = 2) -> Path:
+             extra: dict[str, Any] | None = None, keep: int = 2, suffix: str = "") -> Path:
         """Checkpoints one run at its version: `<root>/<run dir>/version-<v>/` with its adapter
         (adapter_model.safetensors, peft's names), its AdamW state, and run.json (run id, spec,
         version, steps, schedule position, the ids its recent steps trained, `extra`). Written
@@ -236,8 +236,10 @@ class AdapterTrainer:
 
         run = self.run(run_id)
         runs_root = Path(root) / run_directory(run_id)
-        final = runs_root / f"version-{run.version:09d}"
-        tmp = runs_root / f".version-{run.version:09d}.tmp"
+        # `suffix` tells apart checkpoints of one version (the directory `latest` names is never
+        # the one rewritten).
+        final = runs_root / f"version-{run.version:09d}{suffix}"
+        tmp = runs_root / f".version-{run.version:09d}{suffix}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
         safetensors.torch.save_file(self.export_adapter(run_id), str(tmp / ADAPTER_FILE))

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
+import nats.js.errors
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -95,6 +96,11 @@ class OpenAIApi:
             return exc.response()
         except EngineError as exc:
             return ApiError(f"the engine refused the request: {exc}", status=502, kind="server_error").response()
+        except web.HTTPException:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template that fails to render, the bus: OpenAI's shape still
+            log.exception("openai_request_failed", path=request.path)
+            return ApiError(f"the request failed: {exc!r}", status=500, kind="server_error").response()
 
     async def _body(self, request: web.Request) -> Any:
         try:
@@ -194,7 +200,7 @@ class OpenAIApi:
         trace_id = body["id"].removeprefix("chatcmpl-").removeprefix("cmpl-")
         try:
             await self.bus.js.get_last_msg(TRACES_STREAM, trace_subject(self.served_model, trace_id))
-        except Exception:  # noqa: BLE001 - nats' NotFoundError and a malformed subject alike
+        except (nats.js.errors.NotFoundError, ValueError):  # no such trace, or an id that is no subject token
             raise ApiError(f"id: no trace {body['id']!r}", "id", 404, "not_found_error") from None
         feedback = serving_pb2.TraceFeedback(trace_id=trace_id, feedback_id=uuid.uuid4().hex,
                                              created_unix_ms=int(time.time() * 1000))

@@ -9,6 +9,7 @@ recently used, each freed once no request samples with it."""
 from __future__ import annotations
 
 import asyncio
+import math
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -88,9 +89,17 @@ def parse_sample_request(body: dict) -> SampleSpec:  # type: ignore[type-arg]
     seed = params.get("seed")
     if seed is not None and (not isinstance(seed, int) or seed < 0):
         raise SampleRequestError(f"sampling_params.seed: a non-negative integer, got {seed!r}")
+    numbers = {}
+    for name, default in (("temperature", 1.0), ("top_p", 1.0), ("top_k", -1)):
+        value = params.get(name, default)
+        if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+            raise SampleRequestError(f"sampling_params.{name}: a number, got {value!r}")
+        numbers[name] = value
+    if seed is not None and seed >= 2**63:
+        raise SampleRequestError(f"sampling_params.seed: below 2**63, got {seed}")
     return SampleSpec(prompt=tokens, num_samples=num, max_tokens=max_tokens,
-                      temperature=float(params.get("temperature", 1.0)), top_p=float(params.get("top_p", 1.0)),
-                      top_k=int(params.get("top_k", -1)), seed=seed, stop_token_ids=stop_ids,
+                      temperature=float(numbers["temperature"]), top_p=float(numbers["top_p"]),
+                      top_k=int(numbers["top_k"]), seed=seed, stop_token_ids=stop_ids,
                       prompt_logprobs=bool(body.get("prompt_logprobs", False)))
 
 

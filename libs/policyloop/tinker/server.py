@@ -10,6 +10,8 @@ import asyncio
 import datetime
 import hmac
 import json
+import math
+import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,6 +35,7 @@ API = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 RESULTS_STREAM = "TINKER_RESULTS"
 SAMPLE_BY = "sample@"  # a sample request's record: the front instance running it
+SESSION_ID = re.compile(r"s[0-9a-f]{16}")  # what create_session hands out
 
 
 def _iso(unix_ms: int) -> str:
@@ -134,7 +137,35 @@ class TinkerApi:
             raise BadRequest(f"{name}: required")
         if not isinstance(value, kind) or (isinstance(value, bool) and kind in (int, float, (int, float))):
             raise BadRequest(f"{name}: expected {getattr(kind, '__name__', kind)}, got {value!r}")
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < 2**31:
+            raise BadRequest(f"{name}: {value} is outside [0, 2**31)")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRequest(f"{name}: not finite ({value})")
         return value
+
+    def _seq_id(self, body: dict[str, Any]) -> int:
+        """A training request's seq_id: from 1 (0 is the model's creation)."""
+        seq_id = self._field(body, "seq_id", int)
+        if seq_id < 1:
+            raise BadRequest(f"seq_id: from 1, got {seq_id}")
+        return seq_id
+
+    @staticmethod
+    def _query_int(request: web.Request, name: str, default: int) -> int:
+        try:
+            value = int(request.query.get(name, default))
+        except ValueError:
+            raise BadRequest(f"{name}: an integer, got {request.query.get(name)!r}") from None
+        if not 0 <= value < 2**31:
+            raise BadRequest(f"{name}: {value} is outside [0, 2**31)")
+        return value
+
+    def _session(self, body: dict[str, Any]) -> str:
+        """A session id this API handed out (model and sampling ids are built on it)."""
+        session = self._field(body, "session_id", str)
+        if not SESSION_ID.fullmatch(session):
+            raise BadRequest(f"session_id: {session!r} is not a session this API opened (create_session)")
+        return session
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.ns, "tinker", *parts))
@@ -143,8 +174,16 @@ class TinkerApi:
 
     async def _client_config(self, _: web.Request) -> web.Response:
         # Custom losses run in the client (forward_backward_custom); no JWT exchange, no zstd bodies.
+        # Chunks of a forward_backward one after another (they go on TINKER in seq_id order), each
+        # small enough to be one bus message.
         return web.json_response({"custom_loss_server_side": False, "proto_compress_fwdbwd": False,
-                                  "pjwt_auth_enabled": False, "sample_use_retrieve_futures": False})
+                                  "pjwt_auth_enabled": False, "sample_use_retrieve_futures": False,
+                                  "parallel_fwdbwd_chunks": False,
+                                  "fwdbwd_max_chunk_bytes_count": self._message_budget()})
+
+    def _message_budget(self) -> int:
+        """Bytes of a request or result that fit one bus message, with room for its envelope."""
+        return int(self.bus.nc.max_payload * 3 // 4)
 
     async def _create_session(self, _: web.Request) -> web.Response:
         return web.json_response({"type": "create_session", "session_id": f"s{uuid.uuid4().hex[:16]}"})
@@ -169,7 +208,7 @@ class TinkerApi:
 
     async def _create_model(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        session = self._field(body, "session_id", str)
+        session = self._session(body)
         model_seq = self._field(body, "model_seq_id", int)
         base_model = self._field(body, "base_model", str)
         lora = self._field(body, "lora_config", dict, {})
@@ -183,15 +222,18 @@ class TinkerApi:
             train_mlp=self._field(lora, "train_mlp", bool, True),
             train_attn=self._field(lora, "train_attn", bool, True),
             train_unembed=self._field(lora, "train_unembed", bool, True))
-        if "seed" in lora and lora["seed"] is not None:
-            create.seed = self._field(lora, "seed", int)
+        seed = lora.get("seed")
+        if seed is not None:
+            if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+                raise BadRequest(f"lora_config.seed: an integer in [0, 2**63), got {seed!r}")
+            create.seed = seed
         if not 1 <= create.rank <= 1024:
             raise BadRequest(f"lora_config.rank: {create.rank} is outside [1, 1024]")
         model_id = f"{session}:train:{model_seq}"
         if not await self.redis.set(self._key("model", model_id), create.SerializeToString(), nx=True):
             existing = tinker_pb2.TinkerCreateModel.FromString(await self.redis.get(self._key("model", model_id)))
             if existing != create:
-                raise BadRequest(f"model_seq_id: model {model_id!r} exists with another configuration", 409)
+                raise BadRequest(f"model_seq_id: model {model_id!r} exists with another configuration")
         request_id = f"{model_id}#0"
         await self._submit(tinker_pb2.TinkerRequest(request_id=request_id, model_id=model_id, seq_id=0,
                                                     create_model=create), ordered=False)
@@ -218,8 +260,12 @@ class TinkerApi:
             raise BadRequest(f"Content-Type: forward_backward takes {PROTOBUF}", 415)
         if request.headers.get("Content-Encoding", "identity") not in ("identity", ""):
             raise BadRequest("Content-Encoding: compressed bodies are not taken (client/config says so)", 415)
+        raw = await request.read()
+        if len(raw) > self._message_budget():
+            raise BadRequest(f"body: {len(raw)} bytes, more than one request may carry here "
+                             f"({self._message_budget()}; client/config says so): send smaller chunks", 413)
         try:
-            parsed = tinker_wire_pb2.ForwardBackwardRequest.FromString(await request.read())
+            parsed = tinker_wire_pb2.ForwardBackwardRequest.FromString(raw)
         except DecodeError as exc:
             raise BadRequest(f"body: not a ForwardBackwardRequest ({exc})") from None
         await self._model(parsed.model_id)
@@ -234,7 +280,7 @@ class TinkerApi:
         body = await self._json(request)
         model_id = body.get("model_id")
         await self._model(model_id)
-        seq_id = self._field(body, "seq_id", int)
+        seq_id = self._seq_id(body)
         if "optimizer_params" in body:
             raise BadRequest("optimizer_params: only Adam (adam_params) is supported")
         adam = self._field(body, "adam_params", dict)
@@ -254,7 +300,7 @@ class TinkerApi:
         body = await self._json(request)
         model_id = body.get("model_id")
         await self._model(model_id)
-        seq_id = self._field(body, "seq_id", int)
+        seq_id = self._seq_id(body)
         name = self._field(body, "path", str, "")
         if "/" in name:
             raise BadRequest(f"path: a name without '/', got {name!r}")
@@ -272,7 +318,7 @@ class TinkerApi:
         body = await self._json(request)
         model_id = body.get("model_id")
         await self._model(model_id)
-        seq_id = self._field(body, "seq_id", int)
+        seq_id = self._seq_id(body)
         save = tinker_pb2.TinkerSaveWeights(name=self._field(body, "path", str),
                                             overwrite=self._field(body, "overwrite", bool, False))
         request_id = f"{model_id}#{seq_id}"
@@ -290,9 +336,9 @@ class TinkerApi:
         if "model_id" in body:
             model_id = body["model_id"]
             await self._model(model_id)
-            seq_id, ordered = self._field(body, "seq_id", int), True
+            seq_id, ordered = self._seq_id(body), True
         else:
-            session = self._field(body, "session_id", str)
+            session = self._session(body)
             model_id, seq_id, ordered = f"{session}:train:{self._field(body, 'model_seq_id', int)}", 0, False
             raw = await self.redis.get(self._key("model", source))
             if raw is None:
@@ -309,7 +355,7 @@ class TinkerApi:
 
     async def _create_sampling_session(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        session = self._field(body, "session_id", str)
+        session = self._session(body)
         seq = self._field(body, "sampling_session_seq_id", int)
         model_path = self._field(body, "model_path", str, "")
         sampling_id = f"{session}:sample:{seq}"
@@ -349,6 +395,10 @@ class TinkerApi:
             spec = parse_sample_request(body)
         except SampleRequestError as exc:
             raise BadRequest(str(exc)) from None
+        # A result is one bus message: token ids and logprobs, 8 bytes per token (prompt logprobs 4).
+        if spec.num_samples * spec.max_tokens * 8 + len(spec.prompt) * 4 > self._message_budget():
+            raise BadRequest(f"num_samples: {spec.num_samples} samples of up to {spec.max_tokens} tokens do not fit "
+                             f"one result ({self._message_budget()} bytes): ask for fewer in one call")
         request_id = f"{session.sampling_session_id}#{self._field(body, 'seq_id', int)}#{uuid.uuid4().hex[:8]}"
         await self.redis.set(self._key("request", request_id), f"{SAMPLE_BY}{self.instance_id}", ex=24 * 3600)
         task = asyncio.create_task(self._sample(session, spec, request_id))
@@ -477,7 +527,7 @@ class TinkerApi:
         return sorted([key.decode()[len(prefix):] async for key in self.redis.scan_iter(match=f"{prefix}*")])
 
     async def _training_runs(self, request: web.Request) -> web.Response:
-        limit, offset = int(request.query.get("limit", 20)), int(request.query.get("offset", 0))
+        limit, offset = self._query_int(request, "limit", 20), self._query_int(request, "offset", 0)
         ids = await self._model_ids()
         runs = [await self._run(i) for i in ids[offset:offset + limit]]
         return web.json_response({"training_runs": runs,
@@ -492,7 +542,7 @@ class TinkerApi:
         return web.json_response({"checkpoints": await self._checkpoints(model_id)})
 
     async def _all_checkpoints(self, request: web.Request) -> web.Response:
-        limit, offset = int(request.query.get("limit", 100)), int(request.query.get("offset", 0))
+        limit, offset = self._query_int(request, "limit", 100), self._query_int(request, "offset", 0)
         everything = [c for model_id in await self._model_ids() for c in await self._checkpoints(model_id)]
         return web.json_response({"checkpoints": everything[offset:offset + limit],
                                   "cursor": {"offset": offset, "limit": limit, "total_count": len(everything)}})

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
 from policyloop.rl.lora import AdapterTrainer, LoraSpec, latest_run_checkpoint
@@ -53,6 +54,36 @@ def parse_weights_path(path: str) -> tuple[str, str]:
     if len(parts) != 3 or parts[1] != "weights" or not parts[0]:
         raise TinkerRequestError(f"path: expected tinker://<model id>/weights/<name>, got {path!r}")
     return parts[0], checkpoint_name(parts[2])
+
+
+LOGIT_BUDGET = 2**27  # float32 logits of one micro-batch (512 MiB; log_softmax makes a second)
+
+
+def micro_batches(lengths: list[int], vocab_size: int) -> list[list[int]]:
+    """Consecutive datum indices in groups whose padded logits fit LOGIT_BUDGET (one datum at
+    least per group)."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    width = 0
+    for i, length in enumerate(lengths):
+        wider = max(width, length)
+        if current and (len(current) + 1) * wider * vocab_size > LOGIT_BUDGET:
+            groups.append(current)
+            current, wider = [], length
+        current.append(i)
+        width = wider
+    if current:
+        groups.append(current)
+    return groups
+
+
+def _saved_seq(directory: Path) -> int:
+    """The TINKER sequence of the save_weights request that wrote a saved state."""
+    return int(json.loads((directory / "run.json").read_text())["extra"].get(STREAM_SEQ, 0))
+
+
+def _covered_seq(directory: Path) -> int:
+    return int(directory.name.rsplit("-seq", 1)[1])
 
 
 class TinkerRequestError(ValueError):
@@ -93,20 +124,25 @@ class TinkerTrainer:
     # -- recovery -------------------------------------------------------------------------------
 
     def restore_all(self) -> int:
-        """Loads every model's newest checkpoint under root; returns the TINKER sequence to
-        read from (the oldest a model still needs; 1 when there is nothing)."""
+        """Loads every model's newest complete checkpoint under root (an older kept one when the
+        newest cannot be read); returns the TINKER sequence to read from (the oldest a model
+        still needs; 1 when there is nothing)."""
         checkpoints = self.root / "checkpoints"
-        for pointer in sorted(checkpoints.glob("*/LATEST")) if checkpoints.exists() else []:
-            record = json.loads((pointer.parent / pointer.read_text().strip() / "run.json").read_text())
-            directory = latest_run_checkpoint(checkpoints, record["run_id"])
-            if directory is None:
-                continue
-            restored = self.trainer.restore(directory)
-            seq = int(restored.extra[STREAM_SEQ])
-            spec = LoraSpec.model_validate(record["spec"])
-            self.models[restored.run_id] = TinkerModel(restored.run_id, spec, seq, 0, seq,
-                                                       sampler_version=int(restored.extra.get(SAMPLER_VERSION, 0)))
-            log.info("tinker_model_restored", model=restored.run_id, stream_seq=seq, step=restored.steps)
+        for run_root in sorted(p for p in checkpoints.iterdir() if p.is_dir()) if checkpoints.exists() else []:
+            # Newest first by the stream sequence each covers (a loaded state can take the version back).
+            for directory in sorted(run_root.glob("version-*-seq*"), key=_covered_seq, reverse=True):
+                try:
+                    record = json.loads((directory / "run.json").read_text())
+                    restored = self.trainer.restore(directory)
+                except Exception as exc:  # noqa: BLE001 - half-written or damaged (any reader's error): the one before
+                    log.warning("tinker_checkpoint_unreadable", directory=str(directory), error=repr(exc))
+                    continue
+                seq = int(restored.extra[STREAM_SEQ])
+                self.models[restored.run_id] = TinkerModel(
+                    restored.run_id, LoraSpec.model_validate(record["spec"]), seq, 0, seq,
+                    sampler_version=int(restored.extra.get(SAMPLER_VERSION, 0)))
+                log.info("tinker_model_restored", model=restored.run_id, stream_seq=seq, step=restored.steps)
+                break
         return min((m.stream_seq for m in self.models.values()), default=0) + 1
 
     def covers(self, model_id: str, stream_seq: int) -> bool:
@@ -156,7 +192,7 @@ class TinkerTrainer:
         spec = lora_spec(create, bool(getattr(self.trainer.base.config, "tie_word_embeddings", False)))
         # The adapter's A matrices are random: seeded by the request (or the model id), so a
         # replay after a restart makes the same adapter.
-        seed = create.seed if create.HasField("seed") else int.from_bytes(model_id.encode()[-8:].rjust(8, b"\0"), "big")
+        seed = create.seed if create.HasField("seed") else xxhash.xxh64_intdigest(model_id.encode())
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed % 2**63)
             try:
@@ -175,10 +211,21 @@ class TinkerTrainer:
             raise TinkerRequestError("data: every datum must carry the same loss_fn_inputs")
         loss = LossSpec.parse(request.loss_fn, wire.loss_config(request), names)
         peft_model = self.trainer._activate(self.trainer.run(model.model_id))
-        device = self.trainer.device
         outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
         total = 0.0
-        # All datums in one right-padded forward; each datum's loss is its own rows' sum.
+        # Datums in right-padded micro-batches whose logits stay within LOGIT_BUDGET values; each
+        # datum's loss is its own rows' sum, and the gradients of the micro-batches add up.
+        for rows in micro_batches([len(e.tokens) for e in examples], self.vocab_size):
+            total += self._micro_batch(peft_model, loss, [examples[i] for i in rows], request.forward_only, outputs)
+        if not request.forward_only:
+            model.pending += 1
+        if not math.isfinite(total):
+            log.warning("tinker_loss_not_finite", model=model.model_id, loss=total)
+        return wire.output(outputs, {"loss:sum": total})
+
+    def _micro_batch(self, peft_model: torch.nn.Module, loss: LossSpec, examples: list[wire.Example],
+                     forward_only: bool, outputs: dict[str, list[np.ndarray]]) -> float:
+        device = self.trainer.device
         lengths = [len(e.tokens) for e in examples]
         width = max(lengths)
         ids = torch.full((len(examples), width), self.trainer.pad_id, dtype=torch.long)
@@ -187,9 +234,9 @@ class TinkerTrainer:
         for row, example in enumerate(examples):
             ids[row, :lengths[row]] = torch.as_tensor(example.tokens)
             mask[row, :lengths[row]] = 1
-            targets[row, :lengths[row]] = torch.as_tensor(example.inputs["target_tokens"])
+            targets[row, :lengths[row]] = torch.as_tensor(example.inputs["target_tokens"].astype(np.int64))
         ids, mask, targets = ids.to(device), mask.to(device), targets.to(device)
-        with torch.set_grad_enabled(not request.forward_only):
+        with torch.set_grad_enabled(not forward_only):
             logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
             losses = []
@@ -201,14 +248,9 @@ class TinkerTrainer:
                 outputs["logprobs"].append(logprobs[row, :lengths[row]].detach().cpu().numpy().astype(np.float32))
                 outputs["elementwise_loss"].append(per_token.detach().cpu().numpy().astype(np.float32))
             summed = torch.stack(losses).sum()
-            if not request.forward_only:
+            if not forward_only:
                 summed.backward()
-            total = float(summed.detach())
-        if not request.forward_only:
-            model.pending += 1
-        if not math.isfinite(total):
-            log.warning("tinker_loss_not_finite", model=model.model_id, loss=total)
-        return wire.output(outputs, {"loss:sum": total})
+        return float(summed.detach())
 
     def _optim_step(self, model: TinkerModel, adam: tinker_pb2.TinkerAdamParams,
                     stream_seq: int) -> tinker_pb2.TinkerOptimStepDone:
@@ -244,17 +286,23 @@ class TinkerTrainer:
             raise TinkerRequestError("save_weights_for_sampler: this learner publishes no weights (no publisher)")
         name = checkpoint_name(save.name)
         root = self._named_root(model.model_id, name)
-        if latest_run_checkpoint(root, model.model_id) is not None and not save.overwrite:
+        path = f"tinker://{model.model_id}/weights/{name}"
+        existing = latest_run_checkpoint(root, model.model_id)
+        if existing is not None and _saved_seq(existing) == stream_seq:
+            return tinker_pb2.TinkerSaved(path=path)  # this very request, applied again after a restart
+        if existing is not None and not save.overwrite:
             raise TinkerRequestError(f"path: {save.name!r} is saved already (overwrite it with overwrite=True)")
-        self.trainer.save(root, model.model_id, keep=1, extra={SAVED_FROM: model.model_id})
-        return tinker_pb2.TinkerSaved(path=f"tinker://{model.model_id}/weights/{name}")
+        self.trainer.save(root, model.model_id, keep=1, extra={SAVED_FROM: model.model_id, STREAM_SEQ: stream_seq})
+        return tinker_pb2.TinkerSaved(path=path)
 
     def _load(self, model_id: str, load: tinker_pb2.TinkerLoadWeights, stream_seq: int) -> tinker_pb2.TinkerLoaded:
         """load_weights: a saved state into `model_id` — a new model (created from the state, with
         its LoRA configuration) or an existing one of the same configuration."""
         source, name = parse_weights_path(load.path)
         directory = latest_run_checkpoint(self._named_root(source, name), source)
-        if directory is None:
+        # A state saved after this request (seen when it is applied again after a restart) was
+        # not there when it came: the request gets the answer it got then.
+        if directory is None or _saved_seq(directory) > stream_seq:
             raise TinkerRequestError(f"path: nothing is saved at {load.path!r}")
         existing = self.models.get(model_id)
         saved_spec = LoraSpec.model_validate(json.loads((directory / "run.json").read_text())["spec"])
@@ -283,7 +331,10 @@ class TinkerTrainer:
         model = self._model(model_id)
         model.sampler_version = version
         model.stream_seq = max(model.stream_seq, stream_seq)
-        model.to_checkpoint = True
+        # A checkpoint now would cover forward_backward calls whose gradients it does not hold:
+        # with gradients pending, the next optim_step's checkpoint records the version (a replay
+        # pushes the same version again, which the publisher takes as held).
+        model.to_checkpoint = model.pending == 0
 
     def commit(self, model_id: str) -> None:
         """Checkpoints the model if its last request changed its weights: called once that
@@ -292,7 +343,7 @@ class TinkerTrainer:
         model = self.models.get(model_id)
         if model is None or not model.to_checkpoint:
             return
-        self.trainer.save(self.root / "checkpoints", model_id, keep=2,
+        self.trainer.save(self.root / "checkpoints", model_id, keep=2, suffix=f"-seq{model.stream_seq:012d}",
                           extra={STREAM_SEQ: model.stream_seq, SAMPLER_VERSION: model.sampler_version})
         model.checkpointed, model.to_checkpoint = model.stream_seq, False
 

@@ -90,7 +90,12 @@ def examples(request: wire.ForwardBackwardRequest, vocab_size: int) -> list[Exam
             if array.ndim != 1 or array.shape[0] != tokens.size:
                 raise WireError(f"{where}.loss_fn_inputs.{name}: shape {list(array.shape)}, expected [{tokens.size}] "
                                 f"(one per input token)")
+        for name, array in inputs.items():
+            if array.dtype.kind == "f" and not np.isfinite(array).all():
+                raise WireError(f"{where}.loss_fn_inputs.{name}: not finite (NaN or infinity)")
         target = inputs.get("target_tokens")
+        if target is not None and target.dtype.kind != "i":
+            raise WireError(f"{where}.loss_fn_inputs.target_tokens: token ids are integers (int64), got {target.dtype}")
         if target is not None and (target.min() < 0 or target.max() >= vocab_size):
             raise WireError(f"{where}.loss_fn_inputs.target_tokens: ids outside the vocabulary [0, {vocab_size})")
         out.append(Example(tokens, inputs))

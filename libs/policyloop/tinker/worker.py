@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import nats.errors
+import nats.js.errors
 from nats.aio.msg import Msg
 from nats.js import api
 
@@ -24,6 +25,7 @@ from policyloop.weights.torch_io import weight_set
 log = get_logger(__name__)
 
 STREAM = "TINKER"
+RESULTS_STREAM = "TINKER_RESULTS"
 SUBJECTS = "pl.tinkerreq.>"
 
 
@@ -38,12 +40,20 @@ class TinkerWorker:
         self.pushers: dict[str, VersionPusher] = {}
         self.applied = 0               # requests applied since start (replayed ones included)
         self.position = 0              # the last TINKER sequence handled
+        self.replay_until = 0          # the last TINKER sequence stored when this worker started
         self._moved = asyncio.Condition()
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Follows TINKER until `stop`. A request whose result cannot be published, or that fails
+        in a way no check foresaw, ends it (after publishing that failure as the request's
+        result): the learner restarts from its checkpoints, and the replay skips the requests
+        whose stored result is a failure (they changed nothing)."""
         start = await asyncio.to_thread(self.trainer.restore_all)
         self.position = start - 1
-        log.info("tinker_worker_started", from_seq=start, models=len(self.trainer.models))
+        info = await self.bus.js.stream_info(STREAM)
+        self.replay_until = info.state.last_seq  # requests before a restart may have results already
+        log.info("tinker_worker_started", from_seq=start, replay_until=self.replay_until,
+                 models=len(self.trainer.models))
         while not stop.is_set():
             config = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                                         opt_start_seq=self.position + 1)
@@ -59,10 +69,11 @@ class TinkerWorker:
                         msg = await sub.next_msg(timeout=0.5)
                     except TimeoutError:
                         continue
+                    except nats.errors.Error as exc:  # the connection went: resume after the last handled
+                        log.warning("tinker_follow_retry", error=repr(exc))
+                        await asyncio.sleep(0.5)
+                        break
                     await self.handle(msg)
-            except nats.errors.Error as exc:  # the connection went: resume after the last handled
-                log.warning("tinker_follow_retry", error=repr(exc))
-                await asyncio.sleep(0.5)
             finally:
                 try:
                     await sub.unsubscribe()
@@ -83,17 +94,38 @@ class TinkerWorker:
                                       kind="malformed", delivery_count=1, service=self.service)
             await self._advance(seq)
             return
-        if not self.trainer.covers(request.model_id, seq):
-            if request.WhichOneof("op") == "save_weights" and request.save_weights.for_sampler and self.publisher:
-                result = await self._publish_for_sampler(request, seq)
-            else:
-                result = await asyncio.to_thread(self.trainer.apply, request, seq)
+        if not self.trainer.covers(request.model_id, seq) and not await self._failed_before(request, seq):
+            try:
+                if request.WhichOneof("op") == "save_weights" and request.save_weights.for_sampler and self.publisher:
+                    result = await self._publish_for_sampler(request, seq)
+                else:
+                    result = await asyncio.to_thread(self.trainer.apply, request, seq)
+            except Exception as exc:
+                # The model's memory may hold half of it (gradients of some micro-batches): the
+                # failure is the request's result, and the learner starts again from checkpoints.
+                log.error("tinker_request_crashed", seq=seq, model=request.model_id, error=repr(exc))
+                failed = tinker_pb2.TinkerResult(request_id=request.request_id, model_id=request.model_id,
+                                                 error=tinker_pb2.TinkerError(message=f"the learner failed: {exc!r}",
+                                                                              category="server"))
+                await self.bus.publish(tinker_result_subject(request.request_id), failed, f"tinker-result-{seq}")
+                raise
             await self.bus.publish(tinker_result_subject(request.request_id), result, f"tinker-result-{seq}")
             await asyncio.to_thread(self.trainer.commit, request.model_id)
             self.applied += 1
             log.info("tinker_applied", seq=seq, model=request.model_id, op=request.WhichOneof("op"),
                      error=result.error.message if result.HasField("error") else None)
         await self._advance(seq)
+
+    async def _failed_before(self, request: tinker_pb2.TinkerRequest, seq: int) -> bool:
+        """A request replayed after a restart whose result is a failure: it changed nothing then,
+        and is not applied again (a failure nothing foresaw would fail again)."""
+        if seq > self.replay_until:
+            return False
+        try:
+            stored = await self.bus.js.get_last_msg(RESULTS_STREAM, tinker_result_subject(request.request_id))
+        except nats.js.errors.NotFoundError:
+            return False
+        return tinker_pb2.TinkerResult.FromString(stored.data).HasField("error")
 
     async def _publish_for_sampler(self, request: tinker_pb2.TinkerRequest, seq: int) -> tinker_pb2.TinkerResult:
         """Publishes the model's adapter as its next sampler version (an exact delta from the last)."""
