@@ -148,7 +148,7 @@ async def test_a_supervised_loop_written_with_the_sdk_lowers_the_loss(
     logprobs = [np.asarray(out["logprobs"].tolist()) for out in forward.loss_fn_outputs]
     assert [len(lp) for lp in logprobs] == [len(s) - 1 for s in SEQUENCES]
     assert forward.metrics["loss:sum"] == pytest.approx(-sum(lp.sum() for lp in logprobs), rel=1e-4)
-    assert forward.metrics["loss:sum"] < losses[-1]  # the last optim_step lowered it further
+    assert forward.metrics["loss:sum"] < 0.5 * losses[0]  # what the steps learned is what forward computes
 
 
 @pytest.mark.timeout(300)
