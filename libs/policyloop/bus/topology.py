@@ -149,11 +149,10 @@ class Topology:
         raise KeyError(f"no stream takes subject {subject!r}")
 
 
-def build_topology(limits: BusLimits | None = None) -> Topology:
-    """The table. Streams, subjects, retention and consumers of the whole loop."""
-    lim = limits or BusLimits()
+def _streams(lim: BusLimits) -> list[StreamSpec]:
+    """Every stream of the loop, before its replica count."""
     p = SUBJECT_PREFIX
-    streams = [
+    return [
         StreamSpec(
             "TASKS", (f"{p}.tasks.>",), bus_pb2.Task, api.RetentionPolicy.WORK_QUEUE,
             discard=api.DiscardPolicy.NEW, max_msgs=lim.tasks_capacity,
@@ -213,7 +212,12 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
         ),
     ]
 
-    streams = [replace(s, num_replicas=lim.stream_replicas) for s in streams]
+
+def build_topology(limits: BusLimits | None = None) -> Topology:
+    """The table. Streams, subjects, retention and consumers of the whole loop."""
+    lim = limits or BusLimits()
+    p = SUBJECT_PREFIX
+    streams = [replace(s, num_replicas=lim.stream_replicas) for s in _streams(lim)]
 
     def consumer(stream: str, durable: str, subject: str, ack_wait: float, what: str) -> ConsumerSpec:
         return ConsumerSpec(stream, durable, subject, ack_wait, lim.max_deliver,
