@@ -15,9 +15,9 @@ import statistics
 import time
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.registry import sandbox_job, score_result
 from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.runner import JobLimits, check_isolation, run_job
+from policyloop.scorers.registry import sandbox_job, score_result
 
 TESTS = "".join(f"def test_{i}():\n    assert add({i}, 1) == {i + 1}\n" for i in range(4))
 

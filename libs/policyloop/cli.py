@@ -592,6 +592,8 @@ def env_submit(
     max_turns: Annotated[int, typer.Option(help="Multi-turn: most model turns, with tool turns between them.")] = 0,
     tool: Annotated[list[str] | None, typer.Option(help="A tool the policy may call (python), once per tool.")]
     = None,
+    eval_tasks: Annotated[Path | None, typer.Option(
+        help="JSONL like TASKS: the held-out split the evaluator scores versions on (never trained on).")] = None,
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
     """Submit an environment: tasks from a JSONL file, the scorer from the flags."""
@@ -602,6 +604,8 @@ def env_submit(
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
                                 tools=tool)
+        if eval_tasks is not None:
+            env.eval_tasks.extend(read_tasks(eval_tasks))
     except (TaskFileError, ValueError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
@@ -673,6 +677,54 @@ def run_stop(
 
     run = _with_gateway(gateway, run_dir, token, lambda client: client.stop(run_id))
     console.print(progress_line(run), highlight=False)
+
+
+versions_app = typer.Typer(no_args_is_help=True, help="A run's versions: evaluations, promotion and rollback.")
+app.add_typer(versions_app, name="versions")
+
+
+@versions_app.command("list")
+def versions_list(
+    run_id: Annotated[str, typer.Argument(help="The run.")],
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """The run's versions the publisher holds, with their evaluations; the one served is marked."""
+    from policyloop.cluster.client import version_line
+
+    listed = _with_gateway(gateway, run_dir, token, lambda client: client.list_versions(run_id))
+    for row in listed.versions:
+        console.print(version_line(row), highlight=False)
+
+
+@versions_app.command("promote")
+def versions_promote(
+    run_id: Annotated[str, typer.Argument(help="The run.")],
+    version: Annotated[int, typer.Option(help="The version to serve (0: the newest that passed its evaluation).")]
+    = 0,
+    reason: Annotated[str, typer.Option(help="Why, for the record.")] = "",
+    force: Annotated[bool, typer.Option(help="Promote a version the evaluator flagged as a regression.")] = False,
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Serve a version of the run on its serving deployment."""
+    from google.protobuf.json_format import MessageToDict
+
+    promotion = _with_gateway(gateway, run_dir, token,
+                              lambda client: client.promote(run_id, version, reason, force=force))
+    print(json.dumps(MessageToDict(promotion)))
+
+
+@versions_app.command("rollback")
+def versions_rollback(
+    run_id: Annotated[str, typer.Argument(help="The run.")],
+    version: Annotated[int, typer.Option(help="The version to serve again (0: the one promoted before).")] = 0,
+    reason: Annotated[str, typer.Option(help="Why, for the record.")] = "",
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Serve an earlier version of the run again."""
+    from google.protobuf.json_format import MessageToDict
+
+    promotion = _with_gateway(gateway, run_dir, token, lambda client: client.rollback(run_id, version, reason))
+    print(json.dumps(MessageToDict(promotion)))
 
 
 traces_app = typer.Typer(no_args_is_help=True, help="Traces of the serving endpoint (TRACES, FEEDBACK).")

@@ -15,12 +15,15 @@ from policyloop.gateway.feeder import RunFeeder
 from policyloop.gateway.model_context import load_model_context
 from policyloop.gateway.servicer import GatewayStores, LoopServicer
 from policyloop.gateway.settings import GatewaySettings
+from policyloop.releases.evals import EvalStore
+from policyloop.releases.promotion import Promoter, PromotionLog
 from policyloop.runtime import ServiceContext, run_main
 from policyloop.runtime.grpc_server import start_grpc_server
 from policyloop.state import HeartbeatRegistry, IdempotencyKeys, connect_redis
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
+from policyloop.weights.client import WeightClient
 
 log = get_logger(__name__)
 
@@ -34,14 +37,21 @@ async def body(ctx: ServiceContext) -> None:
         environments=EnvironmentCatalog(raw, settings.namespace), runs=RunRegistry(raw, settings.namespace),
         versions=ctx.versions, progress=RunProgressStore(ctx.redis, settings.namespace),
         heartbeats=HeartbeatRegistry(ctx.redis, settings.namespace),
+        evals=EvalStore(raw, settings.namespace), promotions=PromotionLog(ctx.bus),
     )
+    publishers: dict[str, WeightClient] = {}
+
+    def publisher(endpoint: str) -> WeightClient:
+        return publishers.setdefault(endpoint, WeightClient(endpoint, bearer_token=settings.publisher_token))
+
     model = await asyncio.to_thread(load_model_context, settings.model_path) if settings.model_path else None
     if model is not None:
         log.info("model_context", model_path=model.path, context_tokens=model.context_tokens,
                  vocab_size=model.vocab_size, prompts_counted_by=model.measure)
     wake = asyncio.Event()
     servicer = LoopServicer(stores, wake_feeder=wake, stop=ctx.stop, watch_poll_s=settings.watch_poll_s,
-                            model=model, max_environment_bytes=settings.max_environment_bytes)
+                            model=model, max_environment_bytes=settings.max_environment_bytes,
+                            promoter=Promoter(ctx.bus, stores.runs, stores.evals, publisher))
     server, _health, port = await start_grpc_server(
         [lambda s: loop_pb2_grpc.add_LoopServiceServicer_to_server(servicer, s)],
         [loop_pb2.DESCRIPTOR.services_by_name["LoopService"].full_name],
@@ -70,6 +80,7 @@ async def body(ctx: ServiceContext) -> None:
         await asyncio.wait({feeding}, timeout=settings.shutdown_grace_s)
         feeding.cancel()
         await asyncio.gather(feeding, return_exceptions=True)
+        await asyncio.gather(*(client.close() for client in publishers.values()))
         await raw.aclose()
 
 

@@ -11,10 +11,10 @@ from policyloop.bus import PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.reward.handler import RolloutScorer
-from policyloop.reward.registry import default_registry
 from policyloop.reward.settings import RewardSettings
 from policyloop.runtime import ServiceContext, run_main, run_pull_workers
 from policyloop.sandbox.client import run_in_sandbox
+from policyloop.scorers.registry import default_registry
 
 
 async def body(ctx: ServiceContext) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -17,7 +18,7 @@ from policyloop.common.ports import free_port
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rollout.engine_process import name_base_version, start_embedded_engine, wait_for_engine
-from policyloop.rollout.follower import WeightFollower
+from policyloop.rollout.follower import WeightFollower, promoted_versions
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.replica import RolloutReplica
 from policyloop.rollout.settings import RolloutSettings
@@ -45,6 +46,9 @@ async def body(ctx: ServiceContext) -> None:
     try:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
         ctx.policy_version = await name_base_version(client)
+        if settings.role == "serving":
+            await serve_promoted(ctx, settings, client, tokenizer, status, engine_proc)
+            return
         follower = WeightFollower(ctx, settings, client, status)
         engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, follower.resync)
         ctx.add_health_probe("engine", engine_health.probe)
@@ -100,6 +104,34 @@ async def serve_replica(ctx: ServiceContext, replica: RolloutReplica, follower: 
         await asyncio.gather(follow, watch_engine, watch_learner, return_exceptions=True)
     if watch_engine.done() and not watch_engine.cancelled() and watch_engine.exception() is not None:
         raise RuntimeError("the engine is gone") from watch_engine.exception()
+
+
+async def serve_promoted(ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient, tokenizer: Any,
+                         status: status_pb2.RolloutStatus, engine_proc: subprocess.Popen | None) -> None:
+    """The serving role: the run's promoted version in the engine, the OpenAI endpoint in front."""
+    from aiohttp import web
+
+    from policyloop.serving.openai_api import OpenAIApi
+
+    follower = WeightFollower(ctx, settings, client, status, promoted_versions(settings.serve_run))
+    engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, follower.resync)
+    ctx.add_health_probe("engine", engine_health.probe)
+    api = OpenAIApi(client, tokenizer, ctx.bus, settings.served_model_name or settings.serve_run)
+    runner = web.AppRunner(api.app(), shutdown_timeout=settings.shutdown_grace_s)
+    await runner.setup()
+    site = web.TCPSite(runner, settings.openai_host, settings.openai_port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]  # openai_port may be 0
+    status.serving_run = settings.serve_run
+    status.openai_url = f"http://{settings.advertise_host}:{port}/v1"
+    watch_engine = asyncio.create_task(engine_health.run(ctx.stop))
+    follow = asyncio.create_task(follower.run())
+    ctx.ready = True
+    try:
+        await ctx.stop.wait()
+    finally:
+        await runner.cleanup()
+        await asyncio.gather(follow, watch_engine, return_exceptions=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ import pytest
 from policyloop.bus import Bus, rollouts_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs.code import code_environment, reference_solutions
-from policyloop.gateway.feeding import task_scorer
+from policyloop.envs.spec import task_scorer
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher
 from tests.helpers import eventually, stored
@@ -140,8 +140,8 @@ async def test_every_task_of_the_code_environment_is_solvable() -> None:
     """Each task's reference body passes all its tests and a body that raises passes none (run
     in the sandbox directly, as its replicas do)."""
 
-    from policyloop.reward.registry import sandbox_job, score_result
     from policyloop.sandbox.runner import JobLimits, run_job
+    from policyloop.scorers.registry import sandbox_job, score_result
 
     env = code_environment()
     solutions = reference_solutions()

@@ -71,7 +71,7 @@ async def test_learner_broadcasts_versions_into_a_colocated_engine(
 
         # The engine serves exactly the version the publisher stored: an engine loading that
         # version from disk generates the same tokens with the same logprobs, bit for bit.
-        from policyloop.rollout.follower import write_version_dir
+        from policyloop.weights.torch_io import write_version_dir
 
         weights_client = WeightClient(endpoint)
         try:

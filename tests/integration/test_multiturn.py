@@ -15,8 +15,8 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.envs.tools import TOOL_FORMATS, find_call
 from policyloop.models.tokenizer import VOCAB
-from policyloop.reward.answer import answer_text
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
+from policyloop.scorers.answer import answer_text
 from tests.conftest import ServiceLauncher
 from tests.helpers import eventually, stored, stored_messages
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, lineage, lineage_or_none

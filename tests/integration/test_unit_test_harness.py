@@ -10,9 +10,9 @@ from collections.abc import Iterator
 import pytest
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.registry import sandbox_job, score_result
 from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.runner import JobLimits, SandboxUnavailable, check_isolation, run_job
+from policyloop.scorers.registry import sandbox_job, score_result
 
 try:
     check_isolation()

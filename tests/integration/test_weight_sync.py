@@ -3,6 +3,7 @@ follow them exactly, and every corruption on the way is detected and recovered b
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -268,3 +269,33 @@ def test_a_payload_of_another_version_than_announced_is_refused_before_it_is_app
         check_labels(fetched(2, v1.manifest_hash), want_version=2)
     with pytest.raises(codec.CorruptPayload, match="version 3 was asked for"):
         check_labels(fetched(2, v2.manifest_hash), want_version=3)
+
+
+async def test_a_kept_version_outlives_the_retention_window_and_a_restart(publisher, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A promoted version is kept: a delta gets its own snapshot, later pushes never prune it,
+    and a replica rolled back to it gets its exact weights (a keyframe: it holds a newer one)."""
+    pub, client = publisher
+    pusher = VersionPusher(client, "policy")
+    versions = [random_weights(1, shapes={"w": (256, 32)})]
+    for v in range(2, 13):
+        versions.append(perturbed(versions[-1], v, fraction=0.05, seed=v))
+    for weights in versions[:3]:
+        await pusher.push(weights, step=weights.version)
+    info = await client.keep_version("policy", 3, "promoted")
+    assert info.kept and info.version == 3 and (await client.keep_version("policy", 3, "again")).kept
+    assert (tmp_path / "store" / "policy" / f"{3:012d}.snapshot").exists()  # rebuilt from its own files
+    for weights in versions[3:]:
+        await pusher.push(weights, step=weights.version)
+    listed = {v.version: v for v in await client.list_versions("policy")}
+    assert 3 in listed and listed[3].kept and not listed[12].kept
+    assert 2 not in listed and 4 not in listed  # the versions around it went as usual
+    newest, _ = await sync_weights(client, "policy", None, 12)
+    rolled_back, report = await sync_weights(client, "policy", newest, 3)
+    assert same(rolled_back, versions[2]) and report.kind == "keyframe"
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await client.keep_version("policy", 2, "promoted")
+    assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "version" in (refused.value.details() or "")
+    # A restarted publisher (a fresh store over the same directory) still keeps and serves it.
+    again = WeightLibrary(VersionStore(tmp_path / "store", retention=3), snapshot_every=2)
+    assert same(await asyncio.to_thread(again.materialize, "policy", 3), versions[2])
+    assert again.store.is_kept("policy", 3)

@@ -14,8 +14,8 @@ LAYERS: list[set[str]] = [
     {"common"},
     {"contracts", "telemetry"},
     {"bus", "state"},
-    {"ledger", "weights", "engines", "rl", "envs", "models", "sandbox", "runtime"},
-    {"learner", "rollout", "gateway", "reward", "publisher", "tinker", "serving"},
+    {"ledger", "weights", "engines", "rl", "envs", "models", "sandbox", "runtime", "scorers", "releases"},
+    {"learner", "rollout", "gateway", "reward", "publisher", "tinker", "serving", "evaluation"},
     {"cluster", "cli", "__main__", "services"},
 ]
 ROLES = LAYERS[4]

@@ -11,8 +11,8 @@ from policyloop.envs.tools import TOOL_FORMATS, UnknownTool, find_call, result_t
 from policyloop.gateway.feeding import nth_task
 from policyloop.models.bootstrap import PLAIN, TOOLS_CALL, TOOLS_DIRECT, tool_modes, training_batch
 from policyloop.models.tokenizer import EOS_ID, VOCAB, build_tokenizer
-from policyloop.reward.verifiers import verify
 from policyloop.rollout.episodes import Tokenizer, ToolSetupError, close_ids, tool_turn_ids, transcript
+from policyloop.scorers.verifiers import verify
 from tests.helpers import addition_environment
 
 PYTHON = TOOL_FORMATS["python"]

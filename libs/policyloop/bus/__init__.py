@@ -16,7 +16,9 @@ from policyloop.bus.topology import (
     Topology,
     build_topology,
     dlq_subject,
+    evals_subject,
     ledger_subject,
+    promotions_subject,
     rollouts_subject,
     sandbox_subject,
     tasks_subject,
@@ -29,6 +31,7 @@ from policyloop.bus.topology import (
 __all__ = [
     "Backlog", "Bus", "BusError", "BusLimits", "BusUnavailable", "ConsumerSpec", "Delivery",
     "PermanentError", "PublishFailed", "PullWorker", "StreamFull", "StreamSpec", "Topology",
-    "build_topology", "decode_message", "dlq_subject", "ledger_subject", "rollouts_subject", "sandbox_subject",
-    "tasks_subject", "tinker_request_subject", "tinker_result_subject", "trajectories_subject", "weights_subject",
+    "build_topology", "decode_message", "dlq_subject", "evals_subject", "ledger_subject", "promotions_subject",
+    "rollouts_subject", "sandbox_subject", "tasks_subject", "tinker_request_subject", "tinker_result_subject",
+    "trajectories_subject", "weights_subject",
 ]

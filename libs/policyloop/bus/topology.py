@@ -17,7 +17,7 @@ from google.protobuf.message import Message
 from nats.js import api
 from pydantic import BaseModel, Field
 
-from policyloop.contracts.v1 import bus_pb2, serving_pb2, tinker_pb2
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, serving_pb2, tinker_pb2
 
 SUBJECT_PREFIX = "pl"
 DAY_SECONDS = 24 * 3600.0
@@ -64,6 +64,8 @@ class BusLimits(BaseModel):
                                       "feedback on them (export them to keep them longer).")
     traces_max_bytes: int = Field(
         4 * 1024**3, description="Size bound of TRACES; the oldest traces go first.")
+    evals_max_age_s: float = Field(
+        365 * DAY_SECONDS, description="How long EVALS keeps the evaluator's results (a run's scores by version).")
     tinker_results_max_age_s: float = Field(
         DAY_SECONDS, description="How long TINKER_RESULTS keeps the results retrieve_future answers with.")
     duplicate_window_s: float = Field(
@@ -210,6 +212,16 @@ def _streams(lim: BusLimits) -> list[StreamSpec]:
             max_age_s=lim.traces_max_age_s, duplicate_window_s=lim.duplicate_window_s,
             description="Feedback callers attached to traces (a reward, a label, a correction).",
         ),
+        StreamSpec(
+            "EVALS", (f"{p}.evals.>",), loop_pb2.VersionEval, api.RetentionPolicy.LIMITS,
+            max_age_s=lim.evals_max_age_s, duplicate_window_s=lim.duplicate_window_s,
+            description="The evaluator's result for each evaluated version of each run.",
+        ),
+        StreamSpec(
+            "PROMOTIONS", (f"{p}.promotions.>",), loop_pb2.Promotion, api.RetentionPolicy.LIMITS,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Every promotion and rollback of each run; serving replicas follow the newest of their run's.",
+        ),
     ]
 
 
@@ -281,6 +293,14 @@ LEDGER_KINDS = {
 def ledger_subject(kind: bus_pb2.LedgerEvent.Kind.ValueType, scope: str) -> str:
     """pl.ledger.<kind>.<scope>: scope is the environment (generated) or the model."""
     return f"{SUBJECT_PREFIX}.ledger.{LEDGER_KINDS[kind]}.{subject_token(scope)}"
+
+
+def evals_subject(run_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.evals.{subject_token(run_id)}"
+
+
+def promotions_subject(run_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.promotions.{subject_token(run_id)}"
 
 
 def dlq_subject(origin_stream: str) -> str:

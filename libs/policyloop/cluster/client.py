@@ -92,23 +92,25 @@ UPLOAD_MESSAGE_BYTES = 1024 * 1024
 
 
 def upload_messages(env: loop_pb2.Environment, message_bytes: int) -> Iterator[loop_pb2.UploadEnvironmentRequest]:
-    """The environment without its tasks, then its tasks in order, as many per message as fit in
-    about `message_bytes` (at least one)."""
+    """The environment without its tasks, then its tasks and then its eval tasks in order, as many
+    per message as fit in about `message_bytes` (at least one)."""
     header = loop_pb2.Environment()
     header.CopyFrom(env)
     del header.tasks[:]
+    del header.eval_tasks[:]
     yield loop_pb2.UploadEnvironmentRequest(environment=header)
-    chunk: list[loop_pb2.TaskSpec] = []
-    size = 0
-    for task in env.tasks:
-        task_bytes = task.ByteSize() + 8  # the field's tag and length
-        if chunk and size + task_bytes > message_bytes:
-            yield loop_pb2.UploadEnvironmentRequest(tasks=chunk)
-            chunk, size = [], 0
-        chunk.append(task)
-        size += task_bytes
-    if chunk:
-        yield loop_pb2.UploadEnvironmentRequest(tasks=chunk)
+    for field in ("tasks", "eval_tasks"):
+        chunk: list[loop_pb2.TaskSpec] = []
+        size = 0
+        for task in getattr(env, field):
+            task_bytes = task.ByteSize() + 8  # the field's tag and length
+            if chunk and size + task_bytes > message_bytes:
+                yield loop_pb2.UploadEnvironmentRequest(**{field: chunk})
+                chunk, size = [], 0
+            chunk.append(task)
+            size += task_bytes
+        if chunk:
+            yield loop_pb2.UploadEnvironmentRequest(**{field: chunk})
 
 
 class LoopClient:
@@ -144,6 +146,20 @@ class LoopClient:
     def watch(self, run_id: str) -> Iterator[loop_pb2.Run]:
         return self.stub.WatchRun(loop_pb2.WatchRunRequest(run_id=run_id), metadata=self.metadata)
 
+    def promote(self, run_id: str, version: int, reason: str = "", *, force: bool = False) -> loop_pb2.Promotion:
+        return self.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=run_id, version=version, reason=reason,
+                                                                       force=force),
+                                        timeout=self.timeout_s, metadata=self.metadata)
+
+    def rollback(self, run_id: str, version: int = 0, reason: str = "") -> loop_pb2.Promotion:
+        return self.stub.RollbackVersion(loop_pb2.RollbackVersionRequest(run_id=run_id, version=version,
+                                                                         reason=reason),
+                                         timeout=self.timeout_s, metadata=self.metadata)
+
+    def list_versions(self, run_id: str) -> loop_pb2.ListRunVersionsResponse:
+        return self.stub.ListVersions(loop_pb2.ListRunVersionsRequest(run_id=run_id), timeout=self.timeout_s,
+                                      metadata=self.metadata)
+
     def close(self) -> None:
         self.channel.close()
 
@@ -158,3 +174,15 @@ def progress_line(run: loop_pb2.Run) -> str:
             f"step {p.learner_step}  tasks {run.tasks_enqueued}/{run.tasks_total}  reward {envs or '-'}  "
             f"lag {{{lags}}}  {p.generated_tokens_per_second:.0f} gen tok/s  "
             f"{p.trained_tokens_per_second:.0f} trained tok/s  dropped {p.dropped_samples}")
+
+
+def version_line(row: loop_pb2.RunVersion) -> str:
+    """One line of a run's version, for `policyloop versions list`."""
+    evaluated = "not evaluated"
+    if row.HasField("eval"):
+        e = row.eval
+        evaluated = (f"pass {e.pass_rate:.1%} [{e.pass_rate_low:.1%}, {e.pass_rate_high:.1%}]"
+                     + ("  REGRESSED" if e.regressed else ""))
+    marks = ("  SERVING" if row.serving else "") + (f"  promoted #{','.join(map(str, row.promotions))}"
+                                                    if row.promotions else "")
+    return f"v{row.version:<6} step {row.step:<6} {'kept' if row.kept else 'gone'}  {evaluated}{marks}"

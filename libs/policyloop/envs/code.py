@@ -1,5 +1,5 @@
 """The code environment: small Python functions to complete, scored by unit tests in the sandbox
-(policyloop.reward.unit_tests). Each task's prompt is a function's signature and the indentation
+(policyloop.scorers.unit_tests). Each task's prompt is a function's signature and the indentation
 of its body; its metadata carries `solution_prefix` (the prompt, which the completion continues)
 and `tests` (its own `test_*` functions)."""
 

@@ -10,19 +10,7 @@ import random
 
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
-
-DEFAULT_GROUP_SIZE = 8
-DEFAULT_MAX_NEW_TOKENS = 32
-
-
-def task_scorer(env: loop_pb2.Environment, spec: loop_pb2.TaskSpec) -> bus_pb2.Scorer:
-    """How the reward service scores the task's samples: the environment's scorer, with the
-    task's answer."""
-    scorer = bus_pb2.Scorer(answer=spec.answer)
-    kind = env.WhichOneof("scorer")
-    if kind is not None:
-        getattr(scorer, kind).CopyFrom(getattr(env, kind))
-    return scorer
+from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS, task_scorer
 
 
 def task_id(run_id: str, index: int) -> str:

@@ -25,6 +25,8 @@ from policyloop.gateway.validation import (
     validate_environment,
     validate_start_run,
 )
+from policyloop.releases.evals import RUN_EVALS_SHOWN, EvalStore
+from policyloop.releases.promotion import Promoter, PromotionLog, PromotionRefused
 from policyloop.rl.settings import adapter_model_name
 from policyloop.runtime.agreement import advertised_learner
 from policyloop.state import HeartbeatRegistry, VersionRegistry
@@ -33,6 +35,10 @@ from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
+
+
+_REFUSALS = {"invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
+             "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION, "not_found": grpc.StatusCode.NOT_FOUND}
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,8 @@ class GatewayStores:
     versions: VersionRegistry
     progress: RunProgressStore
     heartbeats: HeartbeatRegistry
+    evals: EvalStore
+    promotions: PromotionLog
 
 
 class EnvironmentUpload:
@@ -71,8 +79,11 @@ class EnvironmentUpload:
         elif message.HasField("environment"):
             raise InvalidField(f"messages[{i}].environment", "only the first message carries the environment")
         self.env.tasks.extend(message.tasks)
+        self.env.eval_tasks.extend(message.eval_tasks)
         if len(self.env.tasks) > MAX_TASKS_PER_ENVIRONMENT:
             raise InvalidField("environment.tasks", f"at most {MAX_TASKS_PER_ENVIRONMENT}")
+        if len(self.env.eval_tasks) > MAX_TASKS_PER_ENVIRONMENT:
+            raise InvalidField("environment.eval_tasks", f"at most {MAX_TASKS_PER_ENVIRONMENT}")
 
     def environment(self) -> loop_pb2.Environment:
         if self.env is None:
@@ -83,8 +94,9 @@ class EnvironmentUpload:
 class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
     def __init__(self, stores: GatewayStores, *, wake_feeder: asyncio.Event, stop: asyncio.Event,
                  watch_poll_s: float, model: ModelContext | None = None,
-                 max_environment_bytes: int = MAX_ENVIRONMENT_BYTES) -> None:
+                 max_environment_bytes: int = MAX_ENVIRONMENT_BYTES, promoter: Promoter | None = None) -> None:
         self.stores = stores
+        self.promoter = promoter
         self.wake_feeder = wake_feeder
         self.stop = stop
         self.watch_poll_s = watch_poll_s
@@ -202,6 +214,65 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         ]
         return loop_pb2.ListPoliciesResponse(policies=policies)
 
+    async def PromoteVersion(self, request: loop_pb2.PromoteVersionRequest,
+                             context: grpc.aio.ServicerContext) -> loop_pb2.Promotion:
+        promoter = await self._promoter_or_abort(request.run_id, context)
+        try:
+            promotion = await promoter.promote(request.run_id, request.version, request.reason, force=request.force)
+        except PromotionRefused as exc:
+            await self._refuse(exc, context)
+        log.info("version_promoted", run=request.run_id, version=promotion.version, sequence=promotion.sequence)
+        return promotion
+
+    async def RollbackVersion(self, request: loop_pb2.RollbackVersionRequest,
+                              context: grpc.aio.ServicerContext) -> loop_pb2.Promotion:
+        promoter = await self._promoter_or_abort(request.run_id, context)
+        try:
+            promotion = await promoter.rollback(request.run_id, request.version, request.reason)
+        except PromotionRefused as exc:
+            await self._refuse(exc, context)
+        log.info("version_rolled_back", run=request.run_id, version=promotion.version, sequence=promotion.sequence)
+        return promotion
+
+    async def ListVersions(self, request: loop_pb2.ListRunVersionsRequest,
+                           context: grpc.aio.ServicerContext) -> loop_pb2.ListRunVersionsResponse:
+        promoter = await self._promoter_or_abort(request.run_id, context)
+        model = await promoter.policy_model(request.run_id)
+        try:
+            held = await promoter.held_versions(model)
+        except PromotionRefused:
+            held = []
+        evals = {e.version: e for e in await self.stores.evals.all(request.run_id)}
+        history = await self.stores.promotions.history(request.run_id)
+        current = history[-1] if history else None
+        rows: dict[int, loop_pb2.RunVersion] = {}
+        for info in held:
+            rows[info.version] = loop_pb2.RunVersion(version=info.version, step=info.step,
+                                                     created_unix_ms=info.created_unix_ms, kept=True)
+        for version, result in evals.items():
+            rows.setdefault(version, loop_pb2.RunVersion(version=version, step=result.step)).eval.CopyFrom(result)
+        for promotion in history:
+            rows.setdefault(promotion.version, loop_pb2.RunVersion(version=promotion.version)) \
+                .promotions.append(promotion.sequence)
+        if current is not None:
+            rows[current.version].serving = True
+        response = loop_pb2.ListRunVersionsResponse(versions=[rows[v] for v in sorted(rows)])
+        if current is not None:
+            response.promotion.CopyFrom(current)
+        return response
+
+    async def _promoter_or_abort(self, run_id: str, context: grpc.aio.ServicerContext) -> Promoter:
+        if not run_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "run_id: is empty")
+        if await self.stores.runs.definition(run_id) is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"run_id: no run {run_id}")
+        if self.promoter is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this gateway cannot reach a publisher to keep versions")
+        return self.promoter
+
+    async def _refuse(self, exc: PromotionRefused, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(_REFUSALS[exc.kind], str(exc))
+
     async def _run(self, run_id: str) -> loop_pb2.Run:
         definition = await self.stores.runs.definition(run_id)
         version = 0
@@ -212,6 +283,10 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         run = await self.stores.runs.get(run_id, policy_version=version)
         assert run is not None
         run.progress.CopyFrom(await self.stores.progress.get(run_id))
+        run.evals.extend((await self.stores.evals.all(run_id))[-RUN_EVALS_SHOWN:])
+        _, promotion = await self.stores.promotions.current(run_id)
+        if promotion is not None:
+            run.promotion.CopyFrom(promotion)
         return run
 
     async def _run_or_abort(self, run_id: str, context: grpc.aio.ServicerContext) -> loop_pb2.Run:

@@ -14,6 +14,8 @@ class GatewaySettings(ServiceSettings):
     grpc_host: str = Field("127.0.0.1", description="Interface of the LoopService gRPC server.")
     grpc_port: int = Field(50051, description="Port of the LoopService gRPC server (0: any free port).")
     bearer_token: str = Field("", description="If set, every call must carry 'authorization: Bearer <token>'.")
+    publisher_token: str = Field("", description="Bearer token for the publisher (PromoteVersion has it keep the "
+                                                 "promoted version), if it wants one.")
     feeder_lease_s: float = Field(
         10.0, description="Lease on feeding one run; another replica takes over after it lapses."
     )

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 
 from policyloop.contracts.v1 import loop_pb2, status_pb2
+from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
 from policyloop.gateway.errors import FailedPrecondition, InvalidField
-from policyloop.gateway.feeding import DEFAULT_MAX_NEW_TOKENS
 from policyloop.gateway.model_context import ModelContext
 from policyloop.rl.settings import RUN_LOSS_KEYS, LoraSpec
 
@@ -55,16 +56,24 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
         check_prompts_fit(env, model)
 
 
+def task_lists(env: loop_pb2.Environment) -> list[tuple[str, Sequence[loop_pb2.TaskSpec]]]:
+    """The environment's training tasks and its eval split, by field name."""
+    return [("tasks", env.tasks), ("eval_tasks", env.eval_tasks)]
+
+
 def _validate_tasks(env: loop_pb2.Environment) -> None:
     if not env.tasks:
         raise InvalidField("environment.tasks", "an environment needs at least one task")
-    if len(env.tasks) > MAX_TASKS_PER_ENVIRONMENT:
-        raise InvalidField("environment.tasks", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
-    for i, task in enumerate(env.tasks):
-        if not task.prompt_text and not task.prompt_token_ids:
-            raise InvalidField(f"environment.tasks[{i}].prompt_text", "the task has no prompt")
-        if any(t < 0 for t in task.prompt_token_ids):
-            raise InvalidField(f"environment.tasks[{i}].prompt_token_ids", "token ids must not be negative")
+    if env.eval_tasks and env.max_turns > 1:
+        raise InvalidField("environment.eval_tasks", "the evaluator scores single-turn environments only")
+    for name, tasks in task_lists(env):
+        if len(tasks) > MAX_TASKS_PER_ENVIRONMENT:
+            raise InvalidField(f"environment.{name}", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
+        for i, task in enumerate(tasks):
+            if not task.prompt_text and not task.prompt_token_ids:
+                raise InvalidField(f"environment.{name}[{i}].prompt_text", "the task has no prompt")
+            if any(t < 0 for t in task.prompt_token_ids):
+                raise InvalidField(f"environment.{name}[{i}].prompt_token_ids", "token ids must not be negative")
 
 
 def _validate_scorer(env: loop_pb2.Environment) -> None:
@@ -97,19 +106,26 @@ def _validate_verifier(env: loop_pb2.Environment) -> None:
         except re.error as exc:
             raise InvalidField("environment.builtin.pattern", f"not a valid regex: {exc}") from exc
     if verifier.kind != _VERIFIER.KIND_REGEX:
-        for i, task in enumerate(env.tasks):
-            if not task.answer:
-                raise InvalidField(f"environment.tasks[{i}].answer", "the verifier needs an answer")
+        for name, tasks in task_lists(env):
+            for i, task in enumerate(tasks):
+                if not task.answer:
+                    raise InvalidField(f"environment.{name}[{i}].answer", "the verifier needs an answer")
 
 
 def check_prompts_fit(env: loop_pb2.Environment, model: ModelContext) -> None:
     """Every task's prompt plus the environment's max_new_tokens must fit the model's context (the
     engine refuses what does not, sample by sample), and token ids must be in its vocabulary.
     A task's token ids are what the rollout generates from when it has them, else its text."""
-    for i, task in enumerate(env.tasks):
+    for name, tasks in task_lists(env):
+        _check_tasks_fit(name, tasks, env, model)
+
+
+def _check_tasks_fit(name: str, tasks: Sequence[loop_pb2.TaskSpec], env: loop_pb2.Environment,
+                     model: ModelContext) -> None:
+    for i, task in enumerate(tasks):
         top = max(task.prompt_token_ids, default=0)
         if model.vocab_size is not None and top >= model.vocab_size:
-            raise InvalidField(f"environment.tasks[{i}].prompt_token_ids",
+            raise InvalidField(f"environment.{name}[{i}].prompt_token_ids",
                                f"token id {top} is outside the model's vocabulary of {model.vocab_size}")
     context = model.context_tokens
     if context is None:
@@ -120,14 +136,14 @@ def check_prompts_fit(env: loop_pb2.Environment, model: ModelContext) -> None:
                            f"{budget} new tokens leave no room for a prompt in the model's context of {context} "
                            f"tokens ({model.path})")
     room = context - budget
-    texts = {i: task.prompt_text for i, task in enumerate(env.tasks) if not task.prompt_token_ids}
+    texts = {i: task.prompt_text for i, task in enumerate(tasks) if not task.prompt_token_ids}
     counts = dict(zip(texts, model.text_tokens(list(texts.values()), room), strict=True))
-    for i, task in enumerate(env.tasks):
+    for i, task in enumerate(tasks):
         if task.prompt_token_ids:
-            field, tokens = f"environment.tasks[{i}].prompt_token_ids", len(task.prompt_token_ids)
+            field, tokens = f"environment.{name}[{i}].prompt_token_ids", len(task.prompt_token_ids)
             size = f"{tokens} tokens"
         else:
-            field, tokens = f"environment.tasks[{i}].prompt_text", counts[i]
+            field, tokens = f"environment.{name}[{i}].prompt_text", counts[i]
             size = f"at least {tokens} tokens"
             if tokens == 0:
                 raise InvalidField(field, "the model's tokenizer gives no tokens for it (give prompt_token_ids)")

@@ -10,8 +10,8 @@ from collections.abc import Callable
 from policyloop.bus import Bus, Delivery, PermanentError, trajectories_subject
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.registry import ScorerRegistry
-from policyloop.reward.score import Score, UnscorableTrajectory
+from policyloop.scorers.registry import ScorerRegistry
+from policyloop.scorers.score import Score, UnscorableTrajectory
 from policyloop.telemetry import tracing
 from policyloop.telemetry.metrics import REWARD, REWARD_POINTS, run_label
 

@@ -1,20 +1,23 @@
 """Following WEIGHTS: the newest announced version is fetched (a delta from the held one when
 possible), verified tensor by tensor, and loaded into the engine, one load at a time. Versions
-announced meanwhile are skipped, never applied out of order."""
+announced meanwhile are skipped, never applied out of order. A serving replica follows its run's
+PROMOTIONS instead: the version the newest promotion names, older or newer (a rollback)."""
 
 from __future__ import annotations
 
 import asyncio
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import nats.errors
 from nats.js import api
 
-from policyloop.bus import weights_subject
+from policyloop.bus import promotions_subject, weights_subject
 from policyloop.common.clock import now_ms
-from policyloop.contracts.v1 import bus_pb2, status_pb2
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, status_pb2
 from policyloop.engines.sglang_client import EngineUnavailable, SGLangClient
 from policyloop.rollout.engine_process import engine_version, name_base_version
 from policyloop.rollout.settings import RolloutSettings
@@ -36,29 +39,32 @@ from policyloop.weights.sync import sync_weights
 log = get_logger(__name__)
 
 
-def write_version_dir(root: Path, base: Path, weights: WeightSet) -> Path:
-    """A Hugging Face directory for the held weights: the base config plus model.safetensors."""
-    from policyloop.weights.torch_io import save_safetensors
+@dataclass(frozen=True)
+class Announcements:
+    """What a follower loads: a model's newest version (WEIGHTS), or whichever version the newest
+    of a run's promotions names (PROMOTIONS: a rollback goes back)."""
 
-    target = root / f"v{weights.version:09d}"
-    tmp = root / f".v{weights.version:09d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for name in ("config.json", "generation_config.json"):
-        if (base / name).exists():
-            shutil.copy2(base / name, tmp / name)
-    save_safetensors(weights, tmp / "model.safetensors")
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
-    return target
+    subject: str
+    parse: Callable[[bytes], bus_pb2.WeightsPublished]
+    newest_only: bool
+
+
+def newest_versions(model: str) -> Announcements:
+    return Announcements(weights_subject(model), bus_pb2.WeightsPublished.FromString, newest_only=True)
+
+
+def promoted_versions(run_id: str) -> Announcements:
+    return Announcements(promotions_subject(run_id), lambda data: loop_pb2.Promotion.FromString(data).weights,
+                         newest_only=False)
 
 
 class WeightFollower:
-    """Loads the newest announced version into the engine, one load at a time."""
+    """Loads the announced version into the engine, one load at a time."""
 
     def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient,
-                 status: status_pb2.RolloutStatus) -> None:
+                 status: status_pb2.RolloutStatus, announcements: Announcements | None = None) -> None:
         self.ctx, self.settings, self.client, self.status = ctx, settings, client, status
+        self.announcements = announcements or newest_versions(settings.model)
         self.latest: bus_pb2.WeightsPublished | None = None
         self.announced = asyncio.Event()
         self.loaded_dir: Path | None = None
@@ -73,9 +79,8 @@ class WeightFollower:
         return self._publishers[endpoint]
 
     async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
-        event = bus_pb2.WeightsPublished()
-        event.ParseFromString(msg.data)
-        if self.latest is None or event.version > self.latest.version:
+        event = self.announcements.parse(msg.data)
+        if self.latest is None or not self.announcements.newest_only or event.version > self.latest.version:
             self.latest = event
             self.status.announced_version = event.version
             log.info("weights_announced", version=event.version, endpoint=event.fetch_endpoint)
@@ -92,7 +97,7 @@ class WeightFollower:
                 await old.unsubscribe()
             except (TimeoutError, nats.errors.Error):
                 pass
-        subject = weights_subject(self.settings.model)
+        subject = self.announcements.subject
         try:
             return await self.ctx.bus.js.subscribe(
                 subject, cb=self.on_event, ordered_consumer=True, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
@@ -125,7 +130,7 @@ class WeightFollower:
                     continue
                 self.announced.clear()
                 event = self.latest
-                if event is None or event.version <= self.ctx.policy_version or self.ctx.stop.is_set():
+                if event is None or not self.wants(event) or self.ctx.stop.is_set():
                     continue
                 try:
                     await self.load(event)
@@ -142,6 +147,12 @@ class WeightFollower:
             for client in self._publishers.values():
                 await client.close()
 
+    def wants(self, event: bus_pb2.WeightsPublished) -> bool:
+        """Whether the engine must load the announced version."""
+        if self.announcements.newest_only:
+            return event.version > self.ctx.policy_version
+        return event.version != self.ctx.policy_version
+
     async def resync(self) -> None:
         """After the engine answered again: it may have restarted on its base weights, so the
         newest version is loaded again before the engine counts as recovered, and nothing is
@@ -152,12 +163,14 @@ class WeightFollower:
                 log.warning("engine_version_lost", was=self.ctx.policy_version, now=served)
                 self.ctx.policy_version = served
                 self.announced.set()
-            newest = self.latest.version if self.latest is not None else 0
             deadline = time.monotonic() + self.settings.engine_start_timeout_s
-            while self.ctx.policy_version < newest and time.monotonic() < deadline and not self.ctx.stop.is_set():
+            while self.behind() and time.monotonic() < deadline and not self.ctx.stop.is_set():
                 await asyncio.sleep(0.1)
-            if self.ctx.policy_version < newest:
-                raise EngineUnavailable(f"the restarted engine did not load version {newest} in time")
+            if self.behind():
+                raise EngineUnavailable(f"the restarted engine did not load version {self.latest.version} in time")
+
+    def behind(self) -> bool:
+        return self.latest is not None and self.wants(self.latest)
 
     async def load(self, event: bus_pb2.WeightsPublished) -> None:
         await self._load(event)
@@ -209,6 +222,7 @@ class WeightFollower:
                 WEIGHT_SYNC_FALLBACKS.inc()
         clock.lap("sync")
         loading = time.monotonic()
+        from policyloop.weights.torch_io import write_version_dir  # torch, which only loading needs
         directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
                                             self.settings.model_path, weights)
         clock.lap("write")

@@ -12,6 +12,15 @@ from policyloop.runtime.settings import ServiceSettings
 
 
 class RolloutSettings(ServiceSettings):
+    role: Literal["training", "serving"] = Field(
+        "training", description="training: sample Tasks for the learner, following each new version. serving: a "
+                                "replica of a run's serving deployment — it follows only the run's promoted version "
+                                "(serve_run; PROMOTIONS), takes no Tasks, and answers an OpenAI-compatible endpoint "
+                                "(openai_host:openai_port) whose exchanges are recorded on TRACES.")
+    serve_run: str = Field("", description="serving: the run whose promoted versions this replica serves.")
+    served_model_name: str = Field("", description="serving: the model name callers pass (`model`); empty: serve_run.")
+    openai_host: str = Field("127.0.0.1", description="serving: interface of the OpenAI-compatible endpoint.")
+    openai_port: int = Field(8000, description="serving: port of the OpenAI-compatible endpoint (0: any free port).")
     concurrency: int = Field(
         0, ge=0, description="Tasks (groups) this replica samples at once; 0: groups_per_step, a step's batch at once "
                              "(the engine decodes what it holds together: few large batches cost far less than "
@@ -79,6 +88,8 @@ class RolloutSettings(ServiceSettings):
         """Refuses engine settings that cannot work, before anything starts."""
         if self.weight_source == "colocated" and not self.engine_url:
             raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
+        if self.role == "serving" and not self.serve_run:
+            raise ValueError("role=serving needs serve_run: the run whose promoted versions it serves")
         if self.engine == "sglang" and not self.engine_url:
             raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")
 

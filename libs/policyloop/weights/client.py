@@ -102,3 +102,10 @@ class WeightClient:
             weights_pb2.ListVersionsRequest(model=model), timeout=self.deadline_s, metadata=self.metadata
         )
         return list(reply.versions)
+
+    async def keep_version(self, model: str, version: int, reason: str) -> weights_pb2.VersionInfo:
+        """Has the publisher keep `version` past its retention window (idempotent)."""
+        return await self.stub.KeepVersion(
+            weights_pb2.KeepVersionRequest(model=model, version=version, reason=reason),
+            timeout=self.deadline_s, metadata=self.metadata,
+        )

@@ -223,6 +223,19 @@ class WeightLibrary:
                 self._spawn(self._write_snapshot(stored, snapshot))
         return stored
 
+    async def keep(self, model: str, version: int, reason: str) -> StoredVersion:
+        """Keeps a stored version past the retention window: a delta gets a snapshot first, so that
+        it is rebuilt from its own files once the versions below it are pruned."""
+        async with self._lock(model):
+            stored = await asyncio.to_thread(self.store.get, model, version)
+            if not self.store.is_base_point(stored):
+                weights = await asyncio.to_thread(self.materialize, model, version)
+                snapshot = await asyncio.to_thread(lambda: codec.encode(weights, raw=True, pool=self.pool).payload)
+                await asyncio.to_thread(self.store.write_snapshot, model, version, snapshot)
+            kept = await asyncio.to_thread(self.store.keep, model, version, reason)
+        log.info("version_kept", model=model, version=version, reason=reason)
+        return kept
+
     async def _newest_as_base(self, model: str) -> codec.WeightSet | None:
         try:
             return await self._newest(model)

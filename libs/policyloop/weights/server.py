@@ -67,8 +67,8 @@ async def abort_with(context: grpc.aio.ServicerContext, call: str, exc: BaseExce
     await context.abort(code, message)
 
 
-def version_info(v: StoredVersion) -> weights_pb2.VersionInfo:
-    return weights_pb2.VersionInfo(
+def version_info(v: StoredVersion, kept: bool = False) -> weights_pb2.VersionInfo:
+    return weights_pb2.VersionInfo(kept=kept,
         model=v.model, version=v.version, step=v.step, codec=v.codec, bytes=v.bytes,
         payload_xxh3_128=v.payload_xxh3_128, created_unix_ms=v.created_unix_ms,
         kind=weights_pb2.PAYLOAD_KIND_DELTA if v.kind == "delta" else weights_pb2.PAYLOAD_KIND_KEYFRAME,
@@ -189,10 +189,27 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {exc}")
         try:
             models = [request.model] if request.model else self.store.models()
-            versions = [version_info(v) for model in models for v in self.store.versions(model)]
+            versions = [version_info(v, self.store.is_kept(model, v.version))
+                        for model in models for v in self.store.versions(model)]
         except Exception as exc:  # damaged records are skipped by the store; this is the disk failing
             await abort_with(context, "ListVersions", exc)
         return weights_pb2.ListVersionsResponse(versions=versions)
+
+    async def KeepVersion(self, request: weights_pb2.KeepVersionRequest,
+                          context: grpc.aio.ServicerContext) -> weights_pb2.VersionInfo:
+        try:
+            validate_model_name(request.model)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {exc}")
+        if request.version < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "version: must be at least 1")
+        try:
+            stored = await self.library.keep(request.model, request.version, request.reason)
+        except UnknownVersion as exc:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"version: {exc}")
+        except Exception as exc:
+            await abort_with(context, "KeepVersion", exc)
+        return version_info(stored, kept=True)
 
 
 async def start_weight_server(servicer: WeightServicer, *, host: str, port: int, bearer_token: str = ""

@@ -363,13 +363,16 @@ class VersionStore:
     def snapshot_record_path(self, model: str, version: int) -> Path:
         return self.model_dir(model) / f"{version:012d}.snapshot.json"
 
+    def kept_path(self, model: str, version: int) -> Path:
+        return self.model_dir(model) / f"{version:012d}.kept"
+
     def _snapshot_files(self, model: str, version: int) -> list[Path]:
         return [self.snapshot_path(model, version), self.snapshot_record_path(model, version)]
 
     def _version_files(self, model: str, version: int) -> list[Path]:
         """Record first: removing them in this order never leaves a record without its payload."""
         return [self.record_path(model, version), self.payload_path(model, version),
-                *self._snapshot_files(model, version)]
+                *self._snapshot_files(model, version), self.kept_path(model, version)]
 
     # ------------------------------------------------------------ records
 
@@ -705,15 +708,39 @@ class VersionStore:
             raise StaleVersion(f"version {meta.version} of {meta.model} is not newer than {latest.version}")
         return VersionWriter(self, meta)
 
+    def keep(self, model: str, version: int, reason: str) -> StoredVersion:
+        """Marks a stored version as kept past the retention window (durably); prune spares it
+        and the versions rebuilding it needs. Raises UnknownVersion (or DataLoss) when it is not stored."""
+        with self.lock:
+            stored = self.get(model, version)
+            if not self.is_kept(model, version):
+                _write_atomically(self.kept_path(model, version),
+                                  json.dumps({"reason": reason, "kept_unix_ms": int(time.time() * 1000)}).encode())
+                fsync_dir(self.model_dir(model))
+            return stored
+
+    def is_kept(self, model: str, version: int) -> bool:
+        return self.kept_path(model, version).exists()
+
     def prune(self, model: str) -> list[int]:
         """Deletes versions older than the newest `retention`, except those needed to rebuild
-        the oldest kept one (back to the newest keyframe or snapshot at or before it)."""
+        the oldest kept one (back to the newest keyframe or snapshot at or before it), and kept
+        versions (`keep`) with what rebuilding them needs."""
         with self.lock:
             versions = self.versions(model)
             keep_from = max(0, len(versions) - self.retention)
             while keep_from > 0 and not self.is_base_point(versions[keep_from]):
                 keep_from -= 1
-            dropped = [v.version for v in versions[:keep_from]]
+            by_version = {v.version: v for v in versions}
+            spared: set[int] = set()
+            for stored in versions[:keep_from]:
+                if not self.is_kept(model, stored.version):
+                    continue
+                current: StoredVersion | None = stored
+                while current is not None and current.version not in spared:
+                    spared.add(current.version)
+                    current = None if self.is_base_point(current) else by_version.get(current.base_version)
+            dropped = [v.version for v in versions[:keep_from] if v.version not in spared]
             for version in dropped:
                 for path in self._version_files(model, version):
                     path.unlink(missing_ok=True)

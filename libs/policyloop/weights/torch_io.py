@@ -3,6 +3,7 @@ never imports torch)."""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -57,3 +58,18 @@ def save_safetensors(weights: WeightSet, path: Path) -> None:
     """Writes the weights as a plain safetensors file (e.g. model.safetensors of an HF directory)."""
     safetensors.torch.save_file({name: to_tensor(t) for name, t in weights.tensors.items()}, str(path),
                                 metadata={"format": "pt", "policy_version": str(weights.version)})
+
+
+def write_version_dir(root: Path, base: Path, weights: WeightSet) -> Path:
+    """A Hugging Face directory for the held weights: the base config plus model.safetensors."""
+    target = root / f"v{weights.version:09d}"
+    tmp = root / f".v{weights.version:09d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for name in ("config.json", "generation_config.json"):
+        if (base / name).exists():
+            shutil.copy2(base / name, tmp / name)
+    save_safetensors(weights, tmp / "model.safetensors")
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target

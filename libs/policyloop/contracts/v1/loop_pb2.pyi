@@ -78,7 +78,7 @@ class TaskSpec(_message.Message):
     def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Environment(_message.Message):
-    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools")
+    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools", "eval_tasks")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class Environment(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TASKS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
@@ -99,7 +100,8 @@ class Environment(_message.Message):
     sampling: _bus_pb2.SamplingParams
     max_turns: int
     tools: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ...) -> None: ...
+    eval_tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("environment",)
@@ -108,12 +110,14 @@ class SubmitEnvironmentRequest(_message.Message):
     def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ...) -> None: ...
 
 class UploadEnvironmentRequest(_message.Message):
-    __slots__ = ("environment", "tasks")
+    __slots__ = ("environment", "tasks", "eval_tasks")
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
+    EVAL_TASKS_FIELD_NUMBER: _ClassVar[int]
     environment: Environment
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
-    def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ...) -> None: ...
+    eval_tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
+    def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ...) -> None: ...
 
 class SubmitEnvironmentResponse(_message.Message):
     __slots__ = ("environment", "num_tasks", "created")
@@ -173,7 +177,7 @@ class LoraSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress", "lora")
+    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress", "lora", "evals", "promotion")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +191,8 @@ class Run(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    EVALS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
@@ -200,7 +206,9 @@ class Run(_message.Message):
     error: str
     progress: RunProgress
     lora: LoraSpec
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
+    evals: _containers.RepeatedCompositeFieldContainer[VersionEval]
+    promotion: Promotion
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[VersionEval, _Mapping]]] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ...) -> None: ...
 
 class RunProgress(_message.Message):
     __slots__ = ("learner_step", "trained_samples", "dropped_samples", "environments", "lag_histogram", "trained_tokens_per_second", "generated_tokens_per_second", "generated_tokens", "trained_tokens")
@@ -285,3 +293,125 @@ class ListPoliciesResponse(_message.Message):
     POLICIES_FIELD_NUMBER: _ClassVar[int]
     policies: _containers.RepeatedCompositeFieldContainer[Policy]
     def __init__(self, policies: _Optional[_Iterable[_Union[Policy, _Mapping]]] = ...) -> None: ...
+
+class EnvironmentScore(_message.Message):
+    __slots__ = ("environment", "tasks", "passed", "pass_rate", "pass_rate_low", "pass_rate_high", "mean_reward")
+    ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    PASSED_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_LOW_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_HIGH_FIELD_NUMBER: _ClassVar[int]
+    MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
+    environment: str
+    tasks: int
+    passed: int
+    pass_rate: float
+    pass_rate_low: float
+    pass_rate_high: float
+    mean_reward: float
+    def __init__(self, environment: _Optional[str] = ..., tasks: _Optional[int] = ..., passed: _Optional[int] = ..., pass_rate: _Optional[float] = ..., pass_rate_low: _Optional[float] = ..., pass_rate_high: _Optional[float] = ..., mean_reward: _Optional[float] = ...) -> None: ...
+
+class VersionEval(_message.Message):
+    __slots__ = ("run_id", "model", "version", "step", "environments", "pass_rate", "pass_rate_low", "pass_rate_high", "regressed", "best_version", "evaluated_unix_ms", "seconds", "evaluator")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_LOW_FIELD_NUMBER: _ClassVar[int]
+    PASS_RATE_HIGH_FIELD_NUMBER: _ClassVar[int]
+    REGRESSED_FIELD_NUMBER: _ClassVar[int]
+    BEST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EVALUATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model: str
+    version: int
+    step: int
+    environments: _containers.RepeatedCompositeFieldContainer[EnvironmentScore]
+    pass_rate: float
+    pass_rate_low: float
+    pass_rate_high: float
+    regressed: bool
+    best_version: int
+    evaluated_unix_ms: int
+    seconds: float
+    evaluator: str
+    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., environments: _Optional[_Iterable[_Union[EnvironmentScore, _Mapping]]] = ..., pass_rate: _Optional[float] = ..., pass_rate_low: _Optional[float] = ..., pass_rate_high: _Optional[float] = ..., regressed: _Optional[bool] = ..., best_version: _Optional[int] = ..., evaluated_unix_ms: _Optional[int] = ..., seconds: _Optional[float] = ..., evaluator: _Optional[str] = ...) -> None: ...
+
+class Promotion(_message.Message):
+    __slots__ = ("run_id", "model", "version", "reason", "promoted_unix_ms", "sequence", "weights", "previous_version")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMOTED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    model: str
+    version: int
+    reason: str
+    promoted_unix_ms: int
+    sequence: int
+    weights: _bus_pb2.WeightsPublished
+    previous_version: int
+    def __init__(self, run_id: _Optional[str] = ..., model: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., promoted_unix_ms: _Optional[int] = ..., sequence: _Optional[int] = ..., weights: _Optional[_Union[_bus_pb2.WeightsPublished, _Mapping]] = ..., previous_version: _Optional[int] = ...) -> None: ...
+
+class PromoteVersionRequest(_message.Message):
+    __slots__ = ("run_id", "version", "reason", "force")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    reason: str
+    force: bool
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class RollbackVersionRequest(_message.Message):
+    __slots__ = ("run_id", "version", "reason")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    version: int
+    reason: str
+    def __init__(self, run_id: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ListRunVersionsRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class RunVersion(_message.Message):
+    __slots__ = ("version", "step", "created_unix_ms", "kept", "eval", "serving", "promotions")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    EVAL_FIELD_NUMBER: _ClassVar[int]
+    SERVING_FIELD_NUMBER: _ClassVar[int]
+    PROMOTIONS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    step: int
+    created_unix_ms: int
+    kept: bool
+    eval: VersionEval
+    serving: bool
+    promotions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, version: _Optional[int] = ..., step: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., kept: _Optional[bool] = ..., eval: _Optional[_Union[VersionEval, _Mapping]] = ..., serving: _Optional[bool] = ..., promotions: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ListRunVersionsResponse(_message.Message):
+    __slots__ = ("versions", "promotion")
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    PROMOTION_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[RunVersion]
+    promotion: Promotion
+    def __init__(self, versions: _Optional[_Iterable[_Union[RunVersion, _Mapping]]] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ...) -> None: ...

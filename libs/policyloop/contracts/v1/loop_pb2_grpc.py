@@ -69,6 +69,21 @@ class LoopServiceStub:
                 request_serializer=policyloop_dot_v1_dot_loop__pb2.ListPoliciesRequest.SerializeToString,
                 response_deserializer=policyloop_dot_v1_dot_loop__pb2.ListPoliciesResponse.FromString,
                 _registered_method=True)
+        self.PromoteVersion = channel.unary_unary(
+                '/policyloop.v1.LoopService/PromoteVersion',
+                request_serializer=policyloop_dot_v1_dot_loop__pb2.PromoteVersionRequest.SerializeToString,
+                response_deserializer=policyloop_dot_v1_dot_loop__pb2.Promotion.FromString,
+                _registered_method=True)
+        self.RollbackVersion = channel.unary_unary(
+                '/policyloop.v1.LoopService/RollbackVersion',
+                request_serializer=policyloop_dot_v1_dot_loop__pb2.RollbackVersionRequest.SerializeToString,
+                response_deserializer=policyloop_dot_v1_dot_loop__pb2.Promotion.FromString,
+                _registered_method=True)
+        self.ListVersions = channel.unary_unary(
+                '/policyloop.v1.LoopService/ListVersions',
+                request_serializer=policyloop_dot_v1_dot_loop__pb2.ListRunVersionsRequest.SerializeToString,
+                response_deserializer=policyloop_dot_v1_dot_loop__pb2.ListRunVersionsResponse.FromString,
+                _registered_method=True)
 
 
 class LoopServiceServicer:
@@ -122,6 +137,30 @@ class LoopServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PromoteVersion(self, request, context):
+        """Serves `version` of the run on its serving deployment (the replicas in the serving role that
+        follow the run). The publisher keeps the version, and what rebuilding it needs, from then on.
+        NOT_FOUND: the publisher no longer holds it. FAILED_PRECONDITION: the run's evaluator flagged
+        it as a regression and `force` is not set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RollbackVersion(self, request, context):
+        """Serves an earlier version again: `version`, or (0) the one promoted before the current one.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVersions(self, request, context):
+        """The run's versions the publisher holds, with their evaluations and promotions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LoopServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -159,6 +198,21 @@ def add_LoopServiceServicer_to_server(servicer, server):
                     servicer.ListPolicies,
                     request_deserializer=policyloop_dot_v1_dot_loop__pb2.ListPoliciesRequest.FromString,
                     response_serializer=policyloop_dot_v1_dot_loop__pb2.ListPoliciesResponse.SerializeToString,
+            ),
+            'PromoteVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.PromoteVersion,
+                    request_deserializer=policyloop_dot_v1_dot_loop__pb2.PromoteVersionRequest.FromString,
+                    response_serializer=policyloop_dot_v1_dot_loop__pb2.Promotion.SerializeToString,
+            ),
+            'RollbackVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RollbackVersion,
+                    request_deserializer=policyloop_dot_v1_dot_loop__pb2.RollbackVersionRequest.FromString,
+                    response_serializer=policyloop_dot_v1_dot_loop__pb2.Promotion.SerializeToString,
+            ),
+            'ListVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVersions,
+                    request_deserializer=policyloop_dot_v1_dot_loop__pb2.ListRunVersionsRequest.FromString,
+                    response_serializer=policyloop_dot_v1_dot_loop__pb2.ListRunVersionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +404,87 @@ class LoopService:
             '/policyloop.v1.LoopService/ListPolicies',
             policyloop_dot_v1_dot_loop__pb2.ListPoliciesRequest.SerializeToString,
             policyloop_dot_v1_dot_loop__pb2.ListPoliciesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PromoteVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policyloop.v1.LoopService/PromoteVersion',
+            policyloop_dot_v1_dot_loop__pb2.PromoteVersionRequest.SerializeToString,
+            policyloop_dot_v1_dot_loop__pb2.Promotion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RollbackVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policyloop.v1.LoopService/RollbackVersion',
+            policyloop_dot_v1_dot_loop__pb2.RollbackVersionRequest.SerializeToString,
+            policyloop_dot_v1_dot_loop__pb2.Promotion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policyloop.v1.LoopService/ListVersions',
+            policyloop_dot_v1_dot_loop__pb2.ListRunVersionsRequest.SerializeToString,
+            policyloop_dot_v1_dot_loop__pb2.ListRunVersionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -154,7 +154,7 @@ class WeightFetch(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch")
+    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch", "serving_run", "openai_url")
     LOOP_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +165,8 @@ class RolloutStatus(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     PACED_FIELD_NUMBER: _ClassVar[int]
     LAST_FETCH_FIELD_NUMBER: _ClassVar[int]
+    SERVING_RUN_FIELD_NUMBER: _ClassVar[int]
+    OPENAI_URL_FIELD_NUMBER: _ClassVar[int]
     loop: LoopConfig
     engine_url: str
     announced_version: int
@@ -175,7 +177,19 @@ class RolloutStatus(_message.Message):
     tool_calls: int
     paced: bool
     last_fetch: WeightFetch
-    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ...) -> None: ...
+    serving_run: str
+    openai_url: str
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ..., serving_run: _Optional[str] = ..., openai_url: _Optional[str] = ...) -> None: ...
+
+class EvaluatorStatus(_message.Message):
+    __slots__ = ("evaluated", "engine_url", "last_version")
+    EVALUATED_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
+    LAST_VERSION_FIELD_NUMBER: _ClassVar[int]
+    evaluated: int
+    engine_url: str
+    last_version: int
+    def __init__(self, evaluated: _Optional[int] = ..., engine_url: _Optional[str] = ..., last_version: _Optional[int] = ...) -> None: ...
 
 class GatewayStatus(_message.Message):
     __slots__ = ("backpressure",)

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpolicyloop/v1/weights.proto\x12\rpolicyloop.v1\"\xa1\x01\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10payload_xxh3_128\x18\x06 \x01(\t\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x17\n\x0ftrained_unix_ms\x18\x08 \x01(\x03\"P\n\tPushChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.policyloop.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"B\n\nPushResult\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62ytes_stored\x18\x03 \x01(\x04\"I\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0chave_version\x18\x02 \x01(\x03\x12\x14\n\x0cwant_version\x18\x03 \x01(\x03\"\xc2\x01\n\x0b\x46\x65tchHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12(\n\x04kind\x18\x04 \x01(\x0e\x32\x1a.policyloop.v1.PayloadKind\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x18\n\x10payload_xxh3_128\x18\x07 \x01(\t\x12\x15\n\rmanifest_hash\x18\x08 \x01(\t\"S\n\x0bWeightChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.policyloop.v1.FetchHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\xfc\x01\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x18\n\x10payload_xxh3_128\x18\x06 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\x12(\n\x04kind\x18\x08 \x01(\x0e\x32\x1a.policyloop.v1.PayloadKind\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x03\x12\x15\n\rmanifest_hash\x18\n \x01(\t\x12\x17\n\x0ftrained_unix_ms\x18\x0b \x01(\x03\"D\n\x14ListVersionsResponse\x12,\n\x08versions\x18\x01 \x03(\x0b\x32\x1a.policyloop.v1.VersionInfo*^\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15PAYLOAD_KIND_KEYFRAME\x10\x01\x12\x16\n\x12PAYLOAD_KIND_DELTA\x10\x02\x32\xeb\x01\n\rWeightService\x12=\n\x04Push\x12\x18.policyloop.v1.PushChunk\x1a\x19.policyloop.v1.PushResult(\x01\x12\x42\n\x05\x46\x65tch\x12\x1b.policyloop.v1.FetchRequest\x1a\x1a.policyloop.v1.WeightChunk0\x01\x12W\n\x0cListVersions\x12\".policyloop.v1.ListVersionsRequest\x1a#.policyloop.v1.ListVersionsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpolicyloop/v1/weights.proto\x12\rpolicyloop.v1\"\xa1\x01\n\nPushHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x05 \x01(\x04\x12\x18\n\x10payload_xxh3_128\x18\x06 \x01(\t\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x17\n\x0ftrained_unix_ms\x18\x08 \x01(\x03\"P\n\tPushChunk\x12+\n\x06header\x18\x01 \x01(\x0b\x32\x19.policyloop.v1.PushHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"B\n\nPushResult\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62ytes_stored\x18\x03 \x01(\x04\"I\n\x0c\x46\x65tchRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0chave_version\x18\x02 \x01(\x03\x12\x14\n\x0cwant_version\x18\x03 \x01(\x03\"\xc2\x01\n\x0b\x46\x65tchHeader\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x14\n\x0c\x62\x61se_version\x18\x03 \x01(\x03\x12(\n\x04kind\x18\x04 \x01(\x0e\x32\x1a.policyloop.v1.PayloadKind\x12\r\n\x05\x63odec\x18\x05 \x01(\t\x12\x13\n\x0btotal_bytes\x18\x06 \x01(\x04\x12\x18\n\x10payload_xxh3_128\x18\x07 \x01(\t\x12\x15\n\rmanifest_hash\x18\x08 \x01(\t\"S\n\x0bWeightChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1a.policyloop.v1.FetchHeaderH\x00\x12\x0e\n\x04\x64\x61ta\x18\x02 \x01(\x0cH\x00\x42\x06\n\x04part\"$\n\x13ListVersionsRequest\x12\r\n\x05model\x18\x01 \x01(\t\"\x8a\x02\n\x0bVersionInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x18\n\x10payload_xxh3_128\x18\x06 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x07 \x01(\x03\x12(\n\x04kind\x18\x08 \x01(\x0e\x32\x1a.policyloop.v1.PayloadKind\x12\x14\n\x0c\x62\x61se_version\x18\t \x01(\x03\x12\x15\n\rmanifest_hash\x18\n \x01(\t\x12\x17\n\x0ftrained_unix_ms\x18\x0b \x01(\x03\x12\x0c\n\x04kept\x18\x0c \x01(\x08\"D\n\x12KeepVersionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"D\n\x14ListVersionsResponse\x12,\n\x08versions\x18\x01 \x03(\x0b\x32\x1a.policyloop.v1.VersionInfo*^\n\x0bPayloadKind\x12\x1c\n\x18PAYLOAD_KIND_UNSPECIFIED\x10\x00\x12\x19\n\x15PAYLOAD_KIND_KEYFRAME\x10\x01\x12\x16\n\x12PAYLOAD_KIND_DELTA\x10\x02\x32\xb9\x02\n\rWeightService\x12=\n\x04Push\x12\x18.policyloop.v1.PushChunk\x1a\x19.policyloop.v1.PushResult(\x01\x12\x42\n\x05\x46\x65tch\x12\x1b.policyloop.v1.FetchRequest\x1a\x1a.policyloop.v1.WeightChunk0\x01\x12W\n\x0cListVersions\x12\".policyloop.v1.ListVersionsRequest\x1a#.policyloop.v1.ListVersionsResponse\x12L\n\x0bKeepVersion\x12!.policyloop.v1.KeepVersionRequest\x1a\x1a.policyloop.v1.VersionInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'policyloop.v1.weights_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PAYLOADKIND']._serialized_start=1080
-  _globals['_PAYLOADKIND']._serialized_end=1174
+  _globals['_PAYLOADKIND']._serialized_start=1164
+  _globals['_PAYLOADKIND']._serialized_end=1258
   _globals['_PUSHHEADER']._serialized_start=47
   _globals['_PUSHHEADER']._serialized_end=208
   _globals['_PUSHCHUNK']._serialized_start=210
@@ -48,9 +48,11 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LISTVERSIONSREQUEST']._serialized_start=717
   _globals['_LISTVERSIONSREQUEST']._serialized_end=753
   _globals['_VERSIONINFO']._serialized_start=756
-  _globals['_VERSIONINFO']._serialized_end=1008
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1010
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1078
-  _globals['_WEIGHTSERVICE']._serialized_start=1177
-  _globals['_WEIGHTSERVICE']._serialized_end=1412
+  _globals['_VERSIONINFO']._serialized_end=1022
+  _globals['_KEEPVERSIONREQUEST']._serialized_start=1024
+  _globals['_KEEPVERSIONREQUEST']._serialized_end=1092
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=1094
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1162
+  _globals['_WEIGHTSERVICE']._serialized_start=1261
+  _globals['_WEIGHTSERVICE']._serialized_end=1574
 # @@protoc_insertion_point(module_scope)

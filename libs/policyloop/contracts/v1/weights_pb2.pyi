@@ -99,7 +99,7 @@ class ListVersionsRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ...) -> None: ...
 
 class VersionInfo(_message.Message):
-    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms", "kind", "base_version", "manifest_hash", "trained_unix_ms")
+    __slots__ = ("model", "version", "step", "codec", "bytes", "payload_xxh3_128", "created_unix_ms", "kind", "base_version", "manifest_hash", "trained_unix_ms", "kept")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -111,6 +111,7 @@ class VersionInfo(_message.Message):
     BASE_VERSION_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_HASH_FIELD_NUMBER: _ClassVar[int]
     TRAINED_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
     model: str
     version: int
     step: int
@@ -122,7 +123,18 @@ class VersionInfo(_message.Message):
     base_version: int
     manifest_hash: str
     trained_unix_ms: int
-    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., base_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., trained_unix_ms: _Optional[int] = ...) -> None: ...
+    kept: bool
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., step: _Optional[int] = ..., codec: _Optional[str] = ..., bytes: _Optional[int] = ..., payload_xxh3_128: _Optional[str] = ..., created_unix_ms: _Optional[int] = ..., kind: _Optional[_Union[PayloadKind, str]] = ..., base_version: _Optional[int] = ..., manifest_hash: _Optional[str] = ..., trained_unix_ms: _Optional[int] = ..., kept: _Optional[bool] = ...) -> None: ...
+
+class KeepVersionRequest(_message.Message):
+    __slots__ = ("model", "version", "reason")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    version: int
+    reason: str
+    def __init__(self, model: _Optional[str] = ..., version: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class ListVersionsResponse(_message.Message):
     __slots__ = ("versions",)

@@ -49,6 +49,11 @@ class WeightServiceStub:
                 request_serializer=policyloop_dot_v1_dot_weights__pb2.ListVersionsRequest.SerializeToString,
                 response_deserializer=policyloop_dot_v1_dot_weights__pb2.ListVersionsResponse.FromString,
                 _registered_method=True)
+        self.KeepVersion = channel.unary_unary(
+                '/policyloop.v1.WeightService/KeepVersion',
+                request_serializer=policyloop_dot_v1_dot_weights__pb2.KeepVersionRequest.SerializeToString,
+                response_deserializer=policyloop_dot_v1_dot_weights__pb2.VersionInfo.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -79,6 +84,15 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def KeepVersion(self, request, context):
+        """Keeps a version past the retention window, with what rebuilding it needs (a snapshot of its
+        weights when it is a delta), for as long as the store lives: promoted versions are kept so
+        that a rollback can return to them. Idempotent. NOT_FOUND: the version is not stored.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.ListVersions,
                     request_deserializer=policyloop_dot_v1_dot_weights__pb2.ListVersionsRequest.FromString,
                     response_serializer=policyloop_dot_v1_dot_weights__pb2.ListVersionsResponse.SerializeToString,
+            ),
+            'KeepVersion': grpc.unary_unary_rpc_method_handler(
+                    servicer.KeepVersion,
+                    request_deserializer=policyloop_dot_v1_dot_weights__pb2.KeepVersionRequest.FromString,
+                    response_serializer=policyloop_dot_v1_dot_weights__pb2.VersionInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class WeightService:
             '/policyloop.v1.WeightService/ListVersions',
             policyloop_dot_v1_dot_weights__pb2.ListVersionsRequest.SerializeToString,
             policyloop_dot_v1_dot_weights__pb2.ListVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KeepVersion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policyloop.v1.WeightService/KeepVersion',
+            policyloop_dot_v1_dot_weights__pb2.KeepVersionRequest.SerializeToString,
+            policyloop_dot_v1_dot_weights__pb2.VersionInfo.FromString,
             options,
             channel_credentials,
             insecure,

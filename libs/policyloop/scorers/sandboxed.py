@@ -11,7 +11,7 @@ import secrets
 from dataclasses import dataclass
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.score import component
+from policyloop.scorers.score import component
 
 DEFAULT_TIMEOUT_S = 10.0
 MAX_OUTPUT_BYTES = 256 * 1024

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs import arithmetic
-from policyloop.reward.answer import answer_text
-from policyloop.reward.score import Score, UnscorableTrajectory, component, scorer_kind
+from policyloop.scorers.answer import answer_text
+from policyloop.scorers.score import Score, UnscorableTrajectory, component, scorer_kind
 
 Verifier = Callable[[bus_pb2.Trajectory], Score]
 

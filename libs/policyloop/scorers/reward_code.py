@@ -11,9 +11,9 @@ import math
 
 from policyloop.contracts.code_scorer import REWARD_FUNCTION
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.answer import answer_text
-from policyloop.reward.sandboxed import DEFAULT_TIMEOUT_S, CodeJob, code_job, limits, new_nonce, reported, why_stopped
-from policyloop.reward.score import Score, component
+from policyloop.scorers.answer import answer_text
+from policyloop.scorers.sandboxed import DEFAULT_TIMEOUT_S, CodeJob, code_job, limits, new_nonce, reported, why_stopped
+from policyloop.scorers.score import Score, component
 
 _HARNESS = r'''
 import json, sys

@@ -6,7 +6,7 @@ load, the tests that timed out or crashed, and the limit that stopped the job ar
 breakdown.
 
 The tests run in the harness's process and the solution in a child process, with plain data
-between them (policyloop/reward/unit_test_harness.py): the report, its nonce and the tests are out
+between them (policyloop/scorers/unit_test_harness.py): the report, its nonce and the tests are out
 of the solution's reach, a test's share of the time budget bounds each call, and a solution that
 times out or crashes fails that test and is started again for the next. Tests are the top-level
 `def test_*` functions of tests.py (each name once); the gateway refuses test code without any
@@ -18,11 +18,11 @@ import json
 from importlib import resources
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.answer import answer_text
-from policyloop.reward.sandboxed import DEFAULT_TIMEOUT_S, CodeJob, code_job, limits, new_nonce, reported, why_stopped
-from policyloop.reward.score import Score, component
+from policyloop.scorers.answer import answer_text
+from policyloop.scorers.sandboxed import DEFAULT_TIMEOUT_S, CodeJob, code_job, limits, new_nonce, reported, why_stopped
+from policyloop.scorers.score import Score, component
 
-TEST_HARNESS = resources.files("policyloop.reward").joinpath("unit_test_harness.py").read_bytes()
+TEST_HARNESS = resources.files("policyloop.scorers").joinpath("unit_test_harness.py").read_bytes()
 # Time for the job's own start (bwrap, two interpreters) and report, beyond the tests' budget.
 START_MARGIN_S = 2.0
 

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.reward.reward_code import reward_code_job, reward_code_score
-from policyloop.reward.sandboxed import CodeJob
-from policyloop.reward.score import REWARD_CODE, UNIT_TESTS, Score, UnscorableTrajectory, scorer_kind
-from policyloop.reward.unit_tests import unit_test_job, unit_test_score
-from policyloop.reward.verifiers import VERIFIERS, Verifier
+from policyloop.scorers.reward_code import reward_code_job, reward_code_score
+from policyloop.scorers.sandboxed import CodeJob
+from policyloop.scorers.score import REWARD_CODE, UNIT_TESTS, Score, UnscorableTrajectory, scorer_kind
+from policyloop.scorers.unit_tests import unit_test_job, unit_test_score
+from policyloop.scorers.verifiers import VERIFIERS, Verifier
 
 # Runs a job in the sandbox service and returns its result (policyloop.sandbox.client.run_in_sandbox).
 RunJob = Callable[[bus_pb2.SandboxJob], Awaitable[bus_pb2.SandboxResult]]

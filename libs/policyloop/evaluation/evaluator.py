@@ -1,0 +1,187 @@
+"""The evaluator's loop: it follows WEIGHTS for every model, and for each k-th version loads it
+into its own engine (nothing else is served there, so every answer comes from that version),
+scores the eval splits of the runs training that policy, judges the result against the run's
+best, records it, and promotes by rule when asked to. Training never waits for it: a busy
+evaluator skips to the newest k-th version."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import nats.errors
+from nats.js import api
+
+from policyloop.bus import Bus
+from policyloop.bus.topology import SUBJECT_PREFIX
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.evaluation.scoring import eval_items, score_version, version_eval
+from policyloop.evaluation.settings import EvaluatorSettings
+from policyloop.releases.evals import EvalStore, record_eval
+from policyloop.releases.promotion import Promoter, PromotionLog
+from policyloop.releases.verdict import judge, promotable
+from policyloop.rl.settings import adapter_model_name
+from policyloop.scorers.registry import ScorerRegistry
+from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
+from policyloop.telemetry.logging import get_logger
+from policyloop.weights.client import WeightClient
+from policyloop.weights.codec import WeightSet
+from policyloop.weights.sync import sync_weights
+
+log = get_logger(__name__)
+
+# Runs in these states are still training: their model's new versions are theirs.
+TRAINING_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_STOPPING, loop_pb2.RUN_STATE_FINISHED)
+
+
+class PinnedEngine:
+    """The evaluator's engine, holding exactly one version: each version is fetched (a delta
+    from the one held when possible), verified, and loaded before anything is sampled."""
+
+    def __init__(self, client: SGLangClient, publisher: Callable[[str], WeightClient], weights_dir: Path,
+                 model_path: Path) -> None:
+        self.client, self.publisher = client, publisher
+        self.weights_dir, self.model_path = weights_dir, model_path
+        self.held: WeightSet | None = None
+        self.loaded_dir: Path | None = None
+
+    async def pin(self, event: bus_pb2.WeightsPublished) -> None:
+        if self.held is not None and self.held.version == event.version:
+            return
+        from policyloop.weights.torch_io import write_version_dir  # torch, which only loading needs
+
+        weights, _ = await sync_weights(self.publisher(event.fetch_endpoint), event.model, self.held, event.version)
+        directory = await asyncio.to_thread(write_version_dir, self.weights_dir, self.model_path, weights)
+        self.held = None  # until the engine confirms it, the held bytes are not what it serves
+        await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version))
+        self.held = weights
+        previous, self.loaded_dir = self.loaded_dir, directory
+        if previous is not None and previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+
+
+class Evaluator:
+    def __init__(self, bus: Bus, runs: RunRegistry, environments: EnvironmentCatalog, store: EvalStore,
+                 engine: PinnedEngine, tokenizer: Any, registry: ScorerRegistry, settings: EvaluatorSettings,
+                 promoter: Promoter | None = None) -> None:
+        self.bus, self.runs, self.environments, self.store = bus, runs, environments, store
+        self.engine, self.tokenizer, self.registry, self.settings = engine, tokenizer, registry, settings
+        self.promoter = promoter
+        self.pending: dict[str, bus_pb2.WeightsPublished] = {}  # model → newest version due
+        self.due = asyncio.Event()
+        self.evaluated = 0
+        self.last_version = 0
+        stop = tokenizer.eos_token_id
+        self.stop_ids: tuple[int, ...] = (stop,) if stop is not None else ()
+
+    async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
+        event = bus_pb2.WeightsPublished.FromString(msg.data)
+        if event.version % self.settings.every_versions:
+            return
+        held = self.pending.get(event.model)
+        if held is None or event.version > held.version:
+            self.pending[event.model] = event
+            self.due.set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        sub = await self.bus.js.subscribe(f"{SUBJECT_PREFIX}.weights.>", cb=self.on_event, ordered_consumer=True,
+                                          deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+        try:
+            while not stop.is_set():
+                waiter = asyncio.create_task(self.due.wait())
+                stopper = asyncio.create_task(stop.wait())
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                stopper.cancel()
+                self.due.clear()
+                while self.pending and not stop.is_set():
+                    model = min(self.pending, key=lambda m: self.pending[m].published_unix_ms)
+                    event = self.pending.pop(model)
+                    try:
+                        await self.evaluate(event)
+                    except Exception as exc:  # noqa: BLE001 - one version failing must not end the evaluator
+                        log.error("evaluation_failed", model=event.model, version=event.version, error=repr(exc))
+        finally:
+            try:
+                await sub.unsubscribe()
+            except nats.errors.Error:
+                pass
+
+    async def runs_of(self, event: bus_pb2.WeightsPublished) -> list[tuple[str, loop_pb2.StartRunRequest]]:
+        """The runs whose policy this version is: the run the learner named, else the model's training runs."""
+        found = []
+        for run_id in await self.runs.run_ids():
+            definition = await self.runs.definition(run_id)
+            if definition is None:
+                continue
+            model = adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
+            if model != event.model:
+                continue
+            if run_id == event.run_id:
+                return [(run_id, definition)]
+            if await self.runs.state(run_id) in TRAINING_STATES:
+                found.append((run_id, definition))
+        return found
+
+    async def evaluate(self, event: bus_pb2.WeightsPublished) -> list[loop_pb2.VersionEval]:
+        """Scores the version for each of its runs that has an eval split; returns the results."""
+        results = []
+        for run_id, definition in await self.runs_of(event):
+            if definition.HasField("lora"):
+                log.info("evaluation_skipped", run=run_id, version=event.version, why="LoRA runs are not evaluated yet")
+                continue
+            environments = {}
+            for mix in definition.environments:
+                env = await self.environments.get(mix.environment)
+                if env is not None and env.eval_tasks:
+                    environments[mix.environment] = env
+            if not environments:
+                continue
+            if await self.store.get(run_id, event.version) is not None:
+                continue  # evaluated before a restart
+            results.append(await self.evaluate_run(run_id, environments, event))
+        return results
+
+    async def evaluate_run(self, run_id: str, environments: dict[str, loop_pb2.Environment],
+                           event: bus_pb2.WeightsPublished) -> loop_pb2.VersionEval:
+        started = time.monotonic()
+        await self.engine.pin(event)
+        items = eval_items(environments, self.encode, self.stop_ids, self.settings.max_eval_tasks)
+        scores = await score_version(self.engine.client, items, self.registry, version=event.version,
+                                     decode=self.decode, concurrency=self.settings.concurrency,
+                                     rid_prefix=f"eval-{run_id}-{event.version}")
+        result = version_eval(run_id, event.model, event.version, event.step, scores,
+                              seconds=time.monotonic() - started, evaluator=self.settings.instance_id)
+        judge(result, await self.store.all(run_id))
+        await record_eval(self.store, self.bus, result)
+        self.evaluated += 1
+        self.last_version = max(self.last_version, result.version)
+        log.info("version_evaluated", run=run_id, version=event.version, pass_rate=round(result.pass_rate, 4),
+                 interval=[round(result.pass_rate_low, 4), round(result.pass_rate_high, 4)],
+                 regressed=result.regressed, seconds=round(result.seconds, 2))
+        await self.maybe_promote(result)
+        return result
+
+    async def maybe_promote(self, result: loop_pb2.VersionEval) -> None:
+        if self.promoter is None or self.settings.promote != "rule":
+            return
+        if not promotable(result, self.settings.promote_every):
+            return
+        _, current = await PromotionLog(self.bus).current(result.run_id)
+        if current is not None and current.version >= result.version:
+            return
+        reason = (f"rule: pass rate {result.pass_rate:.3f} [{result.pass_rate_low:.3f}, {result.pass_rate_high:.3f}]"
+                  f", not below the best version's ({result.best_version or 'none before'})")
+        promotion = await self.promoter.promote(result.run_id, result.version, reason)
+        log.info("version_promoted", run=result.run_id, version=result.version, sequence=promotion.sequence)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))

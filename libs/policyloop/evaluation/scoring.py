@@ -1,0 +1,135 @@
+"""Scoring one version on a run's eval splits: greedy, one sample per task, judged by the
+environment's own scorer (the reward service's registry), on an engine that serves exactly
+that version."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from policyloop.common.clock import now_ms
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS, task_scorer
+from policyloop.scorers.registry import ScorerRegistry
+
+WILSON_Z = 1.96  # a 95% interval
+
+_FINISH = {"stop": bus_pb2.FINISH_REASON_STOP, "length": bus_pb2.FINISH_REASON_LENGTH}
+
+
+class EvaluationError(RuntimeError):
+    """The version could not be scored (the engine answered with another version, a scorer failed)."""
+
+
+def wilson_interval(passed: int, total: int, z: float = WILSON_Z) -> tuple[float, float]:
+    """The Wilson score interval of a pass rate: unlike the normal approximation it stays within
+    [0, 1] and is not empty at 0 or `total` passes."""
+    if total <= 0:
+        return 0.0, 1.0
+    p = passed / total
+    denominator = 1 + z * z / total
+    centre = (p + z * z / (2 * total)) / denominator
+    half = z * math.sqrt(p * (1 - p) / total + z * z / (4 * total * total)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass(frozen=True)
+class EvalItem:
+    """One eval task, ready to be sampled: its prompt ids, scorer and generation budget."""
+
+    environment: str
+    index: int
+    template: bus_pb2.Trajectory  # prompt, scorer and metadata; no response yet
+    max_new_tokens: int
+    stop_token_ids: tuple[int, ...]
+
+
+def eval_items(environments: Mapping[str, loop_pb2.Environment], encode: Callable[[str], list[int]],
+               default_stop_ids: Sequence[int], max_tasks: int) -> list[EvalItem]:
+    """The first `max_tasks` eval tasks of each environment (all with 0), in order; environments
+    without an eval split contribute nothing."""
+    items = []
+    for key, env in sorted(environments.items()):
+        tasks = env.eval_tasks[:max_tasks] if max_tasks else env.eval_tasks
+        stops = tuple(env.sampling.stop_token_ids or default_stop_ids)
+        for i, spec in enumerate(tasks):
+            prompt = list(spec.prompt_token_ids) or encode(spec.prompt_text)
+            template = bus_pb2.Trajectory(
+                trajectory_id=f"eval:{key}:{i}", environment=key, prompt_token_ids=prompt,
+                prompt_text=spec.prompt_text, metadata=spec.metadata, scorer=task_scorer(env, spec),
+                group_size=1,
+            )
+            items.append(EvalItem(key, i, template, env.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stops))
+    return items
+
+
+@dataclass(frozen=True)
+class Outcome:
+    environment: str
+    reward: float
+    passed: bool
+
+
+def passed(breakdown: Sequence[bus_pb2.RewardComponent]) -> bool:
+    """A task passes when every component of its score passed (arithmetic: well formed and exact)."""
+    return bool(breakdown) and all(part.value >= 1.0 for part in breakdown)
+
+
+async def score_version(engine: SGLangClient, items: Sequence[EvalItem], registry: ScorerRegistry, *, version: int,
+                        decode: Callable[[Sequence[int]], str], concurrency: int, rid_prefix: str,
+                        lora_path: str | None = None) -> list[loop_pb2.EnvironmentScore]:
+    """Samples every item greedily and scores it; raises EvaluationError when an answer came from
+    another version than `version` (the engine must be pinned to it)."""
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(item: EvalItem) -> Outcome:
+        request = GenerateRequest(
+            input_ids=list(item.template.prompt_token_ids), rid=f"{rid_prefix}-{item.environment}-{item.index}",
+            return_logprob=False, lora_path=lora_path,
+            sampling_params=SamplingParams(max_new_tokens=item.max_new_tokens, temperature=0.0,
+                                           stop_token_ids=item.stop_token_ids))
+        async with gate:
+            result = await engine.generate(request)
+        if str(result.weight_version) != str(version):
+            raise EvaluationError(f"the engine answered with version {result.weight_version}, not {version}: "
+                                  f"it must serve only the version under evaluation")
+        traj = bus_pb2.Trajectory()
+        traj.CopyFrom(item.template)
+        traj.response_token_ids.extend(result.output_ids)
+        traj.finish_reason = _FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
+        traj.response_text = decode([t for t in result.output_ids if t not in item.stop_token_ids])
+        try:
+            reward, breakdown = await registry.score(traj)
+        except ValueError as exc:  # UnscorableTrajectory: the environment's scorer cannot score it
+            raise EvaluationError(f"{item.environment} eval task {item.index}: {exc}") from exc
+        return Outcome(item.environment, reward, passed(breakdown))
+
+    outcomes = await asyncio.gather(*(one(item) for item in items))
+    by_env: dict[str, list[Outcome]] = {}
+    for outcome in outcomes:
+        by_env.setdefault(outcome.environment, []).append(outcome)
+    return [environment_score(env, results) for env, results in sorted(by_env.items())]
+
+
+def environment_score(environment: str, outcomes: Sequence[Outcome]) -> loop_pb2.EnvironmentScore:
+    total, good = len(outcomes), sum(o.passed for o in outcomes)
+    low, high = wilson_interval(good, total)
+    return loop_pb2.EnvironmentScore(
+        environment=environment, tasks=total, passed=good, pass_rate=good / total if total else 0.0,
+        pass_rate_low=low, pass_rate_high=high,
+        mean_reward=sum(o.reward for o in outcomes) / total if total else 0.0)
+
+
+def version_eval(run_id: str, model: str, version: int, step: int, scores: Sequence[loop_pb2.EnvironmentScore],
+                 *, seconds: float, evaluator: str) -> loop_pb2.VersionEval:
+    """The result over every environment: the pass rate over all their tasks, with its interval."""
+    total, good = sum(s.tasks for s in scores), sum(s.passed for s in scores)
+    low, high = wilson_interval(good, total)
+    return loop_pb2.VersionEval(
+        run_id=run_id, model=model, version=version, step=step, environments=scores,
+        pass_rate=good / total if total else 0.0, pass_rate_low=low, pass_rate_high=high,
+        evaluated_unix_ms=now_ms(), seconds=seconds, evaluator=evaluator)

@@ -1,0 +1,24 @@
+"""The regression rule: a version is flagged when even the top of its interval is below the
+best pass rate the run reached before it (worse than the best by more than its interval)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from policyloop.contracts.v1 import loop_pb2
+
+
+def judge(result: loop_pb2.VersionEval, earlier: Iterable[loop_pb2.VersionEval]) -> None:
+    """Sets `best_version` and `regressed` on `result` against the run's earlier versions."""
+    before = [e for e in earlier if e.version < result.version]
+    if not before:
+        result.best_version, result.regressed = 0, False
+        return
+    best = max(before, key=lambda e: (e.pass_rate, e.version))
+    result.best_version = best.version
+    result.regressed = result.pass_rate_high < best.pass_rate
+
+
+def promotable(result: loop_pb2.VersionEval, every: int) -> bool:
+    """Promotion by rule: evaluated, not a regression, and (every > 0) a multiple of `every`."""
+    return not result.regressed and (every <= 1 or result.version % every == 0)

@@ -1,0 +1,72 @@
+"""evaluator service: follows WEIGHTS and scores each k-th version of every run on its
+environments' eval splits, on an engine of its own pinned to that version; results go to Redis
+(GetRun) and EVALS; with promote=rule it promotes what passes. The logic is in
+policyloop.evaluation; this is its wiring."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+from policyloop.common.ports import free_port
+from policyloop.contracts.v1 import bus_pb2, status_pb2
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.evaluation.evaluator import Evaluator, PinnedEngine
+from policyloop.evaluation.settings import EvaluatorSettings
+from policyloop.releases.evals import EvalStore
+from policyloop.releases.promotion import Promoter
+from policyloop.rollout.engine_process import start_embedded_engine, wait_for_engine
+from policyloop.runtime import ServiceContext, run_main
+from policyloop.sandbox.client import run_in_sandbox
+from policyloop.scorers.registry import default_registry
+from policyloop.state import connect_redis
+from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
+from policyloop.weights.client import WeightClient
+
+
+async def body(ctx: ServiceContext) -> None:
+    from transformers import AutoTokenizer
+
+    settings: EvaluatorSettings = ctx.settings  # type: ignore[assignment]
+    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
+    url, engine_proc = settings.engine_url, None
+    if not url:
+        port = free_port()
+        engine_proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
+                                            threads=settings.engine_threads)
+        url = f"http://127.0.0.1:{port}"
+    engine = SGLangClient(url, timeout_s=settings.generate_timeout_s)
+    publishers: dict[str, WeightClient] = {}
+
+    def publisher(endpoint: str) -> WeightClient:
+        return publishers.setdefault(endpoint, WeightClient(endpoint, bearer_token=settings.publisher_token))
+
+    async def run_job(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+        return await run_in_sandbox(ctx.bus, job, timeout_s=settings.sandbox_timeout_s)
+
+    raw = await connect_redis(settings.redis_url, decode_responses=False)  # definitions and results are protobuf
+    try:
+        await wait_for_engine(engine, engine_proc, settings.engine_start_timeout_s)
+        runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
+        evaluator = Evaluator(
+            ctx.bus, runs, EnvironmentCatalog(raw, settings.namespace), evals,
+            PinnedEngine(engine, publisher, settings.weights_dir / settings.instance_id, settings.model_path),
+            tokenizer, default_registry(run_job), settings, promoter=Promoter(ctx.bus, runs, evals, publisher))
+        ctx.status = lambda: status_pb2.EvaluatorStatus(evaluated=evaluator.evaluated, engine_url=url,
+                                                        last_version=evaluator.last_version)
+        ctx.ready = True
+        await evaluator.run(ctx.stop)
+    finally:
+        await raw.aclose()
+        await engine.close()
+        await asyncio.gather(*(client.close() for client in publishers.values()))
+        if engine_proc is not None:
+            engine_proc.terminate()
+            try:
+                await asyncio.to_thread(engine_proc.wait, 15)
+            except subprocess.TimeoutExpired:
+                engine_proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main("evaluator", EvaluatorSettings, body, argv)

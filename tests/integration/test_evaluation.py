@@ -1,0 +1,310 @@
+"""Evals pinned to versions and promotion to serving, with the real parts in one process: NATS,
+Redis, a publisher on loopback gRPC announcing on WEIGHTS, two embedded engines (the evaluator's
+own and a serving replica's), the gateway's LoopService over gRPC and the official openai client.
+
+Versions are evaluated every k-th one on the run's eval split, with exactly what the engine
+produced for that version; the results are in Redis, on EVALS and in GetRun while versions keep
+coming; passing versions are promoted by rule; promotion and rollback change which version the
+serving endpoint answers with; the publisher keeps promoted versions past its retention."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from policyloop.bus import Bus
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, status_pb2
+from policyloop.engines.embedded import EmbeddedEngine, start_engine
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.envs import arithmetic
+from policyloop.evaluation.evaluator import Evaluator, PinnedEngine
+from policyloop.evaluation.settings import EvaluatorSettings
+from policyloop.gateway.servicer import GatewayStores, LoopServicer
+from policyloop.publisher.announcer import Announcer
+from policyloop.releases.evals import EvalStore
+from policyloop.releases.promotion import Promoter, PromotionLog
+from policyloop.rollout.follower import WeightFollower, promoted_versions
+from policyloop.rollout.settings import RolloutSettings
+from policyloop.runtime import ServiceContext
+from policyloop.runtime.grpc_server import start_grpc_server
+from policyloop.scorers.registry import default_registry
+from policyloop.serving.openai_api import OpenAIApi
+from policyloop.state import HeartbeatRegistry, VersionRegistry, connect_redis
+from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
+from policyloop.state.progress import RunProgressStore
+from policyloop.weights.client import WeightClient
+from policyloop.weights.codec import WeightSet
+from policyloop.weights.library import WeightLibrary
+from policyloop.weights.push import VersionPusher
+from policyloop.weights.server import WeightServicer, start_weight_server
+from policyloop.weights.store import VersionStore
+from policyloop.weights.torch_io import weight_set
+from tests.helpers import eventually, stored, until
+
+openai = pytest.importorskip("openai")
+
+RUN, ENV, MODEL = "run-eval", "arith@v1", "policy"
+EVAL_TASKS = 24
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    from policyloop.models.bootstrap import bootstrap
+
+    return bootstrap()
+
+
+def version(model_dir: Path, number: int) -> WeightSet:
+    """The bootstrapped model's parameters with a little noise of their own per version (it keeps
+    answering some of the eval split right, so the counts compared below are not all zero)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(number)
+    return weight_set(number, {name: (p.detach() + 0.002 * torch.randn(p.shape, generator=generator)).contiguous()
+                               for name, p in model.named_parameters()})
+
+
+def environment() -> loop_pb2.Environment:
+    problems = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), EVAL_TASKS, seed=3)
+    train = arithmetic.train_problems(arithmetic.ArithmeticConfig(), 4, seed=3)
+    return loop_pb2.Environment(
+        name="arith", version="v1", builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+        tasks=[loop_pb2.TaskSpec(prompt_text=p.prompt, answer=p.answer) for p in train],
+        eval_tasks=[loop_pb2.TaskSpec(prompt_text=p.prompt, answer=p.answer) for p in problems],
+        sampling=bus_pb2.SamplingParams(max_new_tokens=8), group_size=2)
+
+
+@dataclass
+class Loop:
+    pusher: VersionPusher
+    publisher: WeightClient
+    evals: EvalStore
+    stub: loop_pb2_grpc.LoopServiceStub
+    evaluator_engine: EmbeddedEngine
+    serving_engine: EmbeddedEngine
+    serving_ctx: ServiceContext
+    openai_url: str
+    gateway: str
+
+
+@pytest.fixture
+async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: ignore[no-untyped-def]
+               tmp_path: Path) -> AsyncIterator[Loop]:
+    from aiohttp import web
+    from transformers import AutoTokenizer
+
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    library = WeightLibrary(VersionStore(tmp_path / "store", retention=3), snapshot_every=4)
+    announcer = Announcer(bus)
+    server, port = await start_weight_server(WeightServicer(library, on_stored=announcer.announce),
+                                             host="127.0.0.1", port=0)
+    announcer.endpoint = f"127.0.0.1:{port}"
+    clients: dict[str, WeightClient] = {}
+
+    def publisher(endpoint: str) -> WeightClient:
+        return clients.setdefault(endpoint, WeightClient(endpoint, deadline_s=60))
+
+    runs, envs, evals = RunRegistry(raw, "t"), EnvironmentCatalog(raw, "t"), EvalStore(raw, "t")
+    await envs.put(ENV, environment())
+    await runs.create(RUN, loop_pb2.StartRunRequest(run_id=RUN, model=MODEL, environments=[
+        loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)]), 4)
+    promoter = Promoter(bus, runs, evals, publisher)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    evaluator_engine = await start_engine(model_dir, threads=1)
+    evaluator_client = SGLangClient(evaluator_engine.base_url, timeout_s=60)
+    settings = EvaluatorSettings(every_versions=2, promote="rule", model_path=model_dir, instance_id="eval-t")
+
+    async def no_sandbox(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+        raise AssertionError("the arithmetic verifier runs in process")
+
+    evaluator = Evaluator(bus, runs, envs, evals, PinnedEngine(evaluator_client, publisher, tmp_path / "eval",
+                                                               model_dir),
+                          tokenizer, default_registry(no_sandbox), settings, promoter=promoter)
+    stop = asyncio.Event()
+    evaluating = asyncio.create_task(evaluator.run(stop))
+
+    servicer = LoopServicer(
+        GatewayStores(environments=envs, runs=runs, versions=VersionRegistry(redis_client, "t"),
+                      progress=RunProgressStore(redis_client, "t"), heartbeats=HeartbeatRegistry(redis_client, "t"),
+                      evals=evals, promotions=PromotionLog(bus)),
+        wake_feeder=asyncio.Event(), stop=stop, watch_poll_s=0.2, promoter=promoter)
+    grpc_server, _, grpc_port = await start_grpc_server(
+        [lambda s: loop_pb2_grpc.add_LoopServiceServicer_to_server(servicer, s)],
+        [loop_pb2.DESCRIPTOR.services_by_name["LoopService"].full_name], host="127.0.0.1", port=0)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}")
+
+    # A serving replica of the run: its engine follows the run's promotions, the OpenAI API in front.
+    serving_engine = await start_engine(model_dir, threads=1, weight_version="0")
+    serving_client = SGLangClient(serving_engine.base_url, timeout_s=60)
+    serving_settings = RolloutSettings(role="serving", serve_run=RUN, model_path=model_dir,
+                                       weights_dir=tmp_path / "serving", instance_id="serving-t")
+    serving_ctx = ServiceContext(name="rollout", settings=serving_settings, bus=bus, redis=redis_client)
+    follower = WeightFollower(serving_ctx, serving_settings, serving_client, status_pb2.RolloutStatus(),
+                              promoted_versions(RUN))
+    following = asyncio.create_task(follower.run())
+    runner = web.AppRunner(OpenAIApi(serving_client, tokenizer, bus, RUN).app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    openai_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    try:
+        yield Loop(VersionPusher(publisher(announcer.endpoint), MODEL), publisher(announcer.endpoint), evals,
+                   loop_pb2_grpc.LoopServiceStub(channel), evaluator_engine, serving_engine, serving_ctx, openai_url,
+                   f"127.0.0.1:{grpc_port}")
+    finally:
+        stop.set()
+        serving_ctx.stop.set()
+        await asyncio.wait_for(asyncio.gather(evaluating, following, return_exceptions=True), 60)
+        await runner.cleanup()
+        await channel.close()
+        await grpc_server.stop(None)
+        for client in (evaluator_client, serving_client, *clients.values()):
+            await client.close()
+        await evaluator_engine.stop()
+        await serving_engine.stop()
+        await server.stop(None)
+        await library.drain()
+        await raw.aclose()
+
+
+async def passed_by_hand(engine: EmbeddedEngine, tokenizer, env: loop_pb2.Environment) -> int:  # type: ignore[no-untyped-def]
+    """The eval split scored directly: greedy answers of what the engine serves, the arithmetic verifier."""
+    client = SGLangClient(engine.base_url, timeout_s=60)
+    eos = tokenizer.eos_token_id
+    try:
+        passed = 0
+        for spec in env.eval_tasks:
+            result = await client.generate(GenerateRequest(
+                input_ids=tokenizer(spec.prompt_text, add_special_tokens=False).input_ids,
+                sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(eos,))))
+            text = tokenizer.decode([t for t in result.output_ids if t != eos], skip_special_tokens=True)
+            passed += arithmetic.score(text, result.finish_reason == "stop", spec.answer).reward > 1.0
+        return passed
+    finally:
+        await client.close()
+
+
+@pytest.mark.timeout(300)
+async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes_what_the_endpoint_answers(
+        loop: Loop, bus: Bus, model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    versions = {n: version(model_dir, n) for n in range(1, 9)}
+    for n in (1, 2):
+        await loop.pusher.push(versions[n], step=n)
+
+    async def evaluated(*wanted: int) -> bool:
+        return {e.version for e in await loop.evals.all(RUN)} >= set(wanted)
+
+    await eventually(lambda: evaluated(2), timeout_s=180, what="version 2 evaluated")
+    for n in (3, 4):
+        await loop.pusher.push(versions[n], step=n)
+    await eventually(lambda: evaluated(4), timeout_s=180, what="version 4 evaluated")
+
+    # Every second version, scored on the 12 eval tasks with what the pinned engine produced.
+    results = await loop.evals.all(RUN)
+    assert [e.version for e in results] == [2, 4]
+    latest = results[-1]
+    assert loop.evaluator_engine.weight_version == "4"
+    by_hand = await passed_by_hand(loop.evaluator_engine, tokenizer, environment())
+    score = latest.environments[0]
+    assert by_hand > 0 and (score.environment, score.tasks, score.passed) == (ENV, EVAL_TASKS, by_hand)
+    assert latest.step == 4 and latest.best_version == 2 and not latest.regressed
+    assert score.pass_rate_low <= score.pass_rate <= score.pass_rate_high and score.pass_rate_high > 0
+    assert [e.version for e in await stored(bus, "EVALS", loop_pb2.VersionEval)] == [2, 4]
+
+    # Promoted by rule as they passed: the serving replica serves the newest, the publisher keeps both.
+    run = await loop.stub.GetRun(loop_pb2.GetRunRequest(run_id=RUN))
+    assert [e.version for e in run.evals] == [2, 4]
+    await until(lambda: loop.serving_ctx.policy_version == 4, timeout_s=120, what="version 4 served")
+    run = await loop.stub.GetRun(loop_pb2.GetRunRequest(run_id=RUN))
+    assert (run.promotion.version, run.promotion.sequence, run.promotion.previous_version) == (4, 2, 2)
+    assert run.promotion.reason.startswith("rule: ")
+    client = openai.AsyncOpenAI(base_url=loop.openai_url, api_key="unused", max_retries=0)
+    answer = await client.completions.create(model=RUN, prompt="12+34=", max_tokens=3, temperature=0)
+    assert answer.system_fingerprint == "weights-4"
+
+    # Training goes on past the publisher's retention (3): the promoted versions stay.
+    for n in range(5, 9):
+        await loop.pusher.push(versions[n], step=n)
+    await eventually(lambda: evaluated(6, 8), timeout_s=180, what="versions 6 and 8 evaluated")
+    await until(lambda: loop.serving_ctx.policy_version == 8, timeout_s=120, what="version 8 promoted and served")
+    held = {v.version: v.kept for v in await loop.publisher.list_versions(MODEL)}
+    assert held[2] and held[4] and 3 not in held and 5 not in held
+
+    # A rollback (to the version promoted before the current one) changes what the endpoint answers.
+    rolled = await loop.stub.RollbackVersion(loop_pb2.RollbackVersionRequest(run_id=RUN, reason="bad answers"))
+    assert rolled.version == 6 and rolled.previous_version == 8 and rolled.reason == "rollback: bad answers"
+    back = await loop.stub.RollbackVersion(loop_pb2.RollbackVersionRequest(run_id=RUN, version=2))
+    assert back.version == 2
+    await until(lambda: loop.serving_ctx.policy_version == 2, timeout_s=120, what="version 2 served again")
+    answer = await client.completions.create(model=RUN, prompt="12+34=", max_tokens=3, temperature=0)
+    assert answer.system_fingerprint == "weights-2"
+    assert loop.serving_engine.weight_version == "2" and serves(loop.serving_engine, versions[2])
+
+    # By hand: a named version; the refusals name the field.
+    promoted = await loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=8, reason="ok"))
+    assert promoted.version == 8 and promoted.reason == "ok"
+    await until(lambda: loop.serving_ctx.policy_version == 8, timeout_s=120, what="version 8 served")
+    await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=3)),
+                  grpc.StatusCode.NOT_FOUND, "version")
+    await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=-1)),
+                  grpc.StatusCode.INVALID_ARGUMENT, "version")
+    await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id="nope", version=2)),
+                  grpc.StatusCode.NOT_FOUND, "run_id")
+    flagged = await loop.evals.get(RUN, 6)
+    assert flagged is not None
+    flagged.regressed = True  # as the rule flags a version below the best by more than its interval
+    await loop.evals.put(flagged)
+    await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=6)),
+                  grpc.StatusCode.FAILED_PRECONDITION, "regressed")
+    forced = await loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=6, force=True))
+    assert forced.version == 6
+
+    listed = await loop.stub.ListVersions(loop_pb2.ListRunVersionsRequest(run_id=RUN))
+    rows = {row.version: row for row in listed.versions}
+    assert listed.promotion.version == 6 and rows[6].serving and not rows[8].serving
+    assert {v for v, row in rows.items() if row.HasField("eval")} == {2, 4, 6, 8}
+    assert rows[2].kept and rows[4].kept and list(rows[2].promotions) == [1, 6]
+    assert [p.sequence for p in await PromotionLog(bus).history(RUN)] == list(range(1, 9))
+
+    # The same through the CLI.
+    rolled_back = json.loads(await cli("versions", "rollback", RUN, "--version", "4", "--gateway", loop.gateway))
+    assert rolled_back["version"] == "4" and rolled_back["previousVersion"] == "6"
+    lines = (await cli("versions", "list", RUN, "--gateway", loop.gateway)).splitlines()
+    assert any(line.startswith("v4 ") and "SERVING" in line and "pass" in line for line in lines), lines
+    assert any(line.startswith("v6 ") and "REGRESSED" in line for line in lines), lines
+    await client.close()
+
+
+async def cli(*args: str) -> str:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "policyloop", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    assert proc.returncode == 0, out.decode()
+    return out.decode()
+
+
+async def refused(call, code: grpc.StatusCode, names: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call
+    assert caught.value.code() == code and names in (caught.value.details() or ""), caught.value.details()
+
+
+def serves(engine: EmbeddedEngine, weights: WeightSet) -> bool:
+    served = engine.served.parameters()
+    return all(torch.equal(served[name].contiguous().view(torch.uint8).reshape(-1),
+                           torch.frombuffer(bytearray(t.data), dtype=torch.uint8))
+               for name, t in weights.tensors.items())
