@@ -613,6 +613,56 @@ def env_submit(
     print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "created": reply.created}))
 
 
+@env_app.command("from-traces")
+def env_from_traces(
+    model: Annotated[str, typer.Option(help="The served model's name whose traces to use (what callers pass).")],
+    name: Annotated[str, typer.Option(help="Name of the environment to submit.")],
+    version: Annotated[str, typer.Option(help="Its version.")] = "v1",
+    min_reward: Annotated[float, typer.Option(
+        help="A response becomes the reference answer when its newest feedback reward is at least this "
+             "(a correction always does).")] = 1.0,
+    eval_fraction: Annotated[float, typer.Option(help="Share of the prompts (by trace id) kept as the eval split.")]
+    = 0.2,
+    group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
+    temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
+    max_new_tokens: Annotated[int, typer.Option(help="Token budget of a sample (0: twice the longest reference).")]
+    = 0,
+    nats_url: Annotated[str | None, typer.Option(help="NATS of the cluster (default: the run directory's).")] = None,
+    gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
+) -> None:
+    """Make the serving endpoint's traces an RL environment: each served prompt (its exact token
+    ids) with its recorded outcome (a correction, or a response rewarded at least --min-reward) as
+    the reference an exact-answer verifier judges new samples against; submitted to the gateway."""
+    from policyloop.bus import Bus
+    from policyloop.cluster.local import ClusterError, ClusterInfo
+    from policyloop.serving.traces import environment_from_traces, read_exchanges
+
+    if not nats_url:
+        try:
+            nats_url = ClusterInfo.load(run_dir).nats_url
+        except ClusterError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from exc
+
+    async def build():  # type: ignore[no-untyped-def]
+        bus = await Bus.connect(nats_url, name="policyloop-env-from-traces")
+        try:
+            return environment_from_traces(await read_exchanges(bus, model), name, version, min_reward=min_reward,
+                                           eval_fraction=eval_fraction, group_size=group_size,
+                                           temperature=temperature, max_new_tokens=max_new_tokens)
+        finally:
+            await bus.close()
+
+    env = asyncio.run(build())
+    if not env.tasks:
+        console.print(f"[red]no trace of {model} has an outcome to learn from[/red] (a correction, or a reward of "
+                      f"at least {min_reward}); {len(env.eval_tasks)} went to the eval split")
+        raise typer.Exit(1)
+    reply = _with_gateway(gateway, run_dir, token, lambda client: client.submit(env))
+    print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "eval_tasks": len(env.eval_tasks),
+                      "created": reply.created}))
+
+
 @run_app.command("start")
 def run_start(
     env: Annotated[list[str], typer.Option(help="name@version[=weight], once per environment of the mix.")],

@@ -19,8 +19,9 @@ from policyloop.bus import Bus
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.gateway.validation import validate_environment
 from policyloop.serving.openai_api import OpenAIApi
-from policyloop.serving.traces import export_sft, read_exchanges
+from policyloop.serving.traces import environment_from_traces, export_sft, read_exchanges
 
 openai = pytest.importorskip("openai")
 
@@ -128,5 +129,16 @@ async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_beco
         == chat_ids
     assert rewarded[text.id.removeprefix("cmpl-")]["feedback"][0]["correction"] == "11"
     assert export_sft(exchanges, tmp_path / "best.jsonl", min_reward=0.5) == 1
+
+    # The traces as an RL environment: each prompt's exact ids, judged against its recorded outcome.
+    env = environment_from_traces(exchanges, "served", "v1", min_reward=0.5, eval_fraction=0.0)
+    answers = {task.metadata["trace_id"]: task for task in env.tasks}
+    corrected = answers[text.id.removeprefix("cmpl-")]
+    assert corrected.answer == "11" and corrected.metadata["weights_version"] == "3"  # the correction
+    assert list(corrected.prompt_token_ids) == tokenizer("5+6=", add_special_tokens=False).input_ids
+    assert later.id.removeprefix("cmpl-") not in answers  # no feedback: no outcome to learn from
+    validate_environment(env)
+    held_out = environment_from_traces(exchanges, "served", "v1", min_reward=0.5, eval_fraction=1.0)
+    assert not held_out.tasks and len(held_out.eval_tasks) == len(env.tasks)
     await client.close()
     await asyncio.sleep(0)

@@ -1,6 +1,7 @@
 """Traces as training data: every trace of a served model with the feedback on it, read back from
 TRACES and FEEDBACK, and written as JSON lines for supervised fine-tuning (the exact token ids,
-so nothing is re-tokenized), optionally only those whose feedback clears a bar."""
+so nothing is re-tokenized), optionally only those whose feedback clears a bar; or made an RL
+environment whose verifier judges new samples against the recorded outcomes."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import xxhash
 from google.protobuf.json_format import MessageToDict
 
 from policyloop.bus import Bus
 from policyloop.bus.topology import SUBJECT_PREFIX, subject_token
-from policyloop.contracts.v1 import serving_pb2
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, serving_pb2
 
 
 @dataclass
@@ -66,3 +68,51 @@ def export_sft(exchanges: Iterable[TracedExchange], path: Path, *, min_reward: f
         for exchange in kept:
             out.write(json.dumps(sft_record(exchange)) + "\n")
     return len(kept)
+
+
+def reference_answer(exchange: TracedExchange, min_reward: float) -> str | None:
+    """What a new sample of the exchange's prompt is judged against: the newest correction, else
+    the response itself when its newest reward is at least `min_reward`; None when neither."""
+    ordered = sorted(exchange.feedback, key=lambda f: f.created_unix_ms)
+    corrections = [f.correction.strip() for f in ordered if f.correction.strip()]
+    if corrections:
+        return corrections[-1]
+    reward = exchange.reward
+    if reward is not None and reward >= min_reward and exchange.trace.response_text.strip():
+        return exchange.trace.response_text.strip()
+    return None
+
+
+def in_eval_split(trace_id: str, fraction: float) -> bool:
+    """A stable split by the trace id's hash: the same in every process and on every machine."""
+    return xxhash.xxh64_intdigest(trace_id.encode()) / 2**64 < fraction
+
+
+def environment_from_traces(exchanges: Iterable[TracedExchange], name: str, version: str, *,
+                            min_reward: float = 1.0, eval_fraction: float = 0.2, group_size: int = 8,
+                            temperature: float = 1.0, max_new_tokens: int = 0) -> loop_pb2.Environment:
+    """An RL environment of the served prompts: each prompt (the exact token ids the engine read)
+    with its recorded outcome as the reference an exact-answer verifier judges new samples
+    against (a correction, or a response rewarded at least `min_reward`). Exchanges without
+    either are left out; a prompt seen again keeps its newest outcome. `eval_fraction` of the
+    prompts (by trace id) become the eval split. max_new_tokens 0: twice the longest reference
+    response, at least 8."""
+    by_prompt: dict[tuple[int, ...], tuple[TracedExchange, str]] = {}
+    for exchange in exchanges:
+        answer = reference_answer(exchange, min_reward)
+        if answer is not None and exchange.trace.prompt_token_ids:
+            by_prompt[tuple(exchange.trace.prompt_token_ids)] = (exchange, answer)
+    env = loop_pb2.Environment(
+        name=name, version=version, group_size=group_size,
+        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+        sampling=bus_pb2.SamplingParams(temperature=temperature))
+    longest = 0
+    for exchange, answer in by_prompt.values():
+        trace = exchange.trace
+        longest = max(longest, len(trace.response_token_ids))
+        task = loop_pb2.TaskSpec(prompt_token_ids=trace.prompt_token_ids, prompt_text=trace.prompt_text,
+                                 answer=answer, metadata={"trace_id": trace.trace_id,
+                                                          "weights_version": trace.weights_version})
+        (env.eval_tasks if in_eval_split(trace.trace_id, eval_fraction) else env.tasks).append(task)
+    env.sampling.max_new_tokens = max_new_tokens or max(8, 2 * longest)
+    return env
