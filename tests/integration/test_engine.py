@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -522,7 +523,7 @@ async def test_abort_request(engine: EmbeddedEngine, client: SGLangClient) -> No
     ({"input_ids": [4], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", 400),
     ({"input_ids": [4], "sampling_params": {"stop_token_ids": [1, "x"]}}, "sampling_params.stop_token_ids", 400),
     ({"input_ids": [4], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty", 400),
-    ({"input_ids": [4], "stream": True}, "stream", 400),
+    ({"input_ids": [[4], [5]], "stream": True}, "stream", 400),  # a batch is answered whole
 ])
 async def test_invalid_generate_requests_get_sglangs_refusal_naming_the_field(
         engine: EmbeddedEngine, payload: dict, field: str, status: int) -> None:
@@ -644,3 +645,28 @@ async def test_a_batch_answer_that_does_not_match_its_requests_is_an_error() -> 
             assert [r.rid for r in await client.generate_batch(requests)] == ["a", "b"]
     finally:
         await runner.cleanup()
+
+
+async def test_a_streamed_generation_sends_everything_so_far_after_each_step_and_ends_with_the_answer(
+        engine: EmbeddedEngine, client: SGLangClient) -> None:
+    """SGLang's default streaming: server-sent events, each with every output id so far and
+    finish_reason null, the last with the whole answer, then [DONE]; the tokens are the unstreamed ones."""
+    body = {"input_ids": [4, 5], "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+            "return_logprob": True}
+    async with aiohttp.ClientSession() as session, session.post(engine.base_url + "/generate",
+                                                                 json={**body, "stream": True}) as response:
+        assert response.status == 200 and response.headers["Content-Type"].startswith("text/event-stream")
+        raw = (await response.read()).decode()
+    events = [line.removeprefix("data: ") for line in raw.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    whole = await client.generate(GenerateRequest.from_json(body))
+    # Steps that finish while a chunk is being written go out together: fewer chunks, never a gap.
+    sizes = [len(c["output_ids"]) for c in chunks]
+    assert sizes == sorted(set(sizes)) and sizes[-1] == 5 and len(chunks) >= 2
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["output_ids"] == whole.output_ids and chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["output_ids"] == whole.output_ids[:len(c["output_ids"])] for c in chunks)
+    streamed = [event async for event in client.generate_stream(GenerateRequest.from_json(body))]
+    assert streamed[-1].output_ids == whole.output_ids and streamed[-1].output_logprobs == whole.output_logprobs
+    assert all(s.output_ids == whole.output_ids[:len(s.output_ids)] for s in streamed)

@@ -110,12 +110,33 @@ async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_beco
     # Refusals in OpenAI's shape, which the client raises.
     with pytest.raises(openai.NotFoundError, match="this endpoint serves"):
         await client.completions.create(model="other", prompt="1+1=", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="stream"):
-        await client.completions.create(model=SERVED, prompt="1+1=", max_tokens=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="n"):
+        await client.completions.create(model=SERVED, prompt="1+1=", max_tokens=2, n=2)
+
+    # Streamed: the chunks add up to what the engine produced, and the trace is the same as unstreamed.
+    streamed = await client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "12+34="}], max_tokens=4, temperature=0, logprobs=True,
+        stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in streamed]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_logprobs = [lp.token for c in chunks if c.choices and c.choices[0].logprobs
+                         for lp in c.choices[0].logprobs.content]
+    assert content == tokenizer.decode(chat_ids, skip_special_tokens=True)
+    assert streamed_logprobs == [tokenizer.decode([t]) for t in chat_ids]
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == len(chat_ids) and chunks[-1].system_fingerprint == "weights-4"
+    text_stream = await client.completions.create(model=SERVED, prompt="5+6=", max_tokens=3, temperature=0,
+                                                  stream=True)
+    text_chunks = [c async for c in text_stream]
+    assert "".join(c.choices[0].text for c in text_chunks) == text.choices[0].text
 
     exchanges = await read_exchanges(bus, SERVED)
     by_id = {e.trace.trace_id: e for e in exchanges}
-    assert len(exchanges) == 3
+    assert len(exchanges) == 5
+    streamed_trace = by_id[chunks[0].id.removeprefix("chatcmpl-")].trace
+    assert list(streamed_trace.response_token_ids) == chat_ids and streamed_trace.weights_version == "4"
+    assert list(streamed_trace.prompt_token_ids) == list(chat_prompt)
     chat_trace = by_id[chat.id.removeprefix("chatcmpl-")].trace
     assert list(chat_trace.prompt_token_ids) == list(chat_prompt) and list(chat_trace.response_token_ids) == chat_ids
     assert chat_trace.weights_version == "3" and [m.content for m in chat_trace.messages] == ["12+34="]
@@ -123,7 +144,7 @@ async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_beco
 
     written = export_sft(exchanges, tmp_path / "sft.jsonl")
     lines = [json.loads(line) for line in (tmp_path / "sft.jsonl").read_text().splitlines()]
-    assert written == 3 and [line["trace_id"] for line in lines] == [e.trace.trace_id for e in exchanges]
+    assert written == 5 and [line["trace_id"] for line in lines] == [e.trace.trace_id for e in exchanges]
     rewarded = {line["trace_id"]: line for line in lines}
     assert rewarded[chat_trace.trace_id]["reward"] == 1.0 and rewarded[chat_trace.trace_id]["response_token_ids"] \
         == chat_ids

@@ -75,7 +75,7 @@ def generate(**fields: Any) -> dict[str, Any]:
     (generate(frobnicate=1), "frobnicate", 400),
     (generate(sampling_params={"temprature": 0.5}), "sampling_params.temprature", 400),
     # SGLang features the embedded engine lacks, when they are on.
-    (generate(stream=True), "stream", 400),
+    (generate(stream=[True]), "stream", 422),
     (generate(logprob_start_len=-2), "logprob_start_len", 400),
     (generate(sampling_params={"frequency_penalty": 0.5}), "sampling_params.frequency_penalty", 400),
     (generate(sampling_params={"n": 2}), "sampling_params.n", 400),
@@ -269,7 +269,7 @@ def test_a_batch_body_splits_into_requests_and_back() -> None:
     ({"input_ids": [[4], [5]], "rid": ["x", "x"]}, "rid", "must differ"),
     ({"input_ids": [[4], [5]], "sampling_params": [{}, {"temperature": -1}]}, "sampling_params.temperature",
      "prompt 1"),
-    ({"input_ids": [[4], [5]], "stream": True}, "stream", "prompt 0"),
+    ({"input_ids": [[4], [5]], "stream": True}, "stream", "a batch is answered whole"),
 ])
 def test_a_batch_body_is_refused_naming_the_field_and_the_prompt(body: dict, field: str, words: str) -> None:
     from policyloop.engines.protocol import split_generate_batch

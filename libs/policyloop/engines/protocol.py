@@ -21,6 +21,10 @@ behaviour:
                    "output_token_logprobs": [[logprob, token_id, text | null], ...],  # return_logprob
                    "e2e_latency": float}}
 
+With `"stream": true` (one prompt) it answers server-sent events instead: a `data: <object>`
+event with everything so far (the ids, text and meta_info above, `finish_reason` null until the
+last) after each decode step, then `data: [DONE]` (SGLang's default, non-incremental streaming).
+
 `weight_versions` are spans over output token indices (end exclusive, contiguous, the first
 starts at 0, the last ends at completion_tokens; a request with no output has one empty span)
 and `weight_version` is the version of the last span. An aborted request still answers 200 with
@@ -326,7 +330,7 @@ _GENERATE_UNSUPPORTED: dict[str, Any] = {
     "mm_hashes": None, "mm_content_hashes": None, "use_audio_in_video": False, "video_config": None,
     "watermark": None, "top_logprobs_num": 0, "token_ids_logprob": None, "return_sampling_mask": False,
     "sampling_logprobs_mode": None, "return_flat_raw_top_logprobs": False,
-    "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False, "stream": False,
+    "return_flat_raw_output_top_logprobs": False, "return_flat_raw_top_logprobs_b64": False,
     "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
     "return_indexer_topk": False, "modalities": None, "session_params": None,
     "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
@@ -361,6 +365,9 @@ class GenerateRequest(_Request):
     lora_path: Annotated[str, Field(min_length=1), _LIST_BATCH] | None = _default_unsent(None)
     # From which prompt position input_token_logprobs are returned (with return_logprob); -1: none.
     logprob_start_len: Annotated[int, Field(ge=-1), _LIST_BATCH] = _default_unsent(-1)
+    # Server-sent events: a chunk with everything so far (ids, text, meta_info) after each step,
+    # finish_reason null until the last, then `data: [DONE]` (SGLang's default, non-incremental form).
+    stream: bool = _default_unsent(False)
 
     @model_validator(mode="after")
     def _one_prompt(self) -> Self:
@@ -400,6 +407,8 @@ def split_generate_batch(body: Mapping[str, Any]) -> list[GenerateRequest]:
         raise RequestError(prompts_field, f"at most {MAX_BATCH_PROMPTS} prompts in one batch, got {len(prompts)}")
     if isinstance(body.get("rid"), str):
         raise RequestError("rid", "a batch needs a list of rids, one per prompt")
+    if body.get("stream"):
+        raise RequestError("stream", "a batch is answered whole: stream one prompt per request")
     shared = {name: value for name, value in body.items() if name != prompts_field and name not in BATCH_ITEM_FIELDS}
     per_item: dict[str, list[Any]] = {}
     for name in BATCH_ITEM_FIELDS:

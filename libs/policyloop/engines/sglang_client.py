@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -114,6 +114,15 @@ class EngineLoad:
         return cls(**found)
 
 
+@dataclass(frozen=True)
+class StreamedTokens:
+    """A streamed /generate's progress: every output id so far, and the weights that made the last."""
+
+    output_ids: list[int]
+    weight_version: str
+    output_logprobs: list[float] | None = None  # with return_logprob
+
+
 class SGLangClient:
     def __init__(self, base_url: str, timeout_s: float = 600.0, retries: int = 3, *, backoff_s: float = 0.2,
                  max_backoff_s: float = 5.0, trace_configs: Sequence[aiohttp.TraceConfig] = ()) -> None:
@@ -198,6 +207,42 @@ class SGLangClient:
             return GenerateResult.from_json(self._json("/generate", status, body))
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             raise EngineProtocolError(f"/generate: unexpected answer ({exc})", status, body) from exc
+
+    async def generate_stream(self, req: GenerateRequest) -> AsyncIterator[StreamedTokens | GenerateResult]:
+        """/generate with stream: what the engine has produced so far after each step
+        (StreamedTokens, cumulative), then the whole answer (GenerateResult). Not retried: a
+        stream that breaks raises EngineUnavailable."""
+        payload = {**req.to_json(), "stream": True}
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        try:
+            async with self._client().post(self.base_url + "/generate", json=payload, timeout=timeout) as response:
+                if response.status >= 400:
+                    self._raise_for_status("POST", "/generate", response.status, await response.text())
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data:"):
+                        continue
+                    data = line.removeprefix("data:").strip()
+                    if data == "[DONE]":
+                        return
+                    chunk = self._json("/generate", response.status, data)
+                    if isinstance(chunk, dict) and "error" in chunk:
+                        raise EngineError(f"POST /generate: {error_message(chunk) or data[:500]}", 500, data)
+                    try:
+                        meta = chunk["meta_info"]
+                        if meta.get("finish_reason") is None:
+                            logprobs = meta.get("output_token_logprobs")
+                            yield StreamedTokens(output_ids=list(chunk["output_ids"]),
+                                                 weight_version=str(meta.get("weight_version") or ""),
+                                                 output_logprobs=None if logprobs is None else
+                                                 [float(entry[0]) for entry in logprobs])
+                        else:
+                            yield GenerateResult.from_json(chunk)
+                    except (ValueError, KeyError, TypeError, IndexError) as exc:
+                        raise EngineProtocolError(f"/generate: unexpected stream event ({exc})", response.status,
+                                                  data) from exc
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineUnavailable(f"POST /generate: the stream from {self.base_url} broke ({exc!r})") from exc
 
     async def generate_batch(self, requests: Sequence[GenerateRequest]) -> list[GenerateResult]:
         """Several prompts in one /generate call (SGLang's batch form), answered in order. The

@@ -7,6 +7,7 @@ the response's id, which is what `/v1/feedback` takes. Errors have OpenAI's shap
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -19,7 +20,7 @@ from policyloop.bus import Bus
 from policyloop.bus.topology import feedback_subject, trace_subject
 from policyloop.contracts.v1 import serving_pb2
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
-from policyloop.engines.sglang_client import EngineError, SGLangClient
+from policyloop.engines.sglang_client import EngineError, SGLangClient, StreamedTokens
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -38,6 +39,12 @@ class ApiError(Exception):
                                             "code": None}}, status=self.status)
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
 class _Sampling(BaseModel):
     """The sampling fields both endpoints take (others OpenAI defines are refused by name)."""
 
@@ -50,7 +57,8 @@ class _Sampling(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0)
     n: Literal[1] = 1
-    stream: Literal[False] = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     user: str | None = None
 
 
@@ -70,7 +78,7 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         param = ".".join(str(p) for p in error["loc"]) or None
-        hint = {"stream": " (streaming is not served yet)", "n": " (one choice per request)"}.get(param or "", "")
+        hint = {"n": " (one choice per request)"}.get(param or "", "")
         raise ApiError(f"{param}: {error['msg']}{hint}", param) from None
 
 
@@ -117,13 +125,15 @@ class OpenAIApi:
             raise ApiError(f"model: this endpoint serves {self.served_model!r}, not {name!r}", "model", 404,
                            "not_found_error")
 
-    async def _completions(self, request: web.Request) -> web.Response:
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
         parsed: CompletionRequest = _parse(CompletionRequest, await self._body(request))
         self._check_model(parsed.model)
         if isinstance(parsed.prompt, str):
             prompt_ids = list(self.tokenizer(parsed.prompt, add_special_tokens=False).input_ids)
         else:
             prompt_ids = list(parsed.prompt)
+        if parsed.stream:
+            return await self._stream(request, parsed, prompt_ids, "completions", [])
         trace, result = await self._generate(parsed, prompt_ids, "completions", [])
         choice: dict[str, Any] = {"index": 0, "text": trace.response_text, "finish_reason": trace.finish_reason,
                                   "logprobs": None}
@@ -133,7 +143,7 @@ class OpenAIApi:
                                   "text_offset": None}
         return web.json_response(self._answer(trace, "text_completion", choice))
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         parsed: ChatRequest = _parse(ChatRequest, await self._body(request))
         self._check_model(parsed.model)
         messages = []
@@ -147,6 +157,8 @@ class OpenAIApi:
         prompt_text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
                                                          add_generation_prompt=True, tokenize=False)
         prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+        if parsed.stream:
+            return await self._stream(request, parsed, prompt_ids, "chat.completions", messages)
         trace, result = await self._generate(parsed, prompt_ids, "chat.completions", messages)
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": trace.response_text},
                                   "finish_reason": trace.finish_reason, "logprobs": None}
@@ -159,17 +171,25 @@ class OpenAIApi:
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    async def _generate(self, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
-                        messages: list[serving_pb2.ChatMessage]) -> tuple[serving_pb2.Trace, GenerateResult]:
+    def _engine_request(self, parsed: _Sampling, prompt_ids: list[int], trace_id: str) -> GenerateRequest:
         if not prompt_ids:
             raise ApiError("prompt: empty", "prompt")
-        trace_id = uuid.uuid4().hex
         max_tokens = parsed.max_completion_tokens or parsed.max_tokens or self.default_max_tokens
         params = SamplingParams(max_new_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p)
         if parsed.seed is not None:
             params = params.model_copy(update={"sampling_seed": parsed.seed})
-        result = await self.engine.generate(GenerateRequest(input_ids=prompt_ids, rid=trace_id, return_logprob=True,
-                                                            sampling_params=params))
+        return GenerateRequest(input_ids=prompt_ids, rid=trace_id, return_logprob=True, sampling_params=params)
+
+    async def _generate(self, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
+                        messages: list[serving_pb2.ChatMessage]) -> tuple[serving_pb2.Trace, GenerateResult]:
+        trace_id = uuid.uuid4().hex
+        result = await self.engine.generate(self._engine_request(parsed, prompt_ids, trace_id))
+        return await self._record(parsed, prompt_ids, endpoint, messages, trace_id, result), result
+
+    async def _record(self, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
+                      messages: list[serving_pb2.ChatMessage], trace_id: str,
+                      result: GenerateResult) -> serving_pb2.Trace:
+        """The exchange as a Trace on TRACES (stored before the answer, or its last chunk, leaves)."""
         trace = serving_pb2.Trace(
             trace_id=trace_id, model=self.served_model, endpoint=endpoint, messages=messages,
             prompt_text=self.tokenizer.decode(prompt_ids, skip_special_tokens=False),
@@ -182,7 +202,71 @@ class OpenAIApi:
             weights_spans=[serving_pb2.WeightsSpan(version=s.version, start=s.start, end=s.end)
                            for s in result.weight_versions or []])
         await self.bus.publish(trace_subject(self.served_model, trace_id), trace, f"trace-{trace_id}")
-        return trace, result
+        return trace
+
+    async def _stream(self, request: web.Request, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
+                      messages: list[serving_pb2.ChatMessage]) -> web.StreamResponse:
+        """stream: server-sent events in OpenAI's chunk shapes, a chunk per engine step that
+        completes text; the trace is stored before the last chunk, then [DONE]."""
+        trace_id = uuid.uuid4().hex
+        engine_request = self._engine_request(parsed, prompt_ids, trace_id)
+        chat = endpoint == "chat.completions"
+        asked = getattr(parsed, "logprobs", None)
+        want_logprobs = asked is True if chat else asked is not None  # completions: logprobs 0
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        created = int(time.time())
+        sent_text, sent_ids, version = "", 0, ""
+
+        async def send(payload: dict[str, Any]) -> None:
+            await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+
+        def chunk(delta_text: str, ids: list[int], logprobs: list[float], finish: str | None) -> dict[str, Any]:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+            if chat:
+                choice["delta"] = {"content": delta_text} | ({"role": "assistant"} if sent_ids == 0 else {})
+                if want_logprobs:
+                    choice["logprobs"] = {"content": [{"token": self._piece(t), "logprob": lp, "bytes": None,
+                                                       "top_logprobs": []} for t, lp in zip(ids, logprobs,
+                                                                                             strict=True)]}
+            else:
+                choice["text"] = delta_text
+                if want_logprobs:
+                    choice["logprobs"] = {"tokens": [self._piece(t) for t in ids], "token_logprobs": logprobs,
+                                          "top_logprobs": None, "text_offset": None}
+            return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{trace_id}",
+                    "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
+                    "model": self.served_model, "system_fingerprint": f"weights-{version}", "choices": [choice]}
+
+        try:
+            async for event in self.engine.generate_stream(engine_request):
+                version = event.weight_version
+                final = None if isinstance(event, StreamedTokens) else event
+                text = self.tokenizer.decode(event.output_ids, skip_special_tokens=True)
+                if final is None and (text.endswith("\ufffd") or not text.startswith(sent_text)):
+                    continue  # a character cut in two: wait for the rest of its bytes
+                new_ids = event.output_ids[sent_ids:]
+                new_logprobs = list((event.output_logprobs or [])[sent_ids:])
+                if final is not None:
+                    trace = await self._record(parsed, prompt_ids, endpoint, messages, trace_id, final)
+                    delta = trace.response_text[len(sent_text):] if trace.response_text.startswith(sent_text) \
+                        else trace.response_text
+                    await send(chunk(delta, new_ids, new_logprobs, trace.finish_reason))
+                    options = parsed.stream_options
+                    if options is not None and options.include_usage:
+                        usage = self._answer(trace, "chat.completion" if chat else "text_completion", {})["usage"]
+                        await send(chunk("", [], [], None) | {"choices": [], "usage": usage})
+                    break
+                if text == sent_text:
+                    continue  # no new text yet (a special token): its ids go with the next chunk
+                await send(chunk(text[len(sent_text):], new_ids, new_logprobs, None))
+                sent_text, sent_ids = text, len(event.output_ids)
+        except EngineError as exc:
+            await send({"error": {"message": f"the engine failed: {exc}", "type": "server_error", "param": None,
+                                  "code": None}})
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     def _answer(self, trace: serving_pb2.Trace, kind: str, choice: dict[str, Any]) -> dict[str, Any]:
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"

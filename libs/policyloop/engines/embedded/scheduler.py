@@ -61,6 +61,7 @@ class EngineRequest:
     finish: FinishReason | None = None
     abort_message: str | None = None  # set on the event loop; the scheduler ends the row
     error: BaseException | None = None
+    progress: asyncio.Event | None = None  # streamed requests: set after each step that gave it a token
 
     def add_token(self, token: int, logprob: float, version: str) -> None:
         self.output_ids.append(token)
@@ -325,7 +326,11 @@ class Scheduler:
                 wave = self.wave = await self.compute(self._prefill, wave.requests)
                 continue
             else:
+                stepped = wave.requests  # the step replaces the list as rows finish
                 finished = await self.compute(self._step, wave, True)
+                for req in stepped:
+                    if req.progress is not None:
+                        req.progress.set()
             for req in finished:
                 self.complete(req)
 

@@ -221,6 +221,8 @@ class EmbeddedEngine:
         in_flight = [r.rid for r in reqs if r.rid in self.scheduler.requests]
         if in_flight:
             return _refusal(f"rid: a request with id {in_flight[0]!r} is already in flight")
+        if not batch and parsed[0].stream:
+            return await self._generate_stream(request, reqs[0], started)
         try:
             for req in reqs:
                 self.scheduler.admit(req)
@@ -238,6 +240,38 @@ class EmbeddedEngine:
             return _refusal(f"generation failed: {failed.error!r}", 500)
         answers = [self._response(r, time.perf_counter() - started) for r in reqs]
         return web.json_response(answers if batch else answers[0])
+
+    async def _generate_stream(self, request: web.Request, req: EngineRequest, started: float) -> web.StreamResponse:
+        """Server-sent events: everything so far after each step that added tokens, the full
+        answer last, then [DONE]. A client that leaves aborts the request."""
+        req.progress = asyncio.Event()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sent = 0
+        try:
+            self.scheduler.admit(req)
+            while not req.future.done():
+                waiter = asyncio.ensure_future(req.progress.wait())
+                await asyncio.wait({waiter, req.future}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                req.progress.clear()
+                if len(req.output_ids) > sent and not req.future.done():
+                    sent = len(req.output_ids)
+                    chunk = self._response(req, time.perf_counter() - started)
+                    chunk["meta_info"]["finish_reason"] = None
+                    await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+            if req.error is not None:
+                body = error_body(f"generation failed: {req.error!r}", 500)
+            else:
+                body = self._response(req, time.perf_counter() - started)
+            await response.write(b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n")
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+            self.scheduler.abort(req, "client disconnected")
+            raise
+        finally:
+            self.scheduler.requests.pop(req.rid, None)
+        await response.write_eof()
+        return response
 
     def _engine_request(self, parsed: GenerateRequest, started: float) -> EngineRequest:
         if parsed.lora_path is not None and parsed.lora_path not in self.served.adapters:
