@@ -20,5 +20,5 @@ python3 --version
 
 groupadd --system --gid 10001 policyloop
 useradd --system --uid 10001 --gid 10001 --home-dir /home/policyloop --create-home --shell /usr/sbin/nologin policyloop
-mkdir -p /models /data/weights /data/checkpoints /data/rollout-weights
-chown policyloop:policyloop /models /data/weights /data/checkpoints /data/rollout-weights
+mkdir -p /models /data/weights /data/checkpoints /data/rollout-weights /data/evaluator-weights
+chown policyloop:policyloop /models /data/weights /data/checkpoints /data/rollout-weights /data/evaluator-weights

@@ -219,6 +219,8 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
             where.append(f"gRPC 127.0.0.1:{ports['grpc']}")
         if "api" in ports:  # the tinker service: TINKER_BASE_URL
             where.append(f"Tinker API http://127.0.0.1:{ports['api']}")
+        if "openai" in ports:  # a serving replica: the OpenAI-compatible endpoint
+            where.append(f"OpenAI API http://127.0.0.1:{ports['openai']}/v1")
         where.append(f"http://127.0.0.1:{ports['http']}/metrics, /healthz")
         table.add_row(name, "; ".join(where))
     console.print(table)
@@ -245,6 +247,9 @@ def up(
         "--tinker-learner",
         help="Also start tinker-learner-0: the learner that trains the Tinker API's models (tinker=true), "
              "a second learner beside the RL one, which cannot serve Tinker too.")] = False,
+    serving_run: Annotated[str, typer.Option(
+        help="Also start serving-0: a serving replica of this run's promoted versions behind an "
+             "OpenAI-compatible endpoint (docs/evaluation.md).")] = "",
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cluster.local import LocalCluster
@@ -258,7 +263,7 @@ def up(
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
-                           tinker_learner=tinker_learner)
+                           tinker_learner=tinker_learner, serving_run=serving_run)
     stopping = False
 
     def request_stop(*_: object) -> None:
@@ -451,10 +456,19 @@ def demo(
         help=field_help(TrackerSettings, "kind") + " The learner's steps and the demo's held-out evaluations go "
              "to it, under RUN_DIR/tracking (other tracker settings: POLICYLOOP_TRACKER__*, docs/trackers.md).")]
         = field_default(TrackerSettings, "kind"),
+    production: Annotated[bool, typer.Option(
+        "--production", help="The whole production loop (docs/evaluation.md): train with the evaluator scoring "
+                             "versions and promoting by rule to a serving replica, send it scripted traffic with "
+                             "feedback, turn the traces into an environment and train a second run on it.")] = False,
+    traffic: Annotated[int, typer.Option(help="--production: requests the scripted client sends.")] = 96,
+    traces_budget_s: Annotated[float, typer.Option(help="--production: seconds of the run on the traces.")] = 150.0,
+    every_versions: Annotated[int, typer.Option(help="--production: the evaluator scores every this many versions.")]
+    = 20,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
-    before and after (summary.json and a plot). --tools: the multi-turn environment."""
+    before and after (summary.json and a plot). --tools: the multi-turn environment.
+    --production: evaluation, promotion, serving and traces, end to end."""
     from policyloop.cluster.demo import DemoConfig, run_demo
     from policyloop.engines.protocol import PAUSE_MODES
 
@@ -479,6 +493,15 @@ def demo(
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
+    if production:
+        from policyloop.cluster.demo_production import ProductionConfig, run_production_demo
+
+        if lora_rank or tools or tracker != "none":
+            console.print("[red]--production trains the full model, without --tools or --tracker[/red]")
+            raise typer.Exit(2)
+        config.run_dir = run_dir if run_dir != Path("runs/demo") else Path("runs/demo-production")
+        sys.exit(run_production_demo(ProductionConfig(loop=config, traffic=traffic, traces_budget_s=traces_budget_s,
+                                                      every_versions=every_versions), console=console))
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 

@@ -60,12 +60,13 @@ def test_compose_config_is_valid() -> None:
 GPU_PROFILE = {"sglang", "rollout-sglang"}
 OBSERVABILITY_PROFILE = {"prometheus", "grafana"}
 TINKER_PROFILE = {"tinker-learner"}
+SERVING_PROFILE = {"serving"}
 
 
 def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
     default = {name for name, service in config["services"].items() if not service.get("profiles")}
     assert default == {"nats", "redis", "models", *SERVICE_NAMES}
-    assert set(config["services"]) - default == GPU_PROFILE | OBSERVABILITY_PROFILE | TINKER_PROFILE
+    assert set(config["services"]) - default == GPU_PROFILE | OBSERVABILITY_PROFILE | TINKER_PROFILE | SERVING_PROFILE
 
 
 def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(config: dict[str, Any]) -> None:
@@ -254,6 +255,53 @@ def test_the_tinker_profile_adds_a_second_learner_that_trains_the_tinker_api(con
     checkpoints = env["POLICYLOOP_CHECKPOINT__DIR"]
     assert volume(tinker, checkpoints) != volume(learner, checkpoints)
     assert volume(tinker, "/models") == volume(learner, "/models")
+
+
+def test_the_serving_profile_adds_a_serving_replica_of_a_runs_promoted_versions(config: dict[str, Any]) -> None:
+    """`--profile serving`: a rollout replica with role=serving, started and wired like the
+    training replicas, that serves the run POLICYLOOP_SERVE_RUN names on an OpenAI-compatible API
+    published on this host only."""
+    from policyloop.cluster.catalogue import entry
+    from policyloop.rollout.settings import RolloutSettings
+
+    serving, rollout = config["services"]["serving"], config["services"]["rollout"]
+    assert serving["profiles"] == ["serving"]
+    assert serving["command"] == rollout["command"] == ["policyloop", *service_args(entry("rollout"))]
+    assert serving["image"] == rollout["image"] and serving["build"]["target"] == "torch"
+    env, training = _environment(serving), _environment(rollout)
+    own = {"POLICYLOOP_ROLE", "POLICYLOOP_SERVE_RUN", "POLICYLOOP_OPENAI_HOST", "POLICYLOOP_OPENAI_PORT"}
+    assert env["POLICYLOOP_ROLE"] == "serving" and "POLICYLOOP_ROLE" not in training
+    assert env["POLICYLOOP_SERVE_RUN"] and "POLICYLOOP_SERVE_RUN: ${POLICYLOOP_SERVE_RUN:-" in COMPOSE_FILE.read_text()
+    for variable in env:
+        if variable.startswith("POLICYLOOP_"):
+            assert setting_field(RolloutSettings, variable) is not None, variable
+    assert {k: v for k, v in env.items() if k not in own | {"POLICYLOOP_ADVERTISE_HOST"}} == \
+        {k: v for k, v in training.items() if k != "POLICYLOOP_ADVERTISE_HOST"}
+    assert serving["depends_on"] == rollout["depends_on"] and serving.get("healthcheck", {}).get("test")
+    assert serving["volumes"] == rollout["volumes"]
+    # The API listens on every interface of the container, published on 127.0.0.1 only.
+    assert env["POLICYLOOP_OPENAI_HOST"] == "0.0.0.0"
+    [port] = serving["ports"]
+    if isinstance(port, str):  # short form: host_ip:published:target[/protocol]
+        host, _, target = port.split("/")[0].split(":")
+        port = {"host_ip": host, "target": target}
+    assert (port["host_ip"], str(port["target"])) == ("127.0.0.1", env["POLICYLOOP_OPENAI_PORT"]), port
+
+
+def test_directories_services_write_to_are_the_images_own(config: dict[str, Any]) -> None:
+    """The images make every data directory a service writes to (a named volume takes its
+    ownership from the image): without a volume, or before it is first mounted, the unprivileged
+    user could not create one under /data."""
+    setup = (REPO / "docker" / "os-setup.sh").read_text()
+    made = set(re.search(r"^mkdir -p (.+)$", setup, flags=re.MULTILINE).group(1).split())  # type: ignore[union-attr]
+    owned = set(re.search(r"^chown policyloop:policyloop (.+)$", setup,  # type: ignore[union-attr]
+                          flags=re.MULTILINE).group(1).split())
+    written = {(name, env[v]) for name, service in config["services"].items()
+               for env in [_environment(service)]
+               for v in ("POLICYLOOP_WEIGHTS_DIR", "POLICYLOOP_STORE_DIR", "POLICYLOOP_CHECKPOINT__DIR") if v in env}
+    assert {"evaluator", "rollout", "publisher", "learner"} <= {name for name, _ in written}
+    for name, directory in written:
+        assert directory in made and directory in owned, f"{name}: {directory} is not made for the policyloop user"
 
 
 def _stages() -> dict[str, str]:

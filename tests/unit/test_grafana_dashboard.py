@@ -47,7 +47,7 @@ LEDGER_ROWS = {
                                        "policyloop_bus_dead_lettered_total"],
 }
 # Each service's row: health (up and /healthz) for all; what is its own. Gateway, reward,
-# sandbox and tinker hold no policy version (they never set policyloop_policy_version).
+# sandbox, tinker and evaluator hold no policy version (they never set policyloop_policy_version).
 HOLDS_A_VERSION = {"rollout", "learner", "publisher"}
 SERVICE_ROWS = {
     "gateway": ['policyloop_grpc_requests_total{service="gateway"',
@@ -60,6 +60,7 @@ SERVICE_ROWS = {
     "learner": ['policyloop_learner_step_seconds_bucket{service="learner"', "policyloop_learner_step_stat"],
     "publisher": ['policyloop_grpc_requests_total{service="publisher"', "policyloop_weights_quarantined_total"],
     "tinker": ['policyloop_bus_published_total{service="tinker"'],
+    "evaluator": ['policyloop_bus_published_total{service="evaluator"'],
 }
 
 

@@ -4,9 +4,9 @@ Each overlay is rendered with `kubectl kustomize` and every object is checked ag
 Kubernetes JSON schemas of one version (kubernetes-validate ships them: no cluster, no network).
 Then the loop's own rules: every catalogue service once, with the catalogue's command and image,
 configured only through settings that exist, probed on ports it declares, given time to stop
-gracefully, its state on volumes, NATS as a 3-node JetStream cluster; the Tinker learner, a
-component an overlay may add, rendered into each overlay. The last test compares the three
-deployment paths (`policyloop up`, compose.yaml, the overlays) with each other."""
+gracefully, its state on volumes, NATS as a 3-node JetStream cluster; the Tinker learner and
+the serving deployment, components an overlay may add, rendered into each overlay. The last test
+compares the three deployment paths (`policyloop up`, compose.yaml, the overlays) with each other."""
 
 from __future__ import annotations
 
@@ -316,7 +316,7 @@ def test_publisher_and_learner_keep_their_state_on_claims(rendered: Rendered) ->
 
 def test_the_base_model_is_read_from_the_models_claim(rendered: Rendered) -> None:
     using = [s for s in rendered.services.values() if "POLICYLOOP_MODEL_PATH" in s.env]
-    assert {s.entry.name for s in using} == {"gateway", "rollout", "learner", "tinker"}
+    assert {s.entry.name for s in using} == {"gateway", "rollout", "learner", "tinker", "evaluator"}
     for service in using:
         path = service.env["POLICYLOOP_MODEL_PATH"]
         assert path == "/models/base", service.entry.name
@@ -326,10 +326,18 @@ def test_the_base_model_is_read_from_the_models_claim(rendered: Rendered) -> Non
     assert rendered.get("PersistentVolumeClaim", "models")
 
 
-def test_rollout_writes_versions_to_a_mounted_directory(rendered: Rendered) -> None:
-    rollout = rendered.services["rollout"]
-    mount, source = rollout.mount_for(rollout.env["POLICYLOOP_WEIGHTS_DIR"])
+@pytest.mark.parametrize("name", ["rollout", "evaluator"])
+def test_engines_load_versions_from_a_mounted_directory(rendered: Rendered, name: str) -> None:
+    service = rendered.services[name]
+    mount, source = service.mount_for(service.env["POLICYLOOP_WEIGHTS_DIR"])
     assert "emptyDir" in source and not mount.get("readOnly")
+
+
+def test_one_evaluator_at_a_time(rendered: Rendered) -> None:
+    """A second evaluator would evaluate (and promote) the same versions again."""
+    workload = rendered.services["evaluator"].workload
+    assert workload["spec"].get("replicas", 1) == 1
+    assert workload["kind"] == "Deployment" and workload["spec"]["strategy"]["type"] == "Recreate"
 
 
 # --- NATS and Redis --------------------------------------------------------------------------------------
@@ -629,15 +637,17 @@ def test_gpu_trains_on_a_gpu_and_samples_with_sglang_beside_rollout() -> None:
 COMPONENTS = {"cpu-local": ("tinker-learner",), "gpu": ("tinker-learner", "tinker-learner-gpu")}
 
 
-def _render_with_components(overlay: str, directory: Path) -> tuple[dict[str, Any], ...]:
-    """The overlay with the Tinker learner's components listed in it, as docs/kubernetes.md says
-    (a copy of the overlay in `directory`: kustomize takes no absolute paths)."""
+def _render_with_components(overlay: str, directory: Path, components: tuple[str, ...] | None = None,
+                            patches: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], ...]:
+    """The overlay with `components` (default: the Tinker learner's) and `patches` listed in it, as
+    docs/kubernetes.md says (a copy of the overlay in `directory`: kustomize takes no absolute paths)."""
     copy = directory / overlay
     shutil.copytree(REPO / "deploy" / "k8s" / "overlays" / overlay, copy)
     k8s = Path(os.path.relpath(REPO / "deploy" / "k8s", copy)).as_posix()
     kustomization = yaml.safe_load((copy / "kustomization.yaml").read_text())
     kustomization["resources"] = [f"{k8s}/base" if r == "../../base" else r for r in kustomization["resources"]]
-    kustomization["components"] = [f"{k8s}/components/{name}" for name in COMPONENTS[overlay]]
+    kustomization["components"] = [f"{k8s}/components/{name}" for name in components or COMPONENTS[overlay]]
+    kustomization["patches"] = kustomization.get("patches", []) + (patches or [])
     (copy / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     result = subprocess.run([_kubectl(), "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -688,6 +698,79 @@ def test_the_tinker_learner_component_adds_a_second_learner(overlay: str, tmp_pa
                                          "instance": "tinker-learner-0"}]
 
 
+# --- the serving deployment: a component an overlay may add --------------------------------------------
+
+SERVING_OWN = {"POLICYLOOP_ROLE", "POLICYLOOP_SERVE_RUN", "POLICYLOOP_OPENAI_HOST", "POLICYLOOP_OPENAI_PORT",
+               "POLICYLOOP_ENGINE", "POLICYLOOP_ENGINE_URL"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_serving_component_adds_a_serving_deployment(overlay: str, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rollout replicas with role=serving behind a Service on port 8000: run like the training
+    replicas (their settings), each with an embedded engine of its own (the gpu overlay's SGLang
+    container is the rollout pods' only); the rest of the overlay is left as it was."""
+    import kubernetes_validate
+
+    from policyloop.rollout.settings import RolloutSettings
+    from policyloop.runtime.settings import load_settings
+
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
+    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path / "default", ("serving",))
+    added = [o for o in objects if key(o) not in {key(p) for p in plain}]
+    assert sorted(key(o)[0] for o in added) == ["ConfigMap", "Deployment", "Service"]
+    # The run it serves, set as docs/kubernetes.md says (the pods roll: the ConfigMap's name changes).
+    patch = {"target": {"kind": "ConfigMap", "name": "policyloop-serving"},
+             "patch": "- {op: replace, path: /data/POLICYLOOP_SERVE_RUN, value: run-1}"}
+    patched = Rendered(overlay, _render_with_components(overlay, tmp_path / "patched", ("serving",), [patch]))
+    [patched_container] = patched.get("Deployment", "serving")["spec"]["template"]["spec"]["containers"]
+    assert patched.environment(patched_container)["POLICYLOOP_SERVE_RUN"] == "run-1"
+    assert patched_container["envFrom"] != \
+        Rendered(overlay, objects).get("Deployment", "serving")["spec"]["template"]["spec"]["containers"][0]["envFrom"]
+    assert [o for o in objects if o not in added] == list(plain)
+    for obj in added:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == "policyloop", key(obj)
+
+    rendered = Rendered(overlay, objects)
+    workload = rendered.get("Deployment", "serving")
+    [container] = workload["spec"]["template"]["spec"]["containers"]
+    rollout = Rendered(overlay, plain).services["rollout"]
+    assert container["command"] == rollout.container["command"] == ["policyloop", "serve", "rollout"]
+    assert container["image"] == rollout.container["image"]
+    env = rendered.environment(container)
+    assert {k: v for k, v in env.items() if k not in SERVING_OWN} == \
+        {k: v for k, v in rollout.env.items() if k not in SERVING_OWN}
+    assert all(setting_field(RolloutSettings, v) is not None for v in env if v.startswith("POLICYLOOP_"))
+    assert env["POLICYLOOP_ROLE"] == "serving" and env["POLICYLOOP_SERVE_RUN"]
+    assert env["POLICYLOOP_ENGINE"] == "embedded" and not env["POLICYLOOP_ENGINE_URL"]
+    assert _gpus(container) == 0 and [c["name"] for c in workload["spec"]["template"]["spec"]["containers"]] == \
+        ["rollout"]
+    for name, value in env.items():
+        if name.startswith("POLICYLOOP_") and isinstance(value, str):
+            monkeypatch.setenv(name, value)
+    load_settings(RolloutSettings).check_engine()  # role=serving with its run, an engine it can start
+    # The OpenAI-compatible API: on every interface of the pod, reached through the Service on 8000.
+    assert env["POLICYLOOP_OPENAI_HOST"] == "0.0.0.0"
+    openai_port = int(env["POLICYLOOP_OPENAI_PORT"])
+    svc = rendered.get("Service", "serving")
+    assert svc["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    [exposed] = [p for p in svc["spec"]["ports"] if p["port"] == 8000]
+    assert _declared(container, exposed["targetPort"]) == openai_port
+    serving = Service(rollout.entry, workload, container, env)
+    mount, source = serving.mount_for(env["POLICYLOOP_WEIGHTS_DIR"])
+    assert "emptyDir" in source and not mount.get("readOnly")
+    assert serving.mount_for(env["POLICYLOOP_MODEL_PATH"])[1]["persistentVolumeClaim"]["claimName"] == "models"
+    # Scraped once, as the service serving.
+    [job] = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    found = {frozenset(t.items()) for t in (_relabel(d, job["relabel_configs"])
+                                             for d in _discovered(workload, "serving-0", "10.1.2.3")) if t}
+    assert [dict(t) for t in found] == [{"__address__": "10.1.2.3:9100", "service": "serving",
+                                         "instance": "serving-0"}]
+
+
 # --- three deployment paths, one topology -------------------------------------------------------------
 
 # What `policyloop up` sets that only makes sense for processes on one machine: free ports, the
@@ -734,6 +817,41 @@ def test_up_starts_the_tinker_learner_beside_the_rl_learner_on_request(tmp_path:
                  "POLICYLOOP_REDIS_URL"):
         assert tinker.env[name] == rl.env[name], name
     assert tinker.env["POLICYLOOP_INSTANCE_ID"] == tinker.name and tinker.ports["http"] != rl.ports["http"]
+
+
+def test_up_starts_a_serving_replica_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LocalCluster(serving_run=…)`: a rollout process with role=serving serving that run, its
+    OpenAI-compatible API on a free port; without it, none."""
+    from policyloop.rollout.settings import RolloutSettings
+    from policyloop.runtime.settings import load_settings
+
+    assert not [p for p in _up_processes(tmp_path / "plain") if p.name.startswith(local.SERVING)]
+    processes = {p.name: p for p in _up_processes(tmp_path / "serving", serving_run="run-1")}
+    training, serving = processes["rollout-0"], processes[f"{local.SERVING}-0"]
+    assert local.service_of(serving.name) == local.SERVING
+    assert serving.command == training.command
+    assert serving.env["POLICYLOOP_ROLE"] == "serving" and "POLICYLOOP_ROLE" not in training.env
+    assert serving.env["POLICYLOOP_SERVE_RUN"] == "run-1"
+    assert int(serving.env["POLICYLOOP_OPENAI_PORT"]) == serving.ports["openai"] != RolloutSettings().openai_port
+    for name in ("POLICYLOOP_MODEL_PATH", "POLICYLOOP_WEIGHTS_DIR", "POLICYLOOP_NATS_URL", "POLICYLOOP_REDIS_URL"):
+        assert serving.env[name] == training.env[name], name  # versions under each instance's own directory
+    assert serving.env["POLICYLOOP_INSTANCE_ID"] == serving.name and serving.ports["http"] != training.ports["http"]
+    for name, value in serving.env.items():
+        if name.startswith("POLICYLOOP_"):
+            monkeypatch.setenv(name, value)
+    settings = load_settings(RolloutSettings)
+    settings.check_engine()
+    assert (settings.role, settings.serve_run, settings.openai_port) == ("serving", "run-1", serving.ports["openai"])
+
+
+def test_up_gives_the_evaluator_a_weights_directory_of_its_own_which_a_fresh_run_clears(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "evaluator-weights" / "evaluator-0").mkdir(parents=True)
+    processes = {p.name: p for p in _up_processes(run_dir, fresh=True)}
+    assert not (run_dir / "evaluator-weights").exists()
+    evaluator, rollout = processes["evaluator-0"], processes["rollout-0"]
+    assert Path(evaluator.env["POLICYLOOP_WEIGHTS_DIR"]) == run_dir.resolve() / "evaluator-weights"
+    assert evaluator.env["POLICYLOOP_WEIGHTS_DIR"] != rollout.env["POLICYLOOP_WEIGHTS_DIR"]
 
 
 def _up_settings(process: ManagedProcess, entry: ServiceEntry) -> set[str]:

@@ -31,6 +31,8 @@ SERVICES: tuple[ServiceEntry, ...] = (
                  "gRPC WeightService: stores versions, serves them, announces them on WEIGHTS."),
     ServiceEntry("tinker", "policyloop.services.tinker", False, True,
                  "The Tinker HTTP API: users' own training loops (the learner with tinker=true trains)."),
+    ServiceEntry("evaluator", "policyloop.services.evaluator", False, True,
+                 "Scores each k-th version on its runs' eval splits, on an engine of its own; promotes by rule."),
 )
 
 SERVICE_NAMES: tuple[str, ...] = tuple(s.name for s in SERVICES)

@@ -150,6 +150,10 @@ def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
 # The Tinker API's learner: `policyloop serve learner` with tinker=true. The RL learner cannot
 # serve Tinker too, so `up --tinker-learner` starts this second learner beside it.
 TINKER_LEARNER = "tinker-learner"
+# A serving replica (docs/evaluation.md): `policyloop serve rollout` with role=serving, the
+# promoted versions of one run behind the OpenAI-compatible API. `LocalCluster(serving_run=…)`
+# starts one beside the loop.
+SERVING = "serving"
 
 
 def service_of(instance: str) -> str:
@@ -163,8 +167,12 @@ def service_args(entry: ServiceEntry) -> list[str]:
 
 
 def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: str, redis_url: str,
-                    namespace: str, extra_env: dict[str, str] | None = None, *, role: str = "") -> ManagedProcess:
-    """`role`: a process of the service in another role, named after it (TINKER_LEARNER)."""
+                    namespace: str, extra_env: dict[str, str] | None = None, *, role: str = "",
+                    serve_run: str = "") -> ManagedProcess:
+    """`role`: a process of the service in another role, named after it (TINKER_LEARNER, or
+    SERVING with `serve_run`, the run whose promoted versions it serves)."""
+    if role == SERVING and not serve_run:
+        raise ValueError("a serving replica needs serve_run: the run whose promoted versions it serves")
     instance = f"{role or entry.name}-{index}"
     ports = {"http": free_port()}
     env = dict(os.environ)
@@ -187,6 +195,15 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
         env["POLICYLOOP_STORE_DIR"] = str(run_dir / "weights")
     if entry.name == "rollout":
         env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "rollout-weights")
+    if role == SERVING:
+        # The run's promoted versions behind the OpenAI-compatible API, on a free port.
+        ports["openai"] = free_port()
+        env["POLICYLOOP_ROLE"] = "serving"
+        env["POLICYLOOP_SERVE_RUN"] = serve_run
+        env["POLICYLOOP_OPENAI_PORT"] = str(ports["openai"])
+    if entry.name == "evaluator":
+        # The version under evaluation, written for the evaluator's own engine.
+        env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "evaluator-weights")
     if entry.name == "learner":
         env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "checkpoints")
     if role == TINKER_LEARNER:
@@ -248,10 +265,13 @@ class LocalCluster:
         nats_nodes: int = 1,
         prometheus: bool | None = False,
         tinker_learner: bool = False,
+        serving_run: str = "",
     ) -> None:
         """`prometheus`: start one scraping every service (None: when it is installed).
         `tinker_learner`: also start the learner that trains the Tinker API's models
-        (TINKER_LEARNER), as a second learner beside the RL one."""
+        (TINKER_LEARNER), as a second learner beside the RL one. `serving_run`: also start a
+        serving replica (SERVING, process serving-0) of that run's promoted versions, its
+        OpenAI-compatible API on a free port (ports["openai"])."""
         if nats_nodes < 1:
             raise ValueError("nats_nodes must be at least 1")
         if nats_nodes > 1 and nats_url:
@@ -274,12 +294,13 @@ class LocalCluster:
         self.want_prometheus = prometheus
         self.prometheus: ManagedProcess | None = None
         self.tinker_learner = tinker_learner
+        self.serving_run = serving_run
 
     def start(self) -> ClusterInfo:
         if self.fresh:
             # A new run: no streams, versions or weights left from an earlier one.
-            for data in ("nats", "redis", "weights", "rollout-weights", "checkpoints", "tinker-checkpoints", "logs",
-                         "prometheus"):
+            for data in ("nats", "redis", "weights", "rollout-weights", "evaluator-weights", "checkpoints",
+                         "tinker-checkpoints", "logs", "prometheus"):
                 shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -302,6 +323,10 @@ class LocalCluster:
             if self.tinker_learner:
                 self.processes.append(service_process(catalogue_entry("learner"), 0, self.run_dir, self.nats_url,
                                                       self.redis_url, self.namespace, extra_env, role=TINKER_LEARNER))
+            if self.serving_run:
+                self.processes.append(service_process(catalogue_entry("rollout"), 0, self.run_dir, self.nats_url,
+                                                      self.redis_url, self.namespace, extra_env, role=SERVING,
+                                                      serve_run=self.serving_run))
             for proc in self.processes:
                 self._point_at_publisher(proc)
                 proc.start()

@@ -117,9 +117,10 @@ class ServiceContext:
                          started_unix_ms=started_ms, grpc_endpoint=self.grpc_endpoint)
         if self.status is not None:
             status = self.status()
-            field = next(f for f in Heartbeat.DESCRIPTOR.oneofs_by_name["status"].fields
-                         if f.message_type is status.DESCRIPTOR)
-            getattr(beat, field.name).CopyFrom(status)
+            field = next((f for f in Heartbeat.DESCRIPTOR.oneofs_by_name["status"].fields
+                          if f.message_type is status.DESCRIPTOR), None)
+            if field is not None:  # a status the heartbeat has no field for is still in /healthz
+                getattr(beat, field.name).CopyFrom(status)
         return beat
 
 

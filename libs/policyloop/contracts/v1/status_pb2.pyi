@@ -214,7 +214,7 @@ class SandboxStatus(_message.Message):
     def __init__(self, accounting: _Optional[str] = ..., jobs_done: _Optional[int] = ..., jobs_expired: _Optional[int] = ...) -> None: ...
 
 class ServiceHeartbeat(_message.Message):
-    __slots__ = ("service", "instance", "healthy", "policy_version", "health_url", "checks", "pid", "host", "started_unix_ms", "beat_unix_ms", "grpc_endpoint", "learner", "rollout", "gateway", "sandbox", "reward")
+    __slots__ = ("service", "instance", "healthy", "policy_version", "health_url", "checks", "pid", "host", "started_unix_ms", "beat_unix_ms", "grpc_endpoint", "learner", "rollout", "gateway", "sandbox", "reward", "evaluator")
     class ChecksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +238,7 @@ class ServiceHeartbeat(_message.Message):
     GATEWAY_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_FIELD_NUMBER: _ClassVar[int]
     REWARD_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
     service: str
     instance: str
     healthy: bool
@@ -254,4 +255,5 @@ class ServiceHeartbeat(_message.Message):
     gateway: GatewayStatus
     sandbox: SandboxStatus
     reward: RewardStatus
-    def __init__(self, service: _Optional[str] = ..., instance: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., health_url: _Optional[str] = ..., checks: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., beat_unix_ms: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., learner: _Optional[_Union[LearnerStatus, _Mapping]] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., gateway: _Optional[_Union[GatewayStatus, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxStatus, _Mapping]] = ..., reward: _Optional[_Union[RewardStatus, _Mapping]] = ...) -> None: ...
+    evaluator: EvaluatorStatus
+    def __init__(self, service: _Optional[str] = ..., instance: _Optional[str] = ..., healthy: _Optional[bool] = ..., policy_version: _Optional[int] = ..., health_url: _Optional[str] = ..., checks: _Optional[_Mapping[str, str]] = ..., pid: _Optional[int] = ..., host: _Optional[str] = ..., started_unix_ms: _Optional[int] = ..., beat_unix_ms: _Optional[int] = ..., grpc_endpoint: _Optional[str] = ..., learner: _Optional[_Union[LearnerStatus, _Mapping]] = ..., rollout: _Optional[_Union[RolloutStatus, _Mapping]] = ..., gateway: _Optional[_Union[GatewayStatus, _Mapping]] = ..., sandbox: _Optional[_Union[SandboxStatus, _Mapping]] = ..., reward: _Optional[_Union[RewardStatus, _Mapping]] = ..., evaluator: _Optional[_Union[EvaluatorStatus, _Mapping]] = ...) -> None: ...
