@@ -29,13 +29,21 @@ async def body(ctx: ServiceContext) -> None:
 
     settings: EvaluatorSettings = ctx.settings  # type: ignore[assignment]
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
-    url, engine_proc = settings.engine_url, None
-    if not url:
-        port = free_port()
-        engine_proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
-                                            threads=settings.engine_threads)
-        url = f"http://127.0.0.1:{port}"
-    engine = SGLangClient(url, timeout_s=settings.generate_timeout_s)
+    engines: list[tuple[SGLangClient, subprocess.Popen | None]] = []
+
+    async def connect() -> SGLangClient:
+        """The engine, on the first version to evaluate: settings.engine_url, or an embedded one."""
+        url, proc = settings.engine_url, None
+        if not url:
+            port = free_port()
+            proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
+                                         threads=settings.engine_threads)
+            url = f"http://127.0.0.1:{port}"
+        client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
+        engines.append((client, proc))
+        await wait_for_engine(client, proc, settings.engine_start_timeout_s)
+        return client
+
     publishers: dict[str, WeightClient] = {}
 
     def publisher(endpoint: str) -> WeightClient:
@@ -46,26 +54,27 @@ async def body(ctx: ServiceContext) -> None:
 
     raw = await connect_redis(settings.redis_url, decode_responses=False)  # definitions and results are protobuf
     try:
-        await wait_for_engine(engine, engine_proc, settings.engine_start_timeout_s)
         runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
         evaluator = Evaluator(
             ctx.bus, runs, EnvironmentCatalog(raw, settings.namespace), evals,
-            PinnedEngine(engine, publisher, settings.weights_dir / settings.instance_id, settings.model_path),
+            PinnedEngine(connect, publisher, settings.weights_dir / settings.instance_id, settings.model_path),
             tokenizer, default_registry(run_job), settings, promoter=Promoter(ctx.bus, runs, evals, publisher))
-        ctx.status = lambda: status_pb2.EvaluatorStatus(evaluated=evaluator.evaluated, engine_url=url,
-                                                        last_version=evaluator.last_version)
+        ctx.status = lambda: status_pb2.EvaluatorStatus(
+            evaluated=evaluator.evaluated, engine_url=engines[0][0].base_url if engines else "",
+            last_version=evaluator.last_version)
         ctx.ready = True
         await evaluator.run(ctx.stop)
     finally:
         await raw.aclose()
-        await engine.close()
         await asyncio.gather(*(client.close() for client in publishers.values()))
-        if engine_proc is not None:
-            engine_proc.terminate()
-            try:
-                await asyncio.to_thread(engine_proc.wait, 15)
-            except subprocess.TimeoutExpired:
-                engine_proc.kill()
+        for engine, proc in engines:
+            await engine.close()
+            if proc is not None:
+                proc.terminate()
+                try:
+                    await asyncio.to_thread(proc.wait, 15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
 
 
 def main(argv: list[str] | None = None) -> int:

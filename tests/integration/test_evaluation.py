@@ -128,8 +128,10 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
     async def no_sandbox(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
         raise AssertionError("the arithmetic verifier runs in process")
 
-    evaluator = Evaluator(bus, runs, envs, evals, PinnedEngine(evaluator_client, publisher, tmp_path / "eval",
-                                                               model_dir),
+    async def connect() -> SGLangClient:
+        return evaluator_client
+
+    evaluator = Evaluator(bus, runs, envs, evals, PinnedEngine(connect, publisher, tmp_path / "eval", model_dir),
                           tokenizer, default_registry(no_sandbox), settings, promoter=promoter)
     stop = asyncio.Event()
     evaluating = asyncio.create_task(evaluator.run(stop))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -41,16 +41,27 @@ TRAINING_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_STOPPING, loop
 
 class PinnedEngine:
     """The evaluator's engine, holding exactly one version: each version is fetched (a delta
-    from the one held when possible), verified, and loaded before anything is sampled."""
+    from the one held when possible), verified, and loaded before anything is sampled. The
+    engine is reached (an embedded one started) on the first version to evaluate, so an
+    evaluator with nothing to evaluate costs no engine."""
 
-    def __init__(self, client: SGLangClient, publisher: Callable[[str], WeightClient], weights_dir: Path,
-                 model_path: Path) -> None:
-        self.client, self.publisher = client, publisher
+    def __init__(self, connect: Callable[[], Awaitable[SGLangClient]], publisher: Callable[[str], WeightClient],
+                 weights_dir: Path, model_path: Path) -> None:
+        self.connect, self.publisher = connect, publisher
         self.weights_dir, self.model_path = weights_dir, model_path
+        self._client: SGLangClient | None = None
         self.held: WeightSet | None = None
         self.loaded_dir: Path | None = None
 
+    @property
+    def client(self) -> SGLangClient:
+        if self._client is None:
+            raise RuntimeError("the engine is reached on the first pin")
+        return self._client
+
     async def pin(self, event: bus_pb2.WeightsPublished) -> None:
+        if self._client is None:
+            self._client = await self.connect()
         if self.held is not None and self.held.version == event.version:
             return
         from policyloop.weights.torch_io import write_version_dir  # torch, which only loading needs
@@ -173,8 +184,8 @@ class Evaluator:
         if not promotable(result, self.settings.promote_every):
             return
         _, current = await PromotionLog(self.bus).current(result.run_id)
-        if current is not None and current.version >= result.version:
-            return
+        if current is not None and (current.version >= result.version or current.reason.startswith("rollback")):
+            return  # a rollback holds until someone promotes by hand again
         reason = (f"rule: pass rate {result.pass_rate:.3f} [{result.pass_rate_low:.3f}, {result.pass_rate_high:.3f}]"
                   f", not below the best version's ({result.best_version or 'none before'})")
         promotion = await self.promoter.promote(result.run_id, result.version, reason)
