@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 
-from policyloop.common.ports import free_port
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.evaluation.evaluator import Evaluator, PinnedEngine
 from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore
 from policyloop.releases.promotion import Promoter
-from policyloop.rollout.engine_process import start_embedded_engine, wait_for_engine
+from policyloop.rollout.engine_process import engine_url_or_start, stop_engine, wait_for_engine
 from policyloop.runtime import ServiceContext, run_main
 from policyloop.sandbox.client import run_in_sandbox
 from policyloop.scorers.registry import default_registry
@@ -33,12 +32,8 @@ async def body(ctx: ServiceContext) -> None:
 
     async def connect() -> SGLangClient:
         """The engine, on the first version to evaluate: settings.engine_url, or an embedded one."""
-        url, proc = settings.engine_url, None
-        if not url:
-            port = free_port()
-            proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
-                                         threads=settings.engine_threads)
-            url = f"http://127.0.0.1:{port}"
+        url, proc = engine_url_or_start(settings.engine_url, settings.model_path,
+                                        max_batch=settings.engine_max_batch, threads=settings.engine_threads)
         client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
         engines.append((client, proc))
         await wait_for_engine(client, proc, settings.engine_start_timeout_s)
@@ -69,12 +64,7 @@ async def body(ctx: ServiceContext) -> None:
         await asyncio.gather(*(client.close() for client in publishers.values()))
         for engine, proc in engines:
             await engine.close()
-            if proc is not None:
-                proc.terminate()
-                try:
-                    await asyncio.to_thread(proc.wait, 15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            await stop_engine(proc)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,10 +14,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from policyloop.common.ports import free_port
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rollout.engine_process import name_base_version, start_embedded_engine, wait_for_engine
+from policyloop.rollout.engine_process import engine_url_or_start, name_base_version, stop_engine, wait_for_engine
 from policyloop.rollout.follower import WeightFollower, promoted_versions
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.replica import RolloutReplica
@@ -33,12 +32,8 @@ async def body(ctx: ServiceContext) -> None:
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
     settings.check_engine()
     tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
-    url, engine_proc = settings.engine_url, None
-    if not url:
-        port = free_port()
-        engine_proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
-                                            threads=settings.engine_threads)
-        url = f"http://127.0.0.1:{port}"
+    url, engine_proc = engine_url_or_start(settings.engine_url, settings.model_path,
+                                           max_batch=settings.engine_max_batch, threads=settings.engine_threads)
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     status = status_pb2.RolloutStatus(loop=settings.loop_config(), engine_url=url)
     ctx.status = lambda: status
@@ -64,12 +59,7 @@ async def body(ctx: ServiceContext) -> None:
         if runs_redis is not None:
             await runs_redis.aclose()
         await client.close()
-        if engine_proc is not None:
-            engine_proc.terminate()
-            try:
-                await asyncio.to_thread(engine_proc.wait, 15)
-            except subprocess.TimeoutExpired:
-                engine_proc.kill()
+        await stop_engine(engine_proc)
 
 
 async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replica: RolloutReplica,

@@ -5,13 +5,11 @@ fetched from the publisher. This is the wiring; the logic is in policyloop.tinke
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 from aiohttp import web
 
-from policyloop.common.ports import free_port
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rollout.engine_process import start_embedded_engine, wait_for_engine
+from policyloop.rollout.engine_process import engine_url_or_start, stop_engine, wait_for_engine
 from policyloop.runtime import ServiceContext, run_main
 from policyloop.state import HeartbeatRegistry, connect_redis
 from policyloop.tinker.sampling import EngineSampler
@@ -22,12 +20,8 @@ from policyloop.weights.client import WeightClient
 
 async def body(ctx: ServiceContext) -> None:
     settings: TinkerSettings = ctx.settings  # type: ignore[assignment]
-    url, engine_proc = settings.engine_url, None
-    if not url:
-        port = free_port()
-        engine_proc = start_embedded_engine(settings.model_path, port, max_batch=settings.engine_max_batch,
-                                            threads=settings.engine_threads)
-        url = f"http://127.0.0.1:{port}"
+    url, engine_proc = engine_url_or_start(settings.engine_url, settings.model_path,
+                                           max_batch=settings.engine_max_batch, threads=settings.engine_threads)
     engine = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     fetchers: dict[str, WeightClient] = {}
 
@@ -64,12 +58,7 @@ async def body(ctx: ServiceContext) -> None:
         await redis.aclose()
         await engine.close()
         await asyncio.gather(*(client.close() for client in fetchers.values()))
-        if engine_proc is not None:
-            engine_proc.terminate()
-            try:
-                await asyncio.to_thread(engine_proc.wait, 15)
-            except subprocess.TimeoutExpired:
-                engine_proc.kill()
+        await stop_engine(engine_proc)
 
 
 def main(argv: list[str] | None = None) -> int:

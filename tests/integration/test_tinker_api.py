@@ -344,6 +344,16 @@ async def arithmetic_cluster(bus: Bus, redis_server, publisher: Publisher,  # ty
         await engine.stop()
 
 
+@pytest.mark.timeout(300)
+async def test_the_example_rl_loop_runs_its_steps_through_the_sdk(arithmetic_cluster: str) -> None:
+    """The example's every call (sampler saves, sampling, importance_sampling, optim_step) in a few
+    steps; that it learns is the slow test below."""
+    out = await run_example(arithmetic_cluster, "arith", "--steps", "3", "--eval-problems", "20")
+    lines = [line for line in out.splitlines() if line.startswith("held-out accuracy")]
+    assert len(lines) == 2, out
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 async def test_the_example_rl_loop_raises_heldout_accuracy(arithmetic_cluster: str) -> None:
     out = await run_example(arithmetic_cluster, "arith", "--steps", "100", "--eval-problems", "300")

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from policyloop.common.ports import free_port
 from policyloop.engines.protocol import ModelInfo
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.telemetry.logging import get_logger
@@ -34,6 +35,28 @@ def start_embedded_engine(model_path: Path, port: int, *, max_batch: int, thread
          "--threads", str(threads)],
         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
+
+
+def engine_url_or_start(engine_url: str, model_path: Path, *, max_batch: int, threads: int
+                        ) -> tuple[str, subprocess.Popen | None]:
+    """The engine's URL: `engine_url`, or (empty) that of an embedded engine started now as a
+    child process, returned with it (stop it with stop_engine)."""
+    if engine_url:
+        return engine_url, None
+    port = free_port()
+    proc = start_embedded_engine(model_path, port, max_batch=max_batch, threads=threads)
+    return f"http://127.0.0.1:{port}", proc
+
+
+async def stop_engine(proc: subprocess.Popen | None, grace_s: float = 15.0) -> None:
+    """Stops an embedded engine started by engine_url_or_start: SIGTERM, then SIGKILL after `grace_s`."""
+    if proc is None:
+        return
+    proc.terminate()
+    try:
+        await asyncio.to_thread(proc.wait, grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 async def wait_for_engine(client: SGLangClient, proc: subprocess.Popen | None, timeout_s: float) -> None:
