@@ -494,15 +494,21 @@ def demo(
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
     if production:
-        from policyloop.cluster.demo_production import ProductionConfig, run_production_demo
-
-        if lora_rank or tools or tracker != "none":
-            console.print("[red]--production trains the full model, without --tools or --tracker[/red]")
-            raise typer.Exit(2)
-        config.run_dir = run_dir if run_dir != Path("runs/demo") else Path("runs/demo-production")
-        sys.exit(run_production_demo(ProductionConfig(loop=config, traffic=traffic, traces_budget_s=traces_budget_s,
-                                                      every_versions=every_versions), console=console))
+        sys.exit(_production_demo(config, traffic, traces_budget_s, every_versions))
     sys.exit(run_demo(config, console=console, print_status=_print_status))
+
+
+def _production_demo(config, traffic: int, traces_budget_s: float, every_versions: int) -> int:  # type: ignore[no-untyped-def]
+    """`demo --production` on the demo's loop settings (its own run directory by default)."""
+    from policyloop.cluster.demo_production import ProductionConfig, run_production_demo
+
+    if config.lora_rank or config.tools or config.tracker != "none":
+        console.print("[red]--production trains the full model, without --tools or --tracker[/red]")
+        raise typer.Exit(2)
+    if config.run_dir == Path("runs/demo"):
+        config.run_dir = Path("runs/demo-production")
+    return run_production_demo(ProductionConfig(loop=config, traffic=traffic, traces_budget_s=traces_budget_s,
+                                                every_versions=every_versions), console=console)
 
 
 @app.command()
@@ -636,6 +642,30 @@ def env_submit(
     print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "created": reply.created}))
 
 
+def _served_exchanges(model: str, nats_url: str | None, run_dir: Path):  # type: ignore[no-untyped-def]
+    """Every trace of the served `model`, with its feedback, from the NATS at nats_url (default:
+    the `policyloop up` cluster's in run_dir)."""
+    from policyloop.bus import Bus
+    from policyloop.cluster.local import ClusterError, ClusterInfo
+    from policyloop.serving.traces import read_exchanges
+
+    if not nats_url:
+        try:
+            nats_url = ClusterInfo.load(run_dir).nats_url
+        except ClusterError as exc:
+            console.print(f"[red]{exc}[/red]")
+            raise typer.Exit(2) from exc
+
+    async def read():  # type: ignore[no-untyped-def]
+        bus = await Bus.connect(nats_url, name=f"policyloop-traces-{model}")
+        try:
+            return await read_exchanges(bus, model)
+        finally:
+            await bus.close()
+
+    return asyncio.run(read())
+
+
 @env_app.command("from-traces")
 def env_from_traces(
     model: Annotated[str, typer.Option(help="The served model's name whose traces to use (what callers pass).")],
@@ -656,27 +686,11 @@ def env_from_traces(
     """Make the serving endpoint's traces an RL environment: each served prompt (its exact token
     ids) with its recorded outcome (a correction, or a response rewarded at least --min-reward) as
     the reference an exact-answer verifier judges new samples against; submitted to the gateway."""
-    from policyloop.bus import Bus
-    from policyloop.cluster.local import ClusterError, ClusterInfo
-    from policyloop.serving.traces import environment_from_traces, read_exchanges
+    from policyloop.serving.traces import environment_from_traces
 
-    if not nats_url:
-        try:
-            nats_url = ClusterInfo.load(run_dir).nats_url
-        except ClusterError as exc:
-            console.print(f"[red]{exc}[/red]")
-            raise typer.Exit(2) from exc
-
-    async def build():  # type: ignore[no-untyped-def]
-        bus = await Bus.connect(nats_url, name="policyloop-env-from-traces")
-        try:
-            return environment_from_traces(await read_exchanges(bus, model), name, version, min_reward=min_reward,
-                                           eval_fraction=eval_fraction, group_size=group_size,
-                                           temperature=temperature, max_new_tokens=max_new_tokens)
-        finally:
-            await bus.close()
-
-    env = asyncio.run(build())
+    env = environment_from_traces(_served_exchanges(model, nats_url, run_dir), name, version, min_reward=min_reward,
+                                  eval_fraction=eval_fraction, group_size=group_size, temperature=temperature,
+                                  max_new_tokens=max_new_tokens)
     if not env.tasks:
         console.print(f"[red]no trace of {model} has an outcome to learn from[/red] (a correction, or a reward of "
                       f"at least {min_reward}); {len(env.eval_tasks)} went to the eval split")
@@ -815,25 +829,9 @@ def traces_export(
 ) -> None:
     """Write the model's traces, with their exact token ids, weights version and feedback, as
     training data (SFT)."""
-    from policyloop.bus import Bus
-    from policyloop.cluster.local import ClusterError, ClusterInfo
-    from policyloop.serving.traces import export_sft, read_exchanges
+    from policyloop.serving.traces import export_sft
 
-    if not nats_url:
-        try:
-            nats_url = ClusterInfo.load(run_dir).nats_url
-        except ClusterError as exc:
-            console.print(f"[red]{exc}[/red]")
-            raise typer.Exit(2) from exc
-
-    async def export() -> int:
-        bus = await Bus.connect(nats_url, name="policyloop-traces-export")
-        try:
-            return export_sft(await read_exchanges(bus, model), to, min_reward=min_reward)
-        finally:
-            await bus.close()
-
-    count = asyncio.run(export())
+    count = export_sft(_served_exchanges(model, nats_url, run_dir), to, min_reward=min_reward)
     console.print(f"{count} exchanges of {model} written to {to}")
 
 

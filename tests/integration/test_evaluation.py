@@ -125,14 +125,11 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
     evaluator_client = SGLangClient(evaluator_engine.base_url, timeout_s=60)
     settings = EvaluatorSettings(every_versions=2, promote="rule", model_path=model_dir, instance_id="eval-t")
 
-    async def no_sandbox(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
-        raise AssertionError("the arithmetic verifier runs in process")
-
     async def connect() -> SGLangClient:
         return evaluator_client
 
     evaluator = Evaluator(bus, runs, envs, evals, PinnedEngine(connect, publisher, tmp_path / "eval", model_dir),
-                          tokenizer, default_registry(no_sandbox), settings, promoter=promoter)
+                          tokenizer, default_registry(_no_sandbox), settings, promoter=promoter)
     stop = asyncio.Event()
     evaluating = asyncio.create_task(evaluator.run(stop))
 
@@ -260,6 +257,23 @@ async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes
     promoted = await loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=8, reason="ok"))
     assert promoted.version == 8 and promoted.reason == "ok"
     await until(lambda: loop.serving_ctx.policy_version == 8, timeout_s=120, what="version 8 served")
+    await check_refusals(loop)
+    forced = await loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=6, force=True))
+    assert forced.version == 6
+
+    listed = await loop.stub.ListVersions(loop_pb2.ListRunVersionsRequest(run_id=RUN))
+    rows = {row.version: row for row in listed.versions}
+    assert listed.promotion.version == 6 and rows[6].serving and not rows[8].serving
+    assert {v for v, row in rows.items() if row.HasField("eval")} == {2, 4, 6, 8}
+    assert rows[2].kept and rows[4].kept and list(rows[2].promotions) == [1, 6]
+    assert [p.sequence for p in await PromotionLog(bus).history(RUN)] == list(range(1, 9))
+
+    await check_cli(loop)
+    await client.close()
+
+
+async def check_refusals(loop: Loop) -> None:
+    """Refusals name the field: a pruned version, a negative one, an unknown run, a regression."""
     await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=3)),
                   grpc.StatusCode.NOT_FOUND, "version")
     await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=-1)),
@@ -272,23 +286,15 @@ async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes
     await loop.evals.put(flagged)
     await refused(loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=6)),
                   grpc.StatusCode.FAILED_PRECONDITION, "regressed")
-    forced = await loop.stub.PromoteVersion(loop_pb2.PromoteVersionRequest(run_id=RUN, version=6, force=True))
-    assert forced.version == 6
 
-    listed = await loop.stub.ListVersions(loop_pb2.ListRunVersionsRequest(run_id=RUN))
-    rows = {row.version: row for row in listed.versions}
-    assert listed.promotion.version == 6 and rows[6].serving and not rows[8].serving
-    assert {v for v, row in rows.items() if row.HasField("eval")} == {2, 4, 6, 8}
-    assert rows[2].kept and rows[4].kept and list(rows[2].promotions) == [1, 6]
-    assert [p.sequence for p in await PromotionLog(bus).history(RUN)] == list(range(1, 9))
 
-    # The same through the CLI.
+async def check_cli(loop: Loop) -> None:
+    """`policyloop versions` does the same through the gateway."""
     rolled_back = json.loads(await cli("versions", "rollback", RUN, "--version", "4", "--gateway", loop.gateway))
     assert rolled_back["version"] == "4" and rolled_back["previousVersion"] == "6"
     lines = (await cli("versions", "list", RUN, "--gateway", loop.gateway)).splitlines()
     assert any(line.startswith("v4 ") and "SERVING" in line and "pass" in line for line in lines), lines
     assert any(line.startswith("v6 ") and "REGRESSED" in line for line in lines), lines
-    await client.close()
 
 
 async def cli(*args: str) -> str:
@@ -310,3 +316,66 @@ def serves(engine: EmbeddedEngine, weights: WeightSet) -> bool:
     return all(torch.equal(served[name].contiguous().view(torch.uint8).reshape(-1),
                            torch.frombuffer(bytearray(t.data), dtype=torch.uint8))
                for name, t in weights.tensors.items())
+
+
+async def test_a_promotion_counted_from_a_stale_log_is_not_appended(bus: Bus) -> None:
+    """Two promoters at once: the one that counted from an older newest entry loses and counts again."""
+    log = PromotionLog(bus)
+    assert await log.current(RUN) == (0, None)
+    first = loop_pb2.Promotion(run_id=RUN, version=2, sequence=1)
+    assert await log.append(first, 0)
+    seq, newest = await log.current(RUN)
+    assert newest == first
+    assert not await log.append(loop_pb2.Promotion(run_id=RUN, version=3, sequence=1), 0)  # counted before `first`
+    assert await log.append(loop_pb2.Promotion(run_id=RUN, version=3, sequence=2), seq)
+    assert [p.version for p in await log.history(RUN)] == [2, 3]
+
+
+async def test_an_answer_from_another_version_fails_the_evaluation(tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from policyloop.evaluation.scoring import EvaluationError, eval_items, score_version
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    engine = await start_engine(tiny_model_dir, threads=1, weight_version="3")
+    client = SGLangClient(engine.base_url, timeout_s=60)
+    try:
+        items = eval_items({ENV: environment()}, lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+                           [tokenizer.eos_token_id], max_tasks=2)
+        scores = await score_version(client, items, default_registry(_no_sandbox), version=3, decode=tokenizer.decode,
+                                     concurrency=2, rid_prefix="pinned")
+        assert [(s.environment, s.tasks) for s in scores] == [(ENV, 2)]
+        with pytest.raises(EvaluationError, match="answered with version 3, not 4"):
+            await score_version(client, items, default_registry(_no_sandbox), version=4, decode=tokenizer.decode,
+                                concurrency=2, rid_prefix="stale")
+    finally:
+        await client.close()
+        await engine.stop()
+
+
+async def _no_sandbox(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+    raise AssertionError("the arithmetic verifier runs in process")
+
+
+async def test_the_heartbeat_carries_the_evaluators_status_and_survives_one_it_has_no_field_for(
+        bus: Bus, redis_client) -> None:  # type: ignore[no-untyped-def]
+    ctx = ServiceContext(name="evaluator", settings=EvaluatorSettings(instance_id="evaluator-t"), bus=bus,
+                         redis=redis_client)
+    ctx.status = lambda: status_pb2.EvaluatorStatus(evaluated=3, last_version=40)
+    beat = ctx.heartbeat(0)
+    assert beat.WhichOneof("status") == "evaluator" and beat.evaluator.last_version == 40
+    ctx.status = lambda: status_pb2.WeightFetch(kind="delta")  # a status the heartbeat has no field for
+    assert ctx.heartbeat(0).WhichOneof("status") is None
+
+
+async def test_the_store_reads_a_runs_newest_results_only(redis_server) -> None:  # type: ignore[no-untyped-def]
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    try:
+        store = EvalStore(raw, "t")
+        for version in (30, 10, 20, 5, 40):
+            await store.put(loop_pb2.VersionEval(run_id=RUN, version=version))
+        assert [e.version for e in await store.newest(RUN, 3)] == [20, 30, 40]
+        assert [e.version for e in await store.all(RUN)] == [5, 10, 20, 30, 40]
+        assert await store.newest("other", 3) == [] and (await store.get(RUN, 10)).version == 10
+    finally:
+        await raw.aclose()

@@ -100,6 +100,12 @@ INVALID_ENVIRONMENTS = [
     (lambda e: e.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
                                                           timeout_seconds=-3)),
      "environment.reward_code.timeout_seconds"),
+    # The eval split is checked as the tasks are, and only single-turn environments have one.
+    (lambda e: e.eval_tasks.add(prompt_text="", answer="3"), "environment.eval_tasks[0].prompt_text"),
+    (lambda e: e.eval_tasks.add(prompt_text="1+2=", answer=""), "environment.eval_tasks[0].answer"),
+    (lambda e: e.eval_tasks.add(prompt_token_ids=[-1], answer="3"), "environment.eval_tasks[0].prompt_token_ids"),
+    (lambda e: (setattr(e, "max_turns", 3), e.tools.append("python"), e.eval_tasks.add(prompt_text="1+2=", answer="3")),
+     "environment.eval_tasks"),
 ]
 
 
@@ -483,13 +489,15 @@ async def test_a_large_environment_is_uploaded_as_a_stream(gateway) -> None:  # 
 
     _, _, stub = gateway
     env = addition_environment(5000)
-    messages = list(upload_messages(env, 16 * 1024))  # 5000 small tasks: about 80 kB
+    env.eval_tasks.extend(addition_environment(1500).tasks)  # the eval split comes after the tasks
+    messages = list(upload_messages(env, 16 * 1024))  # 6500 small tasks: about 100 kB
     assert len(messages) > 3 and all(m.ByteSize() <= 16 * 1024 + 100 for m in messages)
+    assert any(m.tasks and m.eval_tasks for m in messages) is False
     reply = await stub.UploadEnvironment(iter(messages), timeout=30, metadata=AUTH)
     assert (reply.environment, reply.num_tasks, reply.created) == ("addition@demo", 5000, True)
     inline = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30,
                                           metadata=AUTH)
-    assert inline.created is False  # the identical definition, tasks in the same order
+    assert inline.created is False  # the identical definition, tasks and eval tasks in the same order
 
     bad_task = loop_pb2.Environment()
     bad_task.CopyFrom(env)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -71,7 +73,8 @@ async def greedy_ids(engine: SGLangClient, prompt_ids: list[int], max_tokens: in
 
 @pytest.mark.timeout(180)
 async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_becomes_training_data(
-        endpoint: tuple[str, SGLangClient], chat_model_dir: Path, bus: Bus, tmp_path: Path) -> None:
+        endpoint: tuple[str, SGLangClient], chat_model_dir: Path, bus: Bus, nats_server, tmp_path: Path  # type: ignore[no-untyped-def]
+        ) -> None:
     from transformers import AutoTokenizer
 
     url, engine = endpoint
@@ -113,23 +116,7 @@ async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_beco
     with pytest.raises(openai.BadRequestError, match="n"):
         await client.completions.create(model=SERVED, prompt="1+1=", max_tokens=2, n=2)
 
-    # Streamed: the chunks add up to what the engine produced, and the trace is the same as unstreamed.
-    streamed = await client.chat.completions.create(
-        model=SERVED, messages=[{"role": "user", "content": "12+34="}], max_tokens=4, temperature=0, logprobs=True,
-        stream=True, stream_options={"include_usage": True})
-    chunks = [c async for c in streamed]
-    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    streamed_logprobs = [lp.token for c in chunks if c.choices and c.choices[0].logprobs
-                         for lp in c.choices[0].logprobs.content]
-    assert content == tokenizer.decode(chat_ids, skip_special_tokens=True)
-    assert streamed_logprobs == [tokenizer.decode([t]) for t in chat_ids]
-    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == chat.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == len(chat_ids) and chunks[-1].system_fingerprint == "weights-4"
-    text_stream = await client.completions.create(model=SERVED, prompt="5+6=", max_tokens=3, temperature=0,
-                                                  stream=True)
-    text_chunks = [c async for c in text_stream]
-    assert "".join(c.choices[0].text for c in text_chunks) == text.choices[0].text
+    chunks = await check_streaming(client, tokenizer, chat_ids, chat.choices[0].finish_reason, text.choices[0].text)
 
     exchanges = await read_exchanges(bus, SERVED)
     by_id = {e.trace.trace_id: e for e in exchanges}
@@ -151,15 +138,62 @@ async def test_the_openai_client_gets_the_engines_tokens_and_every_exchange_beco
     assert rewarded[text.id.removeprefix("cmpl-")]["feedback"][0]["correction"] == "11"
     assert export_sft(exchanges, tmp_path / "best.jsonl", min_reward=0.5) == 1
 
-    # The traces as an RL environment: each prompt's exact ids, judged against its recorded outcome.
+    await check_environment(exchanges, text.id.removeprefix("cmpl-"), later.id.removeprefix("cmpl-"), tokenizer,
+                            nats_server.url, tmp_path)
+    await client.close()
+    await asyncio.sleep(0)
+
+
+async def check_streaming(client, tokenizer, chat_ids: list[int], finish_reason: str,  # type: ignore[no-untyped-def]
+                          text: str) -> list:  # type: ignore[type-arg]
+    """Streamed, the chunks add up to what the engine produced, as the unstreamed answers did;
+    returns the chat's chunks."""
+    streamed = await client.chat.completions.create(
+        model=SERVED, messages=[{"role": "user", "content": "12+34="}], max_tokens=4, temperature=0, logprobs=True,
+        stream=True, stream_options={"include_usage": True})
+    chunks = [c async for c in streamed]
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    streamed_logprobs = [lp.token for c in chunks if c.choices and c.choices[0].logprobs
+                         for lp in c.choices[0].logprobs.content]
+    assert content == tokenizer.decode(chat_ids, skip_special_tokens=True)
+    assert streamed_logprobs == [tokenizer.decode([t]) for t in chat_ids]
+    assert chunks[0].choices[0].delta.role == "assistant" and len({c.id for c in chunks}) == 1
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish_reason
+    assert chunks[-1].usage.completion_tokens == len(chat_ids) and chunks[-1].system_fingerprint == "weights-4"
+    text_stream = await client.completions.create(model=SERVED, prompt="5+6=", max_tokens=3, temperature=0,
+                                                  stream=True)
+    assert "".join(c.choices[0].text for c in [c async for c in text_stream]) == text
+    # The engine refuses the prompt once the stream has begun: an error event, which the client raises.
+    with pytest.raises(openai.APIError, match="the engine failed"):
+        async for _ in await client.completions.create(model=SERVED, prompt=[10**6], max_tokens=2, stream=True):
+            pass
+    return chunks
+
+
+async def check_environment(exchanges: list, corrected_id: str, unrated_id: str, tokenizer,  # type: ignore[no-untyped-def]
+                            nats_url: str, tmp_path: Path) -> None:
+    """The traces as an RL environment: each prompt's exact ids, judged against its recorded outcome;
+    and the CLI reading the same traces."""
     env = environment_from_traces(exchanges, "served", "v1", min_reward=0.5, eval_fraction=0.0)
     answers = {task.metadata["trace_id"]: task for task in env.tasks}
-    corrected = answers[text.id.removeprefix("cmpl-")]
+    corrected = answers[corrected_id]
     assert corrected.answer == "11" and corrected.metadata["weights_version"] == "3"  # the correction
     assert list(corrected.prompt_token_ids) == tokenizer("5+6=", add_special_tokens=False).input_ids
-    assert later.id.removeprefix("cmpl-") not in answers  # no feedback: no outcome to learn from
+    assert unrated_id not in answers  # no feedback: no outcome to learn from
     validate_environment(env)
     held_out = environment_from_traces(exchanges, "served", "v1", min_reward=0.5, eval_fraction=1.0)
     assert not held_out.tasks and len(held_out.eval_tasks) == len(env.tasks)
-    await client.close()
-    await asyncio.sleep(0)
+
+    exported = await cli("traces", "export", "--model", SERVED, "--to", str(tmp_path / "cli.jsonl"),
+                         "--nats-url", nats_url)
+    assert exported.returncode == 0 and len((tmp_path / "cli.jsonl").read_text().splitlines()) == len(exchanges)
+    nothing = await cli("env", "from-traces", "--model", "never-served", "--name", "x", "--nats-url", nats_url,
+                        "--gateway", "127.0.0.1:1")
+    assert nothing.returncode == 1 and "no trace of never-served has an outcome" in nothing.stdout
+
+
+async def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "policyloop", *args,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
+    out, _ = await proc.communicate()
+    return subprocess.CompletedProcess(args, proc.returncode or 0, out.decode(), "")

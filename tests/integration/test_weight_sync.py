@@ -295,6 +295,11 @@ async def test_a_kept_version_outlives_the_retention_window_and_a_restart(publis
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await client.keep_version("policy", 2, "promoted")
     assert refused.value.code() == grpc.StatusCode.NOT_FOUND and "version" in (refused.value.details() or "")
+    for model, version, field in (("bad/name", 3, "model"), ("policy", 0, "version")):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await client.keep_version(model, version, "promoted")
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (refused.value.details() or "").startswith(f"{field}:")
     # A restarted publisher (a fresh store over the same directory) still keeps and serves it.
     again = WeightLibrary(VersionStore(tmp_path / "store", retention=3), snapshot_every=2)
     assert same(await asyncio.to_thread(again.materialize, "policy", 3), versions[2])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from policyloop.contracts.v1 import loop_pb2
 from policyloop.evaluation.scoring import Outcome, environment_score, passed, version_eval, wilson_interval
-from policyloop.releases.verdict import judge, promotable
+from policyloop.releases.verdict import judge, promotable, rule_promotes
 from policyloop.scorers.score import component
 
 
@@ -68,3 +68,14 @@ def test_a_versions_pass_rate_is_over_all_its_environments_tasks() -> None:
     assert (scores[0].passed, scores[0].pass_rate, scores[0].mean_reward) == (3, 0.75, 0.75)
     assert total.pass_rate == 3 / 8 and total.pass_rate_low < 3 / 8 < total.pass_rate_high
     assert (total.version, total.step, total.seconds) == (7, 70, 1.5)
+
+
+def test_the_rule_promotes_only_newer_versions_and_a_rollback_holds() -> None:
+    ok = result(40, 60)
+    assert rule_promotes(ok, None, 0)
+    assert rule_promotes(ok, loop_pb2.Promotion(version=20, reason="rule: ..."), 0)
+    assert not rule_promotes(ok, loop_pb2.Promotion(version=40, reason="by hand"), 0)
+    assert not rule_promotes(ok, loop_pb2.Promotion(version=20, reason="rollback: bad answers"), 0)
+    assert not rule_promotes(ok, loop_pb2.Promotion(version=20, reason="rollback"), 0)
+    assert rule_promotes(ok, loop_pb2.Promotion(version=20, reason="by hand after the rollback"), 0)
+    assert not rule_promotes(ok, None, 3)  # not a multiple of promote_every

@@ -24,7 +24,7 @@ from policyloop.evaluation.scoring import eval_items, score_version, version_eva
 from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore, record_eval
 from policyloop.releases.promotion import Promoter, PromotionLog
-from policyloop.releases.verdict import judge, promotable
+from policyloop.releases.verdict import judge, rule_promotes
 from policyloop.rl.settings import adapter_model_name
 from policyloop.scorers.registry import ScorerRegistry
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
@@ -181,11 +181,9 @@ class Evaluator:
     async def maybe_promote(self, result: loop_pb2.VersionEval) -> None:
         if self.promoter is None or self.settings.promote != "rule":
             return
-        if not promotable(result, self.settings.promote_every):
-            return
         _, current = await PromotionLog(self.bus).current(result.run_id)
-        if current is not None and (current.version >= result.version or current.reason.startswith("rollback")):
-            return  # a rollback holds until someone promotes by hand again
+        if not rule_promotes(result, current, self.settings.promote_every):
+            return
         reason = (f"rule: pass rate {result.pass_rate:.3f} [{result.pass_rate_low:.3f}, {result.pass_rate_high:.3f}]"
                   f", not below the best version's ({result.best_version or 'none before'})")
         promotion = await self.promoter.promote(result.run_id, result.version, reason)

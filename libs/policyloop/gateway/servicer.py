@@ -283,7 +283,7 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         run = await self.stores.runs.get(run_id, policy_version=version)
         assert run is not None
         run.progress.CopyFrom(await self.stores.progress.get(run_id))
-        run.evals.extend((await self.stores.evals.all(run_id))[-RUN_EVALS_SHOWN:])
+        run.evals.extend(await self.stores.evals.newest(run_id, RUN_EVALS_SHOWN))
         _, promotion = await self.stores.promotions.current(run_id)
         if promotion is not None:
             run.promotion.CopyFrom(promotion)

@@ -25,6 +25,15 @@ class EvalStore:
         raw = await self.client.hget(self.prefix + run_id, str(version))
         return loop_pb2.VersionEval.FromString(raw) if raw is not None else None
 
+    async def newest(self, run_id: str, count: int) -> list[loop_pb2.VersionEval]:
+        """The run's `count` newest results, oldest first (only those are read and parsed: GetRun
+        and WatchRun ask for them on every poll)."""
+        versions = sorted(int(v) for v in await self.client.hkeys(self.prefix + run_id))[-count:]
+        if not versions:
+            return []
+        raw = await self.client.hmget(self.prefix + run_id, [str(v) for v in versions])
+        return [loop_pb2.VersionEval.FromString(r) for r in raw if r is not None]
+
     async def all(self, run_id: str) -> list[loop_pb2.VersionEval]:
         """The run's results, oldest version first."""
         raw = await self.client.hgetall(self.prefix + run_id)

@@ -19,6 +19,7 @@ from policyloop.bus import Bus, promotions_subject, weights_subject
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, weights_pb2
 from policyloop.releases.evals import EvalStore
+from policyloop.releases.verdict import ROLLBACK
 from policyloop.rl.settings import adapter_model_name
 from policyloop.state.catalog import RunRegistry
 from policyloop.weights.client import WeightClient
@@ -121,7 +122,7 @@ class Promoter:
             if not earlier:
                 raise PromotionRefused("version", f"only version {current} was ever promoted; name a version")
             version = earlier[-1]
-        return await self._announce(run_id, model, version, f"rollback: {reason}" if reason else "rollback")
+        return await self._announce(run_id, model, version, f"{ROLLBACK}: {reason}" if reason else ROLLBACK)
 
     async def _announce(self, run_id: str, model: str, version: int, reason: str) -> loop_pb2.Promotion:
         endpoint = await self._publisher_endpoint(model)
@@ -135,7 +136,7 @@ class Promoter:
         weights = bus_pb2.WeightsPublished(
             model=model, version=version, manifest_hash=info.manifest_hash, codec=info.codec,
             fetch_endpoint=endpoint, step=info.step, published_unix_ms=info.created_unix_ms, run_id=run_id,
-            trained_unix_ms=info.trained_unix_ms, bytes_raw=0)
+            trained_unix_ms=info.trained_unix_ms)
         log = PromotionLog(self.bus)
         for _ in range(20):
             seq, current = await log.current(run_id)

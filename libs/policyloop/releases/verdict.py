@@ -19,6 +19,17 @@ def judge(result: loop_pb2.VersionEval, earlier: Iterable[loop_pb2.VersionEval])
     result.regressed = result.pass_rate_high < best.pass_rate
 
 
+ROLLBACK = "rollback"  # how a rollback's reason starts
+
+
 def promotable(result: loop_pb2.VersionEval, every: int) -> bool:
-    """Promotion by rule: evaluated, not a regression, and (every > 0) a multiple of `every`."""
+    """Evaluated, not a regression, and (every > 1) a multiple of `every`."""
     return not result.regressed and (every <= 1 or result.version % every == 0)
+
+
+def rule_promotes(result: loop_pb2.VersionEval, current: loop_pb2.Promotion | None, every: int) -> bool:
+    """Promotion by rule: a promotable version newer than the one served. A rollback holds: the
+    rule promotes nothing over it until a promotion by hand."""
+    if not promotable(result, every):
+        return False
+    return current is None or (current.version < result.version and not current.reason.startswith(ROLLBACK))
