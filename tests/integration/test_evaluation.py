@@ -95,6 +95,7 @@ class Loop:
     serving_ctx: ServiceContext
     openai_url: str
     gateway: str
+    evaluator: Evaluator
 
 
 @pytest.fixture
@@ -160,7 +161,7 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
     try:
         yield Loop(VersionPusher(publisher(announcer.endpoint), MODEL), publisher(announcer.endpoint), evals,
                    loop_pb2_grpc.LoopServiceStub(channel), evaluator_engine, serving_engine, serving_ctx, openai_url,
-                   f"127.0.0.1:{grpc_port}")
+                   f"127.0.0.1:{grpc_port}", evaluator)
     finally:
         stop.set()
         serving_ctx.stop.set()
@@ -223,6 +224,9 @@ async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes
     assert latest.step == 4 and latest.best_version == 2 and not latest.regressed
     assert score.pass_rate_low <= score.pass_rate <= score.pass_rate_high and score.pass_rate_high > 0
     assert [e.version for e in await stored(bus, "EVALS", loop_pb2.VersionEval)] == [2, 4]
+    # Asked again (an evaluator restarted after recording it), a version is not evaluated twice.
+    last = await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)
+    assert await loop.evaluator.evaluate(last[-1]) == [] and len(await loop.evals.all(RUN)) == 2
 
     # Promoted by rule as they passed: the serving replica serves the newest, the publisher keeps both.
     run = await loop.stub.GetRun(loop_pb2.GetRunRequest(run_id=RUN))
@@ -379,3 +383,21 @@ async def test_the_store_reads_a_runs_newest_results_only(redis_server) -> None:
         assert await store.newest("other", 3) == [] and (await store.get(RUN, 10)).version == 10
     finally:
         await raw.aclose()
+
+
+def test_an_evaluator_behind_takes_the_newest_due_version_of_each_model() -> None:
+    settings = EvaluatorSettings(every_versions=2)
+    evaluator = Evaluator(None, None, None, None, None, type("T", (), {"eos_token_id": 1})(), None,  # type: ignore[arg-type]
+                          settings)
+
+    def announced(model: str, version: int) -> object:
+        return type("Msg", (), {"data": bus_pb2.WeightsPublished(model=model, version=version).SerializeToString()})
+
+    async def announce_all() -> None:
+        for model, version in (("policy", 2), ("policy", 3), ("other", 4), ("policy", 6), ("policy", 4),
+                               ("policy", 5)):
+            await evaluator.on_event(announced(model, version))
+
+    asyncio.run(announce_all())
+    assert {m: e.version for m, e in evaluator.pending.items()} == {"policy": 6, "other": 4}
+    assert evaluator.due.is_set()
