@@ -605,7 +605,8 @@ def _with_gateway(gateway: str | None, run_dir: Path, token: str, call):  # type
 @env_app.command("submit")
 def env_submit(
     tasks: Annotated[Path, typer.Argument(help="JSONL, one task per line: {prompt, answer?, prompt_token_ids?, "
-                                               "metadata?} (unit tests: metadata.tests, metadata.solution_prefix).")],
+                                               "metadata?} (unit tests: metadata.tests, metadata.solution_prefix; "
+                                               "--supervised: demonstration or demonstration_token_ids).")],
     name: Annotated[str, typer.Option(help="Environment name.")],
     version: Annotated[str, typer.Option(help="Environment version (name@version is its key).")] = "v1",
     scorer: Annotated[str, typer.Option(help="exact_answer, numeric_tolerance, regex, unit_tests or reward_code.")]
@@ -623,6 +624,10 @@ def env_submit(
     = None,
     eval_tasks: Annotated[Path | None, typer.Option(
         help="JSONL like TASKS: the held-out split the evaluator scores versions on (never trained on).")] = None,
+    supervised: Annotated[bool, typer.Option(
+        help="Supervised (SFT): every task gives a demonstration (text, or demonstration_token_ids) that runs "
+             "train on by cross-entropy; nothing is sampled or scored, the scorer judges only --eval-tasks.")]
+    = False,
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
     """Submit an environment: tasks from a JSONL file, the scorer from the flags."""
@@ -632,7 +637,7 @@ def env_submit(
         env = build_environment(name, version, read_tasks(tasks), scorer, pattern=pattern, tolerance=tolerance,
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
-                                tools=tool)
+                                tools=tool, supervised=supervised)
         if eval_tasks is not None:
             env.eval_tasks.extend(read_tasks(eval_tasks))
     except (TaskFileError, ValueError, OSError) as exc:
@@ -681,16 +686,20 @@ def env_from_traces(
     max_new_tokens: Annotated[int, typer.Option(help="Token budget of a sample (0: twice the longest reference).")]
     = 0,
     nats_url: Annotated[str | None, typer.Option(help="NATS of the cluster (default: the run directory's).")] = None,
+    supervised: Annotated[bool, typer.Option(
+        help="An SFT environment instead: each outcome is the demonstration to imitate (a rewarded response "
+             "as the engine's exact token ids, a correction as text).")] = False,
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
-    """Make the serving endpoint's traces an RL environment: each served prompt (its exact token
-    ids) with its recorded outcome (a correction, or a response rewarded at least --min-reward) as
-    the reference an exact-answer verifier judges new samples against; submitted to the gateway."""
+    """Make the serving endpoint's traces an environment: each served prompt (its exact token ids)
+    with its recorded outcome (a correction, or a response rewarded at least --min-reward) as the
+    reference an exact-answer verifier judges new samples against (RL), or, with --supervised, as
+    the demonstration a run trains on by cross-entropy (SFT); submitted to the gateway."""
     from policyloop.serving.traces import environment_from_traces
 
     env = environment_from_traces(_served_exchanges(model, nats_url, run_dir), name, version, min_reward=min_reward,
                                   eval_fraction=eval_fraction, group_size=group_size, temperature=temperature,
-                                  max_new_tokens=max_new_tokens)
+                                  max_new_tokens=max_new_tokens, supervised=supervised)
     if not env.tasks:
         console.print(f"[red]no trace of {model} has an outcome to learn from[/red] (a correction, or a reward of "
                       f"at least {min_reward}); {len(env.eval_tasks)} went to the eval split")

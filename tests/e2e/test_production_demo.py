@@ -1,6 +1,6 @@
 """`policyloop demo --production` end to end, through the real services: the evaluator scores
 versions while the learner trains, promotes by rule to a serving replica, the scripted client's
-traffic and feedback become traces, the traces an environment, and a second run trains on it.
+traffic and feedback become traces, the traces SFT data a run trains on, then an RL environment a further run trains on.
 Slow (minutes): tests/integration/test_evaluation.py covers the same parts in one process."""
 
 from __future__ import annotations
@@ -33,4 +33,7 @@ def test_the_production_demo_trains_promotes_serves_and_learns_from_its_traces(t
     assert all(e["version"] % 10 == 0 and e["low"] <= e["pass_rate"] <= e["high"] for e in summary["evals"])
     assert summary["promotions"] and summary["served_version"] >= summary["promotions"][0]["version"]
     assert summary["traffic"] == summary["feedback"] == TRAFFIC and summary["traces_tasks"] > 0
+    # SFT on the traces before RL on them: every demonstration trained, as versions of the policy.
+    assert summary["sft_demonstrations"] == 2 * summary["traces_tasks"]
+    assert summary["sft_versions"][1] > summary["sft_versions"][0]
     assert (out / "production.png").stat().st_size > 10_000

@@ -184,3 +184,15 @@ def test_runs_resume_from_their_own_checkpoints_exactly(tiny_model_dir: Path, tm
     third.add_run("b", LoraSpec(rank=4))
     with pytest.raises(ValueError, match="LoRA spec"):
         third.restore(latest_run_checkpoint(tmp_path, "b"))
+
+
+def test_a_lora_run_trains_demonstrations_by_cross_entropy(tiny_model_dir: Path) -> None:
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.gateway.feeding import demonstration
+
+    trainer = AdapterTrainer(tiny_model_dir, config())
+    trainer.add_run("a", LoraSpec(rank=4))
+    demos = [[demonstration("a", "demos@v1", loop_pb2.TaskSpec(prompt_token_ids=PROMPT, demonstration_token_ids=GOOD),
+                            i)] for i in range(2)]
+    losses = [trainer.step("a", demos).loss for _ in range(5)]  # each step's loss: before its update
+    assert losses[-1] < losses[0] - 0.5 and trainer.run("a").version == 5

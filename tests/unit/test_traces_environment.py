@@ -37,3 +37,20 @@ def test_each_prompt_keeps_its_newest_outcome_and_the_split_is_stable() -> None:
     assert len(split.tasks) + len(split.eval_tasks) == 2
     assert {t.metadata["trace_id"] for t in split.eval_tasks} == {
         tid for tid in ("t2", "t3") if in_eval_split(tid, 0.5)}
+
+
+def test_as_sft_data_a_rewarded_response_is_its_exact_ids_and_a_correction_its_text() -> None:
+    from policyloop.gateway.validation import prepare_environment
+
+    exchanges = [exchange("t1", [5, 6], "1", feedback(1, 1.0), response_ids=3),
+                 exchange("t3", [7], "x", feedback(3, 0.0, "9"), response_ids=6),
+                 exchange("t4", [8], "y", feedback(4, 0.0))]
+    env = environment_from_traces(exchanges, "served", "v1", eval_fraction=0.0, supervised=True)
+    demos = {t.metadata["trace_id"]: t for t in env.tasks}
+    assert env.supervised and set(demos) == {"t1", "t3"}
+    assert list(demos["t1"].demonstration_token_ids) == [0, 1, 2] and not demos["t1"].demonstration_text
+    assert demos["t3"].demonstration_text == "9" and not demos["t3"].demonstration_token_ids
+    held_out = environment_from_traces(exchanges, "served", "v1", eval_fraction=1.0, supervised=True)
+    assert not held_out.tasks and {t.answer for t in held_out.eval_tasks} == {"1", "9"}
+    only_ids = environment_from_traces(exchanges[:1], "served", "v1", eval_fraction=0.0, supervised=True)
+    prepare_environment(only_ids)  # exact ids need no tokenizer at the gateway

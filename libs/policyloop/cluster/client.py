@@ -21,9 +21,14 @@ class TaskFileError(ValueError):
     """A JSONL task file that cannot become tasks: names the line and the field."""
 
 
+TASK_FIELDS = frozenset({"prompt", "answer", "prompt_token_ids", "metadata", "demonstration",
+                         "demonstration_token_ids"})
+
+
 def read_tasks(path: Path) -> list[loop_pb2.TaskSpec]:
     """One task per line: {"prompt": str, "answer"?: str, "prompt_token_ids"?: [int], "metadata"?: {str: str}}
-    (for unit tests, metadata carries `tests` and `solution_prefix`)."""
+    (for unit tests, metadata carries `tests` and `solution_prefix`); a supervised environment's
+    tasks add "demonstration" (text) or "demonstration_token_ids"."""
     tasks = []
     for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
         if not line.strip():
@@ -37,20 +42,29 @@ def read_tasks(path: Path) -> list[loop_pb2.TaskSpec]:
         metadata = row.get("metadata", {})
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise TaskFileError(f"{path}:{number}: metadata: expected an object of strings")
-        unknown = set(row) - {"prompt", "answer", "prompt_token_ids", "metadata"}
+        unknown = set(row) - TASK_FIELDS
         if unknown:
             raise TaskFileError(f"{path}:{number}: {sorted(unknown)[0]}: unknown field")
+        for key in ("prompt_token_ids", "demonstration_token_ids"):
+            ids = row.get(key, [])
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise TaskFileError(f"{path}:{number}: {key}: expected a list of token ids")
+        if not isinstance(row.get("demonstration", ""), str):
+            raise TaskFileError(f"{path}:{number}: demonstration: expected a string")
         tasks.append(loop_pb2.TaskSpec(prompt_text=row.get("prompt", ""), answer=str(row.get("answer", "")),
-                                       prompt_token_ids=row.get("prompt_token_ids", []), metadata=metadata))
+                                       prompt_token_ids=row.get("prompt_token_ids", []), metadata=metadata,
+                                       demonstration_text=row.get("demonstration", ""),
+                                       demonstration_token_ids=row.get("demonstration_token_ids", [])))
     return tasks
 
 
 def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], scorer: str, *,
                       pattern: str = "", tolerance: float = 0.0, code: str = "", timeout_s: float = 10.0,
                       group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
-                      max_turns: int = 0, tools: list[str] | None = None) -> loop_pb2.Environment:
+                      max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False
+                      ) -> loop_pb2.Environment:
     """An Environment; the gateway validates it (and names what is wrong)."""
-    env = loop_pb2.Environment(name=name, version=version, tasks=tasks, group_size=group_size,
+    env = loop_pb2.Environment(name=name, version=version, tasks=tasks, group_size=group_size, supervised=supervised,
                                sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens,
                                                                temperature=temperature),
                                max_turns=max_turns, tools=tools or [])

@@ -6,9 +6,12 @@
 2. Serve: a scripted client sends problems to the serving replica's OpenAI-compatible endpoint
    and gives feedback on every answer (reward 1 when right; reward 0 and the right answer as a
    correction when wrong). Every exchange is a trace with the engine's exact tokens.
-3. Learn from usage: the traces become an environment (each served prompt with its recorded
-   outcome; a share held out as its eval split) and a second run trains on it, evaluated the
-   same way.
+3. Learn from usage: the traces become training data. First SFT: a supervised environment of
+   the served prompts, each with its recorded outcome (a rewarded response as the engine's exact
+   tokens, or the correction) as the demonstration, which a run trains on by cross-entropy for a
+   few epochs through the same services. Then RL: the same prompts as an environment whose
+   verifier judges new samples against those outcomes (a share held out as its eval split), on
+   which a further run trains, evaluated the same way.
 
 It writes `summary.json` (the eval results per version of both runs, the promotions, the
 traffic) and `production.png` (pass rate per version with its interval, promotions marked).
@@ -33,7 +36,7 @@ from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs import arithmetic
 from policyloop.serving.traces import environment_from_traces, read_exchanges
 
-TRAIN_RUN, TRACES_RUN = "production", "from-traces"
+TRAIN_RUN, SFT_RUN, TRACES_RUN = "production", "sft-on-traces", "from-traces"
 
 
 @dataclass
@@ -43,6 +46,8 @@ class ProductionConfig:
     traces_budget_s: float = 150.0  # seconds of the second run, on the traces' environment
     eval_tasks: int = 200           # held-out problems in the arithmetic environment's eval split
     every_versions: int = 20        # the evaluator scores versions that are multiples of this
+    sft_epochs: int = 2             # passes of the SFT run over the traces' demonstrations
+    sft_timeout_s: float = 300.0    # the most the SFT run may take
 
 
 @dataclass
@@ -74,7 +79,10 @@ class ProductionResult:
     feedback: int = 0
     traces_tasks: int = 0           # the traces' environment: train tasks and eval split
     traces_eval_tasks: int = 0
+    sft_demonstrations: int = 0     # the SFT run: demonstrations trained (epochs x the traces' tasks)
+    sft_versions: tuple[int, int] = (0, 0)  # the policy version before and after it
     train_seconds: float = 0.0
+    sft_seconds: float = 0.0
     traces_seconds: float = 0.0
 
     def first_and_last(self, run_id: str) -> tuple[EvalPoint | None, EvalPoint | None]:
@@ -143,6 +151,34 @@ async def send_traffic(openai_url: str, model: str, problems: list[arithmetic.Pr
         await asyncio.gather(*(gated(p) for p in problems))
 
 
+async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment, config: ProductionConfig,
+                         result: ProductionResult, console: Console) -> None:
+    """SFT on the traces: a run of their supervised environment, `sft_epochs` passes over its
+    demonstrations, followed until the learner has trained them all."""
+    reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=60)
+    wanted = config.sft_epochs * len(env.tasks)
+    run = await stub.StartRun(loop_pb2.StartRunRequest(
+        run_id=SFT_RUN, environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
+        num_tasks=wanted, seed=config.loop.seed, model="policy"), timeout=30)
+    before = run.policy_version
+    console.print(f"3. SFT on usage: {reply.environment} ({len(env.tasks)} demonstrations: rewarded answers as the "
+                  f"engine's tokens, corrections as text); run {SFT_RUN} trains {config.sft_epochs} epochs of it "
+                  f"by cross-entropy")
+    started = time.monotonic()
+    while run.progress.trained_samples < wanted:
+        if time.monotonic() - started > config.sft_timeout_s:
+            raise RuntimeError(f"the SFT run trained {run.progress.trained_samples} of {wanted} demonstrations "
+                               f"in {config.sft_timeout_s:.0f} s")
+        await asyncio.sleep(1.0)
+        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=SFT_RUN), timeout=30)
+    result.sft_seconds = round(time.monotonic() - started, 1)
+    result.sft_demonstrations = int(run.progress.trained_samples)
+    result.sft_versions = (before, run.policy_version)
+    console.print(f"   {result.sft_demonstrations} demonstrations trained in {result.sft_seconds} s "
+                  f"(v{before} → v{run.policy_version})")
+    await stub.StopRun(loop_pb2.StopRunRequest(run_id=SFT_RUN), timeout=30)
+
+
 async def drive(cluster: LocalCluster, config: ProductionConfig, console: Console) -> ProductionResult:
     loop = config.loop
     status = await wait_healthy(cluster, loop.start_timeout_s)
@@ -176,17 +212,21 @@ async def drive(cluster: LocalCluster, config: ProductionConfig, console: Consol
 
         bus = await Bus.connect(cluster.nats_url, name="demo-production")
         try:
-            traces_env = environment_from_traces(await read_exchanges(bus, TRAIN_RUN), "served-arithmetic", "v1",
+            exchanges = await read_exchanges(bus, TRAIN_RUN)
+            traces_env = environment_from_traces(exchanges, "served-arithmetic", "v1",
                                                  eval_fraction=0.25, group_size=loop.group_size,
                                                  temperature=loop.temperature, max_new_tokens=loop.max_new_tokens)
+            sft_env = environment_from_traces(exchanges, "served-arithmetic-sft", "v1", eval_fraction=0.25,
+                                              max_new_tokens=loop.max_new_tokens, supervised=True)
         finally:
             await bus.close()
         result.traces_tasks, result.traces_eval_tasks = len(traces_env.tasks), len(traces_env.eval_tasks)
+        await supervised_run(stub, sft_env, config, result, console)
         reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=traces_env), timeout=60)
         await stub.StartRun(loop_pb2.StartRunRequest(
             run_id=TRACES_RUN, environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
             num_tasks=1_000_000, seed=loop.seed, model="policy"), timeout=30)
-        console.print(f"3. learn from usage: {reply.environment} from the traces ({result.traces_tasks} prompts, "
+        console.print(f"4. RL on usage: {reply.environment} from the traces ({result.traces_tasks} prompts, "
                       f"{result.traces_eval_tasks} held out); run {TRACES_RUN} trains on it")
         result.traces_seconds = await follow(stub, TRACES_RUN, config.traces_budget_s, result, console)
         await stub.StopRun(loop_pb2.StopRunRequest(run_id=TRACES_RUN), timeout=30)
@@ -249,6 +289,7 @@ def run_production_demo(config: ProductionConfig, *, console: Console) -> int:
     summary = asdict(result) | {"config": {"budget_s": loop.budget_s, "traces_budget_s": config.traces_budget_s,
                                            "traffic": config.traffic, "eval_tasks": config.eval_tasks,
                                            "every_versions": config.every_versions,
+                                           "sft_epochs": config.sft_epochs,
                                            "groups_per_step": loop.groups_per_step, "lr": loop.lr}}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     write_plot(result, out / "production.png")
@@ -261,11 +302,13 @@ def run_production_demo(config: ProductionConfig, *, console: Console) -> int:
                       f"v{result.promotions[-1].version if result.promotions else 0}")
     console.print(f"  traffic: {result.traffic_correct}/{result.traffic} right on v{result.served_version}, "
                   f"{result.feedback} feedback")
+    console.print(f"  {SFT_RUN}: {result.sft_demonstrations} demonstrations in {result.sft_seconds} s "
+                  f"(v{result.sft_versions[0]} → v{result.sft_versions[1]})")
     if traces_first and traces_last:
         console.print(f"  {TRACES_RUN}: {result.traces_tasks} prompts from the traces; eval pass rate "
                       f"{traces_first.pass_rate:.1%} (v{traces_first.version}) → {traces_last.pass_rate:.1%} "
                       f"(v{traces_last.version})")
     console.print(f"wrote {out / 'summary.json'} and {out / 'production.png'}")
     complete = bool(result.promotions) and result.traffic == result.feedback == config.traffic \
-        and result.traces_tasks > 0 and traces_last is not None
+        and result.traces_tasks > 0 and result.sft_demonstrations > 0 and traces_last is not None
     return 0 if complete else 1

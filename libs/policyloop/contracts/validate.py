@@ -38,7 +38,9 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
     if traj.group_size < 1 or traj.sample_index >= traj.group_size:
         raise InvalidMessage("sample_index", f"{traj.sample_index} is outside a group of {traj.group_size}")
     n = len(traj.response_token_ids)
-    if len(traj.behaviour_logprobs) != n:
+    if traj.supervised:
+        _validate_demonstration(traj)
+    elif len(traj.behaviour_logprobs) != n:
         raise InvalidMessage("behaviour_logprobs", f"has {len(traj.behaviour_logprobs)} values for {n} tokens")
     if len(traj.loss_mask) != n:
         raise InvalidMessage("loss_mask", f"has {len(traj.loss_mask)} values for {n} tokens")
@@ -52,6 +54,20 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
     _validate_turns(traj)
     if traj.HasField("scorer"):
         validate_scorer(traj.scorer)
+
+
+def _validate_demonstration(traj: bus_pb2.Trajectory) -> None:
+    """A demonstration is one response of one prompt, imitated: no policy sampled it."""
+    if not traj.response_token_ids:
+        raise InvalidMessage("response_token_ids", "a demonstration needs a response")
+    if traj.behaviour_logprobs:
+        raise InvalidMessage("behaviour_logprobs", "a demonstration has none (no policy sampled it)")
+    if traj.version_spans:
+        raise InvalidMessage("version_spans", "a demonstration has none (no policy sampled it)")
+    if traj.group_size != 1:
+        raise InvalidMessage("group_size", f"a demonstration is a group of 1, not {traj.group_size}")
+    if traj.turns:
+        raise InvalidMessage("turns", "a demonstration is single-turn")
 
 
 def _validate_turns(traj: bus_pb2.Trajectory) -> None:

@@ -11,9 +11,9 @@ from collections.abc import Callable
 import redis.exceptions
 from opentelemetry.trace import SpanKind
 
-from policyloop.bus import Bus, BusError, StreamFull, tasks_subject
+from policyloop.bus import Bus, BusError, StreamFull, tasks_subject, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
-from policyloop.gateway.feeding import nth_task
+from policyloop.gateway.feeding import nth_item
 from policyloop.state import IdempotencyKeys
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.telemetry import tracing
@@ -94,9 +94,9 @@ class RunFeeder:
                 current = await self.runs.get(run_id)
                 if current is None or current.state != loop_pb2.RUN_STATE_RUNNING:
                     return
-                task = nth_task(run_id, request, envs, index)  # type: ignore[arg-type]
+                item = nth_item(run_id, request, envs, index)  # type: ignore[arg-type]
                 try:
-                    await self.publish(task)
+                    await self.publish(item)
                 except StreamFull:
                     self.on_backpressure(True)
                     await asyncio.sleep(self.backpressure_wait_s)
@@ -107,9 +107,15 @@ class RunFeeder:
         finally:
             await self.leases.release(lease, self.owner)
 
-    async def publish(self, task: bus_pb2.Task) -> None:
+    async def publish(self, item: bus_pb2.Task | bus_pb2.Trajectory) -> None:
         """A task starts its trace: every trajectory of its group is sampled, scored and trained
-        under it (policyloop.telemetry.tracing)."""
+        under it (policyloop.telemetry.tracing). A demonstration goes straight to the learner."""
+        if isinstance(item, bus_pb2.Trajectory):
+            with tracing.span("feed demonstration", kind=SpanKind.PRODUCER, attributes={
+                    tracing.TASK_ID: item.task_id, tracing.RUN_ID: item.run_id, tracing.ENVIRONMENT: item.environment}):
+                await self.bus.publish(trajectories_subject(item.environment), item, item.trajectory_id)
+            return
+        task = item
         with tracing.span("feed task", kind=SpanKind.PRODUCER, attributes={
                 tracing.TASK_ID: task.task_id, tracing.RUN_ID: task.run_id,
                 tracing.ENVIRONMENT: task.environment, "policyloop.group_size": task.group_size}):

@@ -1,4 +1,4 @@
-"""Which task a run feeds next. The i-th task of a run is a pure function of the run and i, so a
+"""Which task (or demonstration) a run feeds next. The i-th task of a run is a pure function of the run and i, so a
 feeder that restarts (or another gateway replica that takes over) produces the very same Task
 under the same id, and JetStream deduplicates what was already enqueued."""
 
@@ -23,19 +23,53 @@ def tasks_total(request: loop_pb2.StartRunRequest, environments: dict[str, loop_
     return sum(len(environments[m.environment].tasks) for m in request.environments)
 
 
-def nth_task(
-    run_id: str,
-    request: loop_pb2.StartRunRequest,
-    environments: dict[str, loop_pb2.Environment],
-    index: int,
-) -> bus_pb2.Task:
-    """The index-th Task of the run: an environment drawn by mixing weight, then a task of it."""
+def _pick(run_id: str, request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment],
+             index: int) -> tuple[str, loop_pb2.TaskSpec, random.Random]:
+    """The environment and task of the run's index-th item (drawn by mixing weight, then a task of
+    the environment), with the random state that goes on to draw its sampling seed."""
     rng = random.Random(f"{run_id}:{request.seed}:{index}")
     cumulative = list(itertools.accumulate(m.weight for m in request.environments))
     pick = bisect.bisect_right(cumulative, rng.random() * cumulative[-1])
     mix = request.environments[min(pick, len(cumulative) - 1)]
     env = environments[mix.environment]
-    spec = env.tasks[rng.randrange(len(env.tasks))]
+    return mix.environment, env.tasks[rng.randrange(len(env.tasks))], rng
+
+
+def nth_item(run_id: str, request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment],
+             index: int) -> bus_pb2.Task | bus_pb2.Trajectory:
+    """The run's index-th item: a Task for TASKS, or — from a supervised environment — a
+    demonstration for TRAJECTORIES, which goes to the learner as it is."""
+    name, spec, rng = _pick(run_id, request, environments, index)
+    if environments[name].supervised:
+        return demonstration(run_id, name, spec, index)
+    return _task(run_id, name, environments[name], spec, rng, index)
+
+
+def nth_task(run_id: str, request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment],
+             index: int) -> bus_pb2.Task:
+    """The index-th Task of a run of environments that are sampled."""
+    item = nth_item(run_id, request, environments, index)
+    if not isinstance(item, bus_pb2.Task):
+        raise ValueError(f"item {index} of run {run_id} is a demonstration, not a task")
+    return item
+
+
+def demonstration(run_id: str, environment: str, spec: loop_pb2.TaskSpec, index: int) -> bus_pb2.Trajectory:
+    """A supervised task as a trajectory of one: its demonstration is the response, every token
+    trained on; already 'scored' (there is nothing to score), with no behaviour logprobs or versions."""
+    tid = task_id(run_id, index)
+    tokens = len(spec.demonstration_token_ids)
+    return bus_pb2.Trajectory(
+        trajectory_id=f"{tid}/0", task_id=tid, group_id=tid, sample_index=0, group_size=1, run_id=run_id,
+        environment=environment, prompt_token_ids=spec.prompt_token_ids,
+        response_token_ids=spec.demonstration_token_ids, loss_mask=[True] * tokens,
+        finish_reason=bus_pb2.FINISH_REASON_STOP, metadata=spec.metadata, prompt_text=spec.prompt_text,
+        response_text=spec.demonstration_text, scored=True, supervised=True,
+        timings=bus_pb2.Timings(task_created_unix_ms=now_ms()))
+
+
+def _task(run_id: str, environment: str, env: loop_pb2.Environment, spec: loop_pb2.TaskSpec, rng: random.Random,
+          index: int) -> bus_pb2.Task:
     sampling = bus_pb2.SamplingParams()
     sampling.CopyFrom(env.sampling)
     if not sampling.max_new_tokens:
@@ -45,7 +79,7 @@ def nth_task(
     return bus_pb2.Task(
         task_id=task_id(run_id, index),
         run_id=run_id,
-        environment=mix.environment,
+        environment=environment,
         prompt_token_ids=spec.prompt_token_ids,
         prompt_text=spec.prompt_text,
         group_size=env.group_size or DEFAULT_GROUP_SIZE,

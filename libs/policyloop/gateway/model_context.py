@@ -20,13 +20,14 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 
 @dataclass(frozen=True)
 class ModelContext:
-    """The context length, the vocabulary size and the tokenizer (None where `tokenizers` or
-    tokenizer.json is missing: text is then counted by MAX_BYTES_PER_TOKEN)."""
+    """The context length, the vocabulary size, the end-of-sequence token and the tokenizer (None
+    where `tokenizers` or tokenizer.json is missing: text is then counted by MAX_BYTES_PER_TOKEN)."""
 
     path: str
     context_tokens: int | None
     vocab_size: int | None
     tokenizer: Any | None = None
+    eos_token_id: int | None = None
 
     @property
     def measure(self) -> str:
@@ -60,7 +61,11 @@ def load_model_context(path: Path) -> ModelContext:
         raise ValueError(f"model_path: {path / 'config.json'} is not a JSON object")
     context = next((config[k] for k in CONTEXT_KEYS if isinstance(config.get(k), int) and config[k] > 0), None)
     vocab = config.get("vocab_size") if isinstance(config.get("vocab_size"), int) else None
-    return ModelContext(str(path), context, vocab, _load_tokenizer(path / "tokenizer.json"))
+    eos = config.get("eos_token_id")
+    if isinstance(eos, list):  # models with several stop tokens list them; the first ends a turn
+        eos = eos[0] if eos else None
+    return ModelContext(str(path), context, vocab, _load_tokenizer(path / "tokenizer.json"),
+                        eos if isinstance(eos, int) else None)
 
 
 def _load_tokenizer(path: Path) -> Any | None:

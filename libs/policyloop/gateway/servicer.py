@@ -22,7 +22,7 @@ from policyloop.gateway.validation import (
     check_run_against_learner,
     environment_key,
     lora_spec,
-    validate_environment,
+    prepare_environment,
     validate_start_run,
 )
 from policyloop.releases.evals import RUN_EVALS_SHOWN, EvalStore
@@ -126,7 +126,7 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
                                 f"environment: larger than {self.max_environment_bytes} bytes")
         try:
             # In a thread: tokenizing a large environment's prompts must not stall other calls.
-            await asyncio.to_thread(validate_environment, env, self.model)
+            await asyncio.to_thread(prepare_environment, env, self.model)
         except InvalidField as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         key = environment_key(env.name, env.version)

@@ -13,6 +13,11 @@ from policyloop.contracts.v1 import loop_pb2, status_pb2
 from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
+from policyloop.gateway.demonstrations import (
+    check_demonstrations_fit,
+    tokenize_demonstrations,
+    validate_demonstrations,
+)
 from policyloop.gateway.errors import FailedPrecondition, InvalidField
 from policyloop.gateway.model_context import ModelContext
 from policyloop.rl.settings import RUN_LOSS_KEYS, LoraSpec
@@ -41,6 +46,7 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
     if not VERSION_RE.match(env.version):
         raise InvalidField("environment.version", f"{env.version!r} must match {VERSION_RE.pattern}")
     _validate_tasks(env)
+    validate_demonstrations(env)
     _validate_scorer(env)
     if env.group_size > MAX_GROUP_SIZE:
         raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE}")
@@ -56,8 +62,20 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
         check_prompts_fit(env, model)
 
 
+def prepare_environment(env: loop_pb2.Environment, model: ModelContext | None = None) -> None:
+    """What the gateway does to an environment before storing it: `validate_environment`, then a
+    supervised environment's text made token ids (with `model`'s tokenizer) and checked to fit."""
+    validate_environment(env, model)
+    tokenize_demonstrations(env, model)
+    if env.supervised and model is not None:
+        check_demonstrations_fit(env, model)
+
+
 def task_lists(env: loop_pb2.Environment) -> list[tuple[str, Sequence[loop_pb2.TaskSpec]]]:
-    """The environment's training tasks and its eval split, by field name."""
+    """The environment's tasks that are sampled, by field name: its training tasks (unless they are
+    demonstrations) and its eval split."""
+    if env.supervised:
+        return [("eval_tasks", env.eval_tasks)]
     return [("tasks", env.tasks), ("eval_tasks", env.eval_tasks)]
 
 
@@ -66,7 +84,7 @@ def _validate_tasks(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.tasks", "an environment needs at least one task")
     if env.eval_tasks and env.max_turns > 1:
         raise InvalidField("environment.eval_tasks", "the evaluator scores single-turn environments only")
-    for name, tasks in task_lists(env):
+    for name, tasks in (("tasks", env.tasks), ("eval_tasks", env.eval_tasks)):
         if len(tasks) > MAX_TASKS_PER_ENVIRONMENT:
             raise InvalidField(f"environment.{name}", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
         for i, task in enumerate(tasks):
@@ -78,6 +96,8 @@ def _validate_tasks(env: loop_pb2.Environment) -> None:
 
 def _validate_scorer(env: loop_pb2.Environment) -> None:
     scorer = env.WhichOneof("scorer")
+    if scorer is None and env.supervised and not env.eval_tasks:
+        return  # demonstrations are imitated, never scored
     if scorer is None:
         raise InvalidField("environment.scorer", "choose builtin, unit_tests or reward_code")
     if scorer == "builtin":

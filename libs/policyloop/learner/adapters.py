@@ -30,7 +30,7 @@ from policyloop.learner.fair import FairShare
 from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.start import VersionBehind
 from policyloop.ledger import StepRecord, record_dropped, record_trained
-from policyloop.rl.batching import Admission, RecentSteps
+from policyloop.rl.batching import Admission, RecentSteps, split_by_objective
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
 from policyloop.rl.recovery import Resumed, ResumeError, resume
 from policyloop.telemetry.logging import get_logger
@@ -171,18 +171,24 @@ class AdapterLearner:
 
     async def step(self, run_id: str) -> int:
         """One step of `run_id`'s adapter on its oldest full batch; returns its new version (the
-        current one when every group of the batch was stale)."""
-        from policyloop.weights.torch_io import weight_set
-
+        current one when every group of the batch was stale). A batch holding demonstrations and
+        policy samples is trained as two steps."""
         slot = self.slots[run_id]
         run = self.trainer.run(run_id)
         fresh, stale = slot.held.take(run.version, slot.max_lag)
         await self._drop(slot, stale, "stale")
-        if not fresh:
-            return run.version
-        samples = [t for group in fresh for t in group]
+        for groups in split_by_objective(fresh):
+            await self._train(slot, groups)
+        return run.version
+
+    async def _train(self, slot: RunSlot, groups: Groups) -> None:
+        """One step of the run's adapter on `groups`, in the learner's write-ahead order."""
+        from policyloop.weights.torch_io import weight_set
+
+        run_id, run = slot.run_id, self.trainer.run(slot.run_id)
+        samples = [t for group in groups for t in group]
         async with self._trainer_lock:
-            report = await asyncio.to_thread(self.trainer.step, run_id, fresh)
+            report = await asyncio.to_thread(self.trainer.step, run_id, groups)
             tensors = await asyncio.to_thread(self.trainer.export_adapter, run_id)
         weights = await asyncio.to_thread(weight_set, run.version, tensors)
         slot.ledger_seq = await record_trained(self.bus, slot.model, run_id, self.instance_id, StepRecord(
@@ -199,7 +205,6 @@ class AdapterLearner:
                                         self.checkpoint_keep)
         log.info("run_step", run=run_id, step=report.step, version=run.version, loss=round(report.loss, 5),
                  mean_reward=round(report.mean_reward, 4), pushed=pushed.kind, payload_bytes=pushed.payload_bytes)
-        return run.version
 
     async def _drop(self, slot: RunSlot, groups: Groups, reason: str) -> None:
         for group in groups:

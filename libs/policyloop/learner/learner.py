@@ -35,7 +35,7 @@ from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
-from policyloop.rl.batching import Admission, RecentSteps
+from policyloop.rl.batching import Admission, RecentSteps, split_by_objective
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.phases import PhaseClock
 
@@ -145,7 +145,9 @@ class Learner:
                 await self.drop_stale(stale)
                 if groups:
                     clock.lap("wait_for_batch")
-                    await self.step(groups, clock)
+                # A batch holding demonstrations and policy samples is trained as two steps.
+                for part in split_by_objective(groups):
+                    await self.step(part, clock)
                     clock = PhaseClock()
             await self.published()
         finally:

@@ -90,3 +90,11 @@ def split_stale(groups: list[list[bus_pb2.Trajectory]], training_version: int, m
     for group in groups:
         (stale if any(sample_lag(t, training_version) > max_lag for t in group) else fresh).append(group)
     return fresh, stale
+
+
+def split_by_objective(groups: list[list[bus_pb2.Trajectory]]) -> list[list[list[bus_pb2.Trajectory]]]:
+    """A batch's groups as the steps that train them: policy samples in one, demonstrations
+    (Trajectory.supervised) in another, each kind in the order taken; no empty step."""
+    demonstrations = [g for g in groups if g and g[0].supervised]
+    samples = [g for g in groups if not (g and g[0].supervised)]
+    return [part for part in (demonstrations, samples) if part]

@@ -184,3 +184,22 @@ def policy_objective(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, a
             tokens=int(maskf.sum()),
         )
     return loss, stats
+
+
+def supervised_objective(logprobs: torch.Tensor, mask: torch.Tensor, config: LossConfig, counts: BatchCounts, *,
+                         entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, ObjectiveStats]:
+    """Cross-entropy on demonstrations: the negative log-likelihood of each trained token,
+    normalised as the policy loss is (`config.normalization`). There is no ratio, clip or
+    off-policy weight to report: those statistics read as their neutral values."""
+    if logprobs.shape != mask.shape:
+        raise ValueError("logprobs and mask must have one shape")
+    maskf = mask.to(logprobs.dtype)
+    loss = aggregate(-logprobs, maskf, config.normalization, counts, config.constant)
+    with torch.no_grad():
+        tokens = maskf.sum().clamp(min=1.0)
+        stats = ObjectiveStats(
+            loss=float(loss), policy_loss=float(loss), clip_fraction=0.0, ratio_mean=1.0, kl_behaviour=0.0,
+            kl_reference=0.0, is_weight_mean=1.0, is_weight_max=1.0, is_truncated_fraction=0.0,
+            entropy=float((entropy * maskf).sum() / tokens) if entropy is not None else 0.0,
+            tokens=int(maskf.sum()))
+    return loss, stats

@@ -33,7 +33,13 @@ from policyloop.rl.logprobs import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from policyloop.rl.objective import BatchCounts, ObjectiveStats, compute_advantages, policy_objective
+from policyloop.rl.objective import (
+    BatchCounts,
+    ObjectiveStats,
+    compute_advantages,
+    policy_objective,
+    supervised_objective,
+)
 from policyloop.rl.settings import LossConfig, OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
 
@@ -185,15 +191,16 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
               reference: Callable[[PackedBatch], torch.Tensor] | None = None,
               clock: PhaseClock | None = None) -> StepLoss:
     """The objective of one step on complete groups, for this rank's share of the samples (every
-    `world_size`-th from `rank`). `reference` gives the KL penalty's reference log-probs of a
-    batch (when the penalty is on). `clock` gets the pack and forward phases."""
+    `world_size`-th from `rank`): the policy loss, or — for a step of demonstrations
+    (Trajectory.supervised) — cross-entropy. `reference` gives the KL penalty's reference
+    log-probs of a batch (when the penalty is on). `clock` gets the pack and forward phases."""
     clock = clock or PhaseClock()
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
         raise ValueError("every group of a step must have the same size")
-    rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
-    advantages = compute_advantages(rewards, config.advantages).reshape(-1)
     samples = [t for group in groups for t in group]
+    supervised = is_supervised_step(groups)
+    rewards = torch.tensor([[t.reward for t in g] for g in groups], dtype=torch.float32)
     if len(samples) < world_size:
         raise ValueError(f"{len(samples)} samples cannot be shared by {world_size} ranks")
     masks = [[bool(m) and t.finish_reason != bus_pb2.FINISH_REASON_ERROR for m in t.loss_mask] for t in samples]
@@ -203,22 +210,36 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
     prompts = [list(samples[i].prompt_token_ids) for i in mine]
     responses = [list(samples[i].response_token_ids) for i in mine]
     batch = pack(prompts, responses, [masks[i] for i in mine], pad_id=pad_id).to(device)
-    width = batch.input_ids.shape[1]
-    behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width).to(device)
-    token_adv = advantages[mine][:, None].to(device).expand_as(batch.response_mask)
+    # Every rank knows the whole batch: the global counts need no collective either.
+    counts = BatchCounts(tokens=total_tokens, sequences=len(samples),
+                         width=max(len(t.response_token_ids) for t in samples))
     clock.lap("pack")
     logprobs, entropy = token_logprobs_and_entropy(model, batch)
+    if supervised:
+        loss, stats = supervised_objective(logprobs, batch.response_mask, config, counts, entropy=entropy)
+        clock.lap("forward")
+        return StepLoss(loss, stats, rewards, len(groups), len(samples), total_tokens)
+    width = batch.input_ids.shape[1]
+    behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width).to(device)
+    advantages = compute_advantages(rewards, config.advantages).reshape(-1)
+    token_adv = advantages[mine][:, None].to(device).expand_as(batch.response_mask)
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = reference(batch)
-    # Every rank knows the whole batch: the global counts need no collective either.
-    counts = BatchCounts(tokens=total_tokens, sequences=len(samples),
-                         width=max(len(t.response_token_ids) for t in samples))
     loss, stats = policy_objective(logprobs, behaviour, token_adv, batch.response_mask, config, counts,
                                    ref_logprobs=ref_logprobs, entropy=entropy)
     clock.lap("forward")
     return StepLoss(loss, stats, rewards, len(groups), len(samples), total_tokens)
+
+
+def is_supervised_step(groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> bool:
+    """Whether a step's groups are demonstrations; a step never mixes them with samples (the
+    learner splits a batch that holds both: rl.batching.split_by_objective)."""
+    kinds = {t.supervised for group in groups for t in group}
+    if len(kinds) > 1:
+        raise ValueError("a step trains demonstrations or policy samples, not both")
+    return kinds == {True}
 
 
 class PolicyTrainer:

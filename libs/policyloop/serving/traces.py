@@ -73,13 +73,28 @@ def export_sft(exchanges: Iterable[TracedExchange], path: Path, *, min_reward: f
 def reference_answer(exchange: TracedExchange, min_reward: float) -> str | None:
     """What a new sample of the exchange's prompt is judged against: the newest correction, else
     the response itself when its newest reward is at least `min_reward`; None when neither."""
+    outcome = recorded_outcome(exchange, min_reward)
+    return outcome.text if outcome is not None else None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The answer a prompt should get: a person's correction (text), or the served response that
+    earned its reward (the engine's exact token ids)."""
+    text: str
+    token_ids: tuple[int, ...] = ()  # empty for a correction
+
+
+def recorded_outcome(exchange: TracedExchange, min_reward: float) -> Outcome | None:
+    """The newest correction, else the response when its newest reward is at least `min_reward`."""
     ordered = sorted(exchange.feedback, key=lambda f: f.created_unix_ms)
     corrections = [f.correction.strip() for f in ordered if f.correction.strip()]
     if corrections:
-        return corrections[-1]
+        return Outcome(corrections[-1])
     reward = exchange.reward
-    if reward is not None and reward >= min_reward and exchange.trace.response_text.strip():
-        return exchange.trace.response_text.strip()
+    trace = exchange.trace
+    if reward is not None and reward >= min_reward and trace.response_text.strip():
+        return Outcome(trace.response_text.strip(), tuple(trace.response_token_ids))
     return None
 
 
@@ -90,29 +105,38 @@ def in_eval_split(trace_id: str, fraction: float) -> bool:
 
 def environment_from_traces(exchanges: Iterable[TracedExchange], name: str, version: str, *,
                             min_reward: float = 1.0, eval_fraction: float = 0.2, group_size: int = 8,
-                            temperature: float = 1.0, max_new_tokens: int = 0) -> loop_pb2.Environment:
-    """An RL environment of the served prompts: each prompt (the exact token ids the engine read)
-    with its recorded outcome as the reference an exact-answer verifier judges new samples
-    against (a correction, or a response rewarded at least `min_reward`). Exchanges without
-    either are left out; a prompt seen again keeps its newest outcome. `eval_fraction` of the
-    prompts (by trace id) become the eval split. max_new_tokens 0: twice the longest reference
-    response, at least 8."""
-    by_prompt: dict[tuple[int, ...], tuple[TracedExchange, str]] = {}
+                            temperature: float = 1.0, max_new_tokens: int = 0, supervised: bool = False
+                            ) -> loop_pb2.Environment:
+    """An environment of the served prompts (the exact token ids the engine read), each with its
+    recorded outcome (`recorded_outcome`); exchanges without one are left out, and a prompt seen
+    again keeps its newest. RL: the outcome is the reference an exact-answer verifier judges new
+    samples against. `supervised`: the outcome is the demonstration to imitate — a rewarded
+    response as the engine's exact token ids, a correction as text the gateway tokenizes. Either
+    way `eval_fraction` of the prompts (by trace id) become the eval split, judged by exact answer.
+    max_new_tokens 0: twice the longest reference response, at least 8."""
+    by_prompt: dict[tuple[int, ...], tuple[TracedExchange, Outcome]] = {}
     for exchange in exchanges:
-        answer = reference_answer(exchange, min_reward)
-        if answer is not None and exchange.trace.prompt_token_ids:
-            by_prompt[tuple(exchange.trace.prompt_token_ids)] = (exchange, answer)
+        outcome = recorded_outcome(exchange, min_reward)
+        if outcome is not None and exchange.trace.prompt_token_ids:
+            by_prompt[tuple(exchange.trace.prompt_token_ids)] = (exchange, outcome)
     env = loop_pb2.Environment(
-        name=name, version=version, group_size=group_size,
+        name=name, version=version, group_size=group_size, supervised=supervised,
         builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
         sampling=bus_pb2.SamplingParams(temperature=temperature))
     longest = 0
-    for exchange, answer in by_prompt.values():
+    for exchange, outcome in by_prompt.values():
         trace = exchange.trace
         longest = max(longest, len(trace.response_token_ids))
         task = loop_pb2.TaskSpec(prompt_token_ids=trace.prompt_token_ids, prompt_text=trace.prompt_text,
-                                 answer=answer, metadata={"trace_id": trace.trace_id,
-                                                          "weights_version": trace.weights_version})
-        (env.eval_tasks if in_eval_split(trace.trace_id, eval_fraction) else env.tasks).append(task)
+                                 answer=outcome.text, metadata={"trace_id": trace.trace_id,
+                                                                "weights_version": trace.weights_version})
+        if in_eval_split(trace.trace_id, eval_fraction):
+            env.eval_tasks.append(task)
+            continue
+        if supervised and outcome.token_ids:
+            task.demonstration_token_ids.extend(outcome.token_ids)
+        elif supervised:
+            task.demonstration_text = outcome.text
+        env.tasks.append(task)
     env.sampling.max_new_tokens = max_new_tokens or max(8, 2 * longest)
     return env

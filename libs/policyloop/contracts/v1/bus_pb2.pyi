@@ -208,7 +208,7 @@ class Turn(_message.Message):
     def __init__(self, role: _Optional[_Union[Turn.Role, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Trajectory(_message.Message):
-    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "turns", "scored", "reward", "reward_breakdown", "scorer")
+    __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "turns", "scored", "reward", "reward_breakdown", "scorer", "supervised")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -239,6 +239,7 @@ class Trajectory(_message.Message):
     REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_BREAKDOWN_FIELD_NUMBER: _ClassVar[int]
     SCORER_FIELD_NUMBER: _ClassVar[int]
+    SUPERVISED_FIELD_NUMBER: _ClassVar[int]
     trajectory_id: str
     task_id: str
     group_id: str
@@ -262,7 +263,8 @@ class Trajectory(_message.Message):
     reward: float
     reward_breakdown: _containers.RepeatedCompositeFieldContainer[RewardComponent]
     scorer: Scorer
-    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ...) -> None: ...
+    supervised: bool
+    def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., supervised: _Optional[bool] = ...) -> None: ...
 
 class WeightsPublished(_message.Message):
     __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id", "trained_unix_ms")

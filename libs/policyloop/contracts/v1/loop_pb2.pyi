@@ -59,7 +59,7 @@ RUN_STATE_FINISHED: RunState
 RUN_STATE_FAILED: RunState
 
 class TaskSpec(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "answer", "metadata")
+    __slots__ = ("prompt_text", "prompt_token_ids", "answer", "metadata", "demonstration_token_ids", "demonstration_text")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -71,14 +71,18 @@ class TaskSpec(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    DEMONSTRATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DEMONSTRATION_TEXT_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     answer: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    demonstration_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    demonstration_text: str
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., demonstration_token_ids: _Optional[_Iterable[int]] = ..., demonstration_text: _Optional[str] = ...) -> None: ...
 
 class Environment(_message.Message):
-    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools", "eval_tasks")
+    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +94,7 @@ class Environment(_message.Message):
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     EVAL_TASKS_FIELD_NUMBER: _ClassVar[int]
+    SUPERVISED_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
@@ -101,7 +106,8 @@ class Environment(_message.Message):
     max_turns: int
     tools: _containers.RepeatedScalarFieldContainer[str]
     eval_tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ...) -> None: ...
+    supervised: bool
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("environment",)
