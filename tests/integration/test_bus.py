@@ -422,3 +422,42 @@ async def test_connect_waits_for_a_server_that_is_starting(tmp_path) -> None:  #
         await bus.close()
         managed.proc.terminate()
         managed.proc.wait()
+
+
+async def test_a_newest_per_subject_follower_is_made_again_after_a_reconnect(bus: Bus, nats_server: Server) -> None:
+    """What the evaluator and rollout replicas follow WEIGHTS with: each model's newest
+    announcement, then every new one, across a server restart (its consumer is remade)."""
+    from policyloop.bus import weights_subject
+    from policyloop.bus.newest import NewestPerSubject
+    from policyloop.bus.topology import SUBJECT_PREFIX
+
+    seen: list[tuple[str, int]] = []
+
+    async def on_message(msg) -> None:  # type: ignore[no-untyped-def]
+        event = bus_pb2.WeightsPublished.FromString(msg.data)
+        seen.append((event.model, event.version))
+
+    for model, version in (("a", 1), ("a", 2), ("b", 7)):
+        await bus.publish(weights_subject(model), bus_pb2.WeightsPublished(model=model, version=version),
+                          f"{model}-{version}")
+    follower = NewestPerSubject(bus, f"{SUBJECT_PREFIX}.weights.>", on_message)
+    await follower.ensure()
+    try:
+        await eventually(lambda: _is_set(seen, {("a", 2), ("b", 7)}))  # the newest of each, not version 1
+        first = follower.sub
+        nats_server.restart()
+        await bus.publish(weights_subject("a"), bus_pb2.WeightsPublished(model="a", version=3), "a-3",
+                          timeout_s=2, attempts=20)
+
+        async def remade_and_delivered() -> bool:
+            await follower.ensure()
+            return follower.sub is not None and follower.sub is not first and ("a", 3) in seen
+
+        await eventually(remade_and_delivered, timeout_s=30)
+        assert bus.reconnects >= 1 and ("a", 1) not in seen
+    finally:
+        await follower.close()
+
+
+async def _is_set(value: list[tuple[str, int]], expected: set[tuple[str, int]]) -> bool:
+    return set(value) == expected

@@ -224,6 +224,7 @@ async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes
     assert latest.step == 4 and latest.best_version == 2 and not latest.regressed
     assert score.pass_rate_low <= score.pass_rate <= score.pass_rate_high and score.pass_rate_high > 0
     assert [e.version for e in await stored(bus, "EVALS", loop_pb2.VersionEval)] == [2, 4]
+    check_metrics(latest)
     # Asked again (an evaluator restarted after recording it), a version is not evaluated twice.
     last = await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)
     assert await loop.evaluator.evaluate(last[-1]) == [] and len(await loop.evals.all(RUN)) == 2
@@ -274,6 +275,21 @@ async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes
 
     await check_cli(loop)
     await client.close()
+
+
+def check_metrics(newest: loop_pb2.VersionEval) -> None:
+    """The evaluator's metrics: the newest version's pass rates with their interval, the verdicts."""
+    from prometheus_client import REGISTRY
+
+    from policyloop.telemetry.metrics import run_label
+
+    run = run_label(RUN)
+    for bound, value in (("point", newest.pass_rate), ("low", newest.pass_rate_low), ("high", newest.pass_rate_high)):
+        for environment in ("all", ENV):
+            labels = {"run": run, "environment": environment, "bound": bound}
+            assert REGISTRY.get_sample_value("policyloop_eval_pass_rate", labels) == pytest.approx(value)
+    assert REGISTRY.get_sample_value("policyloop_eval_version", {"run": run}) == newest.version
+    assert REGISTRY.get_sample_value("policyloop_evaluations_total", {"run": run, "verdict": "passed"}) >= 2
 
 
 async def check_refusals(loop: Loop) -> None:

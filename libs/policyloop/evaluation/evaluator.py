@@ -13,10 +13,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import nats.errors
-from nats.js import api
-
 from policyloop.bus import Bus
+from policyloop.bus.newest import NewestPerSubject
 from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.sglang_client import SGLangClient
@@ -29,6 +27,7 @@ from policyloop.rl.settings import adapter_model_name
 from policyloop.scorers.registry import ScorerRegistry
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import EVAL_PASS_RATE, EVAL_SECONDS, EVAL_VERSION, EVALUATIONS, run_label
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
 from policyloop.weights.sync import sync_weights
@@ -37,6 +36,24 @@ log = get_logger(__name__)
 
 # Runs in these states are still training: their model's new versions are theirs.
 TRAINING_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_STOPPING, loop_pb2.RUN_STATE_FINISHED)
+
+
+def export_eval(result: loop_pb2.VersionEval, newest: dict[str, int]) -> None:
+    """The result as metrics: its verdict and time always, its pass rates when it is the run's
+    newest version evaluated (`newest`: by run; a version evaluated late does not move the gauges
+    back)."""
+    run = run_label(result.run_id)
+    EVALUATIONS.labels(run, "regressed" if result.regressed else "passed").inc()
+    EVAL_SECONDS.observe(result.seconds)
+    if result.version < newest.get(run, 0):
+        return
+    newest[run] = result.version
+    EVAL_VERSION.labels(run).set(result.version)
+    rates = [("all", result.pass_rate, result.pass_rate_low, result.pass_rate_high)] + [
+        (e.environment, e.pass_rate, e.pass_rate_low, e.pass_rate_high) for e in result.environments]
+    for environment, point, low, high in rates:
+        for bound, value in (("low", low), ("point", point), ("high", high)):
+            EVAL_PASS_RATE.labels(run, environment, bound).set(value)
 
 
 class PinnedEngine:
@@ -87,6 +104,7 @@ class Evaluator:
         self.due = asyncio.Event()
         self.evaluated = 0
         self.last_version = 0
+        self.exported: dict[str, int] = {}  # run label → the newest version in the pass-rate gauges
         stop = tokenizer.eos_token_id
         self.stop_ids: tuple[int, ...] = (stop,) if stop is not None else ()
 
@@ -100,15 +118,19 @@ class Evaluator:
             self.due.set()
 
     async def run(self, stop: asyncio.Event) -> None:
-        sub = await self.bus.js.subscribe(f"{SUBJECT_PREFIX}.weights.>", cb=self.on_event, ordered_consumer=True,
-                                          deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT)
+        """Evaluates versions as they are due until `stop`. The WEIGHTS subscription is made again
+        after a reconnect; it then delivers each model's newest announcement."""
+        announcements = NewestPerSubject(self.bus, f"{SUBJECT_PREFIX}.weights.>", self.on_event)
         try:
             while not stop.is_set():
+                await announcements.ensure()
                 waiter = asyncio.create_task(self.due.wait())
                 stopper = asyncio.create_task(stop.wait())
-                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
                 waiter.cancel()
                 stopper.cancel()
+                if not self.due.is_set():
+                    continue
                 self.due.clear()
                 while self.pending and not stop.is_set():
                     model = min(self.pending, key=lambda m: self.pending[m].published_unix_ms)
@@ -118,10 +140,7 @@ class Evaluator:
                     except Exception as exc:  # noqa: BLE001 - one version failing must not end the evaluator
                         log.error("evaluation_failed", model=event.model, version=event.version, error=repr(exc))
         finally:
-            try:
-                await sub.unsubscribe()
-            except nats.errors.Error:
-                pass
+            await announcements.close()
 
     async def runs_of(self, event: bus_pb2.WeightsPublished) -> list[tuple[str, loop_pb2.StartRunRequest]]:
         """The runs whose policy this version is: the run the learner named, else the model's training runs."""
@@ -170,6 +189,7 @@ class Evaluator:
                               seconds=time.monotonic() - started, evaluator=self.settings.instance_id)
         judge(result, await self.store.all(run_id))
         await record_eval(self.store, self.bus, result)
+        export_eval(result, self.exported)
         self.evaluated += 1
         self.last_version = max(self.last_version, result.version)
         log.info("version_evaluated", run=run_id, version=event.version, pass_rate=round(result.pass_rate, 4),

@@ -12,10 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import nats.errors
-from nats.js import api
-
 from policyloop.bus import promotions_subject, weights_subject
+from policyloop.bus.newest import NewestPerSubject
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, status_pb2
 from policyloop.engines.sglang_client import EngineUnavailable, SGLangClient
@@ -86,41 +84,11 @@ class WeightFollower:
             log.info("weights_announced", version=event.version, endpoint=event.fetch_endpoint)
             self.announced.set()
 
-    async def resubscribe(self, old):  # type: ignore[no-untyped-def]
-        """(Re)makes the ordered consumer of WEIGHTS; None when it cannot be made now (a server
-        restarting; in a cluster, making a consumer needs the meta leader). Meanwhile the newest
-        announcement is read directly, which needs only the stream's leader: a replica that
-        missed its subscription would otherwise never see a new version, and pacing would
-        keep it idle."""
-        if old is not None:
-            try:
-                await old.unsubscribe()
-            except (TimeoutError, nats.errors.Error):
-                pass
-        subject = self.announcements.subject
-        try:
-            return await self.ctx.bus.js.subscribe(
-                subject, cb=self.on_event, ordered_consumer=True, deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
-            )
-        except (TimeoutError, nats.errors.Error) as exc:
-            log.warning("weights_subscribe_failed", error=repr(exc))
-        try:
-            stream = self.ctx.bus.topology.stream_for_subject(subject).name
-            await self.on_event(await self.ctx.bus.js.get_last_msg(stream, subject))
-        except (TimeoutError, nats.errors.Error):
-            pass
-        return None
-
     async def run(self) -> None:
-        sub = None
-        generation = -1
+        announcements = NewestPerSubject(self.ctx.bus, self.announcements.subject, self.on_event)
         try:
             while not self.ctx.stop.is_set():
-                if sub is None or generation != self.ctx.bus.reconnects:
-                    # First, after a failed attempt, or reconnected (maybe to another server of
-                    # a cluster): a fresh consumer rather than trusting the old one's recovery.
-                    generation = self.ctx.bus.reconnects
-                    sub = await self.resubscribe(sub)
+                await announcements.ensure()
                 waiter = asyncio.create_task(self.announced.wait())
                 stopper = asyncio.create_task(self.ctx.stop.wait())
                 await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
@@ -139,11 +107,7 @@ class WeightFollower:
                     await asyncio.sleep(1.0)
                     self.announced.set()
         finally:
-            if sub is not None:
-                try:
-                    await sub.unsubscribe()
-                except nats.errors.Error:
-                    pass
+            await announcements.close()
             for client in self._publishers.values():
                 await client.close()
 

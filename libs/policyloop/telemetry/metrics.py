@@ -177,3 +177,17 @@ WEIGHTS_QUARANTINED = Counter(
     "(record, payload, keyframe, snapshot).",
     ["what"],
 )
+EVAL_PASS_RATE = Gauge(
+    "policyloop_eval_pass_rate",
+    "The eval split's pass rate of the newest version evaluated, by run and environment (\"all\": every task of "
+    "the run's eval splits), with its 95% Wilson interval: bound is low, point or high.",
+    ["run", "environment", "bound"],
+)
+EVAL_VERSION = Gauge("policyloop_eval_version", "The newest version of the run evaluated.", ["run"])
+EVALUATIONS = Counter(
+    "policyloop_evaluations_total", "Versions evaluated, by run and verdict (passed, regressed).", ["run", "verdict"],
+)
+EVAL_SECONDS = Histogram(
+    "policyloop_eval_seconds", "Time to evaluate one version of a run: the engine pinned to it, every eval task "
+    "generated and scored.", buckets=(0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600),
+)
