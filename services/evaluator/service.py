@@ -14,7 +14,7 @@ from policyloop.evaluation.evaluator import Evaluator, PinnedEngine
 from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore
 from policyloop.releases.promotion import Promoter
-from policyloop.rollout.engine_process import engine_url_or_start, stop_engine, wait_for_engine
+from policyloop.rollout.engine_process import engine_url_or_start, name_base_version, stop_engine, wait_for_engine
 from policyloop.runtime import ServiceContext, run_main
 from policyloop.sandbox.client import run_in_sandbox
 from policyloop.scorers.registry import default_registry
@@ -37,6 +37,7 @@ async def body(ctx: ServiceContext) -> None:
         client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
         engines.append((client, proc))
         await wait_for_engine(client, proc, settings.engine_start_timeout_s)
+        await name_base_version(client)  # the base's answers (a LoRA run's adapter beside it) say 0
         return client
 
     publishers: dict[str, WeightClient] = {}
@@ -52,7 +53,8 @@ async def body(ctx: ServiceContext) -> None:
         runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
         evaluator = Evaluator(
             ctx.bus, runs, EnvironmentCatalog(raw, settings.namespace), evals,
-            PinnedEngine(connect, publisher, settings.weights_dir / settings.instance_id, settings.model_path),
+            PinnedEngine(connect, publisher, settings.weights_dir / settings.instance_id, settings.model_path,
+                         settings.adapter_source),
             tokenizer, default_registry(run_job), settings, promoter=Promoter(ctx.bus, runs, evals, publisher))
         ctx.status = lambda: status_pb2.EvaluatorStatus(
             evaluated=evaluator.evaluated, engine_url=engines[0][0].base_url if engines else "",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
@@ -24,6 +24,9 @@ from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext, run_main, run_pull_workers
 from policyloop.runtime.agreement import LoopAgreement
 from policyloop.state import HeartbeatRegistry
+
+if TYPE_CHECKING:
+    from policyloop.rollout.adapters import PromotedAdapter
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -104,9 +107,12 @@ async def serve_promoted(ctx: ServiceContext, settings: RolloutSettings, client:
     from policyloop.serving.openai_api import OpenAIApi
 
     follower = WeightFollower(ctx, settings, client, status, promoted_versions(settings.serve_run))
-    engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, follower.resync)
+    adapter = await promoted_adapter(ctx, settings, client, follower) if settings.lora_runs else None
+    engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc,
+                                 follower.resync if adapter is None else adapter.resync)
     ctx.add_health_probe("engine", engine_health.probe)
-    api = OpenAIApi(client, tokenizer, ctx.bus, settings.served_model_name or settings.serve_run)
+    api = OpenAIApi(client, tokenizer, ctx.bus, settings.served_model_name or settings.serve_run,
+                    adapter=adapter.adapter if adapter is not None else None)
     runner = web.AppRunner(api.app(), shutdown_timeout=settings.shutdown_grace_s)
     await runner.setup()
     site = web.TCPSite(runner, settings.openai_host, settings.openai_port)
@@ -115,13 +121,42 @@ async def serve_promoted(ctx: ServiceContext, settings: RolloutSettings, client:
     status.serving_run = settings.serve_run
     status.openai_url = f"http://{settings.advertise_host}:{port}/v1"
     watch_engine = asyncio.create_task(engine_health.run(ctx.stop))
-    follow = asyncio.create_task(follower.run())
+    follow = asyncio.create_task(follower.run() if adapter is None else adapter.run(ctx.stop))
     ctx.ready = True
     try:
         await ctx.stop.wait()
     finally:
         await runner.cleanup()
         await asyncio.gather(follow, watch_engine, return_exceptions=True)
+
+
+async def promoted_adapter(ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient,
+                           follower: WeightFollower) -> PromotedAdapter:
+    """A LoRA run's serving replica: its promoted adapter beside the base, once the run exists
+    (a replica may start before the run does)."""
+    from policyloop.rl.settings import LoraSpec, adapter_model_name
+    from policyloop.rollout.adapters import PromotedAdapter, ServedAdapters
+    from policyloop.state import connect_redis
+    from policyloop.state.catalog import RunRegistry
+
+    raw = await connect_redis(settings.redis_url, decode_responses=False)  # run definitions are bytes
+    try:
+        while (definition := await RunRegistry(raw, settings.namespace).definition(settings.serve_run)) is None:
+            if ctx.stop.is_set():
+                raise RuntimeError(f"stopped before run {settings.serve_run!r} was started")
+            await asyncio.sleep(1.0)
+    finally:
+        await raw.aclose()
+    if not definition.HasField("lora"):
+        raise RuntimeError(f"run {settings.serve_run!r} trains the full model: serve it without lora_runs")
+    served = ServedAdapters(client, settings.weights_dir / "adapters", follower.publisher,
+                            load_from=settings.adapter_source)
+
+    def serving(version: int) -> None:
+        ctx.policy_version = version
+
+    return PromotedAdapter(ctx.bus, served, settings.serve_run, LoraSpec.from_proto(definition.lora),
+                           adapter_model_name(settings.model, settings.serve_run), on_version=serving)
 
 
 def main(argv: list[str] | None = None) -> int:

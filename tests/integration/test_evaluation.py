@@ -13,6 +13,7 @@ import asyncio
 import json
 import sys
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +49,7 @@ from policyloop.weights.push import VersionPusher
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
 from policyloop.weights.torch_io import weight_set
-from tests.helpers import eventually, stored, until
+from tests.helpers import eventually, greedy_ids, stored, until
 
 openai = pytest.importorskip("openai")
 
@@ -98,6 +99,21 @@ class Loop:
     evaluator: Evaluator
 
 
+@asynccontextmanager
+async def weights_publisher(bus: Bus, root: Path) -> AsyncIterator[str]:
+    """A publisher on loopback gRPC, announcing on WEIGHTS (retention 3): its endpoint."""
+    library = WeightLibrary(VersionStore(root, retention=3), snapshot_every=4)
+    announcer = Announcer(bus)
+    server, port = await start_weight_server(WeightServicer(library, on_stored=announcer.announce),
+                                             host="127.0.0.1", port=0)
+    announcer.endpoint = f"127.0.0.1:{port}"
+    try:
+        yield announcer.endpoint
+    finally:
+        await server.stop(None)
+        await library.drain()
+
+
 @pytest.fixture
 async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: ignore[no-untyped-def]
                tmp_path: Path) -> AsyncIterator[Loop]:
@@ -105,11 +121,8 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
     from transformers import AutoTokenizer
 
     raw = await connect_redis(redis_server.url, decode_responses=False)
-    library = WeightLibrary(VersionStore(tmp_path / "store", retention=3), snapshot_every=4)
-    announcer = Announcer(bus)
-    server, port = await start_weight_server(WeightServicer(library, on_stored=announcer.announce),
-                                             host="127.0.0.1", port=0)
-    announcer.endpoint = f"127.0.0.1:{port}"
+    stack = AsyncExitStack()
+    endpoint = await stack.enter_async_context(weights_publisher(bus, tmp_path / "store"))
     clients: dict[str, WeightClient] = {}
 
     def publisher(endpoint: str) -> WeightClient:
@@ -159,7 +172,7 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
     await site.start()
     openai_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
     try:
-        yield Loop(VersionPusher(publisher(announcer.endpoint), MODEL), publisher(announcer.endpoint), evals,
+        yield Loop(VersionPusher(publisher(endpoint), MODEL), publisher(endpoint), evals,
                    loop_pb2_grpc.LoopServiceStub(channel), evaluator_engine, serving_engine, serving_ctx, openai_url,
                    f"127.0.0.1:{grpc_port}", evaluator)
     finally:
@@ -173,24 +186,26 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
             await client.close()
         await evaluator_engine.stop()
         await serving_engine.stop()
-        await server.stop(None)
-        await library.drain()
+        await stack.aclose()
         await raw.aclose()
 
 
-async def passed_by_hand(engine: EmbeddedEngine, tokenizer, env: loop_pb2.Environment) -> int:  # type: ignore[no-untyped-def]
-    """The eval split scored directly: greedy answers of what the engine serves, the arithmetic verifier."""
+async def passed_by_hand(engine: EmbeddedEngine, tokenizer, env: loop_pb2.Environment,  # type: ignore[no-untyped-def]
+                         lora_path: str | None = None) -> tuple[int, list[str]]:
+    """The eval split scored directly: greedy answers of what the engine serves (with the adapter
+    `lora_path`, when given), the arithmetic verifier. The number passed, and the answers."""
     client = SGLangClient(engine.base_url, timeout_s=60)
     eos = tokenizer.eos_token_id
     try:
-        passed = 0
+        passed, answers = 0, []
         for spec in env.eval_tasks:
             result = await client.generate(GenerateRequest(
-                input_ids=tokenizer(spec.prompt_text, add_special_tokens=False).input_ids,
+                input_ids=tokenizer(spec.prompt_text, add_special_tokens=False).input_ids, lora_path=lora_path,
                 sampling_params=SamplingParams(max_new_tokens=8, temperature=0.0, stop_token_ids=(eos,))))
             text = tokenizer.decode([t for t in result.output_ids if t != eos], skip_special_tokens=True)
             passed += arithmetic.score(text, result.finish_reason == "stop", spec.answer).reward > 1.0
-        return passed
+            answers.append(text)
+        return passed, answers
     finally:
         await client.close()
 
@@ -218,7 +233,7 @@ async def test_versions_are_evaluated_promoted_and_served_and_a_rollback_changes
     assert [e.version for e in results] == [2, 4]
     latest = results[-1]
     assert loop.evaluator_engine.weight_version == "4"
-    by_hand = await passed_by_hand(loop.evaluator_engine, tokenizer, environment())
+    by_hand, _ = await passed_by_hand(loop.evaluator_engine, tokenizer, environment())
     score = latest.environments[0]
     assert by_hand > 0 and (score.environment, score.tasks, score.passed) == (ENV, EVAL_TASKS, by_hand)
     assert latest.step == 4 and latest.best_version == 2 and not latest.regressed
@@ -417,3 +432,127 @@ def test_an_evaluator_behind_takes_the_newest_due_version_of_each_model() -> Non
     asyncio.run(announce_all())
     assert {m: e.version for m, e in evaluator.pending.items()} == {"policy": 6, "other": 4}
     assert evaluator.due.is_set()
+
+
+async def test_a_lora_run_is_evaluated_and_served_beside_the_base(
+        bus: Bus, redis_server, model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A LoRA run's k-th adapter version is fetched, verified and loaded beside the frozen base, and
+    scored with exactly that adapter (the counts are what the engine answers with it by hand). Its
+    promotions, a rollback too, reach a serving replica's OpenAI endpoint: each answer is the
+    promoted adapter's greedy one, labelled with its version."""
+    from transformers import AutoTokenizer
+
+    from policyloop.rl.settings import adapter_model_name
+    from policyloop.rollout.engine_process import name_base_version
+
+    run_id = "run-lora"
+    adapter_model = adapter_model_name(MODEL, run_id)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    runs, envs, evals = RunRegistry(raw, "t"), EnvironmentCatalog(raw, "t"), EvalStore(raw, "t")
+    await envs.put(ENV, environment())
+    await runs.create(run_id, loop_pb2.StartRunRequest(run_id=run_id, model=MODEL, lora=loop_pb2.LoraSpec(
+        rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), environments=[
+            loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)]), 4)
+    engine = await start_engine(model_dir, threads=1)
+    client = SGLangClient(engine.base_url, timeout_s=60)
+
+    async def connect() -> SGLangClient:
+        await name_base_version(client)
+        return client
+
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(raw.aclose)
+        stack.push_async_callback(engine.stop)
+        stack.push_async_callback(client.close)
+        endpoint = await stack.enter_async_context(weights_publisher(bus, tmp_path / "store"))
+        weights = WeightClient(endpoint)
+        stack.push_async_callback(weights.close)
+        adapters = await push_adapters(VersionPusher(weights, adapter_model), model_dir, tmp_path)
+        [*_, announced] = await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)
+        assert (announced.model, announced.version) == (adapter_model, 2)
+        pinned = PinnedEngine(connect, lambda _: weights, tmp_path / "eval", model_dir)
+        evaluator = Evaluator(bus, runs, envs, evals, pinned, tokenizer, default_registry(_no_sandbox),
+                              EvaluatorSettings(every_versions=2, model_path=model_dir))
+        [result] = await evaluator.evaluate(announced)
+        with_adapter, answers = await passed_by_hand(engine, tokenizer, environment(), lora_path=f"{run_id}@2")
+        _, base_answers = await passed_by_hand(engine, tokenizer, environment())
+        assert answers != base_answers  # the adapter changes what is answered: it was applied
+        assert (result.run_id, result.model, result.version) == (run_id, adapter_model, 2)
+        assert result.environments[0].tasks == EVAL_TASKS and result.environments[0].passed == with_adapter
+
+        openai_url = await stack.enter_async_context(lora_serving(bus, model_dir, run_id, adapter_model, weights,
+                                                                  tokenizer, tmp_path))
+        await check_lora_serving(Promoter(bus, runs, evals, lambda _: weights), openai_url, run_id, adapters,
+                                 model_dir, tokenizer)
+
+
+async def push_adapters(pusher: VersionPusher, model_dir: Path, tmp_path: Path) -> dict[int, Path]:
+    """Two versions of a LoRA adapter (random, strong enough to change answers), pushed as a run's."""
+    import safetensors.torch
+
+    from tests.helpers import make_lora_adapter
+
+    adapters = {}
+    for number in (1, 2):
+        adapters[number] = make_lora_adapter(model_dir, tmp_path / f"adapter-{number}", seed=number)
+        tensors = safetensors.torch.load_file(adapters[number] / "adapter_model.safetensors")
+        await pusher.push(weight_set(number, tensors), step=number)
+    return adapters
+
+
+@asynccontextmanager
+async def lora_serving(bus: Bus, model_dir: Path, run_id: str, adapter_model: str, weights: WeightClient,
+                       tokenizer, tmp_path: Path) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    """A serving replica of a LoRA run, as the rollout service wires one: its engine, the promoted
+    adapter followed, the OpenAI endpoint in front. Its base URL."""
+    from aiohttp import web
+
+    from policyloop.rl.settings import LoraSpec
+    from policyloop.rollout.adapters import PromotedAdapter, ServedAdapters
+
+    engine = await start_engine(model_dir, threads=1, weight_version="0")
+    client = SGLangClient(engine.base_url, timeout_s=60)
+    promoted = PromotedAdapter(bus, ServedAdapters(client, tmp_path / "serving", lambda _: weights), run_id,
+                               LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "v_proj")), adapter_model)
+    stop = asyncio.Event()
+    following = asyncio.create_task(promoted.run(stop))
+    runner = web.AppRunner(OpenAIApi(client, tokenizer, bus, run_id, adapter=promoted.adapter).app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    finally:
+        stop.set()
+        await following
+        await runner.cleanup()
+        await client.close()
+        await engine.stop()
+
+
+async def check_lora_serving(promoter: Promoter, openai_url: str, run_id: str, adapters: dict[int, Path],
+                             model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """Promote version 2, then 1 (an older one: a rollback): each answer is that adapter's greedy
+    answer (peft on the adapter's own directory), labelled with its version."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    client = openai.AsyncOpenAI(base_url=openai_url, api_key="unused", max_retries=0)
+    prompt = "12+34="
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    for version in (2, 1):
+        await promoter.promote(run_id, version, "test")
+
+        async def serves(wanted: int = version) -> bool:
+            answer = await client.completions.create(model=run_id, prompt=prompt, max_tokens=4, temperature=0)
+            return answer.system_fingerprint == f"weights-{wanted}"
+
+        await eventually(serves, timeout_s=60, what=f"adapter version {version} served")
+        answer = await client.completions.create(model=run_id, prompt=prompt, max_tokens=4, temperature=0)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        expected = greedy_ids(PeftModel.from_pretrained(base, adapters[version]), prompt_ids, 4)
+        if tokenizer.eos_token_id in expected:  # the engine stops there
+            expected = expected[:expected.index(tokenizer.eos_token_id) + 1]
+        assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
+    await client.close()

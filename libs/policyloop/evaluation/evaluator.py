@@ -11,19 +11,19 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from policyloop.bus import Bus
 from policyloop.bus.newest import NewestPerSubject
 from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.evaluation.scoring import eval_items, score_version, version_eval
+from policyloop.evaluation.scoring import EvaluationError, eval_items, score_version, version_eval
 from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore, record_eval
 from policyloop.releases.promotion import Promoter, PromotionLog
 from policyloop.releases.verdict import judge, rule_promotes
-from policyloop.rl.settings import adapter_model_name
+from policyloop.rl.settings import LoraSpec, adapter_model_name
 from policyloop.scorers.registry import ScorerRegistry
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.telemetry.logging import get_logger
@@ -31,6 +31,9 @@ from policyloop.telemetry.metrics import EVAL_PASS_RATE, EVAL_SECONDS, EVAL_VERS
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
 from policyloop.weights.sync import sync_weights
+
+if TYPE_CHECKING:
+    from policyloop.rollout.adapters import ServedAdapters
 
 log = get_logger(__name__)
 
@@ -63,12 +66,14 @@ class PinnedEngine:
     evaluator with nothing to evaluate costs no engine."""
 
     def __init__(self, connect: Callable[[], Awaitable[SGLangClient]], publisher: Callable[[str], WeightClient],
-                 weights_dir: Path, model_path: Path) -> None:
+                 weights_dir: Path, model_path: Path, adapter_source: Literal["tensors", "directory"] = "tensors"
+                 ) -> None:
         self.connect, self.publisher = connect, publisher
-        self.weights_dir, self.model_path = weights_dir, model_path
+        self.weights_dir, self.model_path, self.adapter_source = weights_dir, model_path, adapter_source
         self._client: SGLangClient | None = None
         self.held: WeightSet | None = None
         self.loaded_dir: Path | None = None
+        self.adapters: ServedAdapters | None = None  # LoRA runs' adapters, loaded beside the base
 
     @property
     def client(self) -> SGLangClient:
@@ -91,6 +96,26 @@ class PinnedEngine:
         previous, self.loaded_dir = self.loaded_dir, directory
         if previous is not None and previous != directory:
             shutil.rmtree(previous, ignore_errors=True)
+
+    async def pin_adapter(self, run_id: str, spec: LoraSpec, event: bus_pb2.WeightsPublished) -> str:
+        """Loads a LoRA run's adapter at the announced version beside the base (fetched as a delta
+        from the one held when possible, verified) and returns its name in the engine: the
+        lora_path that samples with exactly that version (the name carries it)."""
+        from policyloop.rollout.adapters import ServedAdapters  # torch, which only adapters need
+
+        if self._client is None:
+            self._client = await self.connect()
+        if self.adapters is None:
+            self.adapters = ServedAdapters(self._client, self.weights_dir / "adapters", self.publisher,
+                                           self.adapter_source)
+        self.adapters.serve(run_id, spec, event.model)
+        await self.adapters.update(run_id, event)
+        pinned = self.adapters.current(run_id)
+        if pinned is None or pinned.version != event.version:
+            held = pinned.version if pinned is not None else 0
+            raise EvaluationError(f"run {run_id}'s adapter is at version {held}, not {event.version}: a version "
+                                  f"older than the one held is not evaluated")
+        return pinned.name
 
 
 class Evaluator:
@@ -162,9 +187,6 @@ class Evaluator:
         """Scores the version for each of its runs that has an eval split; returns the results."""
         results = []
         for run_id, definition in await self.runs_of(event):
-            if definition.HasField("lora"):
-                log.info("evaluation_skipped", run=run_id, version=event.version, why="LoRA runs are not evaluated yet")
-                continue
             environments = {}
             for mix in definition.environments:
                 env = await self.environments.get(mix.environment)
@@ -174,15 +196,23 @@ class Evaluator:
                 continue
             if await self.store.get(run_id, event.version) is not None:
                 continue  # evaluated before a restart
-            results.append(await self.evaluate_run(run_id, environments, event))
+            lora = LoraSpec.from_proto(definition.lora) if definition.HasField("lora") else None
+            results.append(await self.evaluate_run(run_id, environments, event, lora))
         return results
 
     async def evaluate_run(self, run_id: str, environments: dict[str, loop_pb2.Environment],
-                           event: bus_pb2.WeightsPublished) -> loop_pb2.VersionEval:
+                           event: bus_pb2.WeightsPublished, lora: LoraSpec | None = None) -> loop_pb2.VersionEval:
+        """Scores one version of a run: the model's weights pinned to it, or for a LoRA run its
+        adapter at that version beside the frozen base (which the engine's label then names)."""
         started = time.monotonic()
-        await self.engine.pin(event)
+        if lora is None:
+            await self.engine.pin(event)
+            adapter, label = None, event.version
+        else:
+            adapter = await self.engine.pin_adapter(run_id, lora, event)
+            label = self.engine.held.version if self.engine.held is not None else 0
         items = eval_items(environments, self.encode, self.stop_ids, self.settings.max_eval_tasks)
-        scores = await score_version(self.engine.client, items, self.registry, version=event.version,
+        scores = await score_version(self.engine.client, items, self.registry, version=label, lora_path=adapter,
                                      decode=self.decode, concurrency=self.settings.concurrency,
                                      rid_prefix=f"eval-{run_id}-{event.version}")
         result = version_eval(run_id, event.model, event.version, event.step, scores,

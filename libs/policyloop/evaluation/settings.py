@@ -36,3 +36,9 @@ class EvaluatorSettings(ServiceSettings):
                            "promote_every) to the run's serving deployment; off: promotion by hand only.")
     promote_every: int = Field(0, ge=0, description="With promote=rule, promote only versions that are multiples "
                                                     "of this (0 or 1: every evaluated version that passes).")
+
+    @property
+    def adapter_source(self) -> Literal["tensors", "directory"]:
+        """How a LoRA run's adapter versions reach the engine, as rollout replicas choose by default:
+        in the request for the embedded engine, as a peft directory for SGLang."""
+        return "directory" if self.engine_url else "tensors"

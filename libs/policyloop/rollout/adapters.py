@@ -23,9 +23,10 @@ from typing import Literal
 import nats.errors
 import nats.js.errors
 
-from policyloop.bus import Bus, PermanentError, weights_subject
-from policyloop.contracts.v1 import bus_pb2
-from policyloop.engines.sglang_client import SGLangClient
+from policyloop.bus import Bus, PermanentError, promotions_subject, weights_subject
+from policyloop.bus.newest import NewestPerSubject
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.engines.sglang_client import EngineError, SGLangClient
 from policyloop.rl.lora import adapter_config_dict, adapter_model_name, adapter_safetensors, save_adapter_directory
 from policyloop.rl.settings import LoraSpec
 from policyloop.state.catalog import RunRegistry
@@ -78,17 +79,21 @@ class ServedAdapters:
         """Serves `run_id` from its next announced version on."""
         self.runs.setdefault(run_id, ServedRun(spec, model))
 
-    async def update(self, run_id: str, event: bus_pb2.WeightsPublished) -> SyncReport | None:
+    async def update(self, run_id: str, event: bus_pb2.WeightsPublished, *, newest_only: bool = True
+                     ) -> SyncReport | None:
         """Brings the run's adapter to the announced version and loads it; None when the run is not
-        served here or already has that version or a newer one."""
+        served here or already has that version or (`newest_only`) a newer one. Without
+        `newest_only` an older version is loaded too (a rollback), fetched whole."""
         served = self.runs.get(run_id)
         if served is None or event.model != served.model:
             return None
         async with self._loading:
-            if served.held is not None and served.held.version >= event.version:
+            held = served.held.version if served.held is not None else None
+            if held is not None and (held == event.version or (newest_only and held > event.version)):
                 return None
             client = self.publisher_for(event.fetch_endpoint)
-            weights, report = await sync_weights(client, served.model, served.held, event.version)
+            base = served.held if held is not None and held < event.version else None  # a delta goes forward only
+            weights, report = await sync_weights(client, served.model, base, event.version)
             name = lora_name(run_id, weights.version)
             self.loaded[name] = await self._load(name, served, weights)
             previous, served.held, served.name = served.name, weights, name
@@ -114,6 +119,21 @@ class ServedAdapters:
                                             self.root / served.model / f"v{weights.version:09d}")
         await self.engine.load_lora_adapter(name, str(directory))
         return directory
+
+    async def forget(self, run_id: str) -> None:
+        """After the engine failed and answered again (restarted without adapters, or not): the
+        run's names are unloaded where the engine still has them, and the run holds no version."""
+        served = self.runs.get(run_id)
+        if served is not None:
+            served.held = served.name = None
+        for name in [n for n in self.loaded if n.startswith(f"{run_id}@")]:
+            directory = self.loaded.pop(name)
+            try:
+                await self.engine.unload_lora_adapter(name)
+            except EngineError:
+                pass  # a restarted engine does not know it
+            if directory is not None:
+                shutil.rmtree(directory, ignore_errors=True)
 
     async def remove(self, run_id: str) -> None:
         """Stops serving a run: its names are unloaded once no request holds them."""
@@ -251,6 +271,60 @@ class LoraRuns:
             yield None
             return
         async with self.served.lease(run_id) as lease:
+            yield lease
+
+
+class PromotedAdapter:
+    """A serving replica of a LoRA run: the adapter version the run's newest promotion names, older
+    or newer (a rollback goes back), loaded beside the base; each request samples with it."""
+
+    def __init__(self, bus: Bus, served: ServedAdapters, run_id: str, spec: LoraSpec, model: str,
+                 on_version: Callable[[int], None] = lambda _: None) -> None:
+        self.bus, self.served, self.run_id, self.on_version = bus, served, run_id, on_version
+        self.promoted: bus_pb2.WeightsPublished | None = None  # the newest promotion's version
+        served.serve(run_id, spec, model)
+
+    async def on_promotion(self, msg) -> None:  # type: ignore[no-untyped-def]
+        self.promoted = loop_pb2.Promotion.FromString(msg.data).weights
+        await self._load()
+
+    async def _load(self) -> None:
+        if self.promoted is None:
+            return
+        try:
+            await self.served.update(self.run_id, self.promoted, newest_only=False)
+        except Exception as exc:  # noqa: BLE001 - the served version stays; the next promotion retries
+            log.error("adapter_not_loaded", run=self.run_id, version=self.promoted.version, error=repr(exc))
+            return
+        self.on_version(self.served.version(self.run_id))
+
+    async def resync(self) -> None:
+        """After the engine answered again: it may have restarted without adapters, so the
+        promoted one is loaded again before the engine counts as recovered."""
+        await self.served.forget(self.run_id)
+        await self._load()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follows the run's PROMOTIONS until `stop` (made again after a reconnect)."""
+        promotions = NewestPerSubject(self.bus, promotions_subject(self.run_id), self.on_promotion)
+        try:
+            while not stop.is_set():
+                await promotions.ensure()
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+                except TimeoutError:
+                    pass
+        finally:
+            await promotions.close()
+
+    @asynccontextmanager
+    async def adapter(self) -> AsyncIterator[AdapterLease | None]:
+        """The promoted adapter, held while a request samples with it; None before any promotion
+        (the base serves)."""
+        if self.served.current(self.run_id) is None:
+            yield None
+            return
+        async with self.served.lease(self.run_id) as lease:
             yield lease
 
 

@@ -7,10 +7,13 @@ the response's id, which is what `/v1/feedback` takes. Errors have OpenAI's shap
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING, Any, Literal
 
 import nats.js.errors
 from aiohttp import web
@@ -19,9 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from policyloop.bus import Bus
 from policyloop.bus.topology import feedback_subject, trace_subject
 from policyloop.contracts.v1 import serving_pb2
-from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
+from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams, WeightVersionSpan
 from policyloop.engines.sglang_client import EngineError, SGLangClient, StreamedTokens
 from policyloop.telemetry.logging import get_logger
+
+if TYPE_CHECKING:
+    from policyloop.rollout.adapters import AdapterLease
 
 log = get_logger(__name__)
 
@@ -82,11 +88,26 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise ApiError(f"{param}: {error['msg']}{hint}", param) from None
 
 
+def relabelled(result: GenerateResult, lease: AdapterLease | None) -> GenerateResult:
+    """An answer sampled with a LoRA run's adapter carries the adapter's version (the engine
+    reports the base's), over every token."""
+    if lease is None:
+        return result
+    version = str(lease.version)
+    return result.model_copy(update={"weight_version": version, "weight_versions": [
+        WeightVersionSpan(version=version, start=0, end=len(result.output_ids))]})
+
+
 class OpenAIApi:
+    """`adapter`: for a LoRA run, the adapter to sample each request with, held while it runs
+    (yields None while the run serves its base); None: the engine's own weights serve."""
+
     def __init__(self, engine: SGLangClient, tokenizer: Any, bus: Bus, served_model: str,
-                 default_max_tokens: int = 64) -> None:
+                 default_max_tokens: int = 64,
+                 adapter: Callable[[], AbstractAsyncContextManager[AdapterLease | None]] | None = None) -> None:
         self.engine, self.tokenizer, self.bus = engine, tokenizer, bus
         self.served_model, self.default_max_tokens = served_model, default_max_tokens
+        self.adapter = adapter or (lambda: contextlib.nullcontext(None))
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors])
@@ -171,19 +192,23 @@ class OpenAIApi:
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _engine_request(self, parsed: _Sampling, prompt_ids: list[int], trace_id: str) -> GenerateRequest:
+    def _engine_request(self, parsed: _Sampling, prompt_ids: list[int], trace_id: str,
+                        lease: AdapterLease | None) -> GenerateRequest:
         if not prompt_ids:
             raise ApiError("prompt: empty", "prompt")
         max_tokens = parsed.max_completion_tokens or parsed.max_tokens or self.default_max_tokens
         params = SamplingParams(max_new_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p)
         if parsed.seed is not None:
             params = params.model_copy(update={"sampling_seed": parsed.seed})
-        return GenerateRequest(input_ids=prompt_ids, rid=trace_id, return_logprob=True, sampling_params=params)
+        return GenerateRequest(input_ids=prompt_ids, rid=trace_id, return_logprob=True, sampling_params=params,
+                               lora_path=lease.name if lease is not None else None)
 
     async def _generate(self, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
                         messages: list[serving_pb2.ChatMessage]) -> tuple[serving_pb2.Trace, GenerateResult]:
         trace_id = uuid.uuid4().hex
-        result = await self.engine.generate(self._engine_request(parsed, prompt_ids, trace_id))
+        async with self.adapter() as lease:
+            result = await self.engine.generate(self._engine_request(parsed, prompt_ids, trace_id, lease))
+        result = relabelled(result, lease)
         return await self._record(parsed, prompt_ids, endpoint, messages, trace_id, result), result
 
     async def _record(self, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
@@ -209,7 +234,13 @@ class OpenAIApi:
         """stream: server-sent events in OpenAI's chunk shapes, a chunk per engine step that
         completes text; the trace is stored before the last chunk, then [DONE]."""
         trace_id = uuid.uuid4().hex
-        engine_request = self._engine_request(parsed, prompt_ids, trace_id)
+        async with self.adapter() as lease:
+            return await self._stream_with(request, parsed, prompt_ids, endpoint, messages, trace_id, lease)
+
+    async def _stream_with(self, request: web.Request, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
+                           messages: list[serving_pb2.ChatMessage], trace_id: str,
+                           lease: AdapterLease | None) -> web.StreamResponse:
+        engine_request = self._engine_request(parsed, prompt_ids, trace_id, lease)
         chat = endpoint == "chat.completions"
         asked = getattr(parsed, "logprobs", None)
         want_logprobs = asked is True if chat else asked is not None  # completions: logprobs 0
@@ -240,8 +271,8 @@ class OpenAIApi:
 
         try:
             async for event in self.engine.generate_stream(engine_request):
-                version = event.weight_version
-                final = None if isinstance(event, StreamedTokens) else event
+                version = str(lease.version) if lease is not None else event.weight_version
+                final = None if isinstance(event, StreamedTokens) else relabelled(event, lease)
                 text = self.tokenizer.decode(event.output_ids, skip_special_tokens=True)
                 if final is None and (text.endswith("\ufffd") or not text.startswith(sent_text)):
                     continue  # a character cut in two: wait for the rest of its bytes
