@@ -9,7 +9,7 @@
 3. Learn from usage: the traces become training data. First SFT: a supervised environment of
    the served prompts, each with its recorded outcome (a rewarded response as the engine's exact
    tokens, or the correction) as the demonstration, which a run trains on by cross-entropy for a
-   few epochs through the same services. Then RL: the same prompts as an environment whose
+   few passes' worth through the same services. Then RL: the same prompts as an environment whose
    verifier judges new samples against those outcomes (a share held out as its eval split), on
    which a further run trains, evaluated the same way.
 
@@ -46,7 +46,8 @@ class ProductionConfig:
     traces_budget_s: float = 150.0  # seconds of the second run, on the traces' environment
     eval_tasks: int = 200           # held-out problems in the arithmetic environment's eval split
     every_versions: int = 20        # the evaluator scores versions that are multiples of this
-    sft_epochs: int = 2             # passes of the SFT run over the traces' demonstrations
+    sft_epochs: int = 2             # the SFT run trains this many times as many demonstrations as the
+                                    # traces gave, drawn at random as a run draws its tasks
     sft_timeout_s: float = 300.0    # the most the SFT run may take
 
 
@@ -79,7 +80,7 @@ class ProductionResult:
     feedback: int = 0
     traces_tasks: int = 0           # the traces' environment: train tasks and eval split
     traces_eval_tasks: int = 0
-    sft_demonstrations: int = 0     # the SFT run: demonstrations trained (epochs x the traces' tasks)
+    sft_demonstrations: int = 0     # the SFT run: demonstrations trained
     sft_versions: tuple[int, int] = (0, 0)  # the policy version before and after it
     train_seconds: float = 0.0
     sft_seconds: float = 0.0
@@ -153,8 +154,8 @@ async def send_traffic(openai_url: str, model: str, problems: list[arithmetic.Pr
 
 async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment, config: ProductionConfig,
                          result: ProductionResult, console: Console) -> None:
-    """SFT on the traces: a run of their supervised environment, `sft_epochs` passes over its
-    demonstrations, followed until the learner has trained them all."""
+    """SFT on the traces: a run of their supervised environment, `sft_epochs` times as many
+    demonstrations as it holds (drawn at random), followed until the learner has trained them all."""
     reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=60)
     wanted = config.sft_epochs * len(env.tasks)
     run = await stub.StartRun(loop_pb2.StartRunRequest(
@@ -162,8 +163,8 @@ async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Envi
         num_tasks=wanted, seed=config.loop.seed, model="policy"), timeout=30)
     before = run.policy_version
     console.print(f"3. SFT on usage: {reply.environment} ({len(env.tasks)} demonstrations: rewarded answers as the "
-                  f"engine's tokens, corrections as text); run {SFT_RUN} trains {config.sft_epochs} epochs of it "
-                  f"by cross-entropy")
+                  f"engine's tokens, corrections as text); run {SFT_RUN} trains {wanted} of them (drawn at "
+                  f"random) by cross-entropy")
     started = time.monotonic()
     while run.progress.trained_samples < wanted:
         if time.monotonic() - started > config.sft_timeout_s:
