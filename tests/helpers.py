@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from aiohttp import web
 from google.protobuf.message import Message
 
 from policyloop.bus import Bus
@@ -184,3 +186,16 @@ def greedy_ids(model, prompt: list[int], steps: int) -> list[int]:  # type: igno
         for _ in range(steps):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt):]
+
+
+@asynccontextmanager
+async def serving_http(app: web.Application) -> AsyncIterator[str]:
+    """An aiohttp application on a free loopback port, for as long as the block runs: its base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()

@@ -493,9 +493,14 @@ def demo(
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
+    signal.signal(signal.SIGTERM, _interrupt)  # a demo told to stop stops its cluster on the way out, as on Ctrl-C
     if production:
         sys.exit(_production_demo(config, traffic, traces_budget_s, every_versions))
     sys.exit(run_demo(config, console=console, print_status=_print_status))
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
 
 
 def _production_demo(config, traffic: int, traces_budget_s: float, every_versions: int) -> int:  # type: ignore[no-untyped-def]

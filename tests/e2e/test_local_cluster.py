@@ -7,12 +7,16 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from policyloop.cluster.catalogue import SERVICE_NAMES
+from policyloop.cluster.local import ClusterInfo
 
 POLICYLOOP = [sys.executable, "-m", "policyloop"]
 
@@ -102,3 +106,26 @@ async def test_cluster_uses_servers_given_by_url(tmp_path: Path, nats_server, re
     finally:
         cluster.stop()
     assert all(not pid_alive(pid) for pid in info.pids.values())
+
+
+@pytest.mark.timeout(300)
+def test_a_demo_told_to_stop_stops_its_cluster(tmp_path: Path) -> None:
+    """SIGTERM to `policyloop demo` ends it as Ctrl-C does: every process of its cluster is
+    stopped on the way out, none left running."""
+    run_dir = tmp_path / "run"
+    demo = subprocess.Popen([*POLICYLOOP, "demo", "--run-dir", str(run_dir), "--out", str(tmp_path / "out"),
+                             "--steps", "100000", "--budget-s", "900", "--no-prometheus"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_file(run_dir / "cluster.json", demo, timeout_s=240)  # after a first bootstrap, if need be
+        info = ClusterInfo.load(run_dir)
+        assert info.pids and all(pid_alive(pid) for pid in info.pids.values())
+        demo.send_signal(signal.SIGTERM)
+        assert demo.wait(timeout=120) != 0
+        deadline = time.monotonic() + 60
+        while any(pid_alive(pid) for pid in info.pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [name for name, pid in info.pids.items() if pid_alive(pid)] == []
+    finally:
+        if demo.poll() is None:
+            demo.kill()

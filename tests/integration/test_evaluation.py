@@ -49,7 +49,7 @@ from policyloop.weights.push import VersionPusher
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
 from policyloop.weights.torch_io import weight_set
-from tests.helpers import eventually, greedy_ids, stored, until
+from tests.helpers import eventually, greedy_ids, serving_http, stored, until
 
 openai = pytest.importorskip("openai")
 
@@ -117,7 +117,6 @@ async def weights_publisher(bus: Bus, root: Path) -> AsyncIterator[str]:
 @pytest.fixture
 async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: ignore[no-untyped-def]
                tmp_path: Path) -> AsyncIterator[Loop]:
-    from aiohttp import web
     from transformers import AutoTokenizer
 
     raw = await connect_redis(redis_server.url, decode_responses=False)
@@ -166,11 +165,8 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
     follower = WeightFollower(serving_ctx, serving_settings, serving_client, status_pb2.RolloutStatus(),
                               promoted_versions(RUN))
     following = asyncio.create_task(follower.run())
-    runner = web.AppRunner(OpenAIApi(serving_client, tokenizer, bus, RUN).app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    openai_url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+    serving = OpenAIApi(serving_client, tokenizer, bus, RUN).app()
+    openai_url = f"{await stack.enter_async_context(serving_http(serving))}/v1"
     try:
         yield Loop(VersionPusher(publisher(endpoint), MODEL), publisher(endpoint), evals,
                    loop_pb2_grpc.LoopServiceStub(channel), evaluator_engine, serving_engine, serving_ctx, openai_url,
@@ -179,7 +175,6 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
         stop.set()
         serving_ctx.stop.set()
         await asyncio.wait_for(asyncio.gather(evaluating, following, return_exceptions=True), 60)
-        await runner.cleanup()
         await channel.close()
         await grpc_server.stop(None)
         for client in (evaluator_client, serving_client, *clients.values()):
@@ -506,8 +501,6 @@ async def lora_serving(bus: Bus, model_dir: Path, run_id: str, adapter_model: st
                        tokenizer, tmp_path: Path) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
     """A serving replica of a LoRA run, as the rollout service wires one: its engine, the promoted
     adapter followed, the OpenAI endpoint in front. Its base URL."""
-    from aiohttp import web
-
     from policyloop.rl.settings import LoraSpec
     from policyloop.rollout.adapters import PromotedAdapter, ServedAdapters
 
@@ -517,16 +510,12 @@ async def lora_serving(bus: Bus, model_dir: Path, run_id: str, adapter_model: st
                                LoraSpec(rank=4, alpha=8, target_modules=("q_proj", "v_proj")), adapter_model)
     stop = asyncio.Event()
     following = asyncio.create_task(promoted.run(stop))
-    runner = web.AppRunner(OpenAIApi(client, tokenizer, bus, run_id, adapter=promoted.adapter).app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+        async with serving_http(OpenAIApi(client, tokenizer, bus, run_id, adapter=promoted.adapter).app()) as url:
+            yield f"{url}/v1"
     finally:
         stop.set()
         await following
-        await runner.cleanup()
         await client.close()
         await engine.stop()
 
