@@ -160,3 +160,30 @@ def test_text_demonstrations_need_the_models_tokenizer() -> None:
     assert refused.value.field == "environment.tasks[0].demonstration_text"
     given = supervised_env(loop_pb2.TaskSpec(prompt_token_ids=[4], demonstration_token_ids=[5]))
     prepare_environment(given, None)  # ids need no tokenizer
+
+
+def test_demonstrations_wait_for_a_full_step_of_their_own() -> None:
+    """A step's batch is one kind: demonstrations do not share a step with samples, and do not
+    make a short step of their own because samples completed among them."""
+    from policyloop.rl.batching import GroupCollector
+
+    def demo(i: int) -> bus_pb2.Trajectory:
+        return demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[6]), i)
+
+    collector = GroupCollector()
+    for i in range(3):
+        collector.add(demo(i))
+    for traj in scored_group("rl", size=2):
+        collector.add(traj)
+    assert collector.complete_groups == 4 and not collector.has_batch(4)
+    collector.add(demo(3))
+    assert collector.has_batch(4)
+    taken = collector.take(4)
+    assert [g[0].trajectory_id for g in taken] == [demo(i).trajectory_id for i in range(4)]
+    assert collector.complete_groups == 1 and collector.has_batch(1) and not collector.has_batch(2)
+    for task in ("a", "b"):
+        for traj in scored_group(task, size=2):
+            collector.add(traj)
+    collector.add(demo(4))
+    assert [g[0].task_id for g in collector.take(3)] == ["rl", "a", "b"]  # the samples' full batch
+    assert [g[0].trajectory_id for g in collector.take(3)] == [demo(4).trajectory_id]  # no full batch: what is held

@@ -151,7 +151,7 @@ class AdapterLearner:
 
     def ready(self) -> list[str]:
         return [run_id for run_id, slot in self.slots.items()
-                if slot.held.collector.complete_groups >= slot.held.groups_per_step]
+                if slot.held.collector.has_batch(slot.held.groups_per_step)]
 
     async def run(self, stop: asyncio.Event) -> None:
         """Steps the run the fair share picks whenever one holds a full batch, until `stop`."""

@@ -34,7 +34,7 @@ class HeldTrajectories:
             return admission
         self._sequences[traj.trajectory_id] = stream_seq
         self._released[traj.trajectory_id] = asyncio.get_running_loop().create_future()
-        if self.collector.complete_groups >= self.groups_per_step:
+        if self.collector.has_batch(self.groups_per_step):
             self._enough.set()
         return admission
 
@@ -72,6 +72,6 @@ class HeldTrajectories:
         self._enough.clear()
         fresh, stale = split_stale(self.collector.take(self.groups_per_step), training_version, max_lag)
         self.collector.trained.add_step(t.trajectory_id for group in fresh for t in group)
-        if self.collector.complete_groups >= self.groups_per_step:
+        if self.collector.has_batch(self.groups_per_step):
             self._enough.set()
         return fresh, stale
