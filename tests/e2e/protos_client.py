@@ -30,14 +30,15 @@ def status_of(call) -> str:  # type: ignore[no-untyped-def]
     return "OK"
 
 
-def arithmetic(count: int = 40) -> loop_pb2.Environment:
+def arithmetic(count: int = 40, held_out: int = 8) -> loop_pb2.Environment:
+    """Sums, with an eval split the evaluator scores versions on."""
     rng = random.Random(1)
     tasks = []
-    for _ in range(count):
+    for _ in range(count + held_out):
         a, b = rng.randrange(10, 50), rng.randrange(10, 50)
         tasks.append(loop_pb2.TaskSpec(prompt_text=f"{a}+{b}=", answer=str(a + b)))
     return loop_pb2.Environment(
-        name="sums", version="v1", tasks=tasks, group_size=4,
+        name="sums", version="v1", tasks=tasks[:count], eval_tasks=tasks[count:], group_size=4,
         builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
         sampling=bus_pb2.SamplingParams(max_new_tokens=6, temperature=1.0))
 
@@ -125,6 +126,11 @@ def main(address: str) -> dict:
         "lag_histogram": {str(k): v for k, v in last.progress.lag_histogram.items()},
         "policy_version": last.policy_version, "tasks_enqueued": last.tasks_enqueued,
     }
+    evaluated = stub.GetRun(loop_pb2.GetRunRequest(run_id=run.run_id), timeout=30)
+    while not evaluated.evals and time.monotonic() < deadline + 120:  # the evaluator scores versions as they come
+        time.sleep(0.5)
+        evaluated = stub.GetRun(loop_pb2.GetRunRequest(run_id=run.run_id), timeout=30)
+    report["evals"] = [[e.version, e.pass_rate, e.pass_rate_low, e.pass_rate_high] for e in evaluated.evals]
     stopped = stub.StopRun(loop_pb2.StopRunRequest(run_id=run.run_id), timeout=30)
     report["run_stopped"] = loop_pb2.RunState.Name(stopped.state)
     report["get_run"] = loop_pb2.RunState.Name(stub.GetRun(loop_pb2.GetRunRequest(run_id=run.run_id),

@@ -1,6 +1,7 @@
 """A gRPC client built only from protos/ drives a running `policyloop up`: invalid calls get the
 right status codes; an arithmetic and a code environment are submitted, a run mixing both is
-started, watched until the learner has trained samples of both, and stopped. Meanwhile
+started, watched until the learner has trained samples of both and the evaluator has scored a
+version on the eval split, and stopped. Meanwhile
 `policyloop top` shows the ledger move; afterwards every query of the Grafana dashboard returns
 data from the cluster's Prometheus, and a trained trajectory's spans reach an OTLP receiver as
 one tree."""
@@ -204,6 +205,8 @@ def check_the_clients_report(report: dict[str, Any]) -> None:
     assert all(e["trained_samples"] > 0 for e in progress["environments"].values()), report
     assert progress["generated_tokens"] > 0 and progress["policy_version"] >= 2
     assert report["run_stopped"] == report["get_run"] == "RUN_STATE_STOPPED"
+    # The evaluator scored versions of the run on the sums' eval split, with their intervals.
+    assert report["evals"] and all(low <= rate <= high for _, rate, low, high in report["evals"])
     assert ["policy", progress["policy_version"]] in report["policies"] or report["policies"][0][1] >= 2
 
 
@@ -217,6 +220,7 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
     # versions after the arithmetic ones; here they must be trained, not dropped as stale.
     receiver = OtlpReceiver().__enter__()
     env = {**os.environ, "POLICYLOOP_GROUPS_PER_STEP": "4", "POLICYLOOP_MAX_LAG": "-1",
+           "POLICYLOOP_EVERY_VERSIONS": "1",  # the evaluator scores every version
            "POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.5"}
     up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
