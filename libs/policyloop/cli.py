@@ -500,6 +500,9 @@ def demo(
 
 
 def _interrupt(*_: object) -> None:
+    """The first SIGTERM interrupts; later ones are ignored, so that they cannot cut short the
+    cluster's stop that the first one began."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise KeyboardInterrupt
 
 

@@ -69,7 +69,7 @@ async def body(ctx: ServiceContext) -> None:
         ctx.bus, stores.environments, stores.runs, IdempotencyKeys(ctx.redis, settings.namespace),
         owner=settings.instance_id, lease_s=settings.feeder_lease_s,
         backpressure_wait_s=settings.backpressure_wait_s, stop=ctx.stop, wake=wake,
-        on_backpressure=backpressure,
+        on_backpressure=backpressure, max_waiting_demonstrations=settings.max_waiting_demonstrations,
     )
     feeding = asyncio.create_task(feeder.run())
     try:

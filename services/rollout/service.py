@@ -71,7 +71,8 @@ async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replic
     Returns the Redis client it reads run definitions with (closed by the caller)."""
     from nats.js import api
 
-    from policyloop.rollout.adapters import LoraRuns, ServedAdapters
+    from policyloop.engines.adapters import ServedAdapters
+    from policyloop.rollout.adapters import LoraRuns
     from policyloop.state import connect_redis
     from policyloop.state.catalog import RunRegistry
 
@@ -134,8 +135,9 @@ async def promoted_adapter(ctx: ServiceContext, settings: RolloutSettings, clien
                            follower: WeightFollower) -> PromotedAdapter:
     """A LoRA run's serving replica: its promoted adapter beside the base, once the run exists
     (a replica may start before the run does)."""
+    from policyloop.engines.adapters import ServedAdapters
     from policyloop.rl.settings import LoraSpec, adapter_model_name
-    from policyloop.rollout.adapters import PromotedAdapter, ServedAdapters
+    from policyloop.rollout.adapters import PromotedAdapter
     from policyloop.state import connect_redis
     from policyloop.state.catalog import RunRegistry
 

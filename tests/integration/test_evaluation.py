@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -476,9 +477,9 @@ async def test_a_lora_run_is_evaluated_and_served_beside_the_base(
         assert (result.run_id, result.model, result.version) == (run_id, adapter_model, 2)
         assert result.environments[0].tasks == EVAL_TASKS and result.environments[0].passed == with_adapter
 
-        openai_url = await stack.enter_async_context(lora_serving(bus, model_dir, run_id, adapter_model, weights,
-                                                                  tokenizer, tmp_path))
-        await check_lora_serving(Promoter(bus, runs, evals, lambda _: weights), openai_url, run_id, adapters,
+        serving = await stack.enter_async_context(lora_serving(bus, model_dir, run_id, adapter_model, weights,
+                                                               tokenizer, tmp_path))
+        await check_lora_serving(Promoter(bus, runs, evals, lambda _: weights), serving, run_id, adapters,
                                  model_dir, tokenizer)
 
 
@@ -496,13 +497,21 @@ async def push_adapters(pusher: VersionPusher, model_dir: Path, tmp_path: Path) 
     return adapters
 
 
+@dataclass
+class LoraServing:
+    openai_url: str
+    promoted: Any          # PromotedAdapter
+    engine: SGLangClient
+
+
 @asynccontextmanager
 async def lora_serving(bus: Bus, model_dir: Path, run_id: str, adapter_model: str, weights: WeightClient,
-                       tokenizer, tmp_path: Path) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+                       tokenizer, tmp_path: Path) -> AsyncIterator[LoraServing]:  # type: ignore[no-untyped-def]
     """A serving replica of a LoRA run, as the rollout service wires one: its engine, the promoted
-    adapter followed, the OpenAI endpoint in front. Its base URL."""
+    adapter followed, the OpenAI endpoint in front."""
+    from policyloop.engines.adapters import ServedAdapters
     from policyloop.rl.settings import LoraSpec
-    from policyloop.rollout.adapters import PromotedAdapter, ServedAdapters
+    from policyloop.rollout.adapters import PromotedAdapter
 
     engine = await start_engine(model_dir, threads=1, weight_version="0")
     client = SGLangClient(engine.base_url, timeout_s=60)
@@ -512,7 +521,7 @@ async def lora_serving(bus: Bus, model_dir: Path, run_id: str, adapter_model: st
     following = asyncio.create_task(promoted.run(stop))
     try:
         async with serving_http(OpenAIApi(client, tokenizer, bus, run_id, adapter=promoted.adapter).app()) as url:
-            yield f"{url}/v1"
+            yield LoraServing(f"{url}/v1", promoted, client)
     finally:
         stop.set()
         await following
@@ -520,28 +529,41 @@ async def lora_serving(bus: Bus, model_dir: Path, run_id: str, adapter_model: st
         await engine.stop()
 
 
-async def check_lora_serving(promoter: Promoter, openai_url: str, run_id: str, adapters: dict[int, Path],
+async def check_lora_serving(promoter: Promoter, serving: LoraServing, run_id: str, adapters: dict[int, Path],
                              model_dir: Path, tokenizer) -> None:  # type: ignore[no-untyped-def]
     """Promote version 2, then 1 (an older one: a rollback): each answer is that adapter's greedy
-    answer (peft on the adapter's own directory), labelled with its version."""
+    answer (peft on the adapter's own directory), labelled with its version. Back and forth while
+    a request holds the older adapter; and an engine that lost its adapter gets it back on resync."""
+    client = openai.AsyncOpenAI(base_url=serving.openai_url, api_key="unused", max_retries=0)
+    prompt = "12+34="
+    expected = {version: lora_greedy(model_dir, adapters[version], tokenizer, prompt) for version in (1, 2)}
+
+    async def serves(version: int) -> bool:
+        answer = await client.completions.create(model=run_id, prompt=prompt, max_tokens=4, temperature=0)
+        return answer.system_fingerprint == f"weights-{version}" and answer.choices[0].text == expected[version]
+
+    for version in (2, 1):
+        await promoter.promote(run_id, version, "test")
+        await eventually(lambda v=version: serves(v), timeout_s=60, what=f"adapter version {version} served")
+    async with serving.promoted.adapter() as held:  # a request still sampling with version 1
+        assert held.version == 1
+        for version in (2, 1):  # away and back: the held name is made current again, not loaded twice
+            await promoter.promote(run_id, version, "test")
+            await eventually(lambda v=version: serves(v), timeout_s=60, what=f"adapter version {version} served")
+    # The engine loses the adapter (as a restart would): resync finds out and loads it again.
+    await serving.engine.unload_lora_adapter(f"{run_id}@1")
+    await serving.promoted.resync()
+    assert await serves(1)
+    await client.close()
+
+
+def lora_greedy(model_dir: Path, adapter: Path, tokenizer, prompt: str) -> str:  # type: ignore[no-untyped-def]
+    """The adapter's greedy answer (4 tokens, to the eos), by peft on its own files."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    client = openai.AsyncOpenAI(base_url=openai_url, api_key="unused", max_retries=0)
-    prompt = "12+34="
-    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    for version in (2, 1):
-        await promoter.promote(run_id, version, "test")
-
-        async def serves(wanted: int = version) -> bool:
-            answer = await client.completions.create(model=run_id, prompt=prompt, max_tokens=4, temperature=0)
-            return answer.system_fingerprint == f"weights-{wanted}"
-
-        await eventually(serves, timeout_s=60, what=f"adapter version {version} served")
-        answer = await client.completions.create(model=run_id, prompt=prompt, max_tokens=4, temperature=0)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        expected = greedy_ids(PeftModel.from_pretrained(base, adapters[version]), prompt_ids, 4)
-        if tokenizer.eos_token_id in expected:  # the engine stops there
-            expected = expected[:expected.index(tokenizer.eos_token_id) + 1]
-        assert answer.choices[0].text == tokenizer.decode(expected, skip_special_tokens=True)
-    await client.close()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = greedy_ids(PeftModel.from_pretrained(base, adapter), tokenizer(prompt, add_special_tokens=False).input_ids, 4)
+    if tokenizer.eos_token_id in ids:  # the engine stops there
+        ids = ids[:ids.index(tokenizer.eos_token_id) + 1]
+    return str(tokenizer.decode(ids, skip_special_tokens=True))

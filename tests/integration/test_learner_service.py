@@ -15,19 +15,30 @@ from tests.conftest import ServiceLauncher
 from tests.helpers import eventually, scored_group, stored, stored_messages
 
 
-async def test_unscored_trajectory_is_dead_lettered(bus: Bus, services: ServiceLauncher) -> None:
+async def test_what_the_learner_cannot_train_on_is_dead_lettered(bus: Bus, services: ServiceLauncher) -> None:
+    """An unscored trajectory, and a demonstration with a token outside the model's vocabulary
+    (no engine saw it to refuse it): each goes to DLQ with its reason, and the learner goes on."""
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.gateway.feeding import demonstration
+
     learner = services.start("learner")
     await services.wait_healthy(learner, timeout_s=60)
     traj = bus_pb2.Trajectory(trajectory_id="a/0", task_id="a", group_id="a", group_size=1,
                               environment="e", prompt_token_ids=[5, 16])
     await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+    demo = demonstration("r", "e", loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[10**6]), 0)
+    await bus.publish(trajectories_subject("e"), demo, demo.trajectory_id)
 
     async def dead() -> bool:
-        return len(await stored_messages(bus, "DLQ")) == 1
+        return len(await stored_messages(bus, "DLQ")) == 2
 
     await eventually(dead)
-    [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
-    assert letter.service == "learner" and "not scored" in letter.reason
+    letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+    reasons = {bus_pb2.Trajectory.FromString(letter.payload).trajectory_id: letter.reason for letter in letters}
+    assert {letter.service for letter in letters} == {"learner"}
+    assert "not scored" in reasons["a/0"] and "outside" not in reasons["a/0"]
+    assert "the model's vocabulary" in reasons[demo.trajectory_id]
+    assert learner.proc.poll() is None
 
 
 async def test_learner_refuses_to_restart_base_weights_at_a_later_version(

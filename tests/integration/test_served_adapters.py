@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.engines.adapters import ServedAdapters
 from policyloop.engines.embedded import start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rl.lora import AdapterTrainer, LoraSpec, adapter_model_name, save_adapter_directory
 from policyloop.rl.trainer import TrainerConfig
-from policyloop.rollout.adapters import ServedAdapters
 from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.push import VersionPusher

@@ -16,12 +16,15 @@ import torch
 
 from policyloop.bus import Bus
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
+from policyloop.gateway.feeder import RunFeeder
 from policyloop.gateway.feeding import nth_item
 from policyloop.gateway.model_context import load_model_context
 from policyloop.gateway.validation import prepare_environment
+from policyloop.ledger import audit_bus
 from policyloop.models.tokenizer import VOCAB
 from policyloop.rl.logprobs import pack, token_logprobs
-from policyloop.state import VersionRegistry
+from policyloop.state import IdempotencyKeys, VersionRegistry, connect_redis
+from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.weights.client import WeightClient
 from policyloop.weights.sync import sync_weights
 from policyloop.weights.torch_io import to_tensor
@@ -77,7 +80,8 @@ async def test_a_supervised_run_trains_the_demonstrations_by_cross_entropy_throu
     assert json.loads(submitted.stdout)["tasks"] == 3
     async with grpc.aio.insecure_channel(target) as channel:
         stub = loop_pb2_grpc.LoopServiceStub(channel)
-        request = loop_pb2.StartRunRequest(run_id="sft", num_tasks=STEPS * PER_STEP,
+        # One short of a full last batch: the gateway feeds a multiple of the learner's batch.
+        request = loop_pb2.StartRunRequest(run_id="sft", num_tasks=STEPS * PER_STEP - 1,
                                            environments=[loop_pb2.EnvironmentMix(environment="demos@v1", weight=1)])
         await stub.StartRun(request)
         versions = VersionRegistry(redis_client, "default")
@@ -99,6 +103,9 @@ async def test_a_supervised_run_trains_the_demonstrations_by_cross_entropy_throu
     steps = sorted((e for e in events if e.kind == bus_pb2.LedgerEvent.KIND_TRAINED), key=lambda e: e.step)
     assert [e.policy_version for e in steps] == list(range(1, STEPS + 1))
     assert sorted(t for e in steps for t in e.trajectory_ids) == sorted(fed)  # each trained once, none lost
+    audited = await audit_bus(bus, "sft")  # the audit accounts for every demonstration the gateway fed
+    assert (audited.generated, audited.trained, audited.lost, audited.trained_twice,
+            audited.trained_not_generated) == (STEPS * PER_STEP, STEPS * PER_STEP, 0, 0, 0)
 
     # The learner's first step is cross-entropy on its demonstrations under the base weights.
     base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -116,3 +123,43 @@ async def test_a_supervised_run_trains_the_demonstrations_by_cross_entropy_throu
     assert not loaded.unexpected_keys and set(loaded.missing_keys) <= {"lm_head.weight"}  # tied to the embeddings
     demos = list(fed.values())
     assert mean_nll(tuned, demos) < mean_nll(base, demos) - 0.1
+
+
+async def test_demonstrations_wait_while_the_learner_is_behind(bus: Bus, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """TRAJECTORIES pushes nothing back, so the feeder paces a supervised run by the learner's
+    backlog: at `max_waiting_demonstrations` untaken it pauses (backpressure), and goes on as the
+    learner takes them. Every demonstration fed is recorded as generated, for the ledger's audit."""
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    envs, runs = EnvironmentCatalog(raw, "t"), RunRegistry(raw, "t")
+    await envs.put("demos@v1", loop_pb2.Environment(name="demos", version="v1", supervised=True, tasks=[
+        loop_pb2.TaskSpec(prompt_token_ids=[5, 14], demonstration_token_ids=[6, 1])]))
+    await runs.create("sft", loop_pb2.StartRunRequest(run_id="sft", num_tasks=12, environments=[
+        loop_pb2.EnvironmentMix(environment="demos@v1", weight=1)]), 12)
+    paused: list[bool] = []
+    stop = asyncio.Event()
+    feeder = RunFeeder(bus, envs, runs, IdempotencyKeys(redis_client, "t"), owner="gateway-t", lease_s=10,
+                       backpressure_wait_s=0.05, stop=stop, wake=asyncio.Event(), on_backpressure=paused.append,
+                       max_waiting_demonstrations=4)
+    feeding = asyncio.create_task(feeder.feed("sft"))
+    learner = await bus.js.pull_subscribe_bind(durable="learner", stream="TRAJECTORIES")
+    try:
+        async def held_back() -> bool:
+            return True in paused
+
+        await eventually(held_back)
+        assert (await bus.backlog("learner")).pending == 4 and (await runs.get("sft")).tasks_enqueued == 4
+        taken = 0
+        while taken < 12:  # the learner takes what is there; feeding goes on
+            for msg in await learner.fetch(4, timeout=30):
+                await msg.ack()
+                taken += 1
+        await asyncio.wait_for(feeding, 30)
+        assert (await runs.get("sft")).tasks_enqueued == 12
+        generated = [e for e in await stored(bus, "LEDGER", bus_pb2.LedgerEvent)
+                     if e.kind == bus_pb2.LedgerEvent.KIND_GENERATED]
+        assert sorted(t for e in generated for t in e.trajectory_ids) == [f"sft:{i:09d}/0" for i in range(12)]
+    finally:
+        stop.set()
+        feeding.cancel()
+        await learner.unsubscribe()
+        await raw.aclose()

@@ -211,6 +211,9 @@ async def test_replica_recovers_from_each_corruption_with_a_keyframe(publisher, 
         version += 1
         nxt = perturbed(current, version, seed=version)
         await pusher.push(nxt, step=version)
+        # The publisher's background snapshot write reads what the push stored: done before the
+        # stored delta is damaged, or it finds the damage first (and fetches see no fallback).
+        await pub.library.drain()
         held = current.copy()
         if how == "wrong_base":
             held = perturbed(current, current.version, seed=99)  # the replica's bytes drifted

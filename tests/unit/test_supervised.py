@@ -16,7 +16,6 @@ from policyloop.gateway.feeding import demonstration, nth_item, nth_task
 from policyloop.gateway.model_context import load_model_context
 from policyloop.gateway.validation import prepare_environment
 from policyloop.models.tokenizer import EOS_ID, VOCAB
-from policyloop.rl.batching import split_by_objective
 from policyloop.rl.logprobs import pack, token_logprobs
 from policyloop.rl.objective import BatchCounts, supervised_objective
 from policyloop.rl.settings import LossConfig
@@ -65,13 +64,6 @@ def test_a_supervised_step_is_cross_entropy_on_the_demonstrations(model_dir: Pat
     assert step.tokens == 2 + 3 and step.samples == 2
     with pytest.raises(ValueError, match="not both"):
         grpo_loss(model, [demos[0], scored_group("x", size=1)], LossConfig(), pad_id=0, device=torch.device("cpu"))
-
-
-def test_a_batch_of_demonstrations_and_samples_is_split_into_steps() -> None:
-    demo = [demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[6]), 0)]
-    rl_a, rl_b = scored_group("a"), scored_group("b")
-    assert split_by_objective([rl_a, demo, rl_b]) == [[demo], [rl_a, rl_b]]
-    assert split_by_objective([rl_a]) == [[rl_a]] and split_by_objective([]) == []
 
 
 def test_a_demonstration_is_a_valid_trajectory_and_its_rules_are_enforced() -> None:
@@ -187,3 +179,21 @@ def test_demonstrations_wait_for_a_full_step_of_their_own() -> None:
     collector.add(demo(4))
     assert [g[0].task_id for g in collector.take(3)] == ["rl", "a", "b"]  # the samples' full batch
     assert [g[0].trajectory_id for g in collector.take(3)] == [demo(4).trajectory_id]  # no full batch: what is held
+
+
+def test_a_run_of_demonstrations_feeds_a_multiple_of_the_learners_batch() -> None:
+    from policyloop.gateway.feeding import tasks_total
+
+    demos = supervised_env(*[loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[6])] * 5)
+    sums = loop_pb2.Environment(name="sums", version="v1", tasks=[loop_pb2.TaskSpec(prompt_text="1+1=")] * 5)
+    envs = {"demos@v1": demos, "sums@v1": sums}
+
+    def run(*names: str, num_tasks: int = 0) -> loop_pb2.StartRunRequest:
+        return loop_pb2.StartRunRequest(num_tasks=num_tasks, environments=[
+            loop_pb2.EnvironmentMix(environment=n, weight=1) for n in names])
+
+    assert tasks_total(run("demos@v1"), envs, batch=4) == 8
+    assert tasks_total(run("demos@v1", num_tasks=9), envs, batch=4) == 12
+    assert tasks_total(run("demos@v1", num_tasks=8), envs, batch=4) == 8
+    assert tasks_total(run("demos@v1", "sums@v1"), envs, batch=4) == 10  # samples finish their own batches
+    assert tasks_total(run("demos@v1"), envs) == 5  # no learner known yet

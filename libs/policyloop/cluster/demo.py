@@ -543,15 +543,15 @@ def _run_demo(config: DemoConfig, tracking: TrackerSettings, tracker: Tracker, *
     }
     cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True, prometheus=config.prometheus)
     console.print(f"starting the local cluster in {config.run_dir} …")
-    info = cluster.start()
-    where = f"; Prometheus at {info.prometheus_url} (queries: docs/metrics.md)" if info.prometheus_url else ""
-    console.print(f"watch the ledger live: [bold]policyloop top --run-dir {config.run_dir}[/bold]{where}")
-    if info.prometheus_url:
-        dashboard = grafana_dir().joinpath("dashboards", "policyloop.json")
-        console.print(f"Grafana dashboard: import {dashboard} with a Prometheus datasource at "
-                      f"{info.prometheus_url} (docs/metrics.md, Dashboard)")
-    started = time.time()
-    try:
+    try:  # the cluster is stopped however the demo ends, even while it starts
+        info = cluster.start()
+        where = f"; Prometheus at {info.prometheus_url} (queries: docs/metrics.md)" if info.prometheus_url else ""
+        console.print(f"watch the ledger live: [bold]policyloop top --run-dir {config.run_dir}[/bold]{where}")
+        if info.prometheus_url:
+            dashboard = grafana_dir().joinpath("dashboards", "policyloop.json")
+            console.print(f"Grafana dashboard: import {dashboard} with a Prometheus datasource at "
+                          f"{info.prometheus_url} (docs/metrics.md, Dashboard)")
+        started = time.time()
         result = asyncio.run(_drive(cluster, config, console, tracker))
         print_status(asyncio.run(cluster_status(cluster.nats_url, cluster.redis_url, cluster.namespace)))
         out = config.out or Path("runs") / result.run_id

@@ -281,8 +281,8 @@ def run_production_demo(config: ProductionConfig, *, console: Console) -> int:
     cluster = LocalCluster(loop.run_dir, extra_env=env, fresh=True, prometheus=loop.prometheus,
                            serving_run=TRAIN_RUN)
     console.print(f"starting the local cluster in {loop.run_dir} (with the evaluator and a serving replica) …")
-    cluster.start()
-    try:
+    try:  # the cluster is stopped however the demo ends, even while it starts
+        cluster.start()
         result = asyncio.run(drive(cluster, config, console))
     finally:
         console.print("stopping the cluster …")

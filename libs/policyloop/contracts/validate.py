@@ -58,6 +58,8 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
 
 def _validate_demonstration(traj: bus_pb2.Trajectory) -> None:
     """A demonstration is one response of one prompt, imitated: no policy sampled it."""
+    if not traj.prompt_token_ids:
+        raise InvalidMessage("prompt_token_ids", "a demonstration needs its prompt as token ids")
     if not traj.response_token_ids:
         raise InvalidMessage("response_token_ids", "a demonstration needs a response")
     if traj.behaviour_logprobs:

@@ -33,7 +33,7 @@ from policyloop.weights.codec import WeightSet
 from policyloop.weights.sync import sync_weights
 
 if TYPE_CHECKING:
-    from policyloop.rollout.adapters import ServedAdapters
+    from policyloop.engines.adapters import ServedAdapters
 
 log = get_logger(__name__)
 
@@ -101,7 +101,7 @@ class PinnedEngine:
         """Loads a LoRA run's adapter at the announced version beside the base (fetched as a delta
         from the one held when possible, verified) and returns its name in the engine: the
         lora_path that samples with exactly that version (the name carries it)."""
-        from policyloop.rollout.adapters import ServedAdapters  # torch, which only adapters need
+        from policyloop.engines.adapters import ServedAdapters  # torch, which only adapters need
 
         if self._client is None:
             self._client = await self.connect()

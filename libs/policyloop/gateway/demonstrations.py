@@ -13,13 +13,17 @@ from policyloop.gateway.model_context import ModelContext
 
 def validate_demonstrations(env: loop_pb2.Environment) -> None:
     """A supervised environment is single-turn and each training task gives its demonstration as
-    token ids or as text (one of them); no other environment carries demonstrations."""
+    token ids or as text (one of them); no other task carries a demonstration."""
+    lists = (("tasks", env.tasks), ("eval_tasks", env.eval_tasks)) if not env.supervised else (
+        ("eval_tasks", env.eval_tasks),)
+    for name, tasks in lists:
+        for i, task in enumerate(tasks):
+            given = "demonstration_token_ids" if task.demonstration_token_ids else "demonstration_text"
+            if task.demonstration_token_ids or task.demonstration_text:
+                raise InvalidField(f"environment.{name}[{i}].{given}",
+                                   "only a supervised environment's training tasks take demonstrations (eval "
+                                   "tasks are sampled and scored)")
     if not env.supervised:
-        for name, tasks in (("tasks", env.tasks), ("eval_tasks", env.eval_tasks)):
-            for i, task in enumerate(tasks):
-                if task.demonstration_token_ids or task.demonstration_text:
-                    raise InvalidField(f"environment.{name}[{i}].demonstration_text",
-                                       "only a supervised environment (supervised: true) takes demonstrations")
         return
     if env.max_turns > 1:
         raise InvalidField("environment.max_turns", "a supervised environment is single-turn")

@@ -1,7 +1,8 @@
 """Feeds running runs' Tasks into TASKS. Feeding a run is owned by one replica at a time through
 a lease in Redis; the i-th task of a run is a pure function of the run (policyloop.gateway.feeding),
 so a replica that takes over re-publishes under the same ids and nothing is enqueued twice. A
-full TASKS stream (backpressure) pauses feeding; it never drops a task."""
+full TASKS stream (backpressure) pauses feeding; it never drops a task. A supervised run's
+demonstrations go to TRAJECTORIES instead, paced by the learner's backlog in the same way."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from opentelemetry.trace import SpanKind
 from policyloop.bus import Bus, BusError, StreamFull, tasks_subject, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.gateway.feeding import nth_item
+from policyloop.ledger import record_generated
 from policyloop.state import IdempotencyKeys
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.telemetry import tracing
@@ -29,7 +31,8 @@ class RunFeeder:
 
     def __init__(self, bus: Bus, environments: EnvironmentCatalog, runs: RunRegistry, leases: IdempotencyKeys,
                  *, owner: str, lease_s: float, backpressure_wait_s: float, stop: asyncio.Event,
-                 wake: asyncio.Event, on_backpressure: Callable[[bool], None] = lambda full: None) -> None:
+                 wake: asyncio.Event, on_backpressure: Callable[[bool], None] = lambda full: None,
+                 max_waiting_demonstrations: int = 4096) -> None:
         self.bus = bus
         self.environments = environments
         self.runs = runs
@@ -40,6 +43,8 @@ class RunFeeder:
         self.stop = stop
         self.wake = wake
         self.on_backpressure = on_backpressure
+        self.max_waiting_demonstrations = max_waiting_demonstrations
+        self.demonstrations_unchecked = 0  # fed since the learner's backlog was last read
 
     async def run(self) -> None:
         """Looks for running runs with tasks left to feed (new ones, or ones whose feeder died)
@@ -111,12 +116,27 @@ class RunFeeder:
         """A task starts its trace: every trajectory of its group is sampled, scored and trained
         under it (policyloop.telemetry.tracing). A demonstration goes straight to the learner."""
         if isinstance(item, bus_pb2.Trajectory):
+            await self._learner_has_room()
             with tracing.span("feed demonstration", kind=SpanKind.PRODUCER, attributes={
                     tracing.TASK_ID: item.task_id, tracing.RUN_ID: item.run_id, tracing.ENVIRONMENT: item.environment}):
                 await self.bus.publish(trajectories_subject(item.environment), item, item.trajectory_id)
+            await record_generated(self.bus, [item], self.owner)  # for the ledger's audit, as a replica's group
+            self.demonstrations_unchecked += 1
             return
         task = item
         with tracing.span("feed task", kind=SpanKind.PRODUCER, attributes={
                 tracing.TASK_ID: task.task_id, tracing.RUN_ID: task.run_id,
                 tracing.ENVIRONMENT: task.environment, "policyloop.group_size": task.group_size}):
             await self.bus.publish(tasks_subject(task.environment), task, task.task_id)
+
+    async def _learner_has_room(self) -> None:
+        """Demonstrations go straight to TRAJECTORIES, which has no room limit to push back (it
+        keeps what the learner has not taken): feeding raises StreamFull while the learner's
+        backlog is at `max_waiting_demonstrations` (read once per eighth of it fed), and the run's
+        feed pauses as it does on a full TASKS."""
+        if self.demonstrations_unchecked < max(1, self.max_waiting_demonstrations // 8):
+            return
+        backlog = await self.bus.backlog("learner")
+        if backlog.pending >= self.max_waiting_demonstrations:
+            raise StreamFull(trajectories_subject("*"), "TRAJECTORIES")
+        self.demonstrations_unchecked = 0

@@ -17,10 +17,15 @@ def task_id(run_id: str, index: int) -> str:
     return f"{run_id}:{index:09d}"
 
 
-def tasks_total(request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment]) -> int:
-    if request.num_tasks:
-        return request.num_tasks
-    return sum(len(environments[m.environment].tasks) for m in request.environments)
+def tasks_total(request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment],
+                batch: int = 1) -> int:
+    """How many items the run feeds: num_tasks, or as many as its environments hold. A run of
+    demonstrations only feeds a multiple of the learner's `batch` (rounded up): the learner steps
+    on full batches of one kind, so every demonstration fed is trained."""
+    total = request.num_tasks or sum(len(environments[m.environment].tasks) for m in request.environments)
+    if batch > 1 and all(environments[m.environment].supervised for m in request.environments):
+        total = -(-total // batch) * batch
+    return total
 
 
 def _pick(run_id: str, request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment],

@@ -162,7 +162,8 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         if stored.HasField("lora"):
             stored.lora.CopyFrom(lora_spec(request.lora).to_proto())  # its defaults, spelled out
         try:
-            await self.stores.runs.create(run_id, stored, tasks_total(stored, environments))
+            batch = learner.loop.groups_per_step if learner is not None else 1
+            await self.stores.runs.create(run_id, stored, tasks_total(stored, environments, batch))
         except RunConflict as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"run_id: {exc}")
         log.info("run_started", run=run_id, environments=list(environments))

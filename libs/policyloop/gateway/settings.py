@@ -22,6 +22,10 @@ class GatewaySettings(ServiceSettings):
     backpressure_wait_s: float = Field(
         1.0, description="Pause before retrying when TASKS is full."
     )
+    max_waiting_demonstrations: int = Field(
+        4096, gt=0, description="Most demonstrations (supervised runs) fed to TRAJECTORIES and not yet taken by the "
+                                "learner: feeding pauses above it (backpressure, as when TASKS is full), so that a "
+                                "large SFT run never fills TRAJECTORIES.")
     watch_poll_s: float = Field(0.5, description="How often WatchRun looks for changes.")
     model_path: Path | None = Field(
         None, description="Hugging Face directory of the cluster's base model (config.json, tokenizer.json): "

@@ -30,7 +30,7 @@ from policyloop.learner.fair import FairShare
 from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.start import VersionBehind
 from policyloop.ledger import StepRecord, record_dropped, record_trained
-from policyloop.rl.batching import Admission, RecentSteps, split_by_objective
+from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
 from policyloop.rl.recovery import Resumed, ResumeError, resume
 from policyloop.telemetry.logging import get_logger
@@ -141,6 +141,9 @@ class AdapterLearner:
             return
         if slot is None:
             raise RunNotServed(f"run {traj.run_id!r} has no adapter on this learner")
+        problem = self.trainer.limits.problem(traj)
+        if problem is not None:
+            raise PermanentError(f"the model cannot train on it: {problem}")
         admission = slot.held.add(traj, delivery.stream_seq)
         if admission is Admission.DUPLICATE:
             await slot.held.until_released(traj.trajectory_id)
@@ -171,14 +174,14 @@ class AdapterLearner:
 
     async def step(self, run_id: str) -> int:
         """One step of `run_id`'s adapter on its oldest full batch; returns its new version (the
-        current one when every group of the batch was stale). A batch holding demonstrations and
-        policy samples is trained as two steps."""
+        current one when every group of the batch was stale). The batch is of one kind:
+        demonstrations or policy samples (GroupCollector.take)."""
         slot = self.slots[run_id]
         run = self.trainer.run(run_id)
         fresh, stale = slot.held.take(run.version, slot.max_lag)
         await self._drop(slot, stale, "stale")
-        for groups in split_by_objective(fresh):
-            await self._train(slot, groups)
+        if fresh:
+            await self._train(slot, fresh)
         return run.version
 
     async def _train(self, slot: RunSlot, groups: Groups) -> None:

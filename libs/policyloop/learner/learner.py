@@ -35,7 +35,7 @@ from policyloop.learner.held import Groups, HeldTrajectories
 from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
-from policyloop.rl.batching import Admission, RecentSteps, split_by_objective
+from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.phases import PhaseClock
 
@@ -123,6 +123,9 @@ class Learner:
         traj = delivery.message
         if not traj.scored:
             raise PermanentError("trajectory was not scored by the reward service")
+        problem = self.trainer.limits.problem(traj)
+        if problem is not None:
+            raise PermanentError(f"the model cannot train on it: {problem}")
         self.figures.saw_trajectory()
         self.traces.admitted(traj.trajectory_id)
         admission = self.held.add(traj, delivery.stream_seq)
@@ -143,11 +146,9 @@ class Learner:
             while await self.held.wait_for_batch(stop):
                 groups, stale = self.held.take(self.trainer.version, self.settings.max_lag)
                 await self.drop_stale(stale)
-                if groups:
+                if groups:  # of one kind: demonstrations or policy samples (GroupCollector.take)
                     clock.lap("wait_for_batch")
-                # A batch holding demonstrations and policy samples is trained as two steps.
-                for part in split_by_objective(groups):
-                    await self.step(part, clock)
+                    await self.step(groups, clock)
                     clock = PhaseClock()
             await self.published()
         finally:

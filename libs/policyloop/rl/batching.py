@@ -75,7 +75,7 @@ class GroupCollector:
 
     def has_batch(self, count: int) -> bool:
         """Whether `count` complete groups of one kind are held: policy samples, or demonstrations
-        (a step trains one kind, rl.batching.split_by_objective)."""
+        (a step trains one kind: rl.trainer.is_supervised_step)."""
         return any(n >= count for n in self.kinds.values())
 
     def take(self, count: int) -> list[list[bus_pb2.Trajectory]]:
@@ -108,9 +108,26 @@ def split_stale(groups: list[list[bus_pb2.Trajectory]], training_version: int, m
     return fresh, stale
 
 
-def split_by_objective(groups: list[list[bus_pb2.Trajectory]]) -> list[list[list[bus_pb2.Trajectory]]]:
-    """A batch's groups as the steps that train them: policy samples in one, demonstrations
-    (Trajectory.supervised) in another, each kind in the order taken; no empty step."""
-    demonstrations = [g for g in groups if g and g[0].supervised]
-    samples = [g for g in groups if not (g and g[0].supervised)]
-    return [part for part in (demonstrations, samples) if part]
+@dataclass(frozen=True)
+class ModelLimits:
+    """What a sample must fit to be trained: the model's vocabulary and context (None: unknown)."""
+
+    vocab_size: int | None
+    context_tokens: int | None
+
+    @classmethod
+    def of(cls, config: object) -> ModelLimits:
+        """From a Hugging Face model config."""
+        vocab, context = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
+        return cls(vocab if isinstance(vocab, int) else None, context if isinstance(context, int) else None)
+
+    def problem(self, traj: bus_pb2.Trajectory) -> str | None:
+        """Why the model cannot train on the sample, or None: a token outside its vocabulary, or a
+        prompt and response longer than its context (a demonstration was never through an engine
+        that would have refused it)."""
+        ids = [*traj.prompt_token_ids, *traj.response_token_ids]
+        if self.vocab_size is not None and ids and (max(ids) >= self.vocab_size or min(ids) < 0):
+            return f"token ids must be in [0, {self.vocab_size}), the model's vocabulary"
+        if self.context_tokens is not None and len(ids) > self.context_tokens:
+            return f"{len(ids)} tokens, more than the model's context of {self.context_tokens}"
+        return None

@@ -22,6 +22,7 @@ import safetensors.torch
 import torch
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.batching import ModelLimits
 from policyloop.rl.logprobs import PackedBatch, token_logprobs
 from policyloop.rl.settings import (
     DEFAULT_TARGET_MODULES,
@@ -150,6 +151,7 @@ class AdapterTrainer:
         self._made = 0  # adapters made so far: their names are never reused
         pad = getattr(base.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
+        self.limits = ModelLimits.of(base.config)
 
     def add_run(self, run_id: str, spec: LoraSpec, optimizer: OptimizerSettings | None = None) -> AdapterRun:
         """A new adapter for `run_id` (B = 0: the run starts at the base policy), with an AdamW of

@@ -26,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.batching import ModelLimits
 from policyloop.rl.logprobs import (
     PackedBatch,
     pack,
@@ -235,7 +236,7 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
 
 def is_supervised_step(groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> bool:
     """Whether a step's groups are demonstrations; a step never mixes them with samples (the
-    learner splits a batch that holds both: rl.batching.split_by_objective)."""
+    learner takes batches of one kind: rl.batching.GroupCollector.take)."""
     kinds = {t.supervised for group in groups for t in group}
     if len(kinds) > 1:
         raise ValueError("a step trains demonstrations or policy samples, not both")
@@ -262,6 +263,7 @@ class PolicyTrainer:
         self.steps = 0
         pad = getattr(self.model.config, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
+        self.limits = ModelLimits.of(self.model.config)
 
     @property
     def rank(self) -> int:

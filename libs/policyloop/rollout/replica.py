@@ -23,12 +23,13 @@ from policyloop.bus import Delivery, PermanentError, PullWorker, rollouts_subjec
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_task
 from policyloop.contracts.versions import oldest_version
+from policyloop.engines.adapters import AdapterLease
 from policyloop.engines.partial import Completion, generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
-from policyloop.rollout.adapters import AdapterLease, LoraRuns, stamp_version
+from policyloop.rollout.adapters import LoraRuns, stamp_version
 from policyloop.rollout.episodes import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.records import TaskRequestError, generate_request, group_members, record_response

@@ -27,7 +27,7 @@ from policyloop.engines.sglang_client import EngineError, SGLangClient, Streamed
 from policyloop.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
-    from policyloop.rollout.adapters import AdapterLease
+    from policyloop.engines.adapters import AdapterLease
 
 log = get_logger(__name__)
 
