@@ -7,9 +7,10 @@ from policyloop.serving.traces import TracedExchange, environment_from_traces, i
 
 
 def exchange(trace_id: str, prompt: list[int], response: str, *feedback: serving_pb2.TraceFeedback,
-             response_ids: int = 2) -> TracedExchange:
+             response_ids: int = 2, finish_reason: str = "stop") -> TracedExchange:
     trace = serving_pb2.Trace(trace_id=trace_id, prompt_token_ids=prompt, response_text=response,
-                              response_token_ids=list(range(response_ids)), weights_version="7")
+                              response_token_ids=list(range(response_ids)), weights_version="7",
+                              finish_reason=finish_reason)
     return TracedExchange(trace, list(feedback))
 
 
@@ -24,6 +25,8 @@ def test_a_correction_wins_then_a_rewarded_response_and_the_newest_feedback_coun
     assert reference_answer(exchange("d", [1], "42", feedback(1, 0.5)), 1.0) is None
     assert reference_answer(exchange("e", [1], "   ", feedback(1, 1.0)), 1.0) is None  # nothing to judge by
     assert reference_answer(exchange("f", [1], "42"), 0.0) is None  # no feedback at all
+    assert reference_answer(exchange("g", [1], "42", feedback(1, 1.0), finish_reason="length"), 1.0) is None
+    assert reference_answer(exchange("h", [1], "4", feedback(1, 1.0, "42"), finish_reason="length"), 1.0) == "42"
 
 
 def test_each_prompt_keeps_its_newest_outcome_and_the_split_is_stable() -> None:

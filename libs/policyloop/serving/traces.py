@@ -86,14 +86,16 @@ class Outcome:
 
 
 def recorded_outcome(exchange: TracedExchange, min_reward: float) -> Outcome | None:
-    """The newest correction, else the response when its newest reward is at least `min_reward`."""
+    """The newest correction, else the response when its newest reward is at least `min_reward`
+    and it ended by itself (not at its length limit)."""
     ordered = sorted(exchange.feedback, key=lambda f: f.created_unix_ms)
     corrections = [f.correction.strip() for f in ordered if f.correction.strip()]
     if corrections:
         return Outcome(corrections[-1])
     reward = exchange.reward
     trace = exchange.trace
-    if reward is not None and reward >= min_reward and trace.response_text.strip():
+    # A response cut off by its length limit is not an answer to imitate or judge against.
+    if reward is not None and reward >= min_reward and trace.response_text.strip() and trace.finish_reason == "stop":
         return Outcome(trace.response_text.strip(), tuple(trace.response_token_ids))
     return None
 
