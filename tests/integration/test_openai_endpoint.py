@@ -15,7 +15,6 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from policyloop.bus import Bus
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
@@ -24,6 +23,7 @@ from policyloop.engines.sglang_client import SGLangClient
 from policyloop.gateway.validation import validate_environment
 from policyloop.serving.openai_api import OpenAIApi
 from policyloop.serving.traces import environment_from_traces, export_sft, read_exchanges
+from tests.helpers import serving_http
 
 openai = pytest.importorskip("openai")
 
@@ -56,12 +56,8 @@ async def endpoint(engine: EmbeddedEngine, chat_model_dir: Path, bus: Bus) -> As
 
     client = SGLangClient(engine.base_url, timeout_s=60, retries=0)
     api = OpenAIApi(client, AutoTokenizer.from_pretrained(chat_model_dir), bus, SERVED)
-    runner = web.AppRunner(api.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}", client  # type: ignore[union-attr]
-    await runner.cleanup()
+    async with serving_http(api.app()) as url:
+        yield url, client
     await client.close()
 
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
-from aiohttp import web
 
 from policyloop.bus import Bus
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
@@ -29,6 +29,7 @@ from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
+from tests.helpers import serving_http
 
 tinker = pytest.importorskip("tinker")
 
@@ -91,14 +92,9 @@ async def front(bus: Bus, redis_server, engine: EmbeddedEngine) -> AsyncIterator
     sampler = EngineSampler(engine_client, lambda endpoint: fetchers.setdefault(endpoint, WeightClient(endpoint)))
     api = TinkerApi(bus, redis, namespace="test", base_model=BASE_MODEL, api_key=API_KEY, poll_s=5.0,
                     sampler=sampler)
-    runner = web.AppRunner(api.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await api.close()
-    await runner.cleanup()
+    async with serving_http(api.app()) as url:
+        yield url
+        await api.close()
     await redis.aclose()
     await engine_client.close()
     await asyncio.gather(*(f.close() for f in fetchers.values()))
@@ -329,15 +325,11 @@ async def arithmetic_cluster(bus: Bus, redis_server, publisher: Publisher,  # ty
     worker = TinkerWorker(bus, trainer, publisher=publisher.client, fetch_endpoint=publisher.endpoint)
     stop = asyncio.Event()
     learning = asyncio.create_task(worker.run(stop))
-    runner = web.AppRunner(api.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
     try:
-        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        async with serving_http(api.app()) as url:
+            yield url
+            await api.close()
     finally:
-        await api.close()
-        await runner.cleanup()
         stop.set()
         await learning
         await asyncio.gather(engine_client.close(), fetcher.close(), redis.aclose())
@@ -470,11 +462,8 @@ async def test_a_sample_whose_front_is_gone_answers_410_so_the_sdk_samples_again
 
     api = TinkerApi(bus, redis, namespace="lost", base_model=BASE_MODEL, instance_id="a", fronts_alive=fronts_alive,
                     poll_s=0.2)
-    runner = web.AppRunner(api.app())
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/api/v1/retrieve_future"  # type: ignore
+    stack = AsyncExitStack()
+    url = f"{await stack.enter_async_context(serving_http(api.app()))}/api/v1/retrieve_future"
     try:
         for request_id, owner in (("by-b", "b"), ("by-c", "c"), ("by-a", "a")):
             await redis.set(f"lost:tinker:request:{request_id}", f"sample@{owner}")
@@ -490,7 +479,7 @@ async def test_a_sample_whose_front_is_gone_answers_410_so_the_sdk_samples_again
             alive.clear()
             assert (await status("by-b"))[0] == 410
     finally:
-        await runner.cleanup()
+        await stack.aclose()
         await redis.aclose()
 
 
