@@ -429,7 +429,11 @@ def demo(
     steps: Annotated[int, typer.Option(help="Stop after this many learner steps (0: the budget decides).")] = 0,
     model_path: Annotated[Path | None, typer.Option(help="Base model directory (default: bootstrap).")] = None,
     eval_problems: Annotated[int, typer.Option(help="Held-out problems per evaluation.")] = 600,
-    eval_interval_s: Annotated[float, typer.Option(help="Seconds between held-out evaluations.")] = 60.0,
+    eval_interval_s: Annotated[float, typer.Option(
+        help="--tools and LoRA runs: seconds between the demo's own held-out evaluations.")] = 60.0,
+    eval_every_versions: Annotated[int, typer.Option(
+        help="The full model's run: the cluster's evaluator scores the held-out problems every this many versions "
+             "(and the versions the run starts and ends at).")] = 100,
     groups_per_step: Annotated[int, typer.Option(help=field_help(ServiceSettings, "groups_per_step"))]
     = field_default(ServiceSettings, "groups_per_step"),
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
@@ -490,6 +494,7 @@ def demo(
         lr = lora_lr
     config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
+                        eval_every_versions=eval_every_versions,
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)

@@ -137,7 +137,8 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
 
     evaluator_engine = await start_engine(model_dir, threads=1)
     evaluator_client = SGLangClient(evaluator_engine.base_url, timeout_s=60)
-    settings = EvaluatorSettings(every_versions=2, promote="rule", model_path=model_dir, instance_id="eval-t")
+    settings = EvaluatorSettings(every_versions=2, promote="rule", model_path=model_dir, instance_id="eval-t",
+                                 run_ends=False)  # a run's ends have their own test
 
     async def connect() -> SGLangClient:
         return evaluator_client
@@ -567,3 +568,59 @@ def lora_greedy(model_dir: Path, adapter: Path, tokenizer, prompt: str) -> str: 
     if tokenizer.eos_token_id in ids:  # the engine stops there
         ids = ids[:ids.index(tokenizer.eos_token_id) + 1]
     return str(tokenizer.decode(ids, skip_special_tokens=True))
+
+
+@pytest.mark.timeout(300)
+async def test_a_runs_start_and_end_are_evaluated_whatever_every_versions_says(
+        bus: Bus, redis_server, model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Before and after: the version a run started from (its baseline: the base here) when it is
+    first seen running, and its newest version once it has stopped; neither is a multiple of
+    every_versions. A baseline is never promoted: the run did not make it."""
+    from transformers import AutoTokenizer
+
+    from policyloop.rollout.engine_process import name_base_version
+
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    runs, envs, evals = RunRegistry(raw, "t"), EnvironmentCatalog(raw, "t"), EvalStore(raw, "t")
+    await envs.put(ENV, environment())
+    await runs.create(RUN, loop_pb2.StartRunRequest(run_id=RUN, model=MODEL, environments=[
+        loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)]), 4, start_version=0)
+    engine = await start_engine(model_dir, threads=1)
+    client = SGLangClient(engine.base_url, timeout_s=60)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    async def connect() -> SGLangClient:
+        await name_base_version(client)
+        return client
+
+    stop = asyncio.Event()
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(raw.aclose)
+        stack.push_async_callback(engine.stop)
+        stack.push_async_callback(client.close)
+        endpoint = await stack.enter_async_context(weights_publisher(bus, tmp_path / "store"))
+        weights = WeightClient(endpoint)
+        stack.push_async_callback(weights.close)
+        settings = EvaluatorSettings(every_versions=100, promote="rule", model_path=model_dir, end_grace_s=60)
+        evaluator = Evaluator(bus, runs, envs, evals, PinnedEngine(connect, lambda _: weights, tmp_path / "eval",
+                                                                  model_dir), tokenizer, default_registry(_no_sandbox),
+                              settings, promoter=Promoter(bus, runs, evals, lambda _: weights))
+        evaluating = asyncio.create_task(evaluator.run(stop))
+
+        async def evaluated(*versions: int) -> bool:
+            return [e.version for e in await evals.all(RUN)] == list(versions)
+
+        await eventually(lambda: evaluated(0), timeout_s=120, what="the baseline evaluated")
+        base_passed, _ = await passed_by_hand(engine, tokenizer, environment())
+        [baseline] = await evals.all(RUN)
+        assert baseline.environments[0].passed == base_passed and baseline.model == MODEL
+        pusher = VersionPusher(weights, MODEL)
+        for n in (1, 2, 3):
+            await pusher.push(version(model_dir, n), step=n)
+        await runs.set_state(RUN, loop_pb2.RUN_STATE_STOPPED)
+        await eventually(lambda: evaluated(0, 3), timeout_s=120, what="the run's last version evaluated")
+        end_passed, _ = await passed_by_hand(engine, tokenizer, environment())  # the engine holds version 3
+        assert (await evals.get(RUN, 3)).environments[0].passed == end_passed
+        assert all(p.version != 0 for p in await PromotionLog(bus).history(RUN))
+        stop.set()
+        await evaluating

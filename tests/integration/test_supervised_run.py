@@ -91,7 +91,11 @@ async def test_a_supervised_run_trains_the_demonstrations_by_cross_entropy_throu
 
         await eventually(trained, timeout_s=120)
         run = await stub.GetRun(loop_pb2.GetRunRequest(run_id="sft"))
-    assert run.tasks_enqueued == STEPS * PER_STEP
+        # A run started now starts from the version the first one made: the evaluator's baseline.
+        later = await stub.StartRun(loop_pb2.StartRunRequest(run_id="later", num_tasks=1, environments=[
+            loop_pb2.EnvironmentMix(environment="demos@v1", weight=1)]))
+        await stub.StopRun(loop_pb2.StopRunRequest(run_id="later"))
+    assert run.tasks_enqueued == STEPS * PER_STEP and run.start_version == 0 and later.start_version == STEPS
 
     # What the gateway fed: the demonstrations as the learner got them, exact ids and all.
     env = demos_environment()
@@ -100,7 +104,8 @@ async def test_a_supervised_run_trains_the_demonstrations_by_cross_entropy_throu
     fed = {d.trajectory_id: d for d in items}
     assert all(isinstance(d, bus_pb2.Trajectory) and d.supervised for d in fed.values())
     events = await stored(bus, "LEDGER", bus_pb2.LedgerEvent)
-    steps = sorted((e for e in events if e.kind == bus_pb2.LedgerEvent.KIND_TRAINED), key=lambda e: e.step)
+    steps = sorted((e for e in events if e.kind == bus_pb2.LedgerEvent.KIND_TRAINED
+                    and e.trajectory_ids[0].startswith("sft:")), key=lambda e: e.step)
     assert [e.policy_version for e in steps] == list(range(1, STEPS + 1))
     assert sorted(t for e in steps for t in e.trajectory_ids) == sorted(fed)  # each trained once, none lost
     audited = await audit_bus(bus, "sft")  # the audit accounts for every demonstration the gateway fed

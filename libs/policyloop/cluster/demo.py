@@ -21,7 +21,7 @@ import asyncio
 import json
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -56,7 +56,8 @@ class DemoConfig:
     budget_s: float = 420.0              # wall time of the RL phase
     max_steps: int = 0                   # 0: no step limit, the budget decides
     eval_problems: int = 600
-    eval_interval_s: float = 60.0
+    eval_interval_s: float = 60.0        # tools and LoRA runs: the demo measures every this many seconds
+    eval_every_versions: int = 100       # otherwise the evaluator: every this many versions, and the run's ends
     group_size: int = 8
     groups_per_step: int = 32
     lr: float = 1e-4
@@ -203,10 +204,15 @@ def weight_sync_summary(pushed: status_pb2.WeightPushTotals) -> dict[str, float]
 
 
 async def start_arithmetic_run(stub: loop_pb2_grpc.LoopServiceStub, group_size: int, max_new_tokens: int,
-                               temperature: float, seed: int, tools: bool = False
+                               temperature: float, seed: int, tools: bool = False,
+                               eval_problems: Sequence[arithmetic.Problem] = ()
                                ) -> tuple[loop_pb2.SubmitEnvironmentResponse, loop_pb2.Run]:
-    """Submits the arithmetic environment's train split through the gateway and starts a run."""
+    """Submits the arithmetic environment's train split through the gateway (with `eval_problems`
+    as its eval split, which the cluster's evaluator scores) and starts a run."""
     env = arithmetic_environment(group_size, max_new_tokens, temperature, tools)
+    if eval_problems:
+        env.version = "v1-evals"
+        env.eval_tasks.extend(loop_pb2.TaskSpec(prompt_text=p.prompt, answer=p.answer) for p in eval_problems)
     reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
     run = await stub.StartRun(loop_pb2.StartRunRequest(
         environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
@@ -248,6 +254,38 @@ async def _heartbeats(registry: HeartbeatRegistry) -> dict[str, Heartbeat]:
     """The newest heartbeat of each service (an empty one for a service not up)."""
     beats = {b.service: b for b in await registry.alive()}
     return defaultdict(Heartbeat, beats)
+
+
+async def evaluation_of(stub: loop_pb2_grpc.LoopServiceStub, run_id: str, version: int,
+                        timeout_s: float = 300.0) -> loop_pb2.VersionEval:
+    """The evaluator's result for the run's `version`, once it is in GetRun."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=30)
+        found = next((e for e in run.evals if e.version == version), None)
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the evaluator did not score version {version} of run {run_id} in {timeout_s:.0f} s "
+                               f"(it has {sorted(e.version for e in run.evals)})")
+        await asyncio.sleep(0.5)
+
+
+async def last_evaluation(stub: loop_pb2_grpc.LoopServiceStub, heartbeats: HeartbeatRegistry, run_id: str,
+                          timeout_s: float = 300.0) -> loop_pb2.VersionEval:
+    """The evaluator's result for the run's last version: the learner's newest, once no newer one
+    comes (after a stop, it still trains the samples generated before it)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        newest = (await _heartbeats(heartbeats))["learner"].policy_version
+        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=30)
+        found = next((e for e in run.evals if e.version == newest), None)
+        if found is not None:
+            return found
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the evaluator did not score version {newest} of run {run_id} in {timeout_s:.0f} s "
+                               f"(it has {sorted(e.version for e in run.evals)})")
+        await asyncio.sleep(0.5)
 
 
 def record_final_figures(result: DemoResult, beats: dict[str, Heartbeat]) -> None:
@@ -320,14 +358,30 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
                                ({"heldout_tool_use": evaluation.tool_use} if config.tools else {}))
         return evaluation
 
+    # The full model's run is measured by the cluster's evaluator (its eval split: the held-out
+    # problems); tools episodes (multi-turn) and LoRA runs by the demo itself, on the rollout's engine.
+    by_evaluator = not config.tools and not config.lora_rank
+    seen_evals: set[int] = set()
+
+    def evaluated(e: loop_pb2.VersionEval, t: float) -> Evaluation:
+        seen_evals.add(e.version)
+        evaluation = Evaluation(round(t, 1), e.version, e.pass_rate)
+        result.evaluations.append(evaluation)
+        tracker.log_evaluation(evaluation.version, {"heldout_accuracy": evaluation.accuracy})
+        return evaluation
+
     def described(e: Evaluation) -> str:
         return f"{e.accuracy:.1%}" + (f", tool used in {e.tool_use:.0%}" if config.tools else "")
 
-    try:
-        before = await held_out(0.0)
+    def report_before(before: Evaluation) -> None:
         result.accuracy_before, result.tool_use_before = before.accuracy, before.tool_use
+        by = " by the evaluator" if by_evaluator else ""
         console.print(f"held-out accuracy before RL: [bold]{described(before)}[/bold] "
-                      f"({len(heldout)} problems, version {before.version})")
+                      f"({len(heldout)} problems, version {before.version}{by})")
+
+    try:
+        if not by_evaluator:
+            report_before(await held_out(0.0))
         gateway = cluster.process("gateway-0").ports["grpc"]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
             stub = loop_pb2_grpc.LoopServiceStub(channel)
@@ -336,14 +390,17 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
                 reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=30)
                 started_runs = await start_lora_runs(stub, reply.environment, config.runs, config.lora_rank,
                                                      config.seed)
-                result.runs = [RunResult(r.run_id, accuracy_before=before.accuracy) for r in started_runs]
+                result.runs = [RunResult(r.run_id, accuracy_before=result.accuracy_before) for r in started_runs]
                 publisher = f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}"
                 evaluator = AdapterEvaluator(client, publisher, LoraSpec.from_proto(started_runs[0].lora))
                 run_versions_of = VersionRegistry(redis_client, cluster.namespace)
             else:
                 reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens,
-                                                        config.temperature, config.seed, config.tools)
+                                                        config.temperature, config.seed, config.tools,
+                                                        heldout if by_evaluator else ())
                 started_runs = [run]
+                if by_evaluator:  # its baseline: the version the run started from
+                    report_before(evaluated(await evaluation_of(stub, run.run_id, run.start_version), 0.0))
             result.run_id = "+".join(r.run_id for r in started_runs)
             console.print(f"run {result.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
                           f"{config.groups_per_step} groups per step, lr {config.lr}"
@@ -385,7 +442,12 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
                     line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
                             f"lag {lag}  {rate:7.0f} tok/s")
                 result.progress.append(progress)
-                if t >= next_eval:
+                if by_evaluator:  # what the evaluator scored meanwhile (every eval_every_versions)
+                    current = await stub.GetRun(loop_pb2.GetRunRequest(run_id=started_runs[0].run_id), timeout=30)
+                    for e in sorted(current.evals, key=lambda e: e.version):
+                        if e.version not in seen_evals:
+                            line += f"  held-out {described(evaluated(e, t))} (v{e.version})"
+                elif t >= next_eval:
                     if config.lora_rank:
                         for run_result in result.runs:
                             measured_run = await adapter_held_out(run_result, time.monotonic() - started)
@@ -404,6 +466,14 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
         record_final_figures(result, await wait_for_published(heartbeats, timeout_s=30))
         if config.lora_rank:
             await _finish_lora_runs(result, adapter_held_out, evaluator, console)
+        elif by_evaluator:  # the run's last version, which the evaluator scores once the run has stopped
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
+                scored = await last_evaluation(loop_pb2_grpc.LoopServiceStub(channel), heartbeats, result.run_id)
+            after = next((e for e in result.evaluations if e.version == scored.version), None) or \
+                evaluated(scored, result.wall_seconds)
+            result.accuracy_after = after.accuracy
+            console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version} "
+                          f"by the evaluator)")
         else:
             await wait_for_last_version(heartbeats, timeout_s=30)
             after = await held_out(result.wall_seconds)
@@ -540,6 +610,10 @@ def _run_demo(config: DemoConfig, tracking: TrackerSettings, tracker: Tracker, *
         "POLICYLOOP_TRACKER__KIND": tracking.kind,
         "POLICYLOOP_TRACKER__DIR": str(tracking.dir),
         "POLICYLOOP_TRACKER__RUN_NAME": tracking.run_name,
+        # The evaluator scores the run's eval split (the held-out problems): all of them, every
+        # eval_every_versions versions and at the run's ends.
+        "POLICYLOOP_EVERY_VERSIONS": str(config.eval_every_versions),
+        "POLICYLOOP_MAX_EVAL_TASKS": str(config.eval_problems),
     }
     cluster = LocalCluster(config.run_dir, extra_env=env, fresh=True, prometheus=config.prometheus)
     console.print(f"starting the local cluster in {config.run_dir} …")

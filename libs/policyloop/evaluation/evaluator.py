@@ -13,7 +13,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from policyloop.bus import Bus
+import nats.js.errors
+
+from policyloop.bus import Bus, weights_subject
 from policyloop.bus.newest import NewestPerSubject
 from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
@@ -59,6 +61,11 @@ def export_eval(result: loop_pb2.VersionEval, newest: dict[str, int]) -> None:
             EVAL_PASS_RATE.labels(run, environment, bound).set(value)
 
 
+def policy_model(run_id: str, definition: loop_pb2.StartRunRequest) -> str:
+    """The name a run's policy versions go under: the model, or a LoRA run's adapter."""
+    return adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
+
+
 class PinnedEngine:
     """The evaluator's engine, holding exactly one version: each version is fetched (a delta
     from the one held when possible), verified, and loaded before anything is sampled. The
@@ -74,6 +81,7 @@ class PinnedEngine:
         self.held: WeightSet | None = None
         self.loaded_dir: Path | None = None
         self.adapters: ServedAdapters | None = None  # LoRA runs' adapters, loaded beside the base
+        self.base_loaded = False  # the engine serves model_path's weights (version 0)
 
     @property
     def client(self) -> SGLangClient:
@@ -82,15 +90,23 @@ class PinnedEngine:
         return self._client
 
     async def pin(self, event: bus_pb2.WeightsPublished) -> None:
+        """The engine serves exactly `event.version` (0: the base weights of model_path)."""
         if self._client is None:
-            self._client = await self.connect()
+            self._client = await self.connect()  # it starts on the base, labelled 0
+            self.base_loaded = True
+        if event.version == 0:
+            if not self.base_loaded:
+                self.held = None
+                await self.client.update_weights_from_disk(str(self.model_path), weight_version="0")
+                self.base_loaded = True
+            return
         if self.held is not None and self.held.version == event.version:
             return
         from policyloop.weights.torch_io import write_version_dir  # torch, which only loading needs
 
         weights, _ = await sync_weights(self.publisher(event.fetch_endpoint), event.model, self.held, event.version)
         directory = await asyncio.to_thread(write_version_dir, self.weights_dir, self.model_path, weights)
-        self.held = None  # until the engine confirms it, the held bytes are not what it serves
+        self.held, self.base_loaded = None, False  # until the engine confirms it, nothing held is what it serves
         await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version))
         self.held = weights
         previous, self.loaded_dir = self.loaded_dir, directory
@@ -130,6 +146,9 @@ class Evaluator:
         self.evaluated = 0
         self.last_version = 0
         self.exported: dict[str, int] = {}  # run label → the newest version in the pass-rate gauges
+        self.seen_running: set[str] = set()  # runs seen running: their baseline is done, their end is due
+        self.ended_at: dict[str, float] = {}  # runs seen to end, and when (monotonic)
+        self.settled: set[str] = set()       # runs with nothing more to evaluate at their start or end
         stop = tokenizer.eos_token_id
         self.stop_ids: tuple[int, ...] = (stop,) if stop is not None else ()
 
@@ -154,6 +173,11 @@ class Evaluator:
                 await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED, timeout=1.0)
                 waiter.cancel()
                 stopper.cancel()
+                try:
+                    if self.settings.run_ends:
+                        await self.follow_runs()
+                except Exception as exc:  # noqa: BLE001 - a baseline failing must not end the evaluator
+                    log.error("run_evaluation_failed", error=repr(exc))
                 if not self.due.is_set():
                     continue
                 self.due.clear()
@@ -167,6 +191,82 @@ class Evaluator:
         finally:
             await announcements.close()
 
+    async def follow_runs(self) -> None:
+        """Each run's before and after, whatever `every_versions` says: the version it started
+        from (Run.start_version) when it is first seen running, and its newest version when it is
+        seen to end, and again while newer versions of it land within `end_grace_s` (samples it
+        generated before it stopped). An ended run's newest version is not evaluated while another
+        run trains the same policy (it may be that run's)."""
+        for run_id in await self.runs.run_ids():
+            if run_id in self.settled:
+                continue
+            run, definition = await self.runs.get(run_id), await self.runs.definition(run_id)
+            environments = await self.eval_environments(definition) if definition is not None else {}
+            if run is None or definition is None or not environments:
+                self.settled.add(run_id)
+                continue
+            model = policy_model(run_id, definition)
+            lora = LoraSpec.from_proto(definition.lora) if definition.HasField("lora") else None
+            if run.state == loop_pb2.RUN_STATE_RUNNING:
+                if run_id not in self.seen_running:
+                    self.seen_running.add(run_id)
+                    baseline = await self.announced(model, run.start_version)
+                    await self._evaluate_once(run_id, environments, baseline, lora, promote=False)
+                continue
+            if run_id not in self.seen_running:  # ended before this evaluator saw it: nothing of its own to do
+                self.settled.add(run_id)
+                continue
+            ended = self.ended_at.setdefault(run_id, time.monotonic())
+            if not await self.policy_in_training(model, run_id):
+                newest = await self.announced(model)
+                if newest is not None and newest.version > run.start_version:
+                    await self._evaluate_once(run_id, environments, newest, lora)
+            if time.monotonic() - ended > self.settings.end_grace_s:
+                self.settled.add(run_id)
+
+    async def _evaluate_once(self, run_id: str, environments: dict[str, loop_pb2.Environment],
+                             event: bus_pb2.WeightsPublished | None, lora: LoraSpec | None,
+                             promote: bool = True) -> None:
+        if event is None or await self.store.get(run_id, event.version) is not None:
+            return
+        if lora is not None and event.version == 0:
+            lora = None  # an adapter at version 0 is the base itself
+        await self.evaluate_run(run_id, environments, event, lora, promote=promote)
+
+    async def eval_environments(self, definition: loop_pb2.StartRunRequest) -> dict[str, loop_pb2.Environment]:
+        """The run's environments that carry an eval split."""
+        environments = {}
+        for mix in definition.environments:
+            env = await self.environments.get(mix.environment)
+            if env is not None and env.eval_tasks:
+                environments[mix.environment] = env
+        return environments
+
+    async def announced(self, model: str, version: int | None = None) -> bus_pb2.WeightsPublished | None:
+        """The model's newest announcement on WEIGHTS (`version`: only if it is that one); version 0
+        is the base, which needs none. None when there is none to evaluate."""
+        if version == 0:
+            return bus_pb2.WeightsPublished(model=model, version=0)
+        subject = weights_subject(model)
+        try:
+            msg = await self.bus.js.get_last_msg(self.bus.topology.stream_for_subject(subject).name, subject)
+        except nats.js.errors.NotFoundError:
+            return None
+        event = bus_pb2.WeightsPublished.FromString(msg.data)
+        if version is not None and event.version != version:
+            log.info("baseline_skipped", model=model, version=version, why=f"version {event.version} is the newest")
+            return None
+        return event
+
+    async def policy_in_training(self, model: str, other_than: str) -> bool:
+        for run_id in await self.runs.run_ids():
+            if run_id == other_than or await self.runs.state(run_id) != loop_pb2.RUN_STATE_RUNNING:
+                continue
+            definition = await self.runs.definition(run_id)
+            if definition is not None and policy_model(run_id, definition) == model:
+                return True
+        return False
+
     async def runs_of(self, event: bus_pb2.WeightsPublished) -> list[tuple[str, loop_pb2.StartRunRequest]]:
         """The runs whose policy this version is: the run the learner named, else the model's training runs."""
         found = []
@@ -174,8 +274,7 @@ class Evaluator:
             definition = await self.runs.definition(run_id)
             if definition is None:
                 continue
-            model = adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
-            if model != event.model:
+            if policy_model(run_id, definition) != event.model:
                 continue
             if run_id == event.run_id:
                 return [(run_id, definition)]
@@ -187,11 +286,7 @@ class Evaluator:
         """Scores the version for each of its runs that has an eval split; returns the results."""
         results = []
         for run_id, definition in await self.runs_of(event):
-            environments = {}
-            for mix in definition.environments:
-                env = await self.environments.get(mix.environment)
-                if env is not None and env.eval_tasks:
-                    environments[mix.environment] = env
+            environments = await self.eval_environments(definition)
             if not environments:
                 continue
             if await self.store.get(run_id, event.version) is not None:
@@ -201,9 +296,11 @@ class Evaluator:
         return results
 
     async def evaluate_run(self, run_id: str, environments: dict[str, loop_pb2.Environment],
-                           event: bus_pb2.WeightsPublished, lora: LoraSpec | None = None) -> loop_pb2.VersionEval:
+                           event: bus_pb2.WeightsPublished, lora: LoraSpec | None = None, *,
+                           promote: bool = True) -> loop_pb2.VersionEval:
         """Scores one version of a run: the model's weights pinned to it, or for a LoRA run its
-        adapter at that version beside the frozen base (which the engine's label then names)."""
+        adapter at that version beside the frozen base (which the engine's label then names).
+        `promote`: the rule may promote it (not a baseline: the run did not make that version)."""
         started = time.monotonic()
         if lora is None:
             await self.engine.pin(event)
@@ -225,7 +322,8 @@ class Evaluator:
         log.info("version_evaluated", run=run_id, version=event.version, pass_rate=round(result.pass_rate, 4),
                  interval=[round(result.pass_rate_low, 4), round(result.pass_rate_high, 4)],
                  regressed=result.regressed, seconds=round(result.seconds, 2))
-        await self.maybe_promote(result)
+        if promote:
+            await self.maybe_promote(result)
         return result
 
     async def maybe_promote(self, result: loop_pb2.VersionEval) -> None:

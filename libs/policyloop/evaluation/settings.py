@@ -14,6 +14,12 @@ class EvaluatorSettings(ServiceSettings):
     every_versions: int = Field(
         5, ge=1, description="Evaluate each version whose number is a multiple of this (1: every version). An "
                              "evaluator still busy when several such versions appeared evaluates the newest.")
+    run_ends: bool = Field(
+        True, description="Also evaluate each run's ends, whatever every_versions says: the version it started from "
+                          "(its baseline) and its newest version once it ended (its result).")
+    end_grace_s: float = Field(
+        30.0, ge=0, description="After a run ends, how long its newest version is evaluated again as newer ones land "
+                                "(samples generated before it stopped): its after-training result.")
     max_eval_tasks: int = Field(
         200, ge=0, description="Eval tasks scored per environment and version: the first this many of its "
                                "eval_tasks (0: all).")

@@ -163,7 +163,9 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
             stored.lora.CopyFrom(lora_spec(request.lora).to_proto())  # its defaults, spelled out
         try:
             batch = learner.loop.groups_per_step if learner is not None else 1
-            await self.stores.runs.create(run_id, stored, tasks_total(stored, environments, batch))
+            # The version it starts from: the evaluator's baseline (a LoRA run's adapter starts as the base).
+            start = 0 if stored.HasField("lora") else await self.stores.versions.get(stored.model)
+            await self.stores.runs.create(run_id, stored, tasks_total(stored, environments, batch), start)
         except RunConflict as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"run_id: {exc}")
         log.info("run_started", run=run_id, environments=list(environments))

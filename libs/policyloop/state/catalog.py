@@ -58,7 +58,8 @@ class RunRegistry:
         self.prefix = f"pl:{namespace}:run:"
         self.index = f"pl:{namespace}:runs"
 
-    async def create(self, run_id: str, request: loop_pb2.StartRunRequest, tasks_total: int) -> None:
+    async def create(self, run_id: str, request: loop_pb2.StartRunRequest, tasks_total: int,
+                     start_version: int = 0) -> None:
         now = str(now_ms())
         key = self.prefix + run_id
         created = await self.client.hsetnx(key, "definition", request.SerializeToString(deterministic=True))
@@ -66,7 +67,7 @@ class RunRegistry:
             raise RunConflict(f"run {run_id} exists")
         await self.client.hset(key, mapping={
             "state": str(loop_pb2.RUN_STATE_RUNNING), "tasks_total": str(tasks_total),
-            "tasks_enqueued": "0", "created": now, "updated": now, "error": "",
+            "tasks_enqueued": "0", "created": now, "updated": now, "error": "", "start_version": str(start_version),
         })
         await self.client.sadd(self.index, run_id)
 
@@ -97,6 +98,7 @@ class RunRegistry:
             updated_unix_ms=int(fields.get(b"updated", b"0")),
             error=fields.get(b"error", b"").decode(),
             lora=request.lora if request.HasField("lora") else None,
+            start_version=int(fields.get(b"start_version", b"0")),
         )
 
     async def state(self, run_id: str) -> int | None:

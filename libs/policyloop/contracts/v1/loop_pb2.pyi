@@ -183,7 +183,7 @@ class LoraSpec(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., alpha: _Optional[float] = ..., dropout: _Optional[float] = ..., target_modules: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Run(_message.Message):
-    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress", "lora", "evals", "promotion")
+    __slots__ = ("run_id", "state", "environments", "model", "max_lag", "tasks_total", "tasks_enqueued", "policy_version", "created_unix_ms", "updated_unix_ms", "error", "progress", "lora", "evals", "promotion", "start_version")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +199,7 @@ class Run(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     EVALS_FIELD_NUMBER: _ClassVar[int]
     PROMOTION_FIELD_NUMBER: _ClassVar[int]
+    START_VERSION_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     state: RunState
     environments: _containers.RepeatedCompositeFieldContainer[EnvironmentMix]
@@ -214,7 +215,8 @@ class Run(_message.Message):
     lora: LoraSpec
     evals: _containers.RepeatedCompositeFieldContainer[VersionEval]
     promotion: Promotion
-    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[VersionEval, _Mapping]]] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ...) -> None: ...
+    start_version: int
+    def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[VersionEval, _Mapping]]] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ..., start_version: _Optional[int] = ...) -> None: ...
 
 class RunProgress(_message.Message):
     __slots__ = ("learner_step", "trained_samples", "dropped_samples", "environments", "lag_histogram", "trained_tokens_per_second", "generated_tokens_per_second", "generated_tokens", "trained_tokens")
