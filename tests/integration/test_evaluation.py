@@ -431,6 +431,42 @@ def test_an_evaluator_behind_takes_the_newest_due_version_of_each_model() -> Non
     assert evaluator.due.is_set()
 
 
+@dataclass
+class EvaluatorParts:
+    """One run's stores, an embedded engine named version 0 when the evaluator reaches it, and a
+    publisher (its client): what an in-process evaluator needs."""
+    runs: RunRegistry
+    envs: EnvironmentCatalog
+    evals: EvalStore
+    engine: EmbeddedEngine
+    client: SGLangClient
+    weights: WeightClient
+
+    async def connect(self) -> SGLangClient:
+        from policyloop.rollout.engine_process import name_base_version
+
+        await name_base_version(self.client)
+        return self.client
+
+
+@asynccontextmanager
+async def evaluator_parts(bus: Bus, redis_server, model_dir: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+                          run: loop_pb2.StartRunRequest) -> AsyncIterator[EvaluatorParts]:
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    runs, envs, evals = RunRegistry(raw, "t"), EnvironmentCatalog(raw, "t"), EvalStore(raw, "t")
+    await envs.put(ENV, environment())
+    await runs.create(run.run_id, run, 4)
+    engine = await start_engine(model_dir, threads=1)
+    client = SGLangClient(engine.base_url, timeout_s=60)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(raw.aclose)
+        stack.push_async_callback(engine.stop)
+        stack.push_async_callback(client.close)
+        weights = WeightClient(await stack.enter_async_context(weights_publisher(bus, tmp_path / "store")))
+        stack.push_async_callback(weights.close)
+        yield EvaluatorParts(runs, envs, evals, engine, client, weights)
+
+
 async def test_a_lora_run_is_evaluated_and_served_beside_the_base(
         bus: Bus, redis_server, model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """A LoRA run's k-th adapter version is fetched, verified and loaded beside the frozen base, and
@@ -440,36 +476,21 @@ async def test_a_lora_run_is_evaluated_and_served_beside_the_base(
     from transformers import AutoTokenizer
 
     from policyloop.rl.settings import adapter_model_name
-    from policyloop.rollout.engine_process import name_base_version
 
     run_id = "run-lora"
     adapter_model = adapter_model_name(MODEL, run_id)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    raw = await connect_redis(redis_server.url, decode_responses=False)
-    runs, envs, evals = RunRegistry(raw, "t"), EnvironmentCatalog(raw, "t"), EvalStore(raw, "t")
-    await envs.put(ENV, environment())
-    await runs.create(run_id, loop_pb2.StartRunRequest(run_id=run_id, model=MODEL, lora=loop_pb2.LoraSpec(
+    definition = loop_pb2.StartRunRequest(run_id=run_id, model=MODEL, lora=loop_pb2.LoraSpec(
         rank=4, alpha=8, target_modules=["q_proj", "v_proj"]), environments=[
-            loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)]), 4)
-    engine = await start_engine(model_dir, threads=1)
-    client = SGLangClient(engine.base_url, timeout_s=60)
-
-    async def connect() -> SGLangClient:
-        await name_base_version(client)
-        return client
-
+            loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)])
     async with AsyncExitStack() as stack:
-        stack.push_async_callback(raw.aclose)
-        stack.push_async_callback(engine.stop)
-        stack.push_async_callback(client.close)
-        endpoint = await stack.enter_async_context(weights_publisher(bus, tmp_path / "store"))
-        weights = WeightClient(endpoint)
-        stack.push_async_callback(weights.close)
+        parts = await stack.enter_async_context(evaluator_parts(bus, redis_server, model_dir, tmp_path, definition))
+        runs, evals, engine, weights = parts.runs, parts.evals, parts.engine, parts.weights
         adapters = await push_adapters(VersionPusher(weights, adapter_model), model_dir, tmp_path)
         [*_, announced] = await stored(bus, "WEIGHTS", bus_pb2.WeightsPublished)
         assert (announced.model, announced.version) == (adapter_model, 2)
-        pinned = PinnedEngine(connect, lambda _: weights, tmp_path / "eval", model_dir)
-        evaluator = Evaluator(bus, runs, envs, evals, pinned, tokenizer, default_registry(_no_sandbox),
+        pinned = PinnedEngine(parts.connect, lambda _: weights, tmp_path / "eval", model_dir)
+        evaluator = Evaluator(bus, runs, parts.envs, evals, pinned, tokenizer, default_registry(_no_sandbox),
                               EvaluatorSettings(every_versions=2, model_path=model_dir))
         [result] = await evaluator.evaluate(announced)
         with_adapter, answers = await passed_by_hand(engine, tokenizer, environment(), lora_path=f"{run_id}@2")
@@ -578,33 +599,17 @@ async def test_a_runs_start_and_end_are_evaluated_whatever_every_versions_says(
     every_versions. A baseline is never promoted: the run did not make it."""
     from transformers import AutoTokenizer
 
-    from policyloop.rollout.engine_process import name_base_version
-
-    raw = await connect_redis(redis_server.url, decode_responses=False)
-    runs, envs, evals = RunRegistry(raw, "t"), EnvironmentCatalog(raw, "t"), EvalStore(raw, "t")
-    await envs.put(ENV, environment())
-    await runs.create(RUN, loop_pb2.StartRunRequest(run_id=RUN, model=MODEL, environments=[
-        loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)]), 4, start_version=0)
-    engine = await start_engine(model_dir, threads=1)
-    client = SGLangClient(engine.base_url, timeout_s=60)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-
-    async def connect() -> SGLangClient:
-        await name_base_version(client)
-        return client
-
     stop = asyncio.Event()
-    async with AsyncExitStack() as stack:
-        stack.push_async_callback(raw.aclose)
-        stack.push_async_callback(engine.stop)
-        stack.push_async_callback(client.close)
-        endpoint = await stack.enter_async_context(weights_publisher(bus, tmp_path / "store"))
-        weights = WeightClient(endpoint)
-        stack.push_async_callback(weights.close)
+    definition = loop_pb2.StartRunRequest(run_id=RUN, model=MODEL, environments=[
+        loop_pb2.EnvironmentMix(environment=ENV, weight=1.0)])
+    async with evaluator_parts(bus, redis_server, model_dir, tmp_path, definition) as parts:
+        runs, evals, engine, weights = parts.runs, parts.evals, parts.engine, parts.weights
         settings = EvaluatorSettings(every_versions=100, promote="rule", model_path=model_dir, end_grace_s=60)
-        evaluator = Evaluator(bus, runs, envs, evals, PinnedEngine(connect, lambda _: weights, tmp_path / "eval",
-                                                                  model_dir), tokenizer, default_registry(_no_sandbox),
-                              settings, promoter=Promoter(bus, runs, evals, lambda _: weights))
+        evaluator = Evaluator(bus, runs, parts.envs, evals, PinnedEngine(parts.connect, lambda _: weights,
+                                                                        tmp_path / "eval", model_dir),
+                              tokenizer, default_registry(_no_sandbox), settings,
+                              promoter=Promoter(bus, runs, evals, lambda _: weights))
         evaluating = asyncio.create_task(evaluator.run(stop))
 
         async def evaluated(*versions: int) -> bool:

@@ -256,36 +256,31 @@ async def _heartbeats(registry: HeartbeatRegistry) -> dict[str, Heartbeat]:
     return defaultdict(Heartbeat, beats)
 
 
-async def evaluation_of(stub: loop_pb2_grpc.LoopServiceStub, run_id: str, version: int,
+async def evaluation_of(stub: loop_pb2_grpc.LoopServiceStub, run_id: str, version: Callable[[], Awaitable[int]],
                         timeout_s: float = 300.0) -> loop_pb2.VersionEval:
-    """The evaluator's result for the run's `version`, once it is in GetRun."""
+    """The evaluator's result for the run's `version()` (asked again at each look), once it is in
+    GetRun."""
     deadline = time.monotonic() + timeout_s
     while True:
+        wanted = await version()
         run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=30)
-        found = next((e for e in run.evals if e.version == version), None)
+        found = next((e for e in run.evals if e.version == wanted), None)
         if found is not None:
             return found
         if time.monotonic() > deadline:
-            raise RuntimeError(f"the evaluator did not score version {version} of run {run_id} in {timeout_s:.0f} s "
+            raise RuntimeError(f"the evaluator did not score version {wanted} of run {run_id} in {timeout_s:.0f} s "
                                f"(it has {sorted(e.version for e in run.evals)})")
         await asyncio.sleep(0.5)
 
 
-async def last_evaluation(stub: loop_pb2_grpc.LoopServiceStub, heartbeats: HeartbeatRegistry, run_id: str,
-                          timeout_s: float = 300.0) -> loop_pb2.VersionEval:
+async def last_evaluation(stub: loop_pb2_grpc.LoopServiceStub, heartbeats: HeartbeatRegistry,
+                          run_id: str) -> loop_pb2.VersionEval:
     """The evaluator's result for the run's last version: the learner's newest, once no newer one
     comes (after a stop, it still trains the samples generated before it)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        newest = (await _heartbeats(heartbeats))["learner"].policy_version
-        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=30)
-        found = next((e for e in run.evals if e.version == newest), None)
-        if found is not None:
-            return found
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the evaluator did not score version {newest} of run {run_id} in {timeout_s:.0f} s "
-                               f"(it has {sorted(e.version for e in run.evals)})")
-        await asyncio.sleep(0.5)
+    async def newest() -> int:
+        return (await _heartbeats(heartbeats))["learner"].policy_version
+
+    return await evaluation_of(stub, run_id, newest)
 
 
 def record_final_figures(result: DemoResult, beats: dict[str, Heartbeat]) -> None:
@@ -400,7 +395,12 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
                                                         heldout if by_evaluator else ())
                 started_runs = [run]
                 if by_evaluator:  # its baseline: the version the run started from
-                    report_before(evaluated(await evaluation_of(stub, run.run_id, run.start_version), 0.0))
+                    start = run.start_version
+
+                    async def baseline() -> int:
+                        return start
+
+                    report_before(evaluated(await evaluation_of(stub, run.run_id, baseline), 0.0))
             result.run_id = "+".join(r.run_id for r in started_runs)
             console.print(f"run {result.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
                           f"{config.groups_per_step} groups per step, lr {config.lr}"
