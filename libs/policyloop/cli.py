@@ -474,6 +474,25 @@ def demo(
     before and after (summary.json and a plot). --tools: the multi-turn environment.
     --production: evaluation, promotion, serving and traces, end to end."""
     from policyloop.cluster.demo import DemoConfig, run_demo
+
+    loss = _demo_objective(objective, weight_update_mode, tracker, runs, lora_rank, tools)
+    if lora_rank:
+        lr = lora_lr
+    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
+                        eval_problems=eval_problems, eval_interval_s=eval_interval_s,
+                        eval_every_versions=eval_every_versions,
+                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
+                        max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
+                        prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
+    signal.signal(signal.SIGTERM, _interrupt)  # a demo told to stop stops its cluster on the way out, as on Ctrl-C
+    if production:
+        sys.exit(_production_demo(config, traffic, traces_budget_s, every_versions))
+    sys.exit(run_demo(config, console=console, print_status=_print_status))
+
+
+def _demo_objective(objective: dict[str, object], weight_update_mode: str, tracker: str, runs: int, lora_rank: int,
+                    tools: bool) -> LossConfig:
+    """The demo's objective, once its flags are checked together (exit 2 naming what is wrong)."""
     from policyloop.engines.protocol import PAUSE_MODES
 
     if weight_update_mode not in PAUSE_MODES:
@@ -490,18 +509,7 @@ def demo(
     if runs < 1 or lora_rank < 0 or (runs > 1 and not lora_rank) or (lora_rank and (tools or tracker != "none")):
         console.print("[red]--runs N needs --lora-rank; LoRA runs go without --tools and --tracker[/red]")
         raise typer.Exit(2)
-    if lora_rank:
-        lr = lora_lr
-    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
-                        eval_problems=eval_problems, eval_interval_s=eval_interval_s,
-                        eval_every_versions=eval_every_versions,
-                        groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
-                        max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
-                        prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
-    signal.signal(signal.SIGTERM, _interrupt)  # a demo told to stop stops its cluster on the way out, as on Ctrl-C
-    if production:
-        sys.exit(_production_demo(config, traffic, traces_budget_s, every_versions))
-    sys.exit(run_demo(config, console=console, print_status=_print_status))
+    return loss
 
 
 def _interrupt(*_: object) -> None:

@@ -58,3 +58,19 @@ def test_demo_refuses_a_tracker_whose_extra_is_missing(tmp_path) -> None:  # typ
     assert result.returncode == 2, result.stdout + result.stderr
     assert "pip install 'policyloop[trackers-wandb]'" in " ".join(result.stdout.split())
     assert "bootstrapping" not in result.stdout and not (tmp_path / "run").exists()
+
+
+def test_a_demos_first_sigterm_interrupts_and_later_ones_are_ignored() -> None:
+    """SIGTERM ends a demo as Ctrl-C does (its cluster is stopped on the way out); a second one
+    while it stops is ignored rather than cutting the stop short."""
+    import signal
+
+    from policyloop.cli import _interrupt
+
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            _interrupt(signal.SIGTERM, None)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -131,6 +131,10 @@ REFUSALS = [
                     tools=["python"]), "environment.max_turns"),
     (supervised_env(loop_pb2.TaskSpec(prompt_token_ids=[4], demonstration_token_ids=[5]),
                     eval_tasks=[loop_pb2.TaskSpec(prompt_text="1+1=", answer="2")]), "environment.scorer"),
+    (supervised_env(loop_pb2.TaskSpec(prompt_token_ids=[4], demonstration_token_ids=[5]),
+                    builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+                    eval_tasks=[loop_pb2.TaskSpec(prompt_text="1+1=", answer="2", demonstration_token_ids=[6])]),
+     "environment.eval_tasks[0].demonstration_token_ids"),
     (loop_pb2.Environment(name="sums", version="v1", builtin=loop_pb2.BuiltinVerifier(
         kind=loop_pb2.BuiltinVerifier.KIND_REGEX, pattern="2"), tasks=[loop_pb2.TaskSpec(
             prompt_text="1+1=", demonstration_text="2")]), "environment.tasks[0].demonstration_text"),
@@ -197,3 +201,17 @@ def test_a_run_of_demonstrations_feeds_a_multiple_of_the_learners_batch() -> Non
     assert tasks_total(run("demos@v1", num_tasks=8), envs, batch=4) == 8
     assert tasks_total(run("demos@v1", "sums@v1"), envs, batch=4) == 10  # samples finish their own batches
     assert tasks_total(run("demos@v1"), envs) == 5  # no learner known yet
+
+
+def test_the_learner_names_what_the_model_cannot_train_on() -> None:
+    from policyloop.rl.batching import ModelLimits
+
+    limits = ModelLimits(vocab_size=20, context_tokens=6)
+    fits = demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5, 6], demonstration_token_ids=[7, 1]), 0)
+    assert limits.problem(fits) is None
+    outside = demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[20]), 1)
+    assert "vocabulary" in (limits.problem(outside) or "")
+    too_long = demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5] * 4, demonstration_token_ids=[6] * 3),
+                             2)
+    assert "7 tokens, more than the model's context of 6" == limits.problem(too_long)
+    assert ModelLimits(None, None).problem(outside) is None  # a model that says nothing: nothing refused

@@ -24,7 +24,9 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import grpc
 from rich.console import Console
@@ -325,6 +327,134 @@ async def wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus
         await asyncio.sleep(0.5)
 
 
+@dataclass
+class HeldOut:
+    """The run's held-out accuracy as the demo reports it: the cluster's evaluator's results (the
+    full model's run), or the demo's own greedy pass on the rollout's engine (tools episodes, which
+    the evaluator does not run, and LoRA runs), each recorded in the result and the tracker."""
+
+    config: DemoConfig
+    result: DemoResult
+    tracker: Tracker
+    console: Console
+    client: SGLangClient          # the rollout replica's engine (the demo's own measurements)
+    tokenizer: Any
+    problems: list[arithmetic.Problem]
+    tools_bus: Bus | None
+    seen: set[int] = field(default_factory=set)  # versions the evaluator's results were taken for
+
+    @property
+    def by_evaluator(self) -> bool:
+        return not self.config.tools and not self.config.lora_rank
+
+    async def measure(self, t: float) -> Evaluation:
+        """The demo's own measurement of what the engine serves now."""
+        measured = await evaluate(self.client, self.tokenizer, self.problems, self.tools_bus)
+        evaluation = Evaluation(round(t, 1), measured.version, measured.accuracy, measured.tool_use)
+        self._record(evaluation)
+        return evaluation
+
+    def scored(self, e: loop_pb2.VersionEval, t: float) -> Evaluation:
+        """The evaluator's result for a version, seen at `t`."""
+        self.seen.add(e.version)
+        evaluation = Evaluation(round(t, 1), e.version, e.pass_rate)
+        self._record(evaluation)
+        return evaluation
+
+    def _record(self, evaluation: Evaluation) -> None:
+        self.result.evaluations.append(evaluation)
+        # At the version measured: the learner's step of that number made it.
+        self.tracker.log_evaluation(evaluation.version, {"heldout_accuracy": evaluation.accuracy} |
+                                    ({"heldout_tool_use": evaluation.tool_use} if self.config.tools else {}))
+
+    async def scored_meanwhile(self, stub: loop_pb2_grpc.LoopServiceStub, run_id: str, t: float) -> str:
+        """The evaluator's results not yet seen, for the progress line."""
+        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=30)
+        return "".join(f"  held-out {self.described(self.scored(e, t))} (v{e.version})"
+                       for e in sorted(run.evals, key=lambda e: e.version) if e.version not in self.seen)
+
+    def described(self, e: Evaluation) -> str:
+        return f"{e.accuracy:.1%}" + (f", tool used in {e.tool_use:.0%}" if self.config.tools else "")
+
+    def report(self, when: str, e: Evaluation) -> None:
+        """`when`: before or after (RL)."""
+        if when == "before":
+            self.result.accuracy_before, self.result.tool_use_before = e.accuracy, e.tool_use
+        else:
+            self.result.accuracy_after, self.result.tool_use_after = e.accuracy, e.tool_use
+        size = f"{len(self.problems)} problems, " if when == "before" else ""
+        by = " by the evaluator" if self.by_evaluator else ""
+        self.console.print(f"held-out accuracy {when} RL: [bold]{self.described(e)}[/bold] "
+                           f"({size}version {e.version}{by})")
+
+
+def progress_line(config: DemoConfig, beats: dict[str, Heartbeat], t: float, rate: float,
+                  per_run: dict[str, int] | None) -> tuple[Progress, str]:
+    """One progress point and its console line: the learner's step (LoRA runs: each run's version)."""
+    tokens = beats["rollout"].rollout.generated_tokens
+    if per_run is not None:
+        progress = Progress(round(t, 1), min(per_run.values()), min(per_run.values()), 0.0, tokens, round(rate, 1))
+        return progress, f"[{t:6.1f}s] steps by run {per_run}  {rate:7.0f} tok/s"
+    learner = beats["learner"]
+    progress = Progress(round(t, 1), learner.learner.step, learner.policy_version,
+                        learner.learner.last_step.mean_reward, tokens, round(rate, 1))
+    lag = dict(sorted(learner.learner.lag_histogram.items()))
+    return progress, (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
+                      f"lag {lag}  {rate:7.0f} tok/s")
+
+
+async def _train(config: DemoConfig, console: Console, heartbeats: HeartbeatRegistry, held: HeldOut,
+                 stub: loop_pb2_grpc.LoopServiceStub, started_runs: list[loop_pb2.Run],
+                 run_versions_of: VersionRegistry | None,
+                 adapter_held_out: Callable[[RunResult, float], Awaitable[RunEvaluation | None]]) -> None:
+    """Trains for the budget (or the steps), printing progress and held-out accuracy as it comes,
+    then stops the runs; the result gets the progress and the wall time."""
+    result = held.result
+    started = time.monotonic()
+    next_eval = config.eval_interval_s
+    last_tokens, last_t = 0, 0.0
+    while True:
+        await asyncio.sleep(2.0)
+        t = time.monotonic() - started
+        beats = await _heartbeats(heartbeats)
+        tokens = beats["rollout"].rollout.generated_tokens
+        rate = (tokens - last_tokens) / max(1e-6, t - last_t)
+        last_tokens, last_t = tokens, t
+        per_run = await run_versions(run_versions_of, result.runs) if run_versions_of is not None else None
+        progress, line = progress_line(config, beats, t, rate, per_run)
+        result.progress.append(progress)
+        if held.by_evaluator:  # what the evaluator scored meanwhile (every eval_every_versions)
+            line += await held.scored_meanwhile(stub, started_runs[0].run_id, t)
+        elif t >= next_eval:
+            if config.lora_rank:
+                for run_result in result.runs:
+                    measured_run = await adapter_held_out(run_result, time.monotonic() - started)
+                    if measured_run is not None:
+                        line += f"  {run_result.run_id} {measured_run.accuracy:.1%} (v{measured_run.version})"
+            else:
+                evaluation = await held.measure(time.monotonic() - started)
+                line += f"  held-out {held.described(evaluation)} (v{evaluation.version})"
+            next_eval += config.eval_interval_s
+        console.print(line)
+        if t >= config.budget_s or (config.max_steps and progress.step >= config.max_steps):
+            break
+    for started_run in started_runs:
+        await stub.StopRun(loop_pb2.StopRunRequest(run_id=started_run.run_id), timeout=30)
+    result.wall_seconds = round(time.monotonic() - started, 1)
+
+
+async def _start_full_model_run(stub: loop_pb2_grpc.LoopServiceStub, config: DemoConfig, held: HeldOut
+                                ) -> tuple[loop_pb2.SubmitEnvironmentResponse, list[loop_pb2.Run]]:
+    """The full model's run; measured by the evaluator, its held-out problems go as the eval split,
+    and its baseline (the version it started from) is reported as before."""
+    reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens, config.temperature,
+                                            config.seed, config.tools, held.problems if held.by_evaluator else ())
+    if held.by_evaluator:
+        baseline = await evaluation_of(stub, run.run_id, partial(_version, run.start_version))
+        held.report("before", held.scored(baseline, 0.0))
+    return reply, [run]
+
+
 async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tracker: Tracker) -> DemoResult:
     from transformers import AutoTokenizer
 
@@ -336,47 +466,32 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
     redis_client = await connect_redis(cluster.redis_url)  # one connection for all the polling
     heartbeats = HeartbeatRegistry(redis_client, cluster.namespace)
     engine_url = (await _heartbeats(heartbeats))["rollout"].rollout.engine_url
-    tokenizer = AutoTokenizer.from_pretrained(str(config.model_path))
     heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), config.eval_problems, seed=config.seed)
     client = SGLangClient(engine_url, timeout_s=120)
     # Tools episodes in the evaluation run their calls in the cluster's sandbox, over the bus.
     tools_bus = await Bus.connect(cluster.nats_url, name="demo-eval") if config.tools else None
     result = DemoResult("", 0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
+    held = HeldOut(config, result, tracker, console, client, AutoTokenizer.from_pretrained(str(config.model_path)),
+                   heldout, tools_bus)
     evaluator: AdapterEvaluator | None = None
 
-    async def held_out(t: float) -> Evaluation:
-        measured = await evaluate(client, tokenizer, heldout, tools_bus)
-        evaluation = Evaluation(round(t, 1), measured.version, measured.accuracy, measured.tool_use)
-        result.evaluations.append(evaluation)
-        # At the version measured: the learner's step of that number made it.
-        tracker.log_evaluation(evaluation.version, {"heldout_accuracy": evaluation.accuracy} |
-                               ({"heldout_tool_use": evaluation.tool_use} if config.tools else {}))
+    async def adapter_held_out(run: RunResult, t: float) -> RunEvaluation | None:
+        assert evaluator is not None
+        loaded = await evaluator.load(run.run_id)
+        if loaded is None:
+            return None
+        name, version = loaded
+        try:
+            measured = await evaluate(client, held.tokenizer, heldout, lora_path=name)
+        finally:
+            await evaluator.unload(name)
+        evaluation = RunEvaluation(round(t, 1), version, measured.accuracy)
+        run.evaluations.append(evaluation)
         return evaluation
-
-    # The full model's run is measured by the cluster's evaluator (its eval split: the held-out
-    # problems); tools episodes (multi-turn) and LoRA runs by the demo itself, on the rollout's engine.
-    by_evaluator = not config.tools and not config.lora_rank
-    seen_evals: set[int] = set()
-
-    def evaluated(e: loop_pb2.VersionEval, t: float) -> Evaluation:
-        seen_evals.add(e.version)
-        evaluation = Evaluation(round(t, 1), e.version, e.pass_rate)
-        result.evaluations.append(evaluation)
-        tracker.log_evaluation(evaluation.version, {"heldout_accuracy": evaluation.accuracy})
-        return evaluation
-
-    def described(e: Evaluation) -> str:
-        return f"{e.accuracy:.1%}" + (f", tool used in {e.tool_use:.0%}" if config.tools else "")
-
-    def report_before(before: Evaluation) -> None:
-        result.accuracy_before, result.tool_use_before = before.accuracy, before.tool_use
-        by = " by the evaluator" if by_evaluator else ""
-        console.print(f"held-out accuracy before RL: [bold]{described(before)}[/bold] "
-                      f"({len(heldout)} problems, version {before.version}{by})")
 
     try:
-        if not by_evaluator:
-            report_before(await held_out(0.0))
+        if not held.by_evaluator:
+            held.report("before", await held.measure(0.0))
         gateway = cluster.process("gateway-0").ports["grpc"]
         async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
             stub = loop_pb2_grpc.LoopServiceStub(channel)
@@ -388,97 +503,27 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
                 result.runs = [RunResult(r.run_id, accuracy_before=result.accuracy_before) for r in started_runs]
                 publisher = f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}"
                 evaluator = AdapterEvaluator(client, publisher, LoraSpec.from_proto(started_runs[0].lora))
-                run_versions_of = VersionRegistry(redis_client, cluster.namespace)
             else:
-                reply, run = await start_arithmetic_run(stub, config.group_size, config.max_new_tokens,
-                                                        config.temperature, config.seed, config.tools,
-                                                        heldout if by_evaluator else ())
-                started_runs = [run]
-                if by_evaluator:  # its baseline: the version the run started from
-                    start = run.start_version
-
-                    async def baseline() -> int:
-                        return start
-
-                    report_before(evaluated(await evaluation_of(stub, run.run_id, baseline), 0.0))
+                reply, started_runs = await _start_full_model_run(stub, config, held)
             result.run_id = "+".join(r.run_id for r in started_runs)
             console.print(f"run {result.run_id}: {reply.num_tasks} train problems, groups of {config.group_size}, "
                           f"{config.groups_per_step} groups per step, lr {config.lr}"
                           + (f", LoRA rank {config.lora_rank}" if config.lora_rank else ""))
 
-            async def adapter_held_out(run: RunResult, t: float) -> RunEvaluation | None:
-                loaded = await evaluator.load(run.run_id)
-                if loaded is None:
-                    return None
-                name, version = loaded
-                try:
-                    measured = await evaluate(client, tokenizer, heldout, lora_path=name)
-                finally:
-                    await evaluator.unload(name)
-                evaluation = RunEvaluation(round(t, 1), version, measured.accuracy)
-                run.evaluations.append(evaluation)
-                return evaluation
-
-            started = time.monotonic()
-            next_eval = config.eval_interval_s
-            last_tokens, last_t = 0, 0.0
-            while True:
-                await asyncio.sleep(2.0)
-                t = time.monotonic() - started
-                beats = await _heartbeats(heartbeats)
-                learner = beats["learner"]
-                tokens = beats["rollout"].rollout.generated_tokens
-                rate = (tokens - last_tokens) / max(1e-6, t - last_t)
-                last_tokens, last_t = tokens, t
-                if config.lora_rank:
-                    per_run = await run_versions(run_versions_of, result.runs)
-                    progress = Progress(round(t, 1), min(per_run.values()), min(per_run.values()), 0.0, tokens,
-                                        round(rate, 1))
-                    line = f"[{t:6.1f}s] steps by run {per_run}  {rate:7.0f} tok/s"
-                else:
-                    progress = Progress(round(t, 1), learner.learner.step, learner.policy_version,
-                                        learner.learner.last_step.mean_reward, tokens, round(rate, 1))
-                    lag = dict(sorted(learner.learner.lag_histogram.items()))
-                    line = (f"[{t:6.1f}s] step {progress.step:4d}  reward {progress.mean_reward:.3f}  "
-                            f"lag {lag}  {rate:7.0f} tok/s")
-                result.progress.append(progress)
-                if by_evaluator:  # what the evaluator scored meanwhile (every eval_every_versions)
-                    current = await stub.GetRun(loop_pb2.GetRunRequest(run_id=started_runs[0].run_id), timeout=30)
-                    for e in sorted(current.evals, key=lambda e: e.version):
-                        if e.version not in seen_evals:
-                            line += f"  held-out {described(evaluated(e, t))} (v{e.version})"
-                elif t >= next_eval:
-                    if config.lora_rank:
-                        for run_result in result.runs:
-                            measured_run = await adapter_held_out(run_result, time.monotonic() - started)
-                            if measured_run is not None:
-                                line += f"  {run_result.run_id} {measured_run.accuracy:.1%} (v{measured_run.version})"
-                    else:
-                        evaluation = await held_out(time.monotonic() - started)
-                        line += f"  held-out {described(evaluation)} (v{evaluation.version})"
-                    next_eval += config.eval_interval_s
-                console.print(line)
-                if t >= config.budget_s or (config.max_steps and progress.step >= config.max_steps):
-                    break
-            for started_run in started_runs:
-                await stub.StopRun(loop_pb2.StopRunRequest(run_id=started_run.run_id), timeout=30)
-            result.wall_seconds = round(time.monotonic() - started, 1)
+            run_versions_of = VersionRegistry(redis_client, cluster.namespace) if config.lora_rank else None
+            await _train(config, console, heartbeats, held, stub, started_runs, run_versions_of, adapter_held_out)
         record_final_figures(result, await wait_for_published(heartbeats, timeout_s=30))
         if config.lora_rank:
+            assert evaluator is not None
             await _finish_lora_runs(result, adapter_held_out, evaluator, console)
-        elif by_evaluator:  # the run's last version, which the evaluator scores once the run has stopped
+        elif held.by_evaluator:  # the run's last version, which the evaluator scores once the run has stopped
             async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway}") as channel:
                 scored = await last_evaluation(loop_pb2_grpc.LoopServiceStub(channel), heartbeats, result.run_id)
-            after = next((e for e in result.evaluations if e.version == scored.version), None) or \
-                evaluated(scored, result.wall_seconds)
-            result.accuracy_after = after.accuracy
-            console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version} "
-                          f"by the evaluator)")
+            held.report("after", next((e for e in result.evaluations if e.version == scored.version), None)
+                        or held.scored(scored, result.wall_seconds))
         else:
             await wait_for_last_version(heartbeats, timeout_s=30)
-            after = await held_out(result.wall_seconds)
-            result.accuracy_after, result.tool_use_after = after.accuracy, after.tool_use
-            console.print(f"held-out accuracy after RL: [bold]{described(after)}[/bold] (version {after.version})")
+            held.report("after", await held.measure(result.wall_seconds))
     finally:
         if evaluator is not None:
             await evaluator.close()
@@ -487,6 +532,10 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
             await tools_bus.close()
         await redis_client.aclose()
     return result
+
+
+async def _version(version: int) -> int:
+    return version
 
 
 async def _finish_lora_runs(result: DemoResult, adapter_held_out: Callable[[RunResult, float],

@@ -157,12 +157,10 @@ async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Envi
     """SFT on the traces: a run of their supervised environment, `sft_epochs` times as many
     demonstrations as it holds (drawn at random), followed until the learner has trained them all."""
     reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=60)
-    # The learner steps on full batches: a multiple of its batch is trained to the last one.
-    per_step = config.loop.groups_per_step
-    wanted = -(-config.sft_epochs * len(env.tasks) // per_step) * per_step
     run = await stub.StartRun(loop_pb2.StartRunRequest(
         run_id=SFT_RUN, environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
-        num_tasks=wanted, seed=config.loop.seed, model="policy"), timeout=30)
+        num_tasks=config.sft_epochs * len(env.tasks), seed=config.loop.seed, model="policy"), timeout=30)
+    wanted = run.tasks_total  # the gateway rounds it up to a multiple of the learner's batch: all are trained
     before = run.policy_version
     console.print(f"3. SFT on usage: {reply.environment} ({len(env.tasks)} demonstrations: rewarded answers as the "
                   f"engine's tokens, corrections as text); run {SFT_RUN} trains {wanted} of them (drawn at "

@@ -192,6 +192,15 @@ class ServedAdapters:
                 if not self._is_newest(lease.name):
                     await self._unload_if_unused(lease.name)
 
+    @asynccontextmanager
+    async def lease_or_base(self, run_id: str) -> AsyncIterator[AdapterLease | None]:
+        """`lease`, or None while no version of the run is loaded (its adapter is the base)."""
+        if self.current(run_id) is None:
+            yield None
+            return
+        async with self.lease(run_id) as lease:
+            yield lease
+
     def _is_newest(self, name: str) -> bool:
         return any(served.name == name for served in self.runs.values())
 

@@ -25,7 +25,7 @@ from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore, record_eval
 from policyloop.releases.promotion import Promoter, PromotionLog
 from policyloop.releases.verdict import judge, rule_promotes
-from policyloop.rl.settings import LoraSpec, adapter_model_name
+from policyloop.rl.settings import LoraSpec, run_policy_model
 from policyloop.scorers.registry import ScorerRegistry
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.telemetry.logging import get_logger
@@ -59,11 +59,6 @@ def export_eval(result: loop_pb2.VersionEval, newest: dict[str, int]) -> None:
     for environment, point, low, high in rates:
         for bound, value in (("low", low), ("point", point), ("high", high)):
             EVAL_PASS_RATE.labels(run, environment, bound).set(value)
-
-
-def policy_model(run_id: str, definition: loop_pb2.StartRunRequest) -> str:
-    """The name a run's policy versions go under: the model, or a LoRA run's adapter."""
-    return adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
 
 
 class PinnedEngine:
@@ -149,6 +144,8 @@ class Evaluator:
         self.seen_running: set[str] = set()  # runs seen running: their baseline is done, their end is due
         self.ended_at: dict[str, float] = {}  # runs seen to end, and when (monotonic)
         self.settled: set[str] = set()       # runs with nothing more to evaluate at their start or end
+        self._definitions: dict[str, loop_pb2.StartRunRequest] = {}
+        self._environments: dict[str, loop_pb2.Environment | None] = {}  # None: it has no eval split
         stop = tokenizer.eos_token_id
         self.stop_ids: tuple[int, ...] = (stop,) if stop is not None else ()
 
@@ -200,12 +197,12 @@ class Evaluator:
         for run_id in await self.runs.run_ids():
             if run_id in self.settled:
                 continue
-            run, definition = await self.runs.get(run_id), await self.runs.definition(run_id)
+            run, definition = await self.runs.get(run_id), await self.definition(run_id)
             environments = await self.eval_environments(definition) if definition is not None else {}
             if run is None or definition is None or not environments:
                 self.settled.add(run_id)
                 continue
-            model = policy_model(run_id, definition)
+            model = run_policy_model(run_id, definition)
             lora = LoraSpec.from_proto(definition.lora) if definition.HasField("lora") else None
             if run.state == loop_pb2.RUN_STATE_RUNNING:
                 if run_id not in self.seen_running:
@@ -233,13 +230,27 @@ class Evaluator:
             lora = None  # an adapter at version 0 is the base itself
         await self.evaluate_run(run_id, environments, event, lora, promote=promote)
 
+    async def definition(self, run_id: str) -> loop_pb2.StartRunRequest | None:
+        """A run's definition, read once (it never changes)."""
+        if run_id not in self._definitions:
+            definition = await self.runs.definition(run_id)
+            if definition is None:
+                return None
+            self._definitions[run_id] = definition
+        return self._definitions[run_id]
+
     async def eval_environments(self, definition: loop_pb2.StartRunRequest) -> dict[str, loop_pb2.Environment]:
-        """The run's environments that carry an eval split."""
+        """The run's environments that carry an eval split, each read once (name@version never
+        changes: the gateway refuses another definition under it)."""
         environments = {}
         for mix in definition.environments:
-            env = await self.environments.get(mix.environment)
-            if env is not None and env.eval_tasks:
-                environments[mix.environment] = env
+            if mix.environment not in self._environments:
+                env = await self.environments.get(mix.environment)
+                if env is None:
+                    continue
+                self._environments[mix.environment] = env if env.eval_tasks else None
+            if self._environments[mix.environment] is not None:
+                environments[mix.environment] = self._environments[mix.environment]
         return environments
 
     async def announced(self, model: str, version: int | None = None) -> bus_pb2.WeightsPublished | None:
@@ -262,8 +273,8 @@ class Evaluator:
         for run_id in await self.runs.run_ids():
             if run_id == other_than or await self.runs.state(run_id) != loop_pb2.RUN_STATE_RUNNING:
                 continue
-            definition = await self.runs.definition(run_id)
-            if definition is not None and policy_model(run_id, definition) == model:
+            definition = await self.definition(run_id)
+            if definition is not None and run_policy_model(run_id, definition) == model:
                 return True
         return False
 
@@ -271,10 +282,10 @@ class Evaluator:
         """The runs whose policy this version is: the run the learner named, else the model's training runs."""
         found = []
         for run_id in await self.runs.run_ids():
-            definition = await self.runs.definition(run_id)
+            definition = await self.definition(run_id)
             if definition is None:
                 continue
-            if policy_model(run_id, definition) != event.model:
+            if run_policy_model(run_id, definition) != event.model:
                 continue
             if run_id == event.run_id:
                 return [(run_id, definition)]

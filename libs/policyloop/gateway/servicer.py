@@ -27,7 +27,7 @@ from policyloop.gateway.validation import (
 )
 from policyloop.releases.evals import RUN_EVALS_SHOWN, EvalStore
 from policyloop.releases.promotion import Promoter, PromotionLog, PromotionRefused
-from policyloop.rl.settings import adapter_model_name
+from policyloop.rl.settings import run_policy_model
 from policyloop.runtime.agreement import advertised_learner
 from policyloop.state import HeartbeatRegistry, VersionRegistry
 from policyloop.state.catalog import TERMINAL_STATES, EnvironmentCatalog, EnvironmentConflict, RunConflict, RunRegistry
@@ -281,7 +281,7 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         version = 0
         if definition is not None:
             # A LoRA run's policy is its own adapter, with a version sequence of its own.
-            model = adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
+            model = run_policy_model(run_id, definition)
             version = await self.stores.versions.get(model)
         run = await self.stores.runs.get(run_id, policy_version=version)
         assert run is not None

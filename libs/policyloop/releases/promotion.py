@@ -20,7 +20,7 @@ from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, weights_pb2
 from policyloop.releases.evals import EvalStore
 from policyloop.releases.verdict import ROLLBACK
-from policyloop.rl.settings import adapter_model_name
+from policyloop.rl.settings import run_policy_model
 from policyloop.state.catalog import RunRegistry
 from policyloop.weights.client import WeightClient
 
@@ -87,7 +87,7 @@ class Promoter:
         definition = await self.runs.definition(run_id)
         if definition is None:
             raise PromotionRefused("run_id", f"no run {run_id}", "not_found")
-        return adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model
+        return run_policy_model(run_id, definition)
 
     async def promote(self, run_id: str, version: int, reason: str, *, force: bool = False) -> loop_pb2.Promotion:
         """Serves `version` (0: the newest evaluated version that did not regress)."""

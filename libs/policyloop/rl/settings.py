@@ -155,3 +155,8 @@ def adapter_model_name(model: str, run_id: str) -> str:
     name = f"{model}.lora.{run_directory(run_id)}"
     validate_model_name(name)
     return name
+
+
+def run_policy_model(run_id: str, definition: loop_pb2.StartRunRequest) -> str:
+    """The name a run's policy versions go under: the cluster's model, or a LoRA run's adapter."""
+    return adapter_model_name(definition.model, run_id) if definition.HasField("lora") else definition.model

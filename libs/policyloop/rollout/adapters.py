@@ -103,10 +103,7 @@ class LoraRuns:
     async def adapter(self, run_id: str) -> AsyncIterator[AdapterLease | None]:
         """The run's newest loaded adapter, held while sampling with it; None while the run is at
         version 0 (its adapter is still the base: the base samples)."""
-        if self.served.current(run_id) is None:
-            yield None
-            return
-        async with self.served.lease(run_id) as lease:
+        async with self.served.lease_or_base(run_id) as lease:
             yield lease
 
 
@@ -160,10 +157,7 @@ class PromotedAdapter:
     async def adapter(self) -> AsyncIterator[AdapterLease | None]:
         """The promoted adapter, held while a request samples with it; None before any promotion
         (the base serves)."""
-        if self.served.current(self.run_id) is None:
-            yield None
-            return
-        async with self.served.lease(self.run_id) as lease:
+        async with self.served.lease_or_base(self.run_id) as lease:
             yield lease
 
 
