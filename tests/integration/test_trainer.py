@@ -1,4 +1,5 @@
-"""The learner's trainer on a real (tiny, random) Qwen2 model with FSDP2 on CPU."""
+"""The learner's trainer on a real (tiny, random) Qwen2 model on CPU: unsharded on one rank, FSDP2 over
+two under torchrun (which must make the single-rank update)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,21 @@ def test_grpo_steps_raise_the_rewarded_response_and_export_exact_weights(model_d
         batch = pack([prompt], [good])
         with torch.no_grad():
             assert torch.allclose(token_logprobs(fresh, batch), token_logprobs(trainer.model, batch), atol=1e-6)
+    finally:
+        trainer.close()
+
+
+def test_one_rank_trains_the_model_unsharded(model_dir: Path) -> None:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    trainer = PolicyTrainer(model_dir, TrainerConfig(), version=0)
+    try:
+        assert trainer.world_size == 1
+        assert not any(isinstance(m, FSDPModule) for m in trainer.model.modules())
+        assert not any(isinstance(p, DTensor) for p in trainer.model.parameters())
+        # What is exported and checkpointed is the same whatever the sharding: plain full tensors.
+        assert all(type(t) is torch.Tensor for t in trainer.export_tensors().values())
     finally:
         trainer.close()
 
