@@ -79,6 +79,22 @@ def test_a_tensor_whose_delta_would_be_bigger_goes_as_a_keyframe() -> None:
     assert {t["name"]: t["encoding"] for t in header.tensors}["zeros"] == "full"
 
 
+def test_a_tensor_reset_to_zeros_goes_as_a_keyframe_and_a_trained_one_as_xor() -> None:
+    rng = np.random.default_rng(3)
+    values = rng.standard_normal(8192).astype(np.float32)
+    base = WeightSet.build(1, {"reset": TensorBytes("F32", (8192,), values.view(np.uint8).copy()),
+                               "trained": TensorBytes("F32", (8192,), values.view(np.uint8).copy())})
+    stepped = values + np.float32(1e-4) * np.sign(rng.standard_normal(8192)).astype(np.float32)  # every element
+    new = WeightSet.build(2, {"reset": TensorBytes("F32", (8192,), np.zeros(8192 * 4, dtype=np.uint8)),
+                              "trained": TensorBytes("F32", (8192,), stepped.view(np.uint8).copy())})
+    delta = codec.encode(new, base)
+    assert same_bytes(codec.apply(base.copy(), delta.payload), new)
+    encodings = {t["name"]: t["encoding"] for t in codec.read_header(delta.payload).tensors}
+    # XOR against random values is those values (incompressible); zeros compress to nothing.
+    assert encodings == {"reset": "full", "trained": "xor"}
+    assert delta.stats.changed_elements == 2 * 8192
+
+
 def test_wrong_base_is_refused_by_version_and_by_manifest() -> None:
     base = random_weights(1)
     new = perturbed(base, 2)
