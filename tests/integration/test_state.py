@@ -16,6 +16,7 @@ from policyloop.state import (
     VersionRegistry,
     connect_redis,
 )
+from policyloop.state.store import SCAN_BATCH
 from tests.conftest import Server
 from tests.helpers import eventually, until
 
@@ -82,6 +83,21 @@ async def test_heartbeats_expire_with_their_ttl(redis_client) -> None:  # type: 
     await eventually(only_reward_left, timeout_s=10, interval_s=0.05, what="r-0's heartbeat expiring")
     await registry.remove("reward", "w-0")
     assert await registry.alive() == []
+
+
+async def test_heartbeats_are_found_among_thousands_of_keys_in_a_few_scans(redis_client) -> None:  # type: ignore[no-untyped-def]
+    # A busy namespace holds a pacing slot per task in flight: reading heartbeats every few
+    # seconds must not take a round trip per ten keys.
+    registry = HeartbeatRegistry(redis_client, "ns")
+    await registry.beat(Heartbeat(service="learner", instance="l-0", healthy=True), ttl_s=30)
+    async with redis_client.pipeline(transaction=False) as pipe:
+        for i in range(5000):
+            pipe.set(f"pl:ns:pace:policy:task:{i}", "1", ex=60)
+        await pipe.execute()
+    await redis_client.config_resetstat()
+    assert [b.instance for b in await registry.alive("learner")] == ["l-0"]
+    scans = (await redis_client.info("commandstats")).get("cmdstat_scan", {}).get("calls", 0)
+    assert 1 <= scans <= 2 * (5001 // SCAN_BATCH + 1)
 
 
 async def test_idempotency_keys_claim_once_and_lease(redis_client) -> None:  # type: ignore[no-untyped-def]

@@ -65,6 +65,10 @@ def _prefix(namespace: str) -> str:
 
 # KEYS[1] = version key; ARGV[1] = expected (current) version, ARGV[2] = new version,
 # ARGV[3] = time. Absent key counts as version 0. Returns {1, new} or {0, actual}.
+# Keys a SCAN call looks at. Redis' default (10) makes a scan of a namespace holding a few thousand
+# keys (pacing slots) a hundred round trips; heartbeats are read every few seconds by every replica.
+SCAN_BATCH = 1000
+
 _CAS_SCRIPT = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 if current ~= tonumber(ARGV[1]) then
@@ -124,7 +128,7 @@ class VersionRegistry:
     async def all(self) -> dict[str, tuple[int, int]]:
         """{model: (version, updated_unix_ms)} for every model with a version."""
         out: dict[str, tuple[int, int]] = {}
-        async for key in self.client.scan_iter(match=self.prefix + "*"):
+        async for key in self.client.scan_iter(match=self.prefix + "*", count=SCAN_BATCH):
             fields = await self.client.hgetall(key)
             if "version" in fields:
                 out[key.removeprefix(self.prefix)] = (
@@ -156,7 +160,7 @@ class HeartbeatRegistry:
 
     async def alive(self, service: str | None = None) -> list[Heartbeat]:
         match = f"{self.prefix}{service}:*" if service else f"{self.prefix}*"
-        keys = [key async for key in self.client.scan_iter(match=match)]
+        keys = [key async for key in self.client.scan_iter(match=match, count=SCAN_BATCH)]
         if not keys:
             return []
         beats = []

@@ -26,6 +26,7 @@ from redis import asyncio as aioredis
 
 from policyloop.bus import Bus, tinker_request_subject, tinker_result_subject
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
+from policyloop.state.store import SCAN_BATCH
 from policyloop.telemetry.logging import get_logger
 from policyloop.tinker.sampling import EngineSampler, SampleRequestError, SampleSpec, parse_sample_request
 
@@ -524,7 +525,8 @@ class TinkerApi:
 
     async def _model_ids(self) -> list[str]:
         prefix = self._key("model", "")
-        return sorted([key.decode()[len(prefix):] async for key in self.redis.scan_iter(match=f"{prefix}*")])
+        keys = self.redis.scan_iter(match=f"{prefix}*", count=SCAN_BATCH)
+        return sorted([key.decode()[len(prefix):] async for key in keys])
 
     async def _training_runs(self, request: web.Request) -> web.Response:
         limit, offset = self._query_int(request, "limit", 20), self._query_int(request, "offset", 0)
