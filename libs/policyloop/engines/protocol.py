@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
@@ -221,8 +222,18 @@ class _Struct(BaseModel):
 
     model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
 
+    @classmethod
+    @functools.cache
+    def field_names(cls) -> tuple[str, ...]:
+        """The struct's fields in order, looked up once (every sample builds and reads several
+        structs: pydantic's model_fields is a property call each time)."""
+        return tuple(cls.model_fields)
+
     def __init__(self, /, *args: Any, **kwargs: Any) -> None:
-        names = list(type(self).model_fields)
+        if not args:
+            super().__init__(**kwargs)
+            return
+        names = type(self).field_names()
         if len(args) > len(names):
             raise TypeError(f"{type(self).__name__} takes at most {len(names)} positional arguments")
         super().__init__(**dict(zip(names, args, strict=False)), **kwargs)
@@ -248,7 +259,7 @@ class _Request(_Struct):
     def _fields_this_engine_serves(cls, body: Any) -> Any:
         if not isinstance(body, Mapping):
             return body  # pydantic refuses it
-        fields, dropped = cls.model_fields, cls.ignored | set(cls.unsupported)
+        fields, dropped = cls.field_names(), cls.ignored | set(cls.unsupported)
         for name, value in body.items():
             if name not in fields and name in cls.unsupported and value not in (None, cls.unsupported[name]):
                 raise PydanticCustomError("unsupported", "not supported by the embedded engine (only {off})",
@@ -272,7 +283,8 @@ class _Answer(_Struct):
         if not isinstance(body, Mapping):
             raise ValueError(f"not a {cls.__name__} answer: {reprlib.repr(body)}")
         # SGLang answers with more than policyloop reads (cached_tokens, has_image_understanding, ...).
-        return cls.model_validate({name: value for name, value in body.items() if name in cls.model_fields})
+        fields = cls.field_names()
+        return cls.model_validate({name: value for name, value in body.items() if name in fields})
 
 
 # ---------------------------------------------------------------------------------------------
