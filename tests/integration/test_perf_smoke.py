@@ -158,3 +158,13 @@ def test_adapter_bytes_encodes_both_sides_versions(tmp_path: Path, tiny_model_di
         assert figures["raw_bytes"] > 0 and figures["keyframe_bytes"] > 0 and len(figures["delta_bytes"]) == 2
     assert result["full"]["raw_bytes"] > result["adapter"]["raw_bytes"] == 4 * result["adapter_params"]
     assert result["full_over_adapter_delta"] > 0 and (tmp_path / "out" / "adapter_bytes.png").exists()
+
+
+def test_learner_alone_steps_and_encodes_the_demo_batch(tmp_path: Path, tiny_model_dir: Path) -> None:
+    result = run_harness("learner_alone.py", "--steps", "2", "--warmup", "0", "--groups-per-step", "2",
+                         "--group-size", "4", "--model-path", str(tiny_model_dir), cwd=tmp_path)
+    assert result["config"]["steps"] == 2 and result["config"]["threads"] == 1
+    assert set(result["phases_ms"]) >= {"pack", "forward", "backward", "optimizer"}
+    assert result["step_ms"] > 0 and result["encode_ms"] > 0 and result["apply_ms"] > 0
+    assert 0 < result["delta_ratio"] < 1.5  # a delta of a trained version, framed
+    assert result["mean_prompt_tokens"] > 0 and result["mean_response_tokens"] > 0

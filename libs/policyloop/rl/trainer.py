@@ -120,8 +120,8 @@ def load_policy(model_path: Path, mesh: DeviceMesh) -> torch.nn.Module:
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if mesh.size() == 1:
-        # One rank shards nothing: FSDP2's hooks and DTensor parameters would only cost (a step of
-        # the demo's batch took 1.4x as long with them on one CPU thread).
+        # One rank shards nothing: FSDP2's hooks and DTensor parameters would only cost (the
+        # optimizer step of the demo's batch took twice as long with them: perf/learner_alone.py).
         model.to(mesh.device_type)
     else:
         layers = getattr(getattr(model, "model", None), "layers", None)

@@ -63,12 +63,12 @@ def _prefix(namespace: str) -> str:
     return f"pl:{namespace}:"
 
 
-# KEYS[1] = version key; ARGV[1] = expected (current) version, ARGV[2] = new version,
-# ARGV[3] = time. Absent key counts as version 0. Returns {1, new} or {0, actual}.
 # Keys a SCAN call looks at. Redis' default (10) makes a scan of a namespace holding a few thousand
 # keys (pacing slots) a hundred round trips; heartbeats are read every few seconds by every replica.
 SCAN_BATCH = 1000
 
+# KEYS[1] = version key; ARGV[1] = expected (current) version, ARGV[2] = new version,
+# ARGV[3] = time. Absent key counts as version 0. Returns {1, new} or {0, actual}.
 _CAS_SCRIPT = """
 local current = tonumber(redis.call('HGET', KEYS[1], 'version') or '0')
 if current ~= tonumber(ARGV[1]) then
