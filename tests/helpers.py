@@ -32,6 +32,23 @@ async def stored(bus: Bus, stream: str, message_type: type[M]) -> list[M]:
     return decoded
 
 
+async def stored_samples(bus: Bus, stream: str) -> list[bus_pb2.Trajectory]:
+    """The trajectories in the group messages of ROLLOUTS or TRAJECTORIES, in stream order."""
+    return [t for group in await stored(bus, stream, bus_pb2.TrajectoryGroup) for t in group.trajectories]
+
+
+def as_group(*trajectories: bus_pb2.Trajectory) -> bus_pb2.TrajectoryGroup:
+    """Members of one group as a message (all of it, as rollout and reward send it, or a part)."""
+    return bus_pb2.TrajectoryGroup(group_id=trajectories[0].group_id, trajectories=trajectories)
+
+
+async def publish_group(bus: Bus, subject: str, *trajectories: bus_pb2.Trajectory, msg_id: str = "") -> int:
+    """Publishes members of one group as one message (msg id: the group id unless given);
+    returns its stream sequence."""
+    group = as_group(*trajectories)
+    return int((await bus.publish(subject, group, msg_id or group.group_id)).seq)
+
+
 async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0,
                      interval_s: float = 0.1, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout_s

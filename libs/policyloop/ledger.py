@@ -1,11 +1,11 @@
 """The ledger: what became of every trajectory, kept in the LEDGER stream.
 
 Rollout records each group it stored in ROLLOUTS (generated); the learner records each step
-before its version is published (trained: which trajectories, by TRAJECTORIES sequence, made
-which version with which manifest hash) and each group it acked without training (dropped, with
-the reason). Scoring is recorded by TRAJECTORIES itself and dead letters by DLQ. Together they
-let `audit` account for every generated trajectory, and let a learner that resumes from a
-checkpoint replay the steps taken after it (see docs/recovery.md).
+before its version is published (trained: which trajectories, found by their groups'
+TRAJECTORIES sequences, made which version with which manifest hash) and each group it acked
+without training (dropped, with the reason). Scoring is recorded by TRAJECTORIES itself and dead
+letters by DLQ. Together they let `audit` account for every generated trajectory, and let a
+learner that resumes from a checkpoint replay the steps taken after it (see docs/recovery.md).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class StepRecord:
     version: int
     manifest_hash: str
     trajectory_ids: tuple[str, ...]
-    stream_sequences: tuple[int, ...]   # in TRAJECTORIES, batch order
+    stream_sequences: tuple[int, ...]   # of each one's group in TRAJECTORIES, batch order
     ledger_seq: int = 0                  # where this record is in LEDGER (0: not yet stored)
 
 
@@ -99,15 +99,25 @@ async def trained_steps(bus: Bus, model: str, after_ledger_seq: int = 0) -> list
     return [by_version[v] for v in sorted(by_version)]
 
 
-async def stored_trajectories(bus: Bus, sequences: Iterable[int]) -> list[bus_pb2.Trajectory]:
-    """Trajectories read straight from TRAJECTORIES by sequence (it keeps them: LIMITS retention)."""
+async def stored_trajectories(bus: Bus, trajectory_ids: Sequence[str], sequences: Sequence[int]
+                              ) -> list[bus_pb2.Trajectory]:
+    """The trajectories `trajectory_ids`, read straight from TRAJECTORIES (it keeps them: LIMITS
+    retention) in the group messages at `sequences` (one per id, in the same order)."""
+    if len(trajectory_ids) != len(sequences):
+        raise ValueError(f"{len(trajectory_ids)} trajectory ids for {len(sequences)} sequences")
+    groups: dict[int, dict[str, bus_pb2.Trajectory]] = {}
     out = []
-    for seq in sequences:
-        try:
-            msg = await bus.get_msg("TRAJECTORIES", seq)
-        except nats.js.errors.NotFoundError as exc:
-            raise LookupError(f"TRAJECTORIES no longer holds sequence {seq} (trajectory_max_age_s?)") from exc
-        out.append(bus_pb2.Trajectory.FromString(msg.data or b""))
+    for trajectory_id, seq in zip(trajectory_ids, sequences, strict=True):
+        if seq not in groups:
+            try:
+                msg = await bus.get_msg("TRAJECTORIES", seq)
+            except nats.js.errors.NotFoundError as exc:
+                raise LookupError(f"TRAJECTORIES no longer holds sequence {seq} (trajectory_max_age_s?)") from exc
+            members = bus_pb2.TrajectoryGroup.FromString(msg.data or b"").trajectories
+            groups[seq] = {t.trajectory_id: t for t in members}
+        if trajectory_id not in groups[seq]:
+            raise LookupError(f"the group at TRAJECTORIES sequence {seq} has no trajectory {trajectory_id}")
+        out.append(groups[seq][trajectory_id])
     return out
 
 
@@ -222,6 +232,11 @@ def of_run(run_id: str, events: Iterable[bus_pb2.LedgerEvent]) -> list[bus_pb2.L
     return out
 
 
+def member_ids(payload: bytes | None) -> list[str]:
+    """The trajectory ids of a TrajectoryGroup message."""
+    return [t.trajectory_id for t in bus_pb2.TrajectoryGroup.FromString(payload or b"").trajectories]
+
+
 async def audit_bus(bus: Bus, run_id: str | None = None) -> Audit:
     """`audit` over what the bus holds, while the loop runs (`run_id`: of that run's trajectories
     alone). Waiting: in ROLLOUTS (not yet scored) or in TRAJECTORIES above the learner's ack floor
@@ -232,13 +247,13 @@ async def audit_bus(bus: Bus, run_id: str | None = None) -> Audit:
     floor = (await bus.js.consumer_info("TRAJECTORIES", "learner")).ack_floor.stream_seq
     pending = set()
     async for _, stored in bus.stored("ROLLOUTS"):  # one removed meanwhile is in TRAJECTORIES
-        pending.add(bus_pb2.Trajectory.FromString(stored.data or b"").trajectory_id)
+        pending.update(member_ids(stored.data))
     scored = set()
     async for seq, msg in bus.read("TRAJECTORIES", "pl.traj.>"):
-        trajectory_id = bus_pb2.Trajectory.FromString(msg.data).trajectory_id
-        scored.add(trajectory_id)
+        ids = member_ids(msg.data)
+        scored.update(ids)
         if seq > floor:
-            pending.add(trajectory_id)
+            pending.update(ids)
     learner = [bus_pb2.LedgerEvent.FromString(m.data) async for _, m in bus.read("LEDGER", "pl.ledger.>")
                if not m.subject.startswith("pl.ledger.generated.")]
     dead = set()
@@ -246,7 +261,7 @@ async def audit_bus(bus: Bus, run_id: str | None = None) -> Audit:
         letter = bus_pb2.DeadLetter.FromString(msg.data)
         if letter.origin_stream in ("ROLLOUTS", "TRAJECTORIES"):
             try:
-                dead.add(bus_pb2.Trajectory.FromString(letter.payload).trajectory_id)
+                dead.update(member_ids(letter.payload))
             except DecodeError:  # garbage dead-lettered as undecodable: no trajectory to name
                 continue
     events = [*generated, *learner]

@@ -101,7 +101,7 @@ async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> Non
     """The many-runs learner: one frozen base, an adapter per LoRA run the gateway starts."""
     from policyloop.bus import PullWorker
     from policyloop.contracts.v1 import bus_pb2
-    from policyloop.contracts.validate import validate_trajectory
+    from policyloop.contracts.validate import validate_group
     from policyloop.learner.adapters import AdapterLearner, follow_runs
     from policyloop.rl.lora import AdapterTrainer
     from policyloop.state import connect_redis
@@ -117,8 +117,8 @@ async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> Non
                              publisher=publisher, dedupe_steps=settings.dedupe_steps, checkpoint_root=checkpoints,
                              checkpoint_every=settings.checkpoint.every, checkpoint_keep=settings.checkpoint.kept)
     consumer = ctx.bus.topology.consumers["learner"]
-    worker = PullWorker(ctx.bus, consumer, bus_pb2.Trajectory, learner.admit, service="learner",
-                        validator=validate_trajectory, concurrency=consumer.max_ack_pending)
+    worker = PullWorker(ctx.bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
+                        validator=validate_group, concurrency=consumer.max_ack_pending)
     # Run definitions are protobuf bytes: a client that does not decode responses reads them.
     raw = await connect_redis(settings.redis_url, decode_responses=False)
     training = asyncio.create_task(learner.run(ctx.stop))

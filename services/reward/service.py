@@ -1,15 +1,16 @@
 """reward service: ROLLOUTS → scored TRAJECTORIES.
 
-Each Rollout is scored by its task's typed scorer (policyloop.reward): a built-in verifier in
-this process, or, for code scorers (unit tests, a team's reward code), a job run in the sandbox
-service — never in this process. The logic is in policyloop.reward; this is its wiring.
+Each group of rollouts is scored, sample by sample, by its task's typed scorer
+(policyloop.reward): a built-in verifier in this process, or, for code scorers (unit tests, a
+team's reward code), a job run in the sandbox service — never in this process. The logic is in
+policyloop.reward; this is its wiring.
 """
 
 from __future__ import annotations
 
 from policyloop.bus import PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
-from policyloop.contracts.validate import validate_trajectory
+from policyloop.contracts.validate import validate_group
 from policyloop.reward.handler import RolloutScorer
 from policyloop.reward.settings import RewardSettings
 from policyloop.runtime import ServiceContext, run_main, run_pull_workers
@@ -25,13 +26,13 @@ async def body(ctx: ServiceContext) -> None:
     async def run_job(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
         return await run_in_sandbox(ctx.bus, job, timeout_s=settings.sandbox_timeout_s)
 
-    def scored() -> None:
-        status.rollouts_done += 1
+    def scored(samples: int) -> None:
+        status.rollouts_done += samples
 
     scorer = RolloutScorer(ctx.bus, default_registry(run_job), on_scored=scored)
     worker = PullWorker(
-        ctx.bus, ctx.bus.topology.consumers["reward"], bus_pb2.Trajectory, scorer.handle,
-        service="reward", concurrency=settings.concurrency, validator=validate_trajectory,
+        ctx.bus, ctx.bus.topology.consumers["reward"], bus_pb2.TrajectoryGroup, scorer.handle,
+        service="reward", concurrency=settings.concurrency, validator=validate_group,
     )
     await run_pull_workers(ctx, worker)
 

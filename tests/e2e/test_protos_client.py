@@ -106,7 +106,11 @@ def check_a_trained_trajectorys_trace(receiver: OtlpReceiver) -> None:
             chain = lineage_or_none(spans, span) if span.name == "train" else [span]
             if chain[0].parent_span_id or len(chain) < 3:
                 continue  # not a train span, or one whose ancestors have not all arrived
-            sample = next(s for s in chain if s.name == "sample")
+            trajectory = span.attributes.get("policyloop.trajectory_id")
+            sample = next((s for s in spans if s.name == "sample" and s.trace_id == span.trace_id
+                           and s.attributes.get("policyloop.trajectory_id") == trajectory), None)
+            if sample is None:
+                continue
             scored = next(s for s in chain if s.name == "process ROLLOUTS")
             scores = {s.span_id for s in spans if s.name == "score" and s.parent_span_id == scored.span_id}
             if sample.attributes.get("policyloop.environment") == "functions@v1" and any(
@@ -119,8 +123,9 @@ def check_a_trained_trajectorys_trace(receiver: OtlpReceiver) -> None:
     spans = receiver.snapshot()
     train = trained_code_sample(spans)
     assert train is not None
+    # The group goes as one message from its task's handling: its samples are siblings there.
     assert [(s.service, s.name) for s in lineage(spans, train)] == [
-        ("gateway", "feed task"), ("rollout", "process TASKS"), ("rollout", "sample"), ("reward", "process ROLLOUTS"),
+        ("gateway", "feed task"), ("rollout", "process TASKS"), ("reward", "process ROLLOUTS"),
         ("learner", "process TRAJECTORIES"), ("learner", "train")]
     trajectory = train.attributes["policyloop.trajectory_id"]
     mine = [s for s in spans if s.trace_id == train.trace_id]

@@ -25,7 +25,7 @@ from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
-from tests.helpers import eventually, scored_group, stored
+from tests.helpers import eventually, publish_group, scored_group, stored
 
 SPEC = LoraSpec(rank=4, target_modules=("q_proj", "v_proj"))
 
@@ -45,11 +45,11 @@ async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: 
     learner = AdapterLearner("policy", "learner-0", trainer, bus, versions=VersionRegistry(redis_client, "default"),
                              publisher=client, checkpoint_root=root / "checkpoints", checkpoint_every=checkpoint_every)
     from policyloop.bus import PullWorker
-    from policyloop.contracts.validate import validate_trajectory
+    from policyloop.contracts.validate import validate_group
 
     consumer = bus.topology.consumers["learner"]
-    worker = PullWorker(bus, consumer, bus_pb2.Trajectory, learner.admit, service="learner",
-                        validator=validate_trajectory, concurrency=consumer.max_ack_pending)
+    worker = PullWorker(bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
+                        validator=validate_group, concurrency=consumer.max_ack_pending)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(worker.run(stop)), asyncio.create_task(learner.run(stop))]
     try:
@@ -62,10 +62,11 @@ async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: 
         await server.stop(None)
 
 
-async def publish_group(bus: Bus, run_id: str, task: str) -> None:
-    for traj in scored_group(task, size=2):
+async def publish_run_group(bus: Bus, run_id: str, task: str) -> None:
+    group = scored_group(task, size=2)
+    for traj in group:
         traj.run_id = run_id
-        await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+    await publish_group(bus, trajectories_subject("e"), *group)
 
 
 @pytest.mark.timeout(240)
@@ -77,14 +78,14 @@ async def test_runs_step_on_their_own_batches_and_never_hold_each_other_up(
         b = await learner.add_run("b", LoraSpec(rank=8), groups_per_step=2, max_lag=-1)
         assert a.model != b.model and a.model.startswith("policy.lora.a-")
 
-        await publish_group(bus, "b", "b1")  # half of b's batch
+        await publish_run_group(bus, "b", "b1")  # half of b's batch
         for i in range(3):
-            await publish_group(bus, "a", f"a{i}")
+            await publish_run_group(bus, "a", f"a{i}")
         await eventually(lambda: _at(versions, a.model, 3), timeout_s=120)  # a never waited for b
         assert await versions.get(b.model) == 0 and learner.trainer.run("b").version == 0
-        assert (await bus.backlog("learner")).ack_pending == 2  # b's group: held, unacked
+        assert (await bus.backlog("learner")).ack_pending == 1  # b's group: held, unacked
 
-        await publish_group(bus, "b", "b2")
+        await publish_run_group(bus, "b", "b2")
         await eventually(lambda: _at(versions, b.model, 1), timeout_s=120)
         [record] = await trained_steps(bus, b.model)
         assert sorted(record.trajectory_ids) == ["b1/0", "b1/1", "b2/0", "b2/1"] and record.version == 1
@@ -96,17 +97,17 @@ async def test_runs_step_on_their_own_batches_and_never_hold_each_other_up(
 
         # A third run joins while the others train (its first group came before it did: handed back
         # to the bus until then); b is removed with a group it holds.
-        await publish_group(bus, "c", "c-early")
+        await publish_run_group(bus, "c", "c-early")
         await eventually(lambda: _redelivered(bus), timeout_s=60)
         c = await learner.add_run("c", SPEC, groups_per_step=1, max_lag=-1)
-        await publish_group(bus, "b", "b3")
+        await publish_run_group(bus, "b", "b3")
         await eventually(lambda: _held(learner, "b", 2), timeout_s=60)
-        await publish_group(bus, "c", "c0")
-        await publish_group(bus, "a", "a3")
+        await publish_run_group(bus, "c", "c0")
+        await publish_run_group(bus, "a", "a3")
         await eventually(lambda: _at(versions, c.model, 2), timeout_s=120)
         await eventually(lambda: _at(versions, a.model, 4), timeout_s=120)
         await learner.remove_run("b")
-        await publish_group(bus, "b", "b4")  # arrives after the stop: dropped, not retried
+        await publish_run_group(bus, "b", "b4")  # arrives after the stop: dropped, not retried
 
         async def all_acked() -> bool:
             return (await bus.backlog("learner")).ack_pending == 0 and (await bus.backlog("learner")).pending == 0
@@ -114,7 +115,7 @@ async def test_runs_step_on_their_own_batches_and_never_hold_each_other_up(
         await eventually(all_acked, timeout_s=60)
         dropped = [e for e in await stored(bus, "LEDGER", bus_pb2.LedgerEvent) if e.kind == DROPPED]
         assert {(e.run_id, e.reason, tuple(sorted(e.trajectory_ids))) for e in dropped} == {
-            ("b", RUN_STOPPED, ("b3/0", "b3/1")), ("b", RUN_STOPPED, ("b4/0",)), ("b", RUN_STOPPED, ("b4/1",))}
+            ("b", RUN_STOPPED, ("b3/0", "b3/1")), ("b", RUN_STOPPED, ("b4/0", "b4/1"))}  # a group per event
         assert {e.model for e in dropped} == {b.model}
         assert "b" not in learner.trainer.runs and learner.trainer.run("a").version == 4
 
@@ -140,7 +141,7 @@ async def test_a_run_resumes_from_its_checkpoint_and_ledger_with_no_gap_and_no_r
         a = await learner.add_run("a", SPEC, groups_per_step=1, max_lag=-1)
         assert a.resumed is not None and a.resumed.replayed == [] and a.resumed.checkpoint is None
         for i in range(3):
-            await publish_group(bus, "a", f"a{i}")
+            await publish_run_group(bus, "a", f"a{i}")
         await eventually(lambda: _at(versions, a.model, 3), timeout_s=120)
         first = learner.trainer.export_adapter("a")
 
@@ -151,8 +152,8 @@ async def test_a_run_resumes_from_its_checkpoint_and_ledger_with_no_gap_and_no_r
         assert learner.trainer.run("a").version == 3
         for name, tensor in first.items():
             assert torch.equal(learner.trainer.export_adapter("a")[name], tensor), name
-        await publish_group(bus, "a", "a0")  # published again: a trained sample is never trained twice
-        await publish_group(bus, "a", "a3")
+        await publish_run_group(bus, "a", "a0")  # published again: a trained sample is never trained twice
+        await publish_run_group(bus, "a", "a3")
         await eventually(lambda: _at(versions, a.model, 4), timeout_s=120)
         records = await trained_steps(bus, a.model)
         assert [r.version for r in records] == [1, 2, 3, 4] and records[-1].trajectory_ids == ("a3/0", "a3/1")

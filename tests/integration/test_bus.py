@@ -23,7 +23,7 @@ from policyloop.bus.deadletter import watch_max_deliveries
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_task
 from tests.conftest import Server, fast_limits
-from tests.helpers import eventually, stored, stored_messages
+from tests.helpers import eventually, publish_group, stored, stored_messages
 
 
 def make_task(i: int, env: str = "addition@v1") -> bus_pb2.Task:
@@ -371,14 +371,15 @@ async def _is_str(value: list[str], expected: list[str]) -> bool:
 
 
 async def test_permanent_error_from_handler_dead_letters_at_once(bus: Bus) -> None:
-    await bus.publish(rollouts_subject("e"), bus_pb2.Trajectory(trajectory_id="a/0", task_id="a", group_size=1), "a/0")
+    await publish_group(bus, rollouts_subject("e"), bus_pb2.Trajectory(trajectory_id="a/0", task_id="a", group_id="a",
+                                                                       group_size=1))
     calls: list[int] = []
 
-    async def handle(d: Delivery[bus_pb2.Trajectory]) -> None:
+    async def handle(d: Delivery[bus_pb2.TrajectoryGroup]) -> None:
         calls.append(d.delivery_count)
         raise PermanentError("the verifier cannot parse the environment")
 
-    worker = PullWorker(bus, bus.topology.consumers["reward"], bus_pb2.Trajectory, handle,
+    worker = PullWorker(bus, bus.topology.consumers["reward"], bus_pb2.TrajectoryGroup, handle,
                         service="test", fetch_timeout_s=0.3)
     await run_until(worker, lambda: _dlq_count(bus, 1))
     assert calls == [1]

@@ -14,7 +14,7 @@ from policyloop.envs.code import code_environment, reference_solutions
 from policyloop.envs.spec import task_scorer
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher
-from tests.helpers import eventually, stored
+from tests.helpers import eventually, publish_group, stored_samples
 
 try:
     check_isolation()
@@ -33,13 +33,13 @@ def rollout(trajectory_id: str, prompt: str, completion: str, scorer: bus_pb2.Sc
 
 async def scored(bus: Bus, rollouts: list[bus_pb2.Trajectory]) -> dict[str, bus_pb2.Trajectory]:
     for traj in rollouts:
-        await bus.publish(rollouts_subject("code"), traj, traj.trajectory_id)
+        await publish_group(bus, rollouts_subject("code"), traj, msg_id=traj.trajectory_id)
 
     async def all_scored() -> bool:
-        return len(await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)) == len(rollouts)
+        return len(await stored_samples(bus, "TRAJECTORIES")) == len(rollouts)
 
     await eventually(all_scored, timeout_s=90, what="every rollout scored")
-    return {t.trajectory_id: t for t in await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)}
+    return {t.trajectory_id: t for t in await stored_samples(bus, "TRAJECTORIES")}
 
 
 def parts(traj: bus_pb2.Trajectory) -> dict[str, tuple[float, str]]:

@@ -19,7 +19,7 @@ from policyloop.models.tokenizer import VOCAB
 from policyloop.weights.client import WeightClient
 from policyloop.weights.sync import sync_weights
 from tests.conftest import ServiceLauncher
-from tests.helpers import eventually, scored_group
+from tests.helpers import eventually, publish_group, scored_group
 
 PROMPTS = [[VOCAB[c] for c in text] for text in ("12+7=", "40+45=", "3+9=", "77+11=")]
 
@@ -57,7 +57,7 @@ async def test_learner_broadcasts_versions_into_a_colocated_engine(
         await services.wait_healthy(learner, rollout, timeout_s=60)
         for task in ("a", "b"):
             for traj in scored_group(task, environment="addition@v1", prompt=PROMPTS[0]):
-                await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
+                await publish_group(bus, trajectories_subject("addition@v1"), traj, msg_id=traj.trajectory_id)
 
         async def rollout_serves_version_1() -> bool:
             return any(e["event"] == "weights_loaded" and e.get("version") == 1 for e in rollout.log_events())
@@ -120,7 +120,7 @@ async def test_without_the_broadcast_the_replica_loads_from_the_publisher(
         await services.wait_healthy(learner, rollout, timeout_s=60)
         for task in ("a", "b"):
             for traj in scored_group(task, environment="addition@v1", prompt=PROMPTS[0]):
-                await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
+                await publish_group(bus, trajectories_subject("addition@v1"), traj, msg_id=traj.trajectory_id)
 
         async def loaded_version_2() -> bool:
             return (await client.model_info()).weight_version == "2"

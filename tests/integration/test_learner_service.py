@@ -12,7 +12,7 @@ from policyloop.bus import Bus, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.state import VersionRegistry
 from tests.conftest import ServiceLauncher
-from tests.helpers import eventually, scored_group, stored, stored_messages
+from tests.helpers import eventually, publish_group, scored_group, stored, stored_messages
 
 
 async def test_what_the_learner_cannot_train_on_is_dead_lettered(bus: Bus, services: ServiceLauncher) -> None:
@@ -25,19 +25,19 @@ async def test_what_the_learner_cannot_train_on_is_dead_lettered(bus: Bus, servi
     await services.wait_healthy(learner, timeout_s=60)
     traj = bus_pb2.Trajectory(trajectory_id="a/0", task_id="a", group_id="a", group_size=1,
                               environment="e", prompt_token_ids=[5, 16])
-    await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+    await publish_group(bus, trajectories_subject("e"), traj, msg_id=traj.trajectory_id)
     demo = demonstration("r", "e", loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[10**6]), 0)
-    await bus.publish(trajectories_subject("e"), demo, demo.trajectory_id)
+    await publish_group(bus, trajectories_subject("e"), demo, msg_id=demo.trajectory_id)
 
     async def dead() -> bool:
         return len(await stored_messages(bus, "DLQ")) == 2
 
     await eventually(dead)
     letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
-    reasons = {bus_pb2.Trajectory.FromString(letter.payload).trajectory_id: letter.reason for letter in letters}
+    reasons = {bus_pb2.TrajectoryGroup.FromString(letter.payload).group_id: letter.reason for letter in letters}
     assert {letter.service for letter in letters} == {"learner"}
-    assert "not scored" in reasons["a/0"] and "outside" not in reasons["a/0"]
-    assert "the model's vocabulary" in reasons[demo.trajectory_id]
+    assert "a/0 was not scored" in reasons["a"] and "outside" not in reasons["a"]
+    assert "the model's vocabulary" in reasons[demo.group_id]
     assert learner.proc.poll() is None
 
 
@@ -68,7 +68,7 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
         "POLICYLOOP_TRACKER__RUN_NAME": "stale"})
     await services.wait_healthy(learner, timeout_s=60)
     for i in range(2):
-        await bus.publish(trajectories_subject("e"), scored_group("a")[i], f"a/{i}")
+        await publish_group(bus, trajectories_subject("e"), scored_group("a")[i], msg_id=f"a/{i}")
     versions = VersionRegistry(redis_client, "default")
 
     async def trained() -> bool:
@@ -77,7 +77,7 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
     await eventually(trained, timeout_s=60)
     for task in ("b", "c"):
         for i in range(2):
-            await bus.publish(trajectories_subject("e"), scored_group(task)[i], f"{task}/{i}")
+            await publish_group(bus, trajectories_subject("e"), scored_group(task)[i], msg_id=f"{task}/{i}")
 
     async def settled() -> bool:
         backlog = await bus.backlog("learner")
@@ -129,9 +129,9 @@ async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durab
         "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
     await services.wait_healthy(learner, timeout_s=60)
     first, second = scored_group("a")
-    await bus.publish(trajectories_subject("e"), first, "a/0")
-    await bus.publish(trajectories_subject("e"), second, "a/1")
-    await bus.publish(trajectories_subject("e"), first, "a/0-again")
+    await publish_group(bus, trajectories_subject("e"), first, msg_id="a/0")
+    await publish_group(bus, trajectories_subject("e"), second, msg_id="a/1")
+    await publish_group(bus, trajectories_subject("e"), first, msg_id="a/0-again")
 
     async def all_held() -> bool:
         backlog = await bus.backlog("learner")
@@ -146,7 +146,7 @@ async def test_a_copy_of_a_held_trajectory_is_not_acked_before_its_step_is_durab
     await eventually(all_handled, timeout_s=30)
     assert (await bus.backlog("learner")).ack_pending == 3  # the copy is held too, not acked
     for i, traj in enumerate(scored_group("b")):
-        await bus.publish(trajectories_subject("e"), traj, f"b/{i}")
+        await publish_group(bus, trajectories_subject("e"), traj, msg_id=f"b/{i}")
 
     async def trained() -> bool:
         backlog = await bus.backlog("learner")

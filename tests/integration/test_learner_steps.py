@@ -25,7 +25,7 @@ from policyloop.weights.library import WeightLibrary
 from policyloop.weights.push import VersionPusher
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
-from tests.helpers import eventually, scored_group
+from tests.helpers import eventually, publish_group, scored_group
 
 
 class HeldPushes(WeightServicer):
@@ -82,9 +82,8 @@ async def running_learner(bus: Bus, redis_client, model_dir: Path, root: Path,  
         trainer.close()
 
 
-async def publish_group(bus: Bus, task: str) -> None:
-    for traj in scored_group(task):
-        await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+async def publish_scored(bus: Bus, task: str) -> None:
+    await publish_group(bus, trajectories_subject("e"), *scored_group(task))
 
 
 @pytest.mark.timeout(180)
@@ -94,14 +93,14 @@ async def test_a_step_is_recorded_before_its_version_is_published_and_acked_afte
     versions = VersionRegistry(redis_client, "default")
     async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, HeldPushes,
                                overlap_publication=overlap) as (learner, publisher):
-        await publish_group(bus, "a")
+        await publish_scored(bus, "a")
         assert isinstance(publisher, HeldPushes)
         await asyncio.wait_for(publisher.entered.wait(), 120)  # trained, now pushing: held there
 
         [record] = await trained_steps(bus, "policy")
         assert record.version == 1 and record.trajectory_ids == ("a/0", "a/1")  # write-ahead
         assert await versions.get("policy") == 0            # not advanced before the push
-        assert (await bus.backlog("learner")).ack_pending == 2  # still held, not acked
+        assert (await bus.backlog("learner")).ack_pending == 1  # the group's message: held, not acked
         # Overlapped, the step counts once recorded; its version only once pushed.
         assert learner.status.trained_samples == (2 if overlap else 0)
         assert learner.status.weights.versions_pushed == 0
@@ -125,9 +124,9 @@ async def test_the_next_step_trains_while_a_version_publishes_and_is_recorded_on
     versions = VersionRegistry(redis_client, "default")
     async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, HeldPushes) as (learner, publisher):
         assert isinstance(publisher, HeldPushes)
-        await publish_group(bus, "a")
+        await publish_scored(bus, "a")
         await asyncio.wait_for(publisher.entered.wait(), 120)  # version 1's push: held there
-        await publish_group(bus, "b")
+        await publish_scored(bus, "b")
 
         async def second_step_trained() -> bool:
             return learner.trainer.steps == 2
@@ -136,7 +135,7 @@ async def test_the_next_step_trains_while_a_version_publishes_and_is_recorded_on
         # Step 2 is computed but not recorded while version 1 is unpublished: at most one recorded
         # version is ever unpublished, so a resume re-pushes no more than one.
         assert [r.version for r in await trained_steps(bus, "policy")] == [1]
-        assert await versions.get("policy") == 0 and (await bus.backlog("learner")).ack_pending == 4
+        assert await versions.get("policy") == 0 and (await bus.backlog("learner")).ack_pending == 2
 
         publisher.let_through.set()
 
@@ -153,14 +152,14 @@ async def test_a_copy_of_a_trained_sample_is_acked_without_training(
         bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     versions = VersionRegistry(redis_client, "default")
     async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, WeightServicer) as (learner, _):
-        await publish_group(bus, "a")
+        await publish_scored(bus, "a")
 
         async def trained() -> bool:
             return await versions.get("policy") == 1 and (await bus.backlog("learner")).ack_pending == 0
 
         await eventually(trained, timeout_s=120)
         [first] = scored_group("a")[:1]
-        await bus.publish(trajectories_subject("e"), first, "a/0-again")
+        await publish_group(bus, trajectories_subject("e"), first, msg_id="a/0-again")
 
         async def dropped() -> bool:
             backlog = await bus.backlog("learner")
@@ -200,7 +199,7 @@ async def test_a_tracker_that_fails_does_not_stop_the_steps(
     tracker = BackgroundTracker(backend, "failing")
     async with running_learner(bus, redis_client, tiny_model_dir, tmp_path, WeightServicer, tracker) as (learner, _):
         for task, version in (("a", 1), ("b", 2)):
-            await publish_group(bus, task)
+            await publish_scored(bus, task)
 
             async def stepped(version: int = version) -> bool:
                 return await versions.get("policy") == version and (await bus.backlog("learner")).ack_pending == 0

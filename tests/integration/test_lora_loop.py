@@ -9,12 +9,12 @@ import grpc
 import pytest
 
 from policyloop.bus import Bus
-from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.ledger import trained_steps
 from policyloop.rl.lora import adapter_model_name
 from policyloop.state import VersionRegistry
 from tests.conftest import ServiceLauncher
-from tests.helpers import addition_environment, eventually, stored
+from tests.helpers import addition_environment, eventually, stored_samples
 
 LORA = {"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_GROUPS_PER_STEP": "2"}
 
@@ -46,7 +46,7 @@ async def test_two_lora_runs_sample_with_their_own_adapters_and_train_their_own_
 
         await eventually(both_trained, timeout_s=300)
 
-    trajectories = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
+    trajectories = await stored_samples(bus, "TRAJECTORIES")
     for run_id, model in models.items():
         mine = [t for t in trajectories if t.run_id == run_id]
         stamped = {s.version for t in mine for s in t.version_spans}

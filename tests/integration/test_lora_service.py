@@ -14,14 +14,15 @@ from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.rl.lora import adapter_model_name
 from policyloop.state import VersionRegistry
 from tests.conftest import ServiceLauncher
-from tests.helpers import addition_environment, eventually, scored_group
+from tests.helpers import addition_environment, eventually, publish_group, scored_group
 
 
-async def publish_group(bus: Bus, run_id: str, task: str, version: int = 0) -> None:
+async def publish_run_group(bus: Bus, run_id: str, task: str, version: int = 0) -> None:
     """A scored group of the run, sampled by its adapter's `version` (the run's max_lag is the cluster's)."""
-    for traj in scored_group(task, size=2, version=version):
+    group = scored_group(task, size=2, version=version)
+    for traj in group:
         traj.run_id = run_id
-        await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+    await publish_group(bus, trajectories_subject("e"), *group)
 
 
 def lora_run(run_id: str, *modules: str) -> loop_pb2.StartRunRequest:
@@ -54,8 +55,8 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
             run = await stub.StartRun(lora_run(run_id), timeout=10)
             assert run.lora.rank == 4 and run.lora.alpha == 8.0
         ra, rb = adapter_model_name("policy", "ra"), adapter_model_name("policy", "rb")
-        await publish_group(bus, "ra", "a0")
-        await publish_group(bus, "rb", "b0")
+        await publish_run_group(bus, "ra", "a0")
+        await publish_run_group(bus, "rb", "b0")
 
         async def both_stepped() -> bool:
             return await versions.get(ra) == 1 and await versions.get(rb) == 1
@@ -65,7 +66,7 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
         # A third run starts while the two train, then one of the two is stopped.
         await stub.StartRun(lora_run("rd"), timeout=10)
         rd = adapter_model_name("policy", "rd")
-        await publish_group(bus, "rd", "d0")
+        await publish_run_group(bus, "rd", "d0")
         await stub.StopRun(loop_pb2.StopRunRequest(run_id="rb"), timeout=10)
         bad = await stub.StartRun(lora_run("rc", "q_proj", "no_such_proj"), timeout=10)
         assert bad.state == loop_pb2.RUN_STATE_RUNNING  # the gateway cannot know the model's modules
@@ -79,7 +80,7 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
         assert "target_modules" in got.error and "no_such_proj" in got.error
 
         for version, task in ((1, "a1"), (2, "a2")):
-            await publish_group(bus, "ra", task, version)
+            await publish_run_group(bus, "ra", task, version)
 
             async def ra_on(version: int = version) -> bool:
                 return await versions.get(ra) == version + 1

@@ -18,7 +18,7 @@ from policyloop.models.tokenizer import VOCAB
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from policyloop.scorers.answer import answer_text
 from tests.conftest import ServiceLauncher
-from tests.helpers import eventually, stored, stored_messages
+from tests.helpers import eventually, stored, stored_messages, stored_samples
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, lineage, lineage_or_none
 
 try:
@@ -68,10 +68,10 @@ async def test_tool_turns_run_in_the_sandbox_and_are_masked_out_of_the_loss(
     await bus.publish(tasks_subject("tools@v1"), unknown, "shell")
 
     async def all_generated() -> bool:
-        return len(await stored_messages(bus, "ROLLOUTS")) == 8 * len(prompts)
+        return len(await stored_samples(bus, "ROLLOUTS")) == 8 * len(prompts)
 
     await eventually(all_generated, timeout_s=180, what="every episode generated")
-    episodes = await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)
+    episodes = await stored_samples(bus, "ROLLOUTS")
     calls = ran = 0
     for traj in episodes:
         validate_trajectory(traj)  # turns cover the response; tool tokens are never trained on
@@ -149,8 +149,8 @@ async def test_without_a_sandbox_a_tool_call_waits_and_nothing_is_published_half
     await services.wait_healthy(sandbox, timeout_s=60)
 
     async def generated() -> bool:
-        return len(await stored_messages(bus, "ROLLOUTS")) == 8
+        return len(await stored_samples(bus, "ROLLOUTS")) == 8
 
     await eventually(generated, timeout_s=150, what="the group generated once a sandbox runs")
-    assert sorted(t.trajectory_id for t in await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)) == [
+    assert sorted(t.trajectory_id for t in await stored_samples(bus, "ROLLOUTS")) == [
         f"waits/{i}" for i in range(8)]

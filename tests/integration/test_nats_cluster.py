@@ -17,8 +17,9 @@ from tests.helpers import eventually, until
 SUBJECT = trajectories_subject("e@v1")  # "@" leaves subjects (see subject_token)
 
 
-def trajectory(i: int) -> bus_pb2.Trajectory:
-    return bus_pb2.Trajectory(trajectory_id=f"traj-{i}", task_id=f"task-{i}", run_id="r", environment="e")
+def trajectory(i: int) -> bus_pb2.TrajectoryGroup:
+    return bus_pb2.TrajectoryGroup(group_id=f"task-{i}", trajectories=[bus_pb2.Trajectory(
+        trajectory_id=f"traj-{i}", task_id=f"task-{i}", group_id=f"task-{i}", run_id="r", environment="e")])
 
 
 async def publish(bus: Bus, ids: range) -> None:
@@ -31,10 +32,10 @@ async def test_replicated_bus_survives_losing_the_stream_leader(nats_cluster: Na
     bus = await Bus.connect(nats_cluster.url, name="t", topology=topology, connect_timeout_s=10)
     handled: list[str] = []
 
-    async def handle(delivery: Delivery[bus_pb2.Trajectory]) -> None:
+    async def handle(delivery: Delivery[bus_pb2.TrajectoryGroup]) -> None:
         handled.append(delivery.msg_id)
 
-    worker = PullWorker(bus, topology.consumers["learner"], bus_pb2.Trajectory, handle, service="t",
+    worker = PullWorker(bus, topology.consumers["learner"], bus_pb2.TrajectoryGroup, handle, service="t",
                         fetch_timeout_s=0.3)
     stop = asyncio.Event()
     running = asyncio.create_task(worker.run(stop))

@@ -12,15 +12,14 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.ledger import Audit, audit_bus, record_generated, trained_steps
 from policyloop.state import VersionRegistry
 from tests.conftest import ServiceLauncher
-from tests.helpers import eventually, scored_group
+from tests.helpers import eventually, publish_group, scored_group
 
 
 async def publish_groups(bus: Bus, tasks: list[str], **shape: int) -> None:
     """What rollout and reward do for a group: record it generated, store it scored."""
     for task in tasks:
         group = scored_group(task, **shape)
-        for traj in group:
-            await bus.publish(trajectories_subject("e"), traj, traj.trajectory_id)
+        await publish_group(bus, trajectories_subject("e"), *group)
         await record_generated(bus, group, "test")
 
 
@@ -121,7 +120,7 @@ async def test_learner_killed_mid_step_trains_nothing_twice(
     for attempt in range(6):
         await publish_groups(bus, [f"a{attempt}g{n}" for n in range(24)], **shape)
         before = await versions.get("policy")
-        await eventually(lambda: _holds(bus, 24 * 8), interval_s=0.02, what="the step's samples delivered")
+        await eventually(lambda: _holds(bus, 24), interval_s=0.02, what="the step's groups delivered")
         first.kill()  # the step starts once all are held; it has not published yet
         if await versions.get("policy") == before:
             interrupted += 1
@@ -174,12 +173,13 @@ async def test_rollout_killed_mid_generation_loses_nothing(
     assert report.lost == 0 and report.pending == report.generated  # the learner would take them all
     replicas = {t.rollout_replica async for t in _stored_trajectories(bus)}
     assert replicas == {"rollout-a", "rollout-b"} or replicas == {"rollout-b"}
-    assert (await bus.js.stream_info("TRAJECTORIES")).state.messages == len(tasks) * 4  # each id stored once
+    assert (await bus.js.stream_info("TRAJECTORIES")).state.messages == len(tasks)  # each group stored once
 
 
 async def _stored_trajectories(bus: Bus):  # type: ignore[no-untyped-def]
     async for _, msg in bus.read("TRAJECTORIES", "pl.traj.>"):
-        yield bus_pb2.Trajectory.FromString(msg.data)
+        for traj in bus_pb2.TrajectoryGroup.FromString(msg.data).trajectories:
+            yield traj
 
 
 async def _at(versions: VersionRegistry, version: int) -> bool:
@@ -211,10 +211,10 @@ async def test_a_learner_refuses_a_ledger_it_cannot_replay(bus: Bus, services: S
 
     await bus.js.purge_stream("LEDGER")
     group = scored_group("g")
-    sequences = [(await bus.publish(trajectories_subject("e"), t, t.trajectory_id)).seq for t in group]
+    sequence = await publish_group(bus, trajectories_subject("e"), *group)
     await record_trained(bus, "policy", "r", "test", StepRecord(
         step=1, version=1, manifest_hash="0" * 32, trajectory_ids=tuple(t.trajectory_id for t in group),
-        stream_sequences=tuple(sequences)))
+        stream_sequences=(sequence,) * len(group)))
     replaying = services.start("learner")
     assert await asyncio.to_thread(replaying.proc.wait, 60) == 1
     [failure] = [e for e in replaying.log_events() if e["event"] == "service_failed"]

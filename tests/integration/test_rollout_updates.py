@@ -19,7 +19,7 @@ from policyloop.weights.client import WeightClient
 from policyloop.weights.push import VersionPusher
 from policyloop.weights.torch_io import weight_set
 from tests.conftest import HEARTBEAT_INTERVAL_S, ServiceLauncher
-from tests.helpers import eventually, stored
+from tests.helpers import eventually, stored_samples
 
 EXACT_46 = bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER), answer="46")
 
@@ -123,10 +123,10 @@ async def _update_mid_generation(mode: str, generating, bus: Bus, services: Serv
         await client.close()
 
     async def all_scored() -> bool:
-        return len(await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)) == TASKS * GROUP
+        return len(await stored_samples(bus, "TRAJECTORIES")) == TASKS * GROUP
 
     await eventually(all_scored, timeout_s=120, what="every sample scored")
-    trajectories = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
+    trajectories = await stored_samples(bus, "TRAJECTORIES")
     straddling = 0
     kinds: dict[tuple[int, ...], int] = {}
     for traj in trajectories:
@@ -214,15 +214,15 @@ async def test_an_engine_outage_costs_no_delivery_and_a_restarted_engine_gets_a_
     await eventually(beaten_twice_since, timeout_s=30, what="two heartbeats of the unhealthy replica")
     backlog = await bus.backlog("rollout")
     assert (backlog.pending, backlog.ack_pending, backlog.redelivered) == (1, 1, 0), backlog
-    assert await stored(bus, "ROLLOUTS", bus_pb2.Trajectory) == []
+    assert await stored_samples(bus, "ROLLOUTS") == []
     engine = await start_engine(services.model_dir, port=port)
     try:
         async def sampled() -> bool:
-            return len(await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)) == 4
+            return len(await stored_samples(bus, "ROLLOUTS")) == 4
 
         await eventually(sampled, timeout_s=60, what="both tasks sampled once the engine is back")
         await services.wait_healthy(rollout, timeout_s=15)
-        trajectories = await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)
+        trajectories = await stored_samples(bus, "ROLLOUTS")
         # The restarted engine was named 0 and given version 1 again before it sampled anything.
         assert {s.version for t in trajectories for s in t.version_spans} == {1}
         assert (await bus.backlog("rollout")).redelivered == 0

@@ -13,7 +13,7 @@ import pytest
 from policyloop.bus import Bus, rollouts_subject, sandbox_subject, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from tests.conftest import Server, ServiceLauncher
-from tests.helpers import cgroups_available, eventually, stored, stored_messages
+from tests.helpers import cgroups_available, eventually, publish_group, stored, stored_messages, stored_samples
 
 # How the reward service scores "12+34=": the exact answer, typed on the Task and its Trajectories.
 EXACT_46 = bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_EXACT_ANSWER), answer="46")
@@ -26,7 +26,7 @@ def task(task_id: str, group_size: int = 3) -> bus_pb2.Task:
 
 
 async def trajectory_ids(bus: Bus) -> list[str]:
-    return sorted(t.trajectory_id for t in await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory))
+    return sorted(t.trajectory_id for t in await stored_samples(bus, "TRAJECTORIES"))
 
 
 async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: ServiceLauncher) -> None:
@@ -39,7 +39,7 @@ async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: Ser
         return await trajectory_ids(bus) == ["t1/0", "t1/1", "t1/2"]
 
     await eventually(arrived)
-    trajectories = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
+    trajectories = await stored_samples(bus, "TRAJECTORIES")
     assert {t.rollout_replica for t in trajectories} == {rollout.instance}
     for t in trajectories:
         n = len(t.response_token_ids)
@@ -60,7 +60,8 @@ async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: Ser
     assert health["healthy"] is True and health["service"] == "reward"
     with urllib.request.urlopen(f"http://127.0.0.1:{reward.ports['http']}/metrics", timeout=5) as r:
         metrics = r.read().decode()
-    assert 'policyloop_bus_consumed_total{consumer="reward",outcome="acked",stream="ROLLOUTS"} 3.0' in metrics
+    # The group went as one message.
+    assert 'policyloop_bus_consumed_total{consumer="reward",outcome="acked",stream="ROLLOUTS"} 1.0' in metrics
     assert rollout.terminate() == 0 and reward.terminate() == 0
     events = reward.log_events()
     assert events and all({"service", "run_id", "policy_version", "instance"} <= e.keys() for e in events)
@@ -70,31 +71,43 @@ async def test_task_crosses_rollout_and_reward_processes(bus: Bus, services: Ser
 async def test_undecodable_message_is_dead_lettered_and_the_service_keeps_running(
     bus: Bus, services: ServiceLauncher
 ) -> None:
-    """So are a rollout with a malformed scorer and one that names no scorer, each with its reason."""
+    """So are a rollout with a malformed scorer and one that names no scorer, each with its reason, and a
+    group with one such sample, whole."""
     reward = services.start("reward")
     await services.wait_healthy(reward)
     await bus.publish_bytes(rollouts_subject("addition@v1"), b"\x08\x96\x01\xff\xff", {"Nats-Msg-Id": "bad"})
 
     def rollout(trajectory_id: str, scorer: bus_pb2.Scorer | None) -> bus_pb2.Trajectory:
-        return bus_pb2.Trajectory(trajectory_id=trajectory_id, task_id="t1", group_id="t1", group_size=1,
+        task_id = trajectory_id.split("/")[0]
+        return bus_pb2.Trajectory(trajectory_id=trajectory_id, task_id=task_id, group_id=task_id, group_size=1,
                                   environment="addition@v1", response_text="46",
                                   finish_reason=bus_pb2.FINISH_REASON_STOP, scorer=scorer)
 
     malformed = bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=bus_pb2.BuiltinVerifier.KIND_REGEX))
     for traj in (rollout("t1/0", EXACT_46), rollout("malformed/0", malformed), rollout("unscored/0", None)):
-        await bus.publish(rollouts_subject("addition@v1"), traj, traj.trajectory_id)
+        await publish_group(bus, rollouts_subject("addition@v1"), traj)
+    # A group is scored whole or not at all: GRPO's advantages need every member.
+    mixed = [rollout("mixed/0", EXACT_46), rollout("mixed/1", None)]
+    for i, traj in enumerate(mixed):
+        traj.group_size, traj.sample_index = 2, i
+    await publish_group(bus, rollouts_subject("addition@v1"), *mixed)
 
     async def settled() -> bool:
-        return await trajectory_ids(bus) == ["t1/0"] and len(await stored_messages(bus, "DLQ")) == 3
+        return await trajectory_ids(bus) == ["t1/0"] and len(await stored_messages(bus, "DLQ")) == 4
 
     await eventually(settled)
     letters = {letter.headers.get("Nats-Msg-Id"): letter for letter in await stored(bus, "DLQ", bus_pb2.DeadLetter)}
-    [scored] = await stored(bus, "TRAJECTORIES", bus_pb2.Trajectory)
+    [scored] = await stored_samples(bus, "TRAJECTORIES")
     assert scored.scored and scored.reward == pytest.approx(1.1)
     assert all(letter.service == "reward" and letter.origin_stream == "ROLLOUTS" for letter in letters.values())
     assert "cannot decode" in letters["bad"].reason and letters["bad"].payload == b"\x08\x96\x01\xff\xff"
-    assert "scorer.builtin.pattern: a regex verifier needs a pattern" in letters["malformed/0"].reason
-    assert "scorer: the trajectory names none" in letters["unscored/0"].reason
+    # Each names the sample and the field.
+    assert "trajectories[0].scorer.builtin.pattern: a regex verifier needs a pattern" in letters["malformed"].reason
+    assert "unscored/0" in letters["unscored"].reason
+    assert "scorer: the trajectory names none" in letters["unscored"].reason
+    assert "mixed/1" in letters["mixed"].reason and "scorer: the trajectory names none" in letters["mixed"].reason
+    assert [t.trajectory_id for t in bus_pb2.TrajectoryGroup.FromString(letters["mixed"].payload).trajectories] == [
+        "mixed/0", "mixed/1"]  # the whole group, as it came
     assert reward.proc.poll() is None
 
 
@@ -259,7 +272,7 @@ async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: Ser
                 finish_reason=bus_pb2.FINISH_REASON_STOP,
                 version_spans=[bus_pb2.VersionSpan(version=0, start=0, end=2)],
             )
-            await bus.publish(trajectories_subject("addition@v1"), traj, traj.trajectory_id)
+            await publish_group(bus, trajectories_subject("addition@v1"), traj, msg_id=traj.trajectory_id)
     client = WeightClient(f"127.0.0.1:{publisher.ports['grpc']}")
     try:
         async def published() -> bool:
@@ -381,4 +394,4 @@ async def test_a_stopped_runs_queued_tasks_are_acked_unsampled(
             beats[0].rollout.tasks_skipped == 1 and beats[0].rollout.tasks_done == 1
 
     await eventually(done, timeout_s=60)
-    assert {t.run_id for t in await stored(bus, "ROLLOUTS", bus_pb2.Trajectory)} == {"going"}
+    assert {t.run_id for t in await stored_samples(bus, "ROLLOUTS")} == {"going"}

@@ -14,7 +14,7 @@ import pytest
 from policyloop.bus import Bus, Delivery, PermanentError, PullWorker, rollouts_subject, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.telemetry import tracing
-from tests.helpers import eventually, stored
+from tests.helpers import eventually, publish_group, stored
 from tests.otlp_receiver import OtlpReceiver, lineage, roots_and_children
 
 
@@ -35,17 +35,17 @@ async def test_a_task_and_what_its_handlers_publish_form_one_trace(bus: Bus, rec
         for i in range(2):
             with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: f"{task.task_id}/{i}"}):
                 traj = bus_pb2.Trajectory(trajectory_id=f"{task.task_id}/{i}", task_id=task.task_id, run_id="r",
-                                          environment=task.environment, sample_index=i)
-                await bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
+                                          environment=task.environment, sample_index=i, group_id=f"{task.task_id}/{i}")
+                await publish_group(bus, rollouts_subject(task.environment), traj)
 
-    async def score(delivery: Delivery[bus_pb2.Trajectory]) -> None:
-        if delivery.message.sample_index == 1:
+    async def score(delivery: Delivery[bus_pb2.TrajectoryGroup]) -> None:
+        if delivery.message.trajectories[0].sample_index == 1:
             raise PermanentError("no scorer for this one")  # dead-lettered: its span says why
 
     topology = bus.topology.consumers
     stop = asyncio.Event()
     workers = [PullWorker(bus, topology["rollout"], bus_pb2.Task, sample, service="rollout"),
-               PullWorker(bus, topology["reward"], bus_pb2.Trajectory, score, service="reward")]
+               PullWorker(bus, topology["reward"], bus_pb2.TrajectoryGroup, score, service="reward")]
     running = [asyncio.create_task(w.run(stop)) for w in workers]
     try:
         with tracing.span("feed task", attributes={tracing.TASK_ID: "t1"}):

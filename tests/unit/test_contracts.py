@@ -8,6 +8,7 @@ from policyloop.contracts.generate import generate, stale_files
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import (
     InvalidMessage,
+    validate_group,
     validate_sandbox_job,
     validate_scorer,
     validate_task,
@@ -55,6 +56,29 @@ def test_invalid_trajectory_names_the_field(change: dict, field: str) -> None:
     with pytest.raises(InvalidMessage) as err:
         validate_trajectory(trajectory(**change))
     assert err.value.field == field
+
+
+def group(*members: bus_pb2.Trajectory, group_id: str = "t") -> bus_pb2.TrajectoryGroup:
+    return bus_pb2.TrajectoryGroup(group_id=group_id, trajectories=members)
+
+
+def test_a_whole_group_or_a_part_of_one_passes() -> None:
+    validate_group(group(trajectory(group_id="t"), trajectory(trajectory_id="t/1", sample_index=1, group_id="t")))
+    validate_group(group(trajectory(trajectory_id="t/1", sample_index=1, group_id="t")))
+
+
+@pytest.mark.parametrize(("message", "field"), [
+    (group(trajectory(group_id="t"), group_id=""), "group_id"),
+    (group(), "trajectories"),
+    (group(trajectory(group_id="other")), "trajectories[0].group_id"),
+    (group(trajectory(group_id="t"), trajectory(group_id="t")), "trajectories[1].sample_index"),
+    (group(trajectory(group_id="t"), trajectory(trajectory_id="t/1", sample_index=1, group_id="t", loss_mask=[True])),
+     "trajectories[1].loss_mask"),
+])
+def test_an_invalid_group_names_the_member_and_its_field(message: bus_pb2.TrajectoryGroup, field: str) -> None:
+    with pytest.raises(InvalidMessage) as err:
+        validate_group(message)
+    assert err.value.field == field and str(err.value).startswith(f"{field}: ")
 
 
 def test_task_and_job_checks() -> None:

@@ -162,15 +162,15 @@ def _streams(lim: BusLimits) -> list[StreamSpec]:
             description="Prompts waiting for a rollout replica (work queue; full = backpressure).",
         ),
         StreamSpec(
-            "ROLLOUTS", (f"{p}.rollouts.>",), bus_pb2.Trajectory, api.RetentionPolicy.WORK_QUEUE,
+            "ROLLOUTS", (f"{p}.rollouts.>",), bus_pb2.TrajectoryGroup, api.RetentionPolicy.WORK_QUEUE,
             duplicate_window_s=lim.duplicate_window_s,
-            description="Sampled completions waiting for reward.",
+            description="Groups of sampled completions waiting for reward.",
         ),
         StreamSpec(
-            "TRAJECTORIES", (f"{p}.traj.>",), bus_pb2.Trajectory, api.RetentionPolicy.LIMITS,
+            "TRAJECTORIES", (f"{p}.traj.>",), bus_pb2.TrajectoryGroup, api.RetentionPolicy.LIMITS,
             max_age_s=lim.trajectory_max_age_s, max_bytes=lim.trajectory_max_bytes,
             duplicate_window_s=lim.duplicate_window_s,
-            description="Scored trajectories; kept so the learner can replay from a checkpoint.",
+            description="Scored groups; kept so the learner can replay from a checkpoint.",
         ),
         StreamSpec(
             "SANDBOX", (f"{p}.sandbox.>",), bus_pb2.SandboxJob, api.RetentionPolicy.WORK_QUEUE,

@@ -12,7 +12,7 @@ from policyloop.contracts.v1 import bus_pb2
 class InvalidMessage(ValueError):
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(f"{field}: {problem}")
-        self.field = field
+        self.field, self.problem = field, problem
 
 
 def validate_task(task: bus_pb2.Task) -> None:
@@ -54,6 +54,26 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
     _validate_turns(traj)
     if traj.HasField("scorer"):
         validate_scorer(traj.scorer)
+
+
+def validate_group(group: bus_pb2.TrajectoryGroup) -> None:
+    """A group message: at least one sample, each valid and a member of this group, none twice."""
+    if not group.group_id:
+        raise InvalidMessage("group_id", "is empty")
+    if not group.trajectories:
+        raise InvalidMessage("trajectories", "is empty")
+    seen: set[int] = set()
+    for i, traj in enumerate(group.trajectories):
+        try:
+            validate_trajectory(traj)
+        except InvalidMessage as exc:
+            raise InvalidMessage(f"trajectories[{i}].{exc.field}", exc.problem) from None
+        if traj.group_id != group.group_id:
+            raise InvalidMessage(f"trajectories[{i}].group_id",
+                                 f"{traj.group_id!r} is not the group's {group.group_id!r}")
+        if traj.sample_index in seen:
+            raise InvalidMessage(f"trajectories[{i}].sample_index", f"{traj.sample_index} is in the group twice")
+        seen.add(traj.sample_index)
 
 
 def _validate_demonstration(traj: bus_pb2.Trajectory) -> None:

@@ -119,7 +119,8 @@ class RunFeeder:
             await self._learner_has_room()
             with tracing.span("feed demonstration", kind=SpanKind.PRODUCER, attributes={
                     tracing.TASK_ID: item.task_id, tracing.RUN_ID: item.run_id, tracing.ENVIRONMENT: item.environment}):
-                await self.bus.publish(trajectories_subject(item.environment), item, item.trajectory_id)
+                group = bus_pb2.TrajectoryGroup(group_id=item.group_id, trajectories=[item])
+                await self.bus.publish(trajectories_subject(item.environment), group, item.group_id)
             await record_generated(self.bus, [item], self.owner)  # for the ledger's audit, as a replica's group
             self.demonstrations_unchecked += 1
             return

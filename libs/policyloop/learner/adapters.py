@@ -128,29 +128,31 @@ class AdapterLearner:
             await asyncio.to_thread(self.trainer.remove_run, run_id)
         log.info("run_removed", run=run_id, dropped_samples=sum(len(g) for g in groups))
 
-    async def admit(self, delivery: Delivery[bus_pb2.Trajectory]) -> None:
-        """Handles one delivery (the pull worker acks when this returns): held until its run's
-        step made a stored version, or it was dropped, or recognised as a copy of one that was."""
-        traj = delivery.message
-        if not traj.scored:
-            raise PermanentError("trajectory was not scored by the reward service")
-        slot = self.slots.get(traj.run_id)
-        if slot is None and traj.run_id in self.removed:
-            await record_dropped(self.bus, adapter_model_name(self.model, traj.run_id), traj.run_id, self.instance_id,
-                                 RUN_STOPPED, [(traj.trajectory_id, delivery.stream_seq)])
+    async def admit(self, delivery: Delivery[bus_pb2.TrajectoryGroup]) -> None:
+        """Handles one group's delivery (the pull worker acks when this returns): held until its
+        run's step made a stored version, or it was dropped, or recognised as a copy of one that was."""
+        group = delivery.message.trajectories
+        for traj in group:
+            if not traj.scored:
+                raise PermanentError(f"trajectory {traj.trajectory_id} was not scored by the reward service")
+        run_id = group[0].run_id
+        if any(t.run_id != run_id for t in group):
+            raise PermanentError(f"group {delivery.message.group_id} mixes runs")
+        slot = self.slots.get(run_id)
+        if slot is None and run_id in self.removed:
+            await record_dropped(self.bus, adapter_model_name(self.model, run_id), run_id, self.instance_id,
+                                 RUN_STOPPED, [(t.trajectory_id, delivery.stream_seq) for t in group])
             return
         if slot is None:
-            raise RunNotServed(f"run {traj.run_id!r} has no adapter on this learner")
-        problem = self.trainer.limits.problem(traj)
-        if problem is not None:
-            raise PermanentError(f"the model cannot train on it: {problem}")
-        admission = slot.held.add(traj, delivery.stream_seq)
-        if admission is Admission.DUPLICATE:
-            await slot.held.until_released(traj.trajectory_id)
-            return
-        if admission is Admission.COMPLETE:
+            raise RunNotServed(f"run {run_id!r} has no adapter on this learner")
+        for traj in group:
+            problem = self.trainer.limits.problem(traj)
+            if problem is not None:
+                raise PermanentError(f"the model cannot train on trajectory {traj.trajectory_id}: {problem}")
+        admissions = [slot.held.add(traj, delivery.stream_seq) for traj in group]
+        if Admission.COMPLETE in admissions:
             self._batch_ready.set()
-        await slot.held.until_released(traj.trajectory_id)
+        await slot.held.until_all_released([t.trajectory_id for t in group])
 
     def ready(self) -> list[str]:
         return [run_id for run_id, slot in self.slots.items()

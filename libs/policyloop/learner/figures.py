@@ -77,17 +77,17 @@ class LearnerFigures:
     def __init__(self, status: status_pb2.LearnerStatus) -> None:
         self.status = status
 
-    def saw_trajectory(self) -> None:
+    def saw_trajectories(self, count: int) -> None:
         if not self.status.first_trajectory_at:
             self.status.first_trajectory_at = time.time()
-        self.status.trajectories_seen += 1
+        self.status.trajectories_seen += count
 
     def dropped(self, reason: str, count: int = 1) -> None:
         LEARNER_DROPPED.labels(reason).inc(count)
         setattr(self.status.dropped, reason, getattr(self.status.dropped, reason) + count)
 
     def dead_lettered(self, invalid_total: int) -> None:
-        """The pull worker dead-letters invalid trajectories (failed validation, unscored)."""
+        """The pull worker dead-letters invalid groups (failed validation, unscored)."""
         self.dropped("invalid", invalid_total - self.status.dropped.invalid)
 
     def pushed(self, pushed: PushReport) -> None:

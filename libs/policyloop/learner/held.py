@@ -46,6 +46,14 @@ class HeldTrajectories:
         await asyncio.shield(future)  # a cancelled handler must not cancel it for the others
         return True
 
+    async def until_all_released(self, trajectory_ids: list[str]) -> list[bool]:
+        """until_released for each sample of a group, looked up at once (before any waiting)."""
+        futures = [self._released.get(t) for t in trajectory_ids]
+        waiting = [asyncio.shield(f) for f in futures if f is not None]
+        if waiting:
+            await asyncio.gather(*waiting)
+        return [f is not None for f in futures]
+
     def sequence(self, trajectory_id: str) -> int:
         return self._sequences.get(trajectory_id, 0)
 

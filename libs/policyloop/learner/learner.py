@@ -22,7 +22,7 @@ from redis.exceptions import RedisError
 
 from policyloop.bus import Bus, Delivery, PermanentError, PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
-from policyloop.contracts.validate import validate_trajectory
+from policyloop.contracts.validate import validate_group
 from policyloop.learner.figures import (
     ON_STEP,
     OVERLAPPED,
@@ -90,14 +90,14 @@ class Learner:
             resumed_checkpoint_version=resumed.checkpoint_version, replayed_steps=len(resumed.replayed)))
         self.figures = LearnerFigures(self.status)
         self.traces = LearnerTraces()
-        self.worker: PullWorker[bus_pb2.Trajectory] | None = None
+        self.worker: PullWorker[bus_pb2.TrajectoryGroup] | None = None
 
-    def pull_worker(self) -> PullWorker[bus_pb2.Trajectory]:
-        """The consumer of TRAJECTORIES: it must hold a whole step's samples (unacked) plus the
-        groups still filling, so its concurrency is the consumer's max_ack_pending."""
+    def pull_worker(self) -> PullWorker[bus_pb2.TrajectoryGroup]:
+        """The consumer of TRAJECTORIES: it must hold a whole step's groups (unacked) plus those
+        still arriving, so its concurrency is the consumer's max_ack_pending."""
         consumer = self.bus.topology.consumers["learner"]
-        self.worker = PullWorker(self.bus, consumer, bus_pb2.Trajectory, self.admit, service="learner",
-                                 validator=validate_trajectory, concurrency=consumer.max_ack_pending)
+        self.worker = PullWorker(self.bus, consumer, bus_pb2.TrajectoryGroup, self.admit, service="learner",
+                                 validator=validate_group, concurrency=consumer.max_ack_pending)
         return self.worker
 
     async def publish_resumed(self, resumed: Resumed) -> None:
@@ -117,27 +117,31 @@ class Learner:
             self.figures.dead_lettered(self.worker.dead_lettered["invalid"])
         return self.status
 
-    async def admit(self, delivery: Delivery[bus_pb2.Trajectory]) -> None:
-        """Handles one delivery; returns (and the worker acks) once the sample is trained into a
-        published version, dropped, or recognised as a copy of one that was."""
-        traj = delivery.message
-        if not traj.scored:
-            raise PermanentError("trajectory was not scored by the reward service")
-        problem = self.trainer.limits.problem(traj)
-        if problem is not None:
-            raise PermanentError(f"the model cannot train on it: {problem}")
-        self.figures.saw_trajectory()
-        self.traces.admitted(traj.trajectory_id)
-        admission = self.held.add(traj, delivery.stream_seq)
-        if admission is Admission.DUPLICATE:
+    async def admit(self, delivery: Delivery[bus_pb2.TrajectoryGroup]) -> None:
+        """Handles one group's delivery; returns (and the worker acks) once its samples are trained
+        into a published version, dropped, or recognised as copies of ones that were."""
+        group = delivery.message.trajectories
+        for traj in group:
+            if not traj.scored:
+                raise PermanentError(f"trajectory {traj.trajectory_id} was not scored by the reward service")
+            problem = self.trainer.limits.problem(traj)
+            if problem is not None:
+                raise PermanentError(f"the model cannot train on trajectory {traj.trajectory_id}: {problem}")
+        self.figures.saw_trajectories(len(group))
+        for traj in group:
+            self.traces.admitted(traj.trajectory_id)
+        held = []
+        for traj in group:
+            admission = self.held.add(traj, delivery.stream_seq)
+            if admission is Admission.COMPLETE:
+                self.status.groups_complete += 1
             # A copy of a sample still held or in the step under way (an ack wait that lapsed, a
             # reconnect) waits for it: acking now would ack the message before its step is durable.
-            if not await self.held.until_released(traj.trajectory_id):
-                self.figures.dropped("duplicate")
-            return
-        if admission is Admission.COMPLETE:
-            self.status.groups_complete += 1
-        await self.held.until_released(traj.trajectory_id)
+            held.append((traj.trajectory_id, admission is Admission.DUPLICATE))
+        released = await self.held.until_all_released([t for t, _ in held])
+        copies = sum(1 for (_, duplicate), waited in zip(held, released, strict=True) if duplicate and not waited)
+        if copies:
+            self.figures.dropped("duplicate", copies)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Steps whenever a batch is held, until `stop`; then checkpoints the last step."""

@@ -93,11 +93,9 @@ async def replay_step(trainer: PolicyTrainer | Replayable, bus: Bus, record: Ste
         raise ResumeError(f"the ledger's next step makes version {record.version}, but the trainer is at "
                           f"{trainer.version}: a step is missing from LEDGER")
     try:
-        samples = await stored_trajectories(bus, record.stream_sequences)
-    except LookupError as exc:
+        samples = await stored_trajectories(bus, record.trajectory_ids, record.stream_sequences)
+    except (LookupError, ValueError) as exc:
         raise ResumeError(f"cannot replay step {record.step}: {exc}") from exc
-    if [t.trajectory_id for t in samples] != list(record.trajectory_ids):
-        raise ResumeError(f"TRAJECTORIES holds other trajectories at the sequences of step {record.step}")
     await asyncio.to_thread(trainer.step, regroup(samples))
     weights = await asyncio.to_thread(weight_set, trainer.version, await asyncio.to_thread(trainer.export_tensors))
     if weights.manifest_hash != record.manifest_hash:

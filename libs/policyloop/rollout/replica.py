@@ -96,15 +96,14 @@ class RolloutReplica:
                 batch = asyncio.ensure_future(self.generate_batch(
                     [self._request(task, traj, lora_path) for traj in group]))
             try:
-                traces = await asyncio.gather(*(self.sample(task, traj, batch, i, lora_path)
-                                                for i, traj in enumerate(group)))
+                await asyncio.gather(*(self.sample(task, traj, batch, i, lora_path) for i, traj in enumerate(group)))
             finally:
                 if batch is not None and not batch.done():
                     batch.cancel()
         if self.lora is not None:
             for traj in group:
                 stamp_version(traj, 0 if adapter is None else adapter.version)
-        await self._store(task, group, traces)
+        await self._store(task, group)
 
     def _adapter(self, run_id: str) -> AbstractAsyncContextManager[AdapterLease | None]:
         return nullcontext(None) if self.lora is None else self.lora.adapter(run_id)
@@ -146,16 +145,10 @@ class RolloutReplica:
             raise PermanentError("prompt_text: the model's tokenizer gives no tokens for it (give prompt_token_ids)")
         return prompt_ids
 
-    async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory],
-                     traces: list[tracing.Context]) -> None:
-        """ROLLOUTS, then LEDGER; only then may the Task be acked. Each trajectory goes on in the
-        trace of its own sampling."""
-        async def store(traj: bus_pb2.Trajectory, sampled: tracing.Context) -> None:
-            with tracing.continued(sampled):
-                await self.ctx.bus.publish(rollouts_subject(task.environment), traj, traj.trajectory_id)
-
-        # Together: their publishes share the connection's writes, and one round trip waits for all acks.
-        await asyncio.gather(*(store(traj, sampled) for traj, sampled in zip(group, traces, strict=True)))
+    async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory]) -> None:
+        """ROLLOUTS (the group as one message), then LEDGER; only then may the Task be acked."""
+        await self.ctx.bus.publish(rollouts_subject(task.environment),
+                                   bus_pb2.TrajectoryGroup(group_id=task.task_id, trajectories=group), task.task_id)
         await record_generated(self.ctx.bus, group, self.settings.instance_id)
         generated = sum(len(t.response_token_ids) for t in group)
         try:
@@ -175,10 +168,9 @@ class RolloutReplica:
 
     async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory,
                      batch: asyncio.Future[list[Completion]] | None, index: int,
-                     lora_path: str | None = None) -> tracing.Context:
+                     lora_path: str | None = None) -> None:
         """Samples one member of the group: a single-turn member takes the `index`-th answer of the
-        group's `batch`, a multi-turn one (no batch) runs its episode. Returns the trace context it
-        was sampled in."""
+        group's `batch`, a multi-turn one (no batch) runs its episode."""
         with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
                                                 tracing.ENVIRONMENT: task.environment}) as made:
             if batch is None:
@@ -193,9 +185,7 @@ class RolloutReplica:
                                  "policyloop.turns": max(1, len(traj.turns)),
                                  "policyloop.oldest_version": oldest_version([traj]),
                                  "policyloop.newest_version": max((v.version for v in traj.version_spans), default=0)})
-            sampled = tracing.current()
         traj.prompt_text = task.prompt_text
-        return sampled
 
     async def _episode(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, request: GenerateRequest) -> None:
         """Model turns and tool turns; a tool call runs as a job on the SANDBOX stream, and its

@@ -266,6 +266,14 @@ class Trajectory(_message.Message):
     supervised: bool
     def __init__(self, trajectory_id: _Optional[str] = ..., task_id: _Optional[str] = ..., group_id: _Optional[str] = ..., sample_index: _Optional[int] = ..., group_size: _Optional[int] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., response_token_ids: _Optional[_Iterable[int]] = ..., behaviour_logprobs: _Optional[_Iterable[float]] = ..., loss_mask: _Optional[_Iterable[bool]] = ..., version_spans: _Optional[_Iterable[_Union[VersionSpan, _Mapping]]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., rollout_replica: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., prompt_text: _Optional[str] = ..., response_text: _Optional[str] = ..., turns: _Optional[_Iterable[_Union[Turn, _Mapping]]] = ..., scored: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_breakdown: _Optional[_Iterable[_Union[RewardComponent, _Mapping]]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., supervised: _Optional[bool] = ...) -> None: ...
 
+class TrajectoryGroup(_message.Message):
+    __slots__ = ("group_id", "trajectories")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORIES_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    trajectories: _containers.RepeatedCompositeFieldContainer[Trajectory]
+    def __init__(self, group_id: _Optional[str] = ..., trajectories: _Optional[_Iterable[_Union[Trajectory, _Mapping]]] = ...) -> None: ...
+
 class WeightsPublished(_message.Message):
     __slots__ = ("model", "version", "base_versions", "manifest_hash", "bytes_raw", "bytes_delta", "codec", "fetch_endpoint", "step", "published_unix_ms", "run_id", "trained_unix_ms")
     MODEL_FIELD_NUMBER: _ClassVar[int]

@@ -16,6 +16,7 @@ from policyloop.contracts.v1.bus_pb2 import Timings as Timings
 from policyloop.contracts.v1.bus_pb2 import RewardComponent as RewardComponent
 from policyloop.contracts.v1.bus_pb2 import Turn as Turn
 from policyloop.contracts.v1.bus_pb2 import Trajectory as Trajectory
+from policyloop.contracts.v1.bus_pb2 import TrajectoryGroup as TrajectoryGroup
 from policyloop.contracts.v1.bus_pb2 import WeightsPublished as WeightsPublished
 from policyloop.contracts.v1.bus_pb2 import DeadLetter as DeadLetter
 from policyloop.contracts.v1.bus_pb2 import LedgerEvent as LedgerEvent
