@@ -12,7 +12,11 @@ learner's and the replicas' phase counters are read, and again `--seconds` later
   `per_step_ms` is the part of them a step waited for;
 - `learner.steps`, `steps_per_s` and `busy_fraction` (not waiting for a batch) over the window;
 - `rollout.per_version_ms`: the mean time of each phase of taking a version on the replicas
-  (fetch, decode_verify, write, pause, load, continue) and `versions`.
+  (fetch, decode_verify, write, pause, load, continue) and `versions`;
+- `cpu.core_ms_per_step`: the CPU time (user + system, from /proc) each process of the cluster
+  spent per learner step over the window — each service, its engine ('<name> children'),
+  nats-server, redis-server — and their sum, `cpu.core_s_per_step`: what a step costs the machine,
+  a figure less at the mercy of a noisy neighbour than steps/s.
 
     .venv/bin/python perf/step_profile.py                    # 120 s after 10 warm-up steps
     .venv/bin/python perf/step_profile.py --seconds 60 --repeats 3
@@ -37,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
 from policyloop.learner.figures import ON_STEP, OVERLAPPED, PUBLISH_PHASES, STEP_PHASES  # noqa: E402
@@ -83,14 +87,57 @@ def profile(before: Scrape, after: Scrape, seconds: float) -> dict:
     }
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of one process so far (/proc/<pid>/stat); None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children(pid: int) -> list[int]:
+    """Direct children (a rollout's or an evaluator's engine process)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
+    """CPU seconds so far of every process of the cluster, by name; a service's children (its
+    engine) under '<name> children'. Linux only (/proc)."""
+    used: dict[str, float] = {}
+    for managed in cluster.infrastructure + cluster.processes:
+        if managed.proc is None:
+            continue
+        own = cpu_seconds(managed.proc.pid)
+        if own is not None:
+            used[managed.name] = own
+        spawned = [t for t in (cpu_seconds(c) for c in children(managed.proc.pid)) if t is not None]
+        if spawned:
+            used[f"{managed.name} children"] = sum(spawned)
+    return used
+
+
+def cpu_per_step(before: dict[str, float], after: dict[str, float], steps: float) -> dict[str, float]:
+    """Core-milliseconds per learner step of each process between two readings, largest first
+    (one core busy for the whole window = 1000 ms per second of it)."""
+    spent = {name: after[name] - before.get(name, 0.0) for name in after if name in before}
+    return {name: round(1000 * s / steps, 1) for name, s in sorted(spent.items(), key=lambda kv: -kv[1])
+            if steps and s > 0}
+
+
 async def learner_step(registry: HeartbeatRegistry) -> int:
     return next((b.learner.step for b in await registry.alive() if b.service == "learner"), 0)
 
 
 async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namespace) -> dict:
-    status = await wait_healthy(cluster, 180)
-    if not status.all_healthy:
-        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}")
+    await require_healthy(cluster, 180)
     endpoints = [MetricsEndpoint(p.name, service_of(p.name), f"http://127.0.0.1:{p.ports['http']}/metrics")
                  for p in cluster.processes if "http" in p.ports]
     redis_client = await connect_redis(cluster.redis_url)
@@ -102,10 +149,12 @@ async def drive(cluster: LocalCluster, config: DemoConfig, args: argparse.Namesp
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"fewer than {args.warmup_steps} steps in {args.timeout_s} s")
                 await asyncio.sleep(0.5)
-            before, started = await scrape_services(endpoints), time.monotonic()
+            before, started, cpu_before = await scrape_services(endpoints), time.monotonic(), cluster_cpu(cluster)
             await asyncio.sleep(args.seconds)
-            after = await scrape_services(endpoints)
+            after, cpu_after = await scrape_services(endpoints), cluster_cpu(cluster)
             figures = profile(before, after, time.monotonic() - started)
+            per_step = cpu_per_step(cpu_before, cpu_after, figures["learner"]["steps"])
+            figures["cpu"] = {"core_ms_per_step": per_step, "core_s_per_step": round(sum(per_step.values()) / 1000, 3)}
         return figures
     finally:
         await redis_client.aclose()
@@ -137,6 +186,9 @@ def medians(runs: list[dict]) -> dict:
                                                for p in PUBLISH_PHASES}},
         "rollout": {"version_ms": median_of(("rollout", "version_ms")),
                     "per_version_ms": {p: median_of(("rollout", "per_version_ms", p)) for p in VERSION_PHASES}},
+        "cpu": {"core_s_per_step": median_of(("cpu", "core_s_per_step")),
+                "core_ms_per_step": {name: median_of(("cpu", "core_ms_per_step", name))
+                                     for name in runs[0].get("cpu", {}).get("core_ms_per_step", {})}},
     }
 
 

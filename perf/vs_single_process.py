@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
 from policyloop.rl.settings import OptimizerSettings  # noqa: E402
@@ -85,9 +85,7 @@ def run_single(config: DemoConfig, seconds: float, marks: list[float]) -> tuple[
 
 async def drive_cluster(cluster: LocalCluster, config: DemoConfig, seconds: float, marks: list[float]
                         ) -> tuple[list[Snapshot], float, int]:
-    status = await wait_healthy(cluster, 180)
-    if not status.all_healthy:
-        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}")
+    await require_healthy(cluster, 180)
     publisher = cluster.process("publisher-0").ports["grpc"]
     weights = WeightClient(f"127.0.0.1:{publisher}")
     held = None

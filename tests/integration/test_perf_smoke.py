@@ -126,6 +126,8 @@ def test_step_profile_reads_every_phase_of_a_step_and_a_version(tmp_path: Path, 
     assert {"wait_for_batch", "forward", "backward", "optimizer", "export", "push"} <= set(phases)
     assert abs(sum(phases.values()) - run["learner"]["step_ms"]) < 1
     assert run["rollout"]["versions"] >= 1 and {"fetch", "load"} <= set(run["rollout"]["per_version_ms"])
+    cpu = run["cpu"]["core_ms_per_step"]
+    assert cpu["learner-0"] > 0 and cpu["rollout-0 children"] > 0 and cpu["nats-server"] > 0  # its engine, the bus
     assert (out / "step_profile.png").stat().st_size > 1000
 
 

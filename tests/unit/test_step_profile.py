@@ -3,12 +3,15 @@ size in tests/integration/test_perf_smoke.py, marked slow)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 
-from step_profile import profile  # noqa: E402
+from step_profile import children, cpu_per_step, cpu_seconds, profile  # noqa: E402
 
 from policyloop.cluster.scrape import Sample, Scrape  # noqa: E402
 
@@ -56,3 +59,27 @@ def test_a_window_without_steps_reports_none() -> None:
     figures = profile(same, same, seconds=5.0)
     assert figures["learner"]["steps"] == 0 and figures["learner"]["per_step_ms"] == {}
     assert figures["rollout"]["per_version_ms"] == {}
+
+
+def test_cpu_per_step_is_each_processs_time_over_the_steps_largest_first() -> None:
+    before = {"learner-0": 10.0, "rollout-0": 4.0, "rollout-0 children": 3.0, "nats-server": 1.0}
+    after = {"learner-0": 14.0, "rollout-0": 5.0, "rollout-0 children": 5.0, "nats-server": 1.0, "late-0": 2.0}
+    # 10 steps: 4 s of the learner's CPU is 400 core-ms a step; idle and unpaired processes are left out.
+    assert cpu_per_step(before, after, 10) == {"learner-0": 400.0, "rollout-0 children": 200.0, "rollout-0": 100.0}
+    assert list(cpu_per_step(before, after, 10)) == ["learner-0", "rollout-0 children", "rollout-0"]
+    assert cpu_per_step(before, after, 0) == {}
+
+
+def test_a_processs_cpu_time_and_its_children_are_read_from_proc() -> None:
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nend = time.process_time() + 0.3\n"
+                             "while time.process_time() < end: pass\ntime.sleep(60)"])
+    try:
+        deadline = time.monotonic() + 30
+        while (cpu_seconds(busy.pid) or 0.0) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (cpu_seconds(busy.pid) or 0.0) >= 0.3  # its spin, counted
+        assert busy.pid in children(os.getpid())
+    finally:
+        busy.kill()
+        busy.wait()
+    assert cpu_seconds(busy.pid) is None  # gone

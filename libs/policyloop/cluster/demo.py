@@ -327,6 +327,30 @@ async def wait_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus
         await asyncio.sleep(0.5)
 
 
+class ClusterNotHealthy(RuntimeError):
+    """The local cluster did not come up: which services, and what their logs end with."""
+
+
+async def require_healthy(cluster: LocalCluster, timeout_s: float, log_lines: int = 12) -> ClusterStatus:
+    """wait_healthy, raising ClusterNotHealthy with each missing or unhealthy service's process
+    state and the end of its log (the run directory of a harness is gone once it fails)."""
+    status = await wait_healthy(cluster, timeout_s)
+    if status.all_healthy:
+        return status
+    unhealthy = [i.instance for i in status.instances if not i.healthy]
+    lines = [f"the cluster is not healthy after {timeout_s:.0f} s: missing {status.missing}, unhealthy {unhealthy}"]
+    for managed in cluster.processes:
+        if managed.name.rsplit("-", 1)[0] not in status.missing and managed.name not in unhealthy:
+            continue
+        code = None if managed.proc is None else managed.proc.poll()
+        tail = managed.log_path.read_text(errors="replace").splitlines()[-log_lines:] \
+            if managed.log_path.exists() else []
+        lines.append(f"--- {managed.name} ({'running' if code is None else f'exited {code}'}), "
+                     f"{managed.log_path.name} ends:")
+        lines.extend(tail)
+    raise ClusterNotHealthy("\n".join(lines))
+
+
 @dataclass
 class HeldOut:
     """The run's held-out accuracy as the demo reports it: the cluster's evaluator's results (the
@@ -458,10 +482,7 @@ async def _start_full_model_run(stub: loop_pb2_grpc.LoopServiceStub, config: Dem
 async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tracker: Tracker) -> DemoResult:
     from transformers import AutoTokenizer
 
-    status = await wait_healthy(cluster, config.start_timeout_s)
-    if not status.all_healthy:
-        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}, "
-                           f"unhealthy {[i.instance for i in status.instances if not i.healthy]}")
+    await require_healthy(cluster, config.start_timeout_s)
     console.print("[green]all six services are healthy[/green]")
     redis_client = await connect_redis(cluster.redis_url)  # one connection for all the polling
     heartbeats = HeartbeatRegistry(redis_client, cluster.namespace)

@@ -30,7 +30,7 @@ import grpc
 from rich.console import Console
 
 from policyloop.bus import Bus
-from policyloop.cluster.demo import DemoConfig, arithmetic_environment, loop_env, wait_healthy
+from policyloop.cluster.demo import DemoConfig, arithmetic_environment, loop_env, require_healthy
 from policyloop.cluster.local import LocalCluster
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs import arithmetic
@@ -182,10 +182,7 @@ async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Envi
 
 async def drive(cluster: LocalCluster, config: ProductionConfig, console: Console) -> ProductionResult:
     loop = config.loop
-    status = await wait_healthy(cluster, loop.start_timeout_s)
-    if not status.all_healthy:
-        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}, "
-                           f"unhealthy {[i.instance for i in status.instances if not i.healthy]}")
+    await require_healthy(cluster, loop.start_timeout_s)
     console.print("[green]the services are healthy[/green] (with the evaluator and a serving replica)")
     result = ProductionResult()
     gateway = cluster.process("gateway-0").ports["grpc"]
