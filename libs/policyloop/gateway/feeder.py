@@ -7,6 +7,7 @@ demonstrations go to TRAJECTORIES instead, paced by the learner's backlog in the
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import redis.exceptions
@@ -45,6 +46,8 @@ class RunFeeder:
         self.on_backpressure = on_backpressure
         self.max_waiting_demonstrations = max_waiting_demonstrations
         self.demonstrations_unchecked = 0  # fed since the learner's backlog was last read
+        # How often a feed renews its lease and reads its run's state (a lapsed lease must stay impossible).
+        self.check_every_s = min(1.0, lease_s / 4)
 
     async def run(self) -> None:
         """Looks for running runs with tasks left to feed (new ones, or ones whose feeder died)
@@ -92,25 +95,43 @@ class RunFeeder:
             if request is None or run is None:
                 return
             envs = {m.environment: await self.environments.get(m.environment) for m in request.environments}
-            index = run.tasks_enqueued
-            while index < run.tasks_total and not self.stop.is_set():
-                if not await self.leases.extend(lease, self.lease_s, self.owner):
-                    return  # another replica took over
-                current = await self.runs.get(run_id)
-                if current is None or current.state != loop_pb2.RUN_STATE_RUNNING:
-                    return
-                item = nth_item(run_id, request, envs, index)  # type: ignore[arg-type]
-                try:
-                    await self.publish(item)
-                except StreamFull:
-                    self.on_backpressure(True)
-                    await asyncio.sleep(self.backpressure_wait_s)
-                    continue
-                self.on_backpressure(False)
-                index += 1
-                await self.runs.set_enqueued(run_id, index)
+            index = recorded = run.tasks_enqueued
+            checked = float("-inf")
+            try:
+                while index < run.tasks_total and not self.stop.is_set():
+                    # The lease, the run's state and the count enqueued go to Redis once per
+                    # check interval, not per task: three round trips a task cost more than its
+                    # publish. A takeover re-publishes at most an interval's tasks, under the
+                    # same ids (deduplicated); a stopped run's extra tasks are acked unsampled.
+                    if time.monotonic() - checked >= self.check_every_s:
+                        if not await self.leases.extend(lease, self.lease_s, self.owner):
+                            return  # another replica took over
+                        current = await self.runs.get(run_id)
+                        if current is None or current.state != loop_pb2.RUN_STATE_RUNNING:
+                            return
+                        recorded = await self._record_enqueued(run_id, index, recorded)
+                        checked = time.monotonic()
+                    item = nth_item(run_id, request, envs, index)  # type: ignore[arg-type]
+                    try:
+                        await self.publish(item)
+                    except StreamFull:
+                        self.on_backpressure(True)
+                        recorded = await self._record_enqueued(run_id, index, recorded)
+                        await asyncio.sleep(self.backpressure_wait_s)
+                        checked = float("-inf")
+                        continue
+                    self.on_backpressure(False)
+                    index += 1
+            finally:
+                if await self.leases.owner(lease) == self.owner:  # never behind a replica that took over
+                    await self._record_enqueued(run_id, index, recorded)
         finally:
             await self.leases.release(lease, self.owner)
+
+    async def _record_enqueued(self, run_id: str, index: int, recorded: int) -> int:
+        if index != recorded:
+            await self.runs.set_enqueued(run_id, index)
+        return index
 
     async def publish(self, item: bus_pb2.Task | bus_pb2.Trajectory) -> None:
         """A task starts its trace: every trajectory of its group is sampled, scored and trained
