@@ -228,7 +228,9 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         for run, model in zip(runs, models, strict=True):
             audited = await audit_bus(bus, run.run_id) if args.runs > 1 else report
             registry = await VersionRegistry(redis_client, cluster.namespace).get(model)
-            held = sorted(v.version for v in await publisher.list_versions(model))
+            # A publisher killed last may still be rebuilding its store: the loop reached its target
+            # on versions recorded before their push.
+            held = sorted(v.version for v in await publisher.list_versions(model, wait_for_ready=True))
             per_model[model] = {
                 "run_id": run.run_id, "lost": audited.lost, "trained_twice": audited.trained_twice,
                 "versions_monotonic": audited.versions_monotonic, "steps": audited.steps,

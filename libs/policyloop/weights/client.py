@@ -97,10 +97,12 @@ class WeightClient:
             raise FetchError(f"payload xxh3-128 {digest} does not match the header's {header.payload_xxh3_128}")
         return FetchedVersion(header, payload)
 
-    async def list_versions(self, model: str = "") -> list[weights_pb2.VersionInfo]:
+    async def list_versions(self, model: str = "", *, wait_for_ready: bool = False) -> list[weights_pb2.VersionInfo]:
+        """`wait_for_ready`: a publisher not listening yet (restarting) is waited for, up to the
+        deadline, instead of failing at once."""
         reply = await self.stub.ListVersions(
-            weights_pb2.ListVersionsRequest(model=model), timeout=self.deadline_s, metadata=self.metadata
-        )
+            weights_pb2.ListVersionsRequest(model=model), timeout=self.deadline_s, metadata=self.metadata,
+            wait_for_ready=wait_for_ready)
         return list(reply.versions)
 
     async def keep_version(self, model: str, version: int, reason: str) -> weights_pb2.VersionInfo:
