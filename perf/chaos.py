@@ -51,12 +51,12 @@ import grpc  # noqa: E402
 
 from policyloop.bus import Bus  # noqa: E402
 from policyloop.cluster.catalogue import SERVICES  # noqa: E402
-from policyloop.cluster.demo import arithmetic_environment, start_arithmetic_run, wait_healthy  # noqa: E402
+from policyloop.cluster.demo import arithmetic_environment, require_healthy, start_arithmetic_run  # noqa: E402
 from policyloop.cluster.demo_runs import start_lora_runs  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.cluster.nats_cluster import meta_leader, stream_leader, wait_cluster_ready  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
-from policyloop.ledger import audit_bus, trained_steps, wait_settled  # noqa: E402
+from policyloop.ledger import Audit, audit_bus, trained_steps, wait_settled  # noqa: E402
 from policyloop.rl.lora import adapter_model_name  # noqa: E402
 from policyloop.state import VersionRegistry, connect_redis  # noqa: E402
 from policyloop.weights.client import WeightClient  # noqa: E402
@@ -176,12 +176,42 @@ async def until(check, timeout_s: float, poll_s: float = 1.0) -> bool:  # type: 
     return False
 
 
+async def audit_after(cluster: LocalCluster, runs: list[loop_pb2.Run], models: tuple[str, ...],
+                      args: argparse.Namespace) -> tuple[bool, Audit, dict[str, dict]]:
+    """Once the loop settled: the ledger's audit (of each run, with several), and whether each
+    model's version registry and publisher agree with its ledger."""
+    bus = await Bus.connect(cluster.nats_url, name="chaos-audit", connect_timeout_s=30)
+    redis_client = await connect_redis(cluster.redis_url)
+    publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
+    try:
+        settled = await wait_settled(bus, args.settle_s, timeout_s=120)
+        report = await audit_bus(bus)
+        per_model = {}
+        for run, model in zip(runs, models, strict=True):
+            audited = await audit_bus(bus, run.run_id) if args.runs > 1 else report
+            registry = await VersionRegistry(redis_client, cluster.namespace).get(model)
+            # A publisher killed last may still be rebuilding its store: the loop reached its target
+            # on versions recorded before their push.
+            held = sorted(v.version for v in await publisher.list_versions(model, wait_for_ready=True))
+            per_model[model] = {
+                "run_id": run.run_id, "lost": audited.lost, "trained_twice": audited.trained_twice,
+                "versions_monotonic": audited.versions_monotonic, "steps": audited.steps,
+                "trained_not_generated": audited.trained_not_generated, "registry_version": registry,
+                "publisher_newest_version": held[-1] if held else 0,
+                # The learner may be one step ahead of what was read a moment earlier.
+                "versions_agree": abs(registry - audited.steps) <= 1 and bool(held)
+                and abs(held[-1] - audited.steps) <= 1}
+    finally:
+        await publisher.close()
+        await bus.close()
+        await redis_client.aclose()
+    return settled, report, per_model
+
+
 async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     started = time.monotonic()
-    status = await wait_healthy(cluster, 180)
-    if not status.all_healthy:
-        raise RuntimeError(f"the cluster is not healthy: missing {status.missing}")
+    await require_healthy(cluster, 180)
     gateway = f"127.0.0.1:{cluster.process('gateway-0').ports['grpc']}"
     async with grpc.aio.insecure_channel(gateway) as channel:
         stub = loop_pb2_grpc.LoopServiceStub(channel)
@@ -218,31 +248,7 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         for run in runs:
             await loop_pb2_grpc.LoopServiceStub(channel).StopRun(loop_pb2.StopRunRequest(run_id=run.run_id),
                                                                  timeout=30)
-    bus = await Bus.connect(cluster.nats_url, name="chaos-audit", connect_timeout_s=30)
-    redis_client = await connect_redis(cluster.redis_url)
-    publisher = WeightClient(f"127.0.0.1:{cluster.process('publisher-0').ports['grpc']}")
-    try:
-        settled = await wait_settled(bus, args.settle_s, timeout_s=120)
-        report = await audit_bus(bus)
-        per_model = {}
-        for run, model in zip(runs, models, strict=True):
-            audited = await audit_bus(bus, run.run_id) if args.runs > 1 else report
-            registry = await VersionRegistry(redis_client, cluster.namespace).get(model)
-            # A publisher killed last may still be rebuilding its store: the loop reached its target
-            # on versions recorded before their push.
-            held = sorted(v.version for v in await publisher.list_versions(model, wait_for_ready=True))
-            per_model[model] = {
-                "run_id": run.run_id, "lost": audited.lost, "trained_twice": audited.trained_twice,
-                "versions_monotonic": audited.versions_monotonic, "steps": audited.steps,
-                "trained_not_generated": audited.trained_not_generated, "registry_version": registry,
-                "publisher_newest_version": held[-1] if held else 0,
-                # The learner may be one step ahead of what was read a moment earlier.
-                "versions_agree": abs(registry - audited.steps) <= 1 and bool(held)
-                and abs(held[-1] - audited.steps) <= 1}
-    finally:
-        await publisher.close()
-        await bus.close()
-        await redis_client.aclose()
+    settled, report, per_model = await audit_after(cluster, runs, models, args)
     first = per_model[models[0]]
     node_kills = [k for k in kills if "picked" in k]
     return {

@@ -96,15 +96,15 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def children(pid: int) -> list[int]:
-    """Direct children (a rollout's or an evaluator's engine process)."""
-    found = []
+def children_by_parent() -> dict[int, list[int]]:
+    """Every process's direct children, from one pass over /proc (a service's engine process)."""
+    found: dict[int, list[int]] = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(stat.parent.name))
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError):
             continue
+        found.setdefault(parent, []).append(int(stat.parent.name))
     return found
 
 
@@ -112,13 +112,14 @@ def cluster_cpu(cluster: LocalCluster) -> dict[str, float]:
     """CPU seconds so far of every process of the cluster, by name; a service's children (its
     engine) under '<name> children'. Linux only (/proc)."""
     used: dict[str, float] = {}
+    children = children_by_parent()
     for managed in cluster.infrastructure + cluster.processes:
         if managed.proc is None:
             continue
         own = cpu_seconds(managed.proc.pid)
         if own is not None:
             used[managed.name] = own
-        spawned = [t for t in (cpu_seconds(c) for c in children(managed.proc.pid)) if t is not None]
+        spawned = [t for t in (cpu_seconds(c) for c in children.get(managed.proc.pid, [])) if t is not None]
         if spawned:
             used[f"{managed.name} children"] = sum(spawned)
     return used

@@ -72,6 +72,10 @@ def test_a_whole_group_or_a_part_of_one_passes() -> None:
     (group(), "trajectories"),
     (group(trajectory(group_id="other")), "trajectories[0].group_id"),
     (group(trajectory(group_id="t"), trajectory(group_id="t")), "trajectories[1].sample_index"),
+    (group(trajectory(group_id="t", run_id="a"), trajectory(trajectory_id="t/1", sample_index=1, group_id="t",
+                                                            run_id="b")), "trajectories[1].run_id"),
+    (group(trajectory(group_id="t", environment="e"), trajectory(trajectory_id="t/1", sample_index=1, group_id="t",
+                                                                 environment="f")), "trajectories[1].environment"),
     (group(trajectory(group_id="t"), trajectory(trajectory_id="t/1", sample_index=1, group_id="t", loss_mask=[True])),
      "trajectories[1].loss_mask"),
 ])

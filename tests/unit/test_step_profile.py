@@ -11,7 +11,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 
-from step_profile import children, cpu_per_step, cpu_seconds, profile  # noqa: E402
+from step_profile import children_by_parent, cpu_per_step, cpu_seconds, profile  # noqa: E402
 
 from policyloop.cluster.scrape import Sample, Scrape  # noqa: E402
 
@@ -78,7 +78,7 @@ def test_a_processs_cpu_time_and_its_children_are_read_from_proc() -> None:
         while (cpu_seconds(busy.pid) or 0.0) < 0.3 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert (cpu_seconds(busy.pid) or 0.0) >= 0.3  # its spin, counted
-        assert busy.pid in children(os.getpid())
+        assert busy.pid in children_by_parent()[os.getpid()]
     finally:
         busy.kill()
         busy.wait()

@@ -34,7 +34,7 @@ from rich.markup import escape
 
 from policyloop.bus import Bus
 from policyloop.cluster.demo_runs import AdapterEvaluator, RunEvaluation, RunResult, run_versions, start_lora_runs
-from policyloop.cluster.local import LocalCluster
+from policyloop.cluster.local import LocalCluster, ManagedProcess, service_of
 from policyloop.cluster.status import ClusterStatus, cluster_status
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, status_pb2
 from policyloop.engines.partial import Completion, generate_resumable
@@ -331,16 +331,22 @@ class ClusterNotHealthy(RuntimeError):
     """The local cluster did not come up: which services, and what their logs end with."""
 
 
-async def require_healthy(cluster: LocalCluster, timeout_s: float, log_lines: int = 12) -> ClusterStatus:
-    """wait_healthy, raising ClusterNotHealthy with each missing or unhealthy service's process
-    state and the end of its log (the run directory of a harness is gone once it fails)."""
+async def require_healthy(cluster: LocalCluster, timeout_s: float) -> ClusterStatus:
+    """wait_healthy, raising ClusterNotHealthy (unhealthy_report) when the cluster is not up."""
     status = await wait_healthy(cluster, timeout_s)
-    if status.all_healthy:
-        return status
+    if not status.all_healthy:
+        raise ClusterNotHealthy(unhealthy_report(cluster.processes, status, timeout_s))
+    return status
+
+
+def unhealthy_report(processes: Sequence[ManagedProcess], status: ClusterStatus, timeout_s: float,
+                     log_lines: int = 12) -> str:
+    """What is missing or unhealthy, and for each of those processes whether it still runs and
+    the end of its log (the run directory of a harness is gone once it fails)."""
     unhealthy = [i.instance for i in status.instances if not i.healthy]
     lines = [f"the cluster is not healthy after {timeout_s:.0f} s: missing {status.missing}, unhealthy {unhealthy}"]
-    for managed in cluster.processes:
-        if managed.name.rsplit("-", 1)[0] not in status.missing and managed.name not in unhealthy:
+    for managed in processes:
+        if service_of(managed.name) not in status.missing and managed.name not in unhealthy:
             continue
         code = None if managed.proc is None else managed.proc.poll()
         tail = managed.log_path.read_text(errors="replace").splitlines()[-log_lines:] \
@@ -348,7 +354,7 @@ async def require_healthy(cluster: LocalCluster, timeout_s: float, log_lines: in
         lines.append(f"--- {managed.name} ({'running' if code is None else f'exited {code}'}), "
                      f"{managed.log_path.name} ends:")
         lines.extend(tail)
-    raise ClusterNotHealthy("\n".join(lines))
+    return "\n".join(lines)
 
 
 @dataclass

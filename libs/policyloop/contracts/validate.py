@@ -57,7 +57,8 @@ def validate_trajectory(traj: bus_pb2.Trajectory) -> None:
 
 
 def validate_group(group: bus_pb2.TrajectoryGroup) -> None:
-    """A group message: at least one sample, each valid and a member of this group, none twice."""
+    """A group message: at least one sample, each valid and a member of this group (its id, run
+    and environment), none twice."""
     if not group.group_id:
         raise InvalidMessage("group_id", "is empty")
     if not group.trajectories:
@@ -71,6 +72,11 @@ def validate_group(group: bus_pb2.TrajectoryGroup) -> None:
         if traj.group_id != group.group_id:
             raise InvalidMessage(f"trajectories[{i}].group_id",
                                  f"{traj.group_id!r} is not the group's {group.group_id!r}")
+        first = group.trajectories[0]
+        for name in ("run_id", "environment"):  # one task's samples: the reward publishes by the first's
+            if getattr(traj, name) != getattr(first, name):
+                raise InvalidMessage(f"trajectories[{i}].{name}", f"{getattr(traj, name)!r} is not the group's "
+                                                                  f"{getattr(first, name)!r}")
         if traj.sample_index in seen:
             raise InvalidMessage(f"trajectories[{i}].sample_index", f"{traj.sample_index} is in the group twice")
         seen.add(traj.sample_index)

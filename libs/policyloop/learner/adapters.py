@@ -24,10 +24,10 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from policyloop.bus import Bus, Delivery, PermanentError
+from policyloop.bus import Bus, Delivery
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.learner.fair import FairShare
-from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.learner.held import Groups, HeldTrajectories, refuse_unscored, refuse_untrainable
 from policyloop.learner.start import VersionBehind
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
@@ -132,12 +132,8 @@ class AdapterLearner:
         """Handles one group's delivery (the pull worker acks when this returns): held until its
         run's step made a stored version, or it was dropped, or recognised as a copy of one that was."""
         group = delivery.message.trajectories
-        for traj in group:
-            if not traj.scored:
-                raise PermanentError(f"trajectory {traj.trajectory_id} was not scored by the reward service")
-        run_id = group[0].run_id
-        if any(t.run_id != run_id for t in group):
-            raise PermanentError(f"group {delivery.message.group_id} mixes runs")
+        refuse_unscored(group)
+        run_id = group[0].run_id  # every member's (validate_group)
         slot = self.slots.get(run_id)
         if slot is None and run_id in self.removed:
             await record_dropped(self.bus, adapter_model_name(self.model, run_id), run_id, self.instance_id,
@@ -145,10 +141,7 @@ class AdapterLearner:
             return
         if slot is None:
             raise RunNotServed(f"run {run_id!r} has no adapter on this learner")
-        for traj in group:
-            problem = self.trainer.limits.problem(traj)
-            if problem is not None:
-                raise PermanentError(f"the model cannot train on trajectory {traj.trajectory_id}: {problem}")
+        refuse_untrainable(group, self.trainer.limits)
         admissions = [slot.held.add(traj, delivery.stream_seq) for traj in group]
         if Admission.COMPLETE in admissions:
             self._batch_ready.set()

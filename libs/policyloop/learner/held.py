@@ -4,11 +4,28 @@ that trains on them has made a version the publisher stored (or they were droppe
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
+from policyloop.bus import PermanentError
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.rl.batching import Admission, GroupCollector, RecentSteps, split_stale
+from policyloop.rl.batching import Admission, GroupCollector, ModelLimits, RecentSteps, split_stale
 
 Groups = list[list[bus_pb2.Trajectory]]
+
+
+def refuse_unscored(group: Sequence[bus_pb2.Trajectory]) -> None:
+    """PermanentError (a dead letter naming the sample) for a group the reward service did not score."""
+    for traj in group:
+        if not traj.scored:
+            raise PermanentError(f"trajectory {traj.trajectory_id} was not scored by the reward service")
+
+
+def refuse_untrainable(group: Sequence[bus_pb2.Trajectory], limits: ModelLimits) -> None:
+    """PermanentError for a group with a sample the model cannot train on (ModelLimits.problem)."""
+    for traj in group:
+        problem = limits.problem(traj)
+        if problem is not None:
+            raise PermanentError(f"the model cannot train on trajectory {traj.trajectory_id}: {problem}")
 
 
 class HeldTrajectories:

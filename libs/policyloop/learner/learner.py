@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from redis.exceptions import RedisError
 
-from policyloop.bus import Bus, Delivery, PermanentError, PullWorker
+from policyloop.bus import Bus, Delivery, PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_group
 from policyloop.learner.figures import (
@@ -31,7 +31,7 @@ from policyloop.learner.figures import (
     publish_phases,
     trainer_phases,
 )
-from policyloop.learner.held import Groups, HeldTrajectories
+from policyloop.learner.held import Groups, HeldTrajectories, refuse_unscored, refuse_untrainable
 from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
@@ -121,25 +121,21 @@ class Learner:
         """Handles one group's delivery; returns (and the worker acks) once its samples are trained
         into a published version, dropped, or recognised as copies of ones that were."""
         group = delivery.message.trajectories
-        for traj in group:
-            if not traj.scored:
-                raise PermanentError(f"trajectory {traj.trajectory_id} was not scored by the reward service")
-            problem = self.trainer.limits.problem(traj)
-            if problem is not None:
-                raise PermanentError(f"the model cannot train on trajectory {traj.trajectory_id}: {problem}")
+        refuse_unscored(group)
+        refuse_untrainable(group, self.trainer.limits)
         self.figures.saw_trajectories(len(group))
+        duplicates = []
         for traj in group:
             self.traces.admitted(traj.trajectory_id)
-        held = []
-        for traj in group:
             admission = self.held.add(traj, delivery.stream_seq)
             if admission is Admission.COMPLETE:
                 self.status.groups_complete += 1
-            # A copy of a sample still held or in the step under way (an ack wait that lapsed, a
-            # reconnect) waits for it: acking now would ack the message before its step is durable.
-            held.append((traj.trajectory_id, admission is Admission.DUPLICATE))
-        released = await self.held.until_all_released([t for t, _ in held])
-        copies = sum(1 for (_, duplicate), waited in zip(held, released, strict=True) if duplicate and not waited)
+            duplicates.append(admission is Admission.DUPLICATE)
+        # A copy of a sample still held or in the step under way (an ack wait that lapsed, a
+        # reconnect) waits for it: acking now would ack the message before its step is durable.
+        # A copy of one no longer held (trained) is acked at once, as a dropped duplicate.
+        waited = await self.held.until_all_released([t.trajectory_id for t in group])
+        copies = sum(1 for duplicate, held in zip(duplicates, waited, strict=True) if duplicate and not held)
         if copies:
             self.figures.dropped("duplicate", copies)
 
