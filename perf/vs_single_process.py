@@ -2,7 +2,8 @@
 settings (model, groups per step, group size, lr, loss, sampling), the same training time.
 
 - single process: `policyloop.rl.single_process` — sample a group per problem, score, one
-  optimizer step, repeat (plain torch, both cores, no services);
+  optimizer step, repeat (plain torch, both cores, no services; its training forward is the plain
+  one over every prompt + response row unless `--single-shares-prompts` gives it the learner's);
 - cluster: the local cluster with the demo's loop settings (`loop_env`), run started through
   the gateway; time 0 is the StartRun reply.
 
@@ -74,11 +75,12 @@ def evaluate(model_path: Path, snapshots: list[Snapshot], eval_problems: int, se
     return curve
 
 
-def run_single(config: DemoConfig, seconds: float, marks: list[float]) -> tuple[list[Snapshot], float, int]:
+def run_single(config: DemoConfig, seconds: float, marks: list[float], share_prompts: bool = False
+               ) -> tuple[list[Snapshot], float, int]:
     loop = SingleProcessGRPO(SingleProcessConfig(
         model_path=config.model_path, groups_per_step=config.groups_per_step, group_size=config.group_size,
         max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-        optimizer=OptimizerSettings(lr=config.lr), loss=config.loss, seed=config.seed))
+        optimizer=OptimizerSettings(lr=config.lr), loss=config.loss, seed=config.seed, share_prompts=share_prompts))
     snapshots, elapsed = train_for(loop, seconds, marks)
     return snapshots, elapsed, loop.steps
 
@@ -187,6 +189,9 @@ def main() -> None:
     parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
     parser.add_argument("--groups-per-step", type=int, default=DemoConfig.groups_per_step)
     parser.add_argument("--group-size", type=int, default=DemoConfig.group_size)
+    parser.add_argument("--single-shares-prompts", action="store_true",
+                        help="the single process computes each distinct prompt once, as the learner does (default: "
+                             "the plain forward of a one-file script)")
     parser.add_argument("--only", choices=("single", "cluster"), default=None, help="run one side only")
     parser.add_argument("--out", type=Path, default=Path("perf/out/vs_single_process"))
     args = parser.parse_args()
@@ -201,7 +206,7 @@ def main() -> None:
     for _ in range(args.repeats):
         run: dict = {}
         if args.only != "cluster":
-            snapshots, elapsed, steps = run_single(config, args.seconds, marks)
+            snapshots, elapsed, steps = run_single(config, args.seconds, marks, args.single_shares_prompts)
             run["single"] = side(evaluate(args.model_path, snapshots, args.eval_problems, config.seed), elapsed, steps)
         if args.only != "single":
             with tempfile.TemporaryDirectory(prefix="vs-single-") as tmp:
@@ -213,7 +218,8 @@ def main() -> None:
     keys = ("time_to_60_ratio", "time_to_75_ratio", "steps_per_s_ratio")
     result = {
         "config": {"seconds": args.seconds, "mark_every": args.mark_every, "repeats": args.repeats,
-                   "eval_problems": args.eval_problems, "groups_per_step": config.groups_per_step,
+                   "eval_problems": args.eval_problems, "single_shares_prompts": args.single_shares_prompts,
+                   "groups_per_step": config.groups_per_step,
                    "group_size": config.group_size, "lr": config.lr, "max_lag": config.max_lag,
                    "model_path": str(args.model_path)},
         "median": {

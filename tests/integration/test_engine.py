@@ -190,6 +190,23 @@ async def test_seeded_sampling_is_independent_of_the_batch(client: SGLangClient)
     assert other_seed.output_ids != alone.output_ids
 
 
+async def test_a_group_sharing_a_prompt_prefills_it_once_and_samples_as_alone(client: SGLangClient) -> None:
+    """A GRPO group (one prompt, several seeds) in one batch: the prompt is computed once for the
+    wave (SGLang's cached_tokens counts the others' prompt tokens), each sample is the one its
+    seed draws alone, and a different prompt in the same wave is prefilled on its own."""
+    shared, other = prompt(4, 6), prompt(5, 5)
+    group = [sampled(shared, 8, seed=500 + i, rid=f"g-{i}", ignore_eos=True) for i in range(4)]
+    lone = sampled(other, 8, seed=77, rid="other", ignore_eos=True)
+    together = await client.generate_batch([*group, lone])
+    alone = [await client.generate(r.model_copy(update={"rid": f"alone-{r.rid}"})) for r in [*group, lone]]
+    for batched, single in zip(together, alone, strict=True):
+        assert batched.output_ids == single.output_ids
+        assert batched.output_logprobs == pytest.approx(single.output_logprobs, abs=1e-5)
+    assert [r.cached_tokens for r in together] == [0, len(shared), len(shared), len(shared), 0]
+    assert all(r.cached_tokens == 0 for r in alone)
+    assert len({tuple(r.output_ids) for r in together[:4]}) > 1  # the seeds drew different samples
+
+
 async def test_a_batch_request_answers_each_prompt_as_alone_in_order(engine: EmbeddedEngine,
                                                                      client: SGLangClient) -> None:
     """SGLang's batch form of /generate: prompts and per-prompt fields as lists, one answer each."""

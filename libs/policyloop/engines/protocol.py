@@ -513,6 +513,7 @@ class GenerateResult(_Answer):
     # The log-probability of each prompt token (None where not computed: always the first, and
     # those before logprob_start_len); None when prompt logprobs were not asked for.
     input_logprobs: list[float | None] | None = None
+    cached_tokens: int = 0  # prompt tokens whose computation was shared with another request's
 
     def to_json(self, token_texts: list[str | None] | None = None, e2e_latency: float | None = None,
                 prompt_ids: Sequence[int] = ()) -> dict[str, Any]:
@@ -522,7 +523,7 @@ class GenerateResult(_Answer):
             "finish_reason": finish.to_json(),
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": self.cached_tokens,
             "weight_version": self.weight_version,
         }
         if self.weight_versions is not None:
@@ -576,6 +577,7 @@ class GenerateResult(_Answer):
             "prompt_tokens": meta.get("prompt_tokens", 0),
             "completion_tokens": meta.get("completion_tokens", len(output_ids)),
             "weight_versions": meta.get("weight_versions"), "text": body.get("text"),
+            "cached_tokens": meta.get("cached_tokens", 0),
         })
 
 

@@ -102,6 +102,11 @@ class LearnerSettings(ServiceSettings):
         1000, ge=1, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later "
                                 "ones exceed max_lag and are dropped as stale).")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads of this process.")
+    share_prompts: bool = Field(
+        True, description="Compute each distinct prompt of a step once (a group's samples share theirs) and run "
+                          "the responses on its KV cache: the plain forward's log-probs and gradients up to float "
+                          "rounding, for the prompt's tokens once per group instead of once per sample. false: one "
+                          "forward over every prompt + response row.")
     lora_runs: bool = Field(
         False, description="Train LoRA runs — each its own adapter over the frozen base, many at once, sharing "
                             "the learner fairly (learner.adapters) — instead of the full model for one run. The "
@@ -129,4 +134,4 @@ class LearnerSettings(ServiceSettings):
         from policyloop.rl.trainer import TrainerConfig  # torch: only where a trainer is made
 
         return TrainerConfig(**self.optimizer.model_dump(), loss=self.loss, threads=self.torch_threads,
-                             device=self.device)
+                             device=self.device, share_prompts=self.share_prompts)

@@ -2,7 +2,15 @@
 
 Sequences are right-padded prompt+response rows: no position shifts are needed, so the
 numbers match an unpadded forward pass (the engine's behaviour logprobs are checked against
-this function)."""
+this function).
+
+With `share_prompts`, rows that share a prompt (a GRPO group's samples do) compute it once: one
+forward over the distinct prompts (left-padded, explicit positions) keeps their KV cache, each row
+takes its prompt's cache (an index: gradients flow back to the prompt's single computation) and a
+second forward runs the responses alone. The figures are those of the plain forward up to float
+rounding, in the same [B, T-1] layout; what it saves is the prompt's share of the tokens, times
+the group size less one — on the demo's batch a quarter of the learner's step.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +26,12 @@ class PackedBatch:
     attention_mask: torch.Tensor  # [B, T] 1 on real tokens
     response_mask: torch.Tensor   # [B, T-1] 1 where the *next* token is a trained response token
     targets: torch.Tensor         # [B, T-1] the next token at each position
+    prompt_lengths: torch.Tensor  # [B] tokens of each row's prompt (its response starts there)
 
     def to(self, device: torch.device) -> PackedBatch:
         """The batch on `device` (the model's: the learner packs on the CPU)."""
         return PackedBatch(self.input_ids.to(device), self.attention_mask.to(device),
-                           self.response_mask.to(device), self.targets.to(device))
+                           self.response_mask.to(device), self.targets.to(device), self.prompt_lengths.to(device))
 
 
 def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
@@ -44,24 +53,106 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
         start = len(prompt) - 1
         trained = [1.0] * len(response) if loss_masks is None else [float(m) for m in loss_masks[i]]
         response_mask[i, start : start + len(response)] = torch.tensor(trained)
-    return PackedBatch(input_ids, attention, response_mask, input_ids[:, 1:].clone())
+    lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+    return PackedBatch(input_ids, attention, response_mask, input_ids[:, 1:].clone(), lengths)
 
 
-def token_logprobs(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """[B, T-1] log-probability of each next token (meaningful where response_mask is 1)."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-    return torch.gather(logps, 2, batch.targets.unsqueeze(-1)).squeeze(-1)
+def token_logprobs(model: torch.nn.Module, batch: PackedBatch, *, share_prompts: bool = False) -> torch.Tensor:
+    """[B, T-1] log-probability of each next token (meaningful where response_mask is 1; with
+    `share_prompts`, only there: the prompt's own positions are 0)."""
+    return _logprobs(model, batch, share_prompts, entropy=False)[0]
 
 
-def token_logprobs_and_entropy(model: torch.nn.Module, batch: PackedBatch) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs_and_entropy(model: torch.nn.Module, batch: PackedBatch, *, share_prompts: bool = False
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
     """`token_logprobs` plus each position's entropy of the next-token distribution (no
     gradient: it is reported, not optimised)."""
+    logprobs, entropy = _logprobs(model, batch, share_prompts, entropy=True)
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def _logprobs(model: torch.nn.Module, batch: PackedBatch, share_prompts: bool, entropy: bool
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if share_prompts:
+        shared = _shared_prompt_logprobs(model, batch, entropy)
+        if shared is not None:
+            return shared
     logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logps = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return _chosen_and_entropy(logits[:, :-1], batch.targets, entropy)
+
+
+def _chosen_and_entropy(logits: torch.Tensor, targets: torch.Tensor, entropy: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logps = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.gather(logps, 2, targets.unsqueeze(-1)).squeeze(-1)
+    if not entropy:
+        return chosen, None
     with torch.no_grad():
-        entropy = -(logps.exp() * logps).sum(dim=-1)
-    return torch.gather(logps, 2, batch.targets.unsqueeze(-1)).squeeze(-1), entropy
+        return chosen, -(logps.exp() * logps).sum(dim=-1)
+
+
+def distinct_prompts(batch: PackedBatch) -> tuple[list[list[int]], list[int]]:
+    """The batch's distinct prompts (in order of first use) and the index of each row's."""
+    index: dict[tuple[int, ...], int] = {}
+    owners = []
+    for row, length in zip(batch.input_ids.tolist(), batch.prompt_lengths.tolist(), strict=True):
+        owners.append(index.setdefault(tuple(row[:length]), len(index)))
+    return [list(prompt) for prompt in index], owners
+
+
+def _shared_prompt_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy: bool
+                            ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The figures of `_logprobs` with each distinct prompt computed once; None when no two rows
+    share a prompt or no row has a response (nothing to save)."""
+    prompts, owners = distinct_prompts(batch)
+    rows, width = batch.input_ids.shape
+    lengths = batch.prompt_lengths
+    response_lengths = batch.attention_mask.sum(dim=1) - lengths
+    longest = int(response_lengths.max()) if rows else 0
+    if len(prompts) == rows or longest == 0:
+        return None
+    device = batch.input_ids.device
+    owner = torch.tensor(owners, dtype=torch.long, device=device)
+    prompt_ids, prompt_mask, prompt_positions = (t.to(device) for t in left_padded(prompts, pad_id=0))
+    # Left padding puts every prompt's last token in the last column: its logits predict the
+    # response's first token.
+    out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
+                logits_to_keep=1)
+    logits = out.logits[:, -1][owner].unsqueeze(1)                               # [B, 1, V]
+    steps = torch.arange(longest, device=device)
+    present = steps[None, :] < response_lengths[:, None]                        # [B, R]
+    columns = (lengths[:, None] + steps[None, :]).clamp(max=width - 1)
+    responses = torch.where(present, batch.input_ids.gather(1, columns), 0)       # [B, R]
+    if longest > 1:
+        # Response token j (a real one, j < R-1) predicts token j+1; the last one predicts nothing.
+        cache = out.past_key_values
+        cache.batch_select_indices(owner)
+        mask = torch.cat([prompt_mask[owner], present[:, :-1].long()], dim=1)
+        positions = lengths[:, None] + steps[None, :-1]
+        following = model(input_ids=responses[:, :-1], attention_mask=mask, position_ids=positions,
+                          past_key_values=cache, use_cache=True).logits
+        logits = torch.cat([logits, following], dim=1)                            # [B, R, V]
+    chosen, entropies = _chosen_and_entropy(logits, responses, entropy)
+    # Back to the plain layout: response token j of row b at column prompt_length - 1 + j.
+    row_index, step_index = present.nonzero(as_tuple=True)
+    at = (row_index, lengths[row_index] - 1 + step_index)
+    placed = chosen.new_zeros((rows, width - 1)).index_put(at, chosen[row_index, step_index])
+    if entropies is None:
+        return placed, None
+    return placed, entropies.new_zeros((rows, width - 1)).index_put(at, entropies[row_index, step_index])
+
+
+def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token rows as one batch: ids left-padded to the longest row, the attention mask and
+    explicit position ids (0 at each row's first real token), so padding changes no row's logits."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids, mask, (mask.cumsum(1) - 1).clamp_(min=0)
 
 
 def response_values(values: Sequence[Sequence[float]], prompts: Sequence[Sequence[int]], width: int) -> torch.Tensor:

@@ -22,10 +22,9 @@ from pathlib import Path
 import torch
 
 from policyloop.engines.embedded.sampling import request_generator, sample_rows
-from policyloop.engines.embedded.scheduler import left_padded
 from policyloop.engines.protocol import SamplingParams
 from policyloop.envs import arithmetic
-from policyloop.rl.logprobs import pack, token_logprobs_and_entropy
+from policyloop.rl.logprobs import left_padded, pack, token_logprobs_and_entropy
 from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
 from policyloop.rl.settings import LossConfig, OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
@@ -42,6 +41,9 @@ class SingleProcessConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     seed: int = 0
     threads: int = 2                     # the whole machine: nothing else runs
+    # The plain forward over every prompt + response row, as a one-file script has it; True: the
+    # learner's (each distinct prompt once, rl.logprobs), to compare like with like.
+    share_prompts: bool = False
 
 
 @dataclass(frozen=True)
@@ -161,7 +163,7 @@ class SingleProcessGRPO:
         grouped = torch.tensor(list(rewards), dtype=torch.float32).reshape(-1, c.group_size)
         advantages = compute_advantages(grouped, c.loss.advantages).reshape(-1)
         batch = pack(prompts, responses, pad_id=self.pad_id)
-        logprobs, entropy = token_logprobs_and_entropy(self.model, batch)
+        logprobs, entropy = token_logprobs_and_entropy(self.model, batch, share_prompts=c.share_prompts)
         counts = BatchCounts(tokens=float(batch.response_mask.sum()), sequences=len(prompts),
                              width=max(len(r) for r in responses))
         loss, stats = policy_objective(logprobs, logprobs.detach(), advantages[:, None].expand_as(batch.response_mask),

@@ -52,6 +52,7 @@ class TrainerConfig(OptimizerSettings):
     loss: LossConfig = Field(default_factory=LossConfig)
     threads: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present
+    share_prompts: bool = True  # each distinct prompt of a step computed once (rl.logprobs)
 
 
 @dataclass(frozen=True)
@@ -195,11 +196,12 @@ class StepLoss:
 def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajectory]], config: LossConfig, *,
               pad_id: int, device: torch.device, rank: int = 0, world_size: int = 1,
               reference: Callable[[PackedBatch], torch.Tensor] | None = None,
-              clock: PhaseClock | None = None) -> StepLoss:
+              clock: PhaseClock | None = None, share_prompts: bool = False) -> StepLoss:
     """The objective of one step on complete groups, for this rank's share of the samples (every
     `world_size`-th from `rank`): the policy loss, or — for a step of demonstrations
     (Trajectory.supervised) — cross-entropy. `reference` gives the KL penalty's reference
-    log-probs of a batch (when the penalty is on). `clock` gets the pack and forward phases."""
+    log-probs of a batch (when the penalty is on). `clock` gets the pack and forward phases.
+    `share_prompts`: rows of the same prompt compute it once (the same figures, fewer tokens)."""
     clock = clock or PhaseClock()
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
@@ -220,7 +222,7 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
     counts = BatchCounts(tokens=total_tokens, sequences=len(samples),
                          width=max(len(t.response_token_ids) for t in samples))
     clock.lap("pack")
-    logprobs, entropy = token_logprobs_and_entropy(model, batch)
+    logprobs, entropy = token_logprobs_and_entropy(model, batch, share_prompts=share_prompts)
     if supervised:
         loss, stats = supervised_objective(logprobs, batch.response_mask, config, counts, entropy=entropy)
         clock.lap("forward")
@@ -310,9 +312,12 @@ class PolicyTrainer:
     def _step(self, groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> StepReport:
         started = time.monotonic()
         clock = PhaseClock(torch.cuda.synchronize if self.on_cuda else lambda: None)
-        reference = None if self.reference is None else functools.partial(token_logprobs, self.reference)
+        share = self.config.share_prompts
+        reference = None if self.reference is None else functools.partial(token_logprobs, self.reference,
+                                                                             share_prompts=share)
         step_loss = grpo_loss(self.model, groups, self.config.loss, pad_id=self.pad_id, device=self.device,
-                              rank=self.rank, world_size=self.world_size, reference=reference, clock=clock)
+                              rank=self.rank, world_size=self.world_size, reference=reference, clock=clock,
+                              share_prompts=share)
         # FSDP2 averages gradients over ranks; scaling by the world size makes that the sum.
         (step_loss.loss * self.world_size).backward()
         clock.lap("backward")

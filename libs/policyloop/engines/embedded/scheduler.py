@@ -3,13 +3,14 @@ lock for weight updates.
 
 A scheduler task waits a few milliseconds (`batch_window_s`) after the first waiting request to
 gather concurrent ones, takes up to `max_batch` of them, left-pads their prompts and runs one
-prefill and then one decode step at a time over the wave with the KV cache (2D attention mask +
-explicit position ids, so every row sees exactly what it would see alone). Rows that finish (stop
-token / EOS, max_new_tokens, abort) leave the cache at once; requests that arrive meanwhile wait
-for the next wave. The cost: a long request keeps a wave going while newcomers wait (no
-continuous batching), and padding to the longest prompt of a wave is computed. Each prefill and
-each decode step runs on the single compute thread, so the HTTP server stays responsive and
-control actions (weight loads, pauses, aborts) happen between two steps, never inside one.
+prefill (once per distinct prompt: a group's samples share its cache) and then one decode step at
+a time over the wave with the KV cache (2D attention mask + explicit position ids, so every row
+sees exactly what it would see alone). Rows that finish (stop token / EOS, max_new_tokens, abort)
+leave the cache at once; requests that arrive meanwhile wait for the next wave. The cost: a long
+request keeps a wave going while newcomers wait (no continuous batching), and padding to the
+longest prompt of a wave is computed. Each prefill and each decode step runs on the single compute
+thread, so the HTTP server stays responsive and control actions (weight loads, pauses, aborts)
+happen between two steps, never inside one.
 
 Pause. mode abort ends every request (running or waiting) with finish_reason abort and the
 tokens so far; mode in_place stops between two steps and keeps the wave until resumed; mode
@@ -24,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -34,6 +35,7 @@ import torch
 from policyloop.engines.embedded.model import ServedModel
 from policyloop.engines.embedded.sampling import finish_after, sample_rows
 from policyloop.engines.protocol import FinishReason, SamplingParams
+from policyloop.rl.logprobs import left_padded
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger("policyloop.engines.embedded")
@@ -54,6 +56,7 @@ class EngineRequest:
     adapter: str | None = None  # the LoRA adapter it samples with (None: the base)
     logprob_start_len: int = -1  # prompt logprobs from this position (-1: none)
     input_logprobs: list[float | None] | None = None
+    cached_tokens: int = 0  # prompt tokens prefilled once for an earlier row of its wave (SGLang's meta_info)
     state: str = "waiting"  # waiting → running → done
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -92,18 +95,6 @@ class Wave:
         self.positions = self.positions[index]
         self.next_logits = self.next_logits[index]
         self.requests = [self.requests[i] for i in rows]
-
-
-def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token rows as one prefill batch: ids left-padded to the longest row, the attention mask and
-    explicit position ids (0 at each row's first real token), so padding changes no row's logits."""
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):] = torch.tensor(list(row), dtype=torch.long)
-        mask[i, width - len(row):] = 1
-    return ids, mask, (mask.cumsum(1) - 1).clamp_(min=0)
 
 
 class Scheduler:
@@ -339,8 +330,22 @@ class Scheduler:
     def _prefill(self, batch: list[EngineRequest]) -> Wave:
         with torch.inference_mode():
             # Prompt plus the tokens so far (none, unless the wave was retracted).
-            ids, mask, positions = left_padded([r.input_ids + r.output_ids for r in batch], self.served.pad_id)
-            logits, cache = self.served.forward(ids, mask, positions, None, [r.adapter for r in batch])
+            rows = [(tuple(r.input_ids + r.output_ids), r.adapter) for r in batch]
+            # Rows with the same tokens and adapter (a group's samples) are computed once and their
+            # cache shared, as SGLang's radix cache shares a common prefix.
+            distinct = list(dict.fromkeys(rows))
+            ids, mask, positions = left_padded([tokens for tokens, _ in distinct], self.served.pad_id)
+            logits, cache = self.served.forward(ids, mask, positions, None, [adapter for _, adapter in distinct])
+            if len(distinct) < len(rows):
+                where = {row: i for i, row in enumerate(distinct)}
+                index = torch.tensor([where[row] for row in rows], dtype=torch.long)
+                first: set[int] = set()
+                for req, i in zip(batch, index.tolist(), strict=True):
+                    if i in first:
+                        req.cached_tokens = max(req.cached_tokens, len(req.input_ids))
+                    first.add(i)
+                cache.batch_select_indices(index)
+                logits, mask, positions = logits[index], mask[index], positions[index]
             for req in batch:
                 if req.logprob_start_len >= 0 and req.input_logprobs is None:
                     prompt = self.served.prompt_logprobs(req.input_ids, req.adapter)

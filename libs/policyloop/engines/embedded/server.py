@@ -305,7 +305,7 @@ class EmbeddedEngine:
             rid=req.rid, output_ids=req.output_ids, output_logprobs=req.logprobs if req.return_logprob else None,
             finish_reason=finish.type, finish_detail=finish, weight_version=spans[-1].version,
             prompt_tokens=len(req.input_ids), completion_tokens=len(req.output_ids), weight_versions=spans,
-            text=text, input_logprobs=req.input_logprobs)
+            text=text, input_logprobs=req.input_logprobs, cached_tokens=req.cached_tokens)
         return result.to_json(token_texts=token_texts, e2e_latency=latency, prompt_ids=req.input_ids)
 
     async def _pause(self, request: web.Request) -> web.Response:
