@@ -38,21 +38,20 @@ def pack(prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
          loss_masks: Sequence[Sequence[bool]] | None = None, pad_id: int = 0) -> PackedBatch:
     if len(prompts) != len(responses):
         raise ValueError("one response per prompt")
-    rows = [list(p) + list(r) for p, r in zip(prompts, responses, strict=True)]
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("a prompt needs at least one token")
+    if loss_masks is not None and any(len(m) != len(r) for m, r in zip(loss_masks, responses, strict=True)):
+        raise ValueError("one loss_mask value per response token")
+    rows = [[*p, *r] for p, r in zip(prompts, responses, strict=True)]
     width = max(len(r) for r in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
-    response_mask = torch.zeros((len(rows), width - 1), dtype=torch.float32)
-    for i, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-        row = rows[i]
-        input_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        attention[i, : len(row)] = 1
-        if not prompt:
-            raise ValueError("a prompt needs at least one token")
-        # Position t predicts token t+1: response token j sits at len(prompt)+j.
-        start = len(prompt) - 1
-        trained = [1.0] * len(response) if loss_masks is None else [float(m) for m in loss_masks[i]]
-        response_mask[i, start : start + len(response)] = torch.tensor(trained)
+    # Rows are padded as lists and made tensors once: a tensor per row cost more than the rest.
+    input_ids = torch.tensor([row + [pad_id] * (width - len(row)) for row in rows], dtype=torch.long)
+    attention = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows], dtype=torch.long)
+    # Position t predicts token t+1: response token j sits at len(prompt)+j.
+    masks = ([1.0] * len(r) for r in responses) if loss_masks is None else \
+        ([float(m) for m in mask] for mask in loss_masks)
+    response_mask = torch.tensor([[0.0] * (len(p) - 1) + mask + [0.0] * (width - len(row))
+                                  for p, mask, row in zip(prompts, masks, rows, strict=True)], dtype=torch.float32)
     lengths = torch.tensor([len(p) for p in prompts], dtype=torch.long)
     return PackedBatch(input_ids, attention, response_mask, input_ids[:, 1:].clone(), lengths)
 
@@ -157,8 +156,5 @@ def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
 
 def response_values(values: Sequence[Sequence[float]], prompts: Sequence[Sequence[int]], width: int) -> torch.Tensor:
     """Places per-response-token values (e.g. behaviour logprobs) at their [B, T-1] positions."""
-    out = torch.zeros((len(values), width - 1), dtype=torch.float32)
-    for i, (vals, prompt) in enumerate(zip(values, prompts, strict=True)):
-        start = len(prompt) - 1
-        out[i, start : start + len(vals)] = torch.tensor(list(vals), dtype=torch.float32)
-    return out
+    return torch.tensor([[0.0] * (len(p) - 1) + list(v) + [0.0] * (width - len(p) - len(v))
+                         for v, p in zip(values, prompts, strict=True)], dtype=torch.float32)
