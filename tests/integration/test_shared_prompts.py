@@ -11,7 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from policyloop.rl.logprobs import distinct_prompts, pack, token_logprobs, token_logprobs_and_entropy
+from policyloop.rl.logprobs import (
+    distinct_prompts,
+    length_buckets,
+    pack,
+    token_logprobs,
+    token_logprobs_and_entropy,
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +97,22 @@ def test_distinct_prompts_fall_back_to_the_plain_forward(model: torch.nn.Module)
     assert distinct_prompts(batch) == ([[4, 5], [6, 7, 8]], [0, 1])
     with torch.no_grad():
         torch.testing.assert_close(token_logprobs(model, batch, share_prompts=True), token_logprobs(model, batch))
+
+
+def test_a_few_long_responses_among_short_ones_run_apart_with_the_same_figures(model: torch.nn.Module) -> None:
+    prompts, responses, masks = groups(2, count=8, size=8, prompt_lengths=[3, 6], response_lengths=[2, 3])
+    for i in (5, 40):  # two samples ran to the length limit
+        responses[i] = responses[i] + [9] * (12 - len(responses[i]))
+        masks[i] = [True] * 12
+    lengths = [len(r) for r in responses]
+    short, long = length_buckets(lengths)
+    assert long == [5, 40] and sorted(short + long) == list(range(64))
+    assert_same_figures(model, prompts, responses, masks)
+
+
+def test_length_buckets_split_only_where_padding_costs_more_than_a_forward() -> None:
+    assert length_buckets([3] * 100 + [8]) == [list(range(100)), [100]]
+    assert length_buckets([3, 3, 8, 8]) == [[0, 1, 2, 3]]          # 2 rows × 5 tokens < a forward's cost
+    assert length_buckets([4] * 50) == [list(range(50))]
+    assert length_buckets([0] * 80 + [2] * 80 + [6] * 80) == [list(range(160)), list(range(160, 240))]
+    assert length_buckets([]) == [[]]

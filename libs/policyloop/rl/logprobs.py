@@ -16,8 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache
 
 
 @dataclass
@@ -106,10 +110,8 @@ def _shared_prompt_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy:
     share a prompt or no row has a response (nothing to save)."""
     prompts, owners = distinct_prompts(batch)
     rows, width = batch.input_ids.shape
-    lengths = batch.prompt_lengths
-    response_lengths = batch.attention_mask.sum(dim=1) - lengths
-    longest = int(response_lengths.max()) if rows else 0
-    if len(prompts) == rows or longest == 0:
+    response_lengths = (batch.attention_mask.sum(dim=1) - batch.prompt_lengths).tolist()
+    if len(prompts) == rows or max(response_lengths, default=0) == 0:
         return None
     device = batch.input_ids.device
     owner = torch.tensor(owners, dtype=torch.long, device=device)
@@ -118,28 +120,89 @@ def _shared_prompt_logprobs(model: torch.nn.Module, batch: PackedBatch, entropy:
     # response's first token.
     out = model(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=prompt_positions, use_cache=True,
                 logits_to_keep=1)
-    logits = out.logits[:, -1][owner].unsqueeze(1)                               # [B, 1, V]
-    steps = torch.arange(longest, device=device)
-    present = steps[None, :] < response_lengths[:, None]                        # [B, R]
-    columns = (lengths[:, None] + steps[None, :]).clamp(max=width - 1)
-    responses = torch.where(present, batch.input_ids.gather(1, columns), 0)       # [B, R]
+    layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+    prefix = Prefix(out.logits[:, -1], prompt_mask, layers)
+    placed: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+    for bucket in length_buckets(response_lengths):
+        index = torch.tensor(bucket, dtype=torch.long, device=device)
+        placed.append(_responses_on_prefix(model, batch, prefix, index, owner[index], entropy))
+    at = (torch.cat([p[0] for p in placed]), torch.cat([p[1] for p in placed]))
+    values = torch.cat([p[2] for p in placed])
+    chosen = values.new_zeros((rows, width - 1)).index_put(at, values)
+    if not entropy:
+        return chosen, None
+    entropies = torch.cat([p[3] for p in placed])  # type: ignore[misc]
+    return chosen, entropies.new_zeros((rows, width - 1)).index_put(at, entropies)
+
+
+@dataclass
+class Prefix:
+    """The distinct prompts' forward: each one's next-token logits, its mask and its KV cache."""
+
+    last_logits: torch.Tensor                          # [G, V]
+    mask: torch.Tensor                                 # [G, P] left-padded
+    layers: list[tuple[torch.Tensor, torch.Tensor]]    # per layer: keys, values [G, heads, P, dim]
+
+    def cache_of(self, owner: torch.Tensor) -> DynamicCache:
+        """A cache holding each row's prompt (an index: gradients flow back to the prompt's forward)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer, (keys, values) in enumerate(self.layers):
+            cache.update(keys[owner], values[owner], layer)
+        return cache
+
+
+def _responses_on_prefix(model: torch.nn.Module, batch: PackedBatch, prefix: Prefix, rows: torch.Tensor,
+                         owner: torch.Tensor, entropy: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of the response tokens of `rows`, computed on their prompts'
+    cache; returned with their [B, T-1] positions (row, column)."""
+    lengths = batch.prompt_lengths[rows]
+    response_lengths = batch.attention_mask[rows].sum(dim=1) - lengths
+    longest = int(response_lengths.max())
+    if longest == 0:  # nothing to predict: no position of these rows is a response token
+        nothing = torch.zeros(0, dtype=torch.long, device=rows.device)
+        empty = prefix.last_logits.new_zeros(0)
+        return nothing, nothing, empty, None if not entropy else empty
+    steps = torch.arange(longest, device=rows.device)
+    present = steps[None, :] < response_lengths[:, None]                        # [b, R]
+    columns = (lengths[:, None] + steps[None, :]).clamp(max=batch.input_ids.shape[1] - 1)
+    responses = torch.where(present, batch.input_ids[rows].gather(1, columns), 0)  # [b, R]
+    logits = prefix.last_logits[owner].unsqueeze(1)                               # [b, 1, V]
     if longest > 1:
         # Response token j (a real one, j < R-1) predicts token j+1; the last one predicts nothing.
-        cache = out.past_key_values
-        cache.batch_select_indices(owner)
-        mask = torch.cat([prompt_mask[owner], present[:, :-1].long()], dim=1)
+        mask = torch.cat([prefix.mask[owner], present[:, :-1].long()], dim=1)
         positions = lengths[:, None] + steps[None, :-1]
         following = model(input_ids=responses[:, :-1], attention_mask=mask, position_ids=positions,
-                          past_key_values=cache, use_cache=True).logits
-        logits = torch.cat([logits, following], dim=1)                            # [B, R, V]
+                          past_key_values=prefix.cache_of(owner), use_cache=True).logits
+        logits = torch.cat([logits, following], dim=1)                            # [b, R, V]
     chosen, entropies = _chosen_and_entropy(logits, responses, entropy)
-    # Back to the plain layout: response token j of row b at column prompt_length - 1 + j.
+    # Response token j of row b sits at column prompt_length - 1 + j of the plain layout.
     row_index, step_index = present.nonzero(as_tuple=True)
-    at = (row_index, lengths[row_index] - 1 + step_index)
-    placed = chosen.new_zeros((rows, width - 1)).index_put(at, chosen[row_index, step_index])
-    if entropies is None:
-        return placed, None
-    return placed, entropies.new_zeros((rows, width - 1)).index_put(at, entropies[row_index, step_index])
+    return (rows[row_index], lengths[row_index] - 1 + step_index, chosen[row_index, step_index],
+            None if entropies is None else entropies[row_index, step_index])
+
+
+def length_buckets(response_lengths: Sequence[int], forward_cost_tokens: int = 64) -> list[list[int]]:
+    """Row indices in one bucket, or two — the responses up to some length L and the longer ones —
+    when padding every response to the batch's longest would compute more tokens than a second
+    forward costs (`forward_cost_tokens`: its fixed cost, in tokens). A few long responses (the
+    length limit) in a batch of short ones then cost their own length, not everyone's."""
+    rows = list(range(len(response_lengths)))
+    longest = max(response_lengths, default=0)
+    best_cost, best_limit = len(rows) * longest, longest
+    for limit in sorted(set(response_lengths)):
+        if limit >= longest:
+            break
+        short = sum(1 for n in response_lengths if n <= limit)
+        cost = short * limit + (len(rows) - short) * longest + forward_cost_tokens
+        if cost < best_cost:
+            best_cost, best_limit = cost, limit
+    if best_limit == longest:
+        return [rows]
+    return [[i for i in rows if response_lengths[i] <= best_limit],
+            [i for i in rows if response_lengths[i] > best_limit]]
 
 
 def left_padded(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
