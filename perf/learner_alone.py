@@ -6,6 +6,7 @@ what the learner's step costs by itself and what sharing the cores costs it.
 
     .venv/bin/python perf/learner_alone.py
     taskset -c 0 .venv/bin/python perf/learner_alone.py --steps 12
+    .venv/bin/python perf/learner_alone.py --plain     # every prompt + response row in one forward
 
 Prints JSON (medians over the steps after `--warmup`): `step_ms` and `phases_ms` of a trainer
 step, `encode_ms` and `apply_ms` of the delta from one version to the next, `delta_ratio`
@@ -65,10 +66,13 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, default=32)
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="The learner's torch threads (the cluster's: 1).")
+    parser.add_argument("--plain", action="store_true",
+                        help="The plain forward over every row (share_prompts off: each group's prompt every time).")
     args = parser.parse_args()
     model_path = args.model_path or bootstrap(BootstrapConfig())
     batches = demo_batches(model_path, 4, args.groups_per_step, args.group_size)
-    trainer = PolicyTrainer(model_path, TrainerConfig(threads=args.threads, device="cpu"))
+    trainer = PolicyTrainer(model_path, TrainerConfig(threads=args.threads, device="cpu",
+                                                          share_prompts=not args.plain))
     steps, phases, encodes, applies, ratios = [], [], [], [], []
     try:
         held = weight_set(trainer.version, trainer.export_tensors())
@@ -96,7 +100,7 @@ def main() -> None:
     samples = [t for group in batches[0] for t in group]
     print(json.dumps({
         "config": {"model_path": str(model_path), "steps": args.steps, "groups_per_step": args.groups_per_step,
-                   "group_size": args.group_size, "threads": args.threads},
+                   "group_size": args.group_size, "threads": args.threads, "share_prompts": not args.plain},
         "step_ms": round(1000 * statistics.median(steps), 1),
         "phases_ms": {name: round(1000 * statistics.median(p[name] for p in phases), 1) for name in phases[0]},
         "encode_ms": round(1000 * statistics.median(encodes), 2),
@@ -104,6 +108,7 @@ def main() -> None:
         "delta_ratio": round(statistics.median(ratios), 3),
         "mean_prompt_tokens": round(statistics.mean(len(t.prompt_token_ids) for t in samples), 2),
         "mean_response_tokens": round(statistics.mean(len(t.response_token_ids) for t in samples), 2),
+        "longest_response_tokens": max(len(t.response_token_ids) for t in samples),
     }, indent=2))
 
 

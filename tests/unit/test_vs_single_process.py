@@ -28,5 +28,7 @@ def test_a_side_that_never_gets_there_has_no_ratio() -> None:
     cluster = side([CurvePoint(0, 0, 0.2), CurvePoint(60, 100, 0.4)], 60.0, 100)
     ratios = compare(single, cluster)
     assert ratios["time_to_60_ratio"] is None and ratios["time_to_75_ratio"] is None
+    # The single process reached 60% at 48 s and the cluster not in its 60 s: above 1.25.
+    assert ratios["time_to_60_ratio_above"] == 1.25 and "time_to_75_ratio_above" not in ratios
     assert ratios["steps_per_s_ratio"] == 2.4
     assert median_or_none([None, 1.0, 3.0, 2.0]) == 2.0 and median_or_none([None]) is None

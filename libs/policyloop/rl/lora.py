@@ -198,13 +198,15 @@ class AdapterTrainer:
         clock = PhaseClock(torch.cuda.synchronize if self.device.type == "cuda" else lambda: None)
         model.train(run.spec.dropout > 0)
 
+        share = self.config.share_prompts
+
         def base_logprobs(batch: PackedBatch) -> torch.Tensor:
             with model.disable_adapter():
-                return token_logprobs(model, batch)
+                return token_logprobs(model, batch, share_prompts=share)
 
         reference = base_logprobs if self.config.loss.kl_coef > 0 else None
         step_loss = grpo_loss(model, groups, self.config.loss, pad_id=self.pad_id, device=self.device,
-                              reference=reference, clock=clock)
+                              reference=reference, clock=clock, share_prompts=share)
         step_loss.loss.backward()
         clock.lap("backward")
         params = [p for group in run.optimizer.param_groups for p in group["params"]]
