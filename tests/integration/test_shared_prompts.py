@@ -116,3 +116,10 @@ def test_length_buckets_split_only_where_padding_costs_more_than_a_forward() -> 
     assert length_buckets([4] * 50) == [list(range(50))]
     assert length_buckets([0] * 80 + [2] * 80 + [6] * 80) == [list(range(160)), list(range(160, 240))]
     assert length_buckets([]) == [[]]
+
+
+def test_pack_refuses_an_empty_prompt_and_a_loss_mask_of_another_length() -> None:
+    with pytest.raises(ValueError, match="a prompt needs at least one token"):
+        pack([[4, 5], []], [[6], [7]])
+    with pytest.raises(ValueError, match="one loss_mask value per response token"):
+        pack([[4, 5]], [[6, 7]], [[True]])

@@ -9,7 +9,7 @@ forward over the distinct prompts (left-padded, explicit positions) keeps their 
 takes its prompt's cache (an index: gradients flow back to the prompt's single computation) and a
 second forward runs the responses alone. The figures are those of the plain forward up to float
 rounding, in the same [B, T-1] layout; what it saves is the prompt's share of the tokens, times
-the group size less one — on the demo's batch a quarter of the learner's step.
+the group size less one (perf/learner_alone.py against --plain measures it).
 """
 
 from __future__ import annotations
