@@ -96,9 +96,12 @@ async def generate_resumable_batch(client: SGLangClient, requests: Sequence[Gene
     as `generate_resumable` would if an abort cut it short."""
     for request in requests:
         _check_resumable(request)
-    firsts = await client.generate_batch(requests)
-    return list(await asyncio.gather(*(_resume(client, request, first, max_resubmits)
-                                       for request, first in zip(requests, firsts, strict=True))))
+    answered = list(zip(requests, await client.generate_batch(requests), strict=True))
+    # Only the answers an abort cut short go on, concurrently; the others are complete as they are.
+    resumed = iter(await asyncio.gather(*(_resume(client, request, first, max_resubmits)
+                                          for request, first in answered if first.finish_reason == "abort")))
+    return [next(resumed) if first.finish_reason == "abort" else Completion(join(request, [first]), 0)
+            for request, first in answered]
 
 
 def _check_resumable(request: GenerateRequest) -> None:

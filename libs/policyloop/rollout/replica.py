@@ -90,16 +90,10 @@ class RolloutReplica:
             traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
         async with self._adapter(task.run_id) as adapter:
             lora_path = None if adapter is None else adapter.name
-            batch: asyncio.Future[list[Completion]] | None = None
             if task.max_turns <= 1:
-                # One engine call for the group: its requests go together (SGLang's batch form).
-                batch = asyncio.ensure_future(self.generate_batch(
-                    [self._request(task, traj, lora_path) for traj in group]))
-            try:
-                await asyncio.gather(*(self.sample(task, traj, batch, i, lora_path) for i, traj in enumerate(group)))
-            finally:
-                if batch is not None and not batch.done():
-                    batch.cancel()
+                await self.sample_group(task, group, lora_path)
+            else:
+                await asyncio.gather(*(self.sample_episode(task, traj, lora_path) for traj in group))
         if self.lora is not None:
             for traj in group:
                 stamp_version(traj, 0 if adapter is None else adapter.version)
@@ -166,26 +160,38 @@ class RolloutReplica:
             raise PermanentError(str(exc)) from exc
         return request if lora_path is None else request.model_copy(update={"lora_path": lora_path})
 
-    async def sample(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory,
-                     batch: asyncio.Future[list[Completion]] | None, index: int,
-                     lora_path: str | None = None) -> None:
-        """Samples one member of the group: a single-turn member takes the `index`-th answer of the
-        group's `batch`, a multi-turn one (no batch) runs its episode."""
+    async def sample_group(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory],
+                           lora_path: str | None = None) -> None:
+        """A single-turn group: one engine call for its requests together (SGLang's batch form).
+        Each member's `sample` span covers that call and the reading of its own answer."""
+        requests = [self._request(task, traj, lora_path) for traj in group]
+        parent, started_ns = tracing.current(), time.time_ns()
+        completions = await self.generate_batch(requests)
+        for traj, completion in zip(group, completions, strict=True):
+            self._count_resubmits(completion)
+            result = completion.result
+            text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
+            record_response(traj, result, text)
+            traj.prompt_text = task.prompt_text
+            if tracing.enabled():
+                tracing.record_span("sample", parent, started_ns, time.time_ns(), self._sample_attributes(task, traj))
+
+    async def sample_episode(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, lora_path: str | None = None
+                             ) -> None:
+        """One member of a multi-turn group: its episode, under its own `sample` span."""
         with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
                                                 tracing.ENVIRONMENT: task.environment}) as made:
-            if batch is None:
-                await self._episode(task, traj, self._request(task, traj, lora_path))
-            else:
-                completion = (await asyncio.shield(batch))[index]
-                self._count_resubmits(completion)
-                result = completion.result
-                text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
-                record_response(traj, result, text)
-            made.set_attributes({"policyloop.response_tokens": len(traj.response_token_ids),
-                                 "policyloop.turns": max(1, len(traj.turns)),
-                                 "policyloop.oldest_version": oldest_version([traj]),
-                                 "policyloop.newest_version": max((v.version for v in traj.version_spans), default=0)})
+            await self._episode(task, traj, self._request(task, traj, lora_path))
+            made.set_attributes(self._sample_attributes(task, traj))
         traj.prompt_text = task.prompt_text
+
+    @staticmethod
+    def _sample_attributes(task: bus_pb2.Task, traj: bus_pb2.Trajectory) -> dict[str, str | int]:
+        return {tracing.TRAJECTORY_ID: traj.trajectory_id, tracing.ENVIRONMENT: task.environment,
+                "policyloop.response_tokens": len(traj.response_token_ids),
+                "policyloop.turns": max(1, len(traj.turns)),
+                "policyloop.oldest_version": oldest_version([traj]),
+                "policyloop.newest_version": max((v.version for v in traj.version_spans), default=0)}
 
     async def _episode(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, request: GenerateRequest) -> None:
         """Model turns and tool turns; a tool call runs as a job on the SANDBOX stream, and its
