@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -339,6 +340,55 @@ async def test_update_weights_from_disk(engine: EmbeddedEngine, client: SGLangCl
     await client.update_weights_from_disk(str(tiny_model), weight_version="2")
     again = await client.generate(greedy(ids, 16))
     assert again.output_ids == before.output_ids and again.weight_version == "2"
+
+
+async def test_update_weights_from_tensor(engine: EmbeddedEngine, client: SGLangClient, tiny_model: Path,
+                                          perturbed_model: Path, other_shape_model: Path) -> None:
+    """The version sent in the request as one safetensors file serves exactly as the same weights
+    loaded from disk; anything the served model cannot take leaves the old version serving."""
+    import base64
+
+    import safetensors.torch
+
+    def file_bytes(model_dir: Path) -> bytes:
+        return (model_dir / "model.safetensors").read_bytes()
+
+    ids = prompt(5, 8)
+    before = await client.generate(greedy(ids, 16))
+    result = await client.update_weights_from_tensor(file_bytes(perturbed_model), weight_version="1")
+    assert result.success and "1" in result.message
+    after = await client.generate(greedy(ids, 16))
+    assert after.weight_version == "1" and after.output_ids != before.output_ids
+    ref = teacher_logprobs(perturbed_model, [(ids, after.output_ids)])[0]
+    assert max(abs(a - b) for a, b in zip(after.output_logprobs or [], ref, strict=True)) < 1e-4
+
+    # Any of the model's parameters may be sent: these two go back to the base model's.
+    base = safetensors.torch.load(file_bytes(tiny_model))
+    some = dict(list(base.items())[:2])
+    await client.update_weights_from_tensor(safetensors.torch.save(some), weight_version="2")
+    served = engine.served.parameters()
+    assert all(torch.equal(served[name], tensor) for name, tensor in some.items())
+
+    refusals = [
+        (file_bytes(other_shape_model), "shape mismatch"),
+        (safetensors.torch.save({"lm_head.bias": torch.zeros(3)}), "'lm_head.bias' is not a parameter"),
+        (b"not a safetensors file", "serialized_named_tensors[0]: not a safetensors file"),
+    ]
+    for payload, named in refusals:
+        with pytest.raises(EngineError, match=re.escape(named)):  # WeightUpdateError where the engine read them
+            await client.update_weights_from_tensor(payload, weight_version="3")
+        assert (await client.model_info()).weight_version == "2"
+    encoded, tensors = base64.b64encode(file_bytes(tiny_model)).decode(), "serialized_named_tensors"
+    for body, field in [({tensors: [encoded], "weight_version": "3"}, "load_format"),
+                        ({tensors: [encoded], "load_format": "flattened_bucket"}, "load_format"),
+                        ({tensors: ["%%%"], "load_format": "safetensors"}, tensors),
+                        ({tensors: [encoded, encoded], "load_format": "safetensors"}, tensors),
+                        ({tensors: [], "load_format": "safetensors"}, tensors)]:
+        status, answer = await post(engine.base_url + "/update_weights_from_tensor", body)
+        assert status == 400 and field in str(answer), (body.keys(), answer)
+    assert (await client.model_info()).weight_version == "2"
+    still = await client.generate(greedy(ids, 16))
+    assert still.weight_version == "2"
 
 
 async def test_update_during_generation_splits_versions_or_aborts(engine: EmbeddedEngine, client: SGLangClient,

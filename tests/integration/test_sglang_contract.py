@@ -129,6 +129,9 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         await call("wait_healthy", 5)
         await call("update_weights_from_disk", str(tiny_model_dir), weight_version="1", flush_cache=True,
                    abort_all_requests=True, load_format=None)
+        model_file = (tiny_model_dir / "model.safetensors").read_bytes()
+        await call("update_weights_from_tensor", model_file, weight_version="6", flush_cache=True,
+                   abort_all_requests=False)
         await call("update_weight_version", "7", abort_all_requests=False)
         for mode in ("in_place", "retract", "abort"):
             await call("pause_generation", mode)
@@ -153,7 +156,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
         "/destroy_weights_update_group", "/metrics", "/load_lora_adapter", "/unload_lora_adapter",
-        "/load_lora_adapter_from_tensors"}
+        "/load_lora_adapter_from_tensors", "/update_weights_from_tensor"}
     bodies = {path: body for _, path, body in sent if body}
     assert bodies["/pause_generation"]["mode"]
     generated = [body for _, path, body in sent if path == "/generate"]
@@ -166,6 +169,9 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
     from_tensors = bodies["/load_lora_adapter_from_tensors"]
     assert from_tensors["load_format"] == "safetensors" and from_tensors["expected_checksums"] == checksums
     assert [base64.b64decode(c) for c in from_tensors["serialized_named_tensors"]] == [payload]
+    whole_model = bodies["/update_weights_from_tensor"]
+    assert whole_model["load_format"] == "safetensors" and whole_model["weight_version"] == "6"
+    assert [base64.b64decode(c) for c in whole_model["serialized_named_tensors"]] == [model_file]
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
     assert not problems, problems
 

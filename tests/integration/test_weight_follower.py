@@ -78,7 +78,8 @@ def serves(engine: EmbeddedEngine, weights: WeightSet) -> bool:
 
 
 @asynccontextmanager
-async def rig(bus: Bus, redis_client, model_dir: Path, root: Path) -> AsyncIterator[Rig]:  # type: ignore[no-untyped-def]
+async def rig(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
+              weight_load: str = "directory") -> AsyncIterator[Rig]:
     library = WeightLibrary(VersionStore(root / "store", retention=8), snapshot_every=2)
     announcer = Announcer(bus)
     publisher = GatedFetches(library, on_stored=announcer.announce)
@@ -87,7 +88,8 @@ async def rig(bus: Bus, redis_client, model_dir: Path, root: Path) -> AsyncItera
     weights_client = WeightClient(announcer.endpoint, deadline_s=60)
     engine = await start_engine(model_dir, threads=1)
     client = SGLangClient(engine.base_url, timeout_s=60)
-    settings = RolloutSettings(model_path=model_dir, weights_dir=root / "versions", instance_id="rollout-t")
+    settings = RolloutSettings(model_path=model_dir, weights_dir=root / "versions", instance_id="rollout-t",
+                               weight_load=weight_load)
     ctx = ServiceContext(name="rollout", settings=settings, bus=bus, redis=redis_client)
     ctx.policy_version = await name_base_version(client)
     rigged = Rig(publisher, VersionPusher(weights_client, settings.model), engine, ctx)
@@ -115,12 +117,16 @@ async def rig(bus: Bus, redis_client, model_dir: Path, root: Path) -> AsyncItera
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("weight_load", ["tensors", "directory"])
 async def test_versions_load_in_order_and_those_announced_during_a_load_are_skipped_for_the_newest(
-        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
+        weight_load: str) -> None:
+    """Either way a version reaches the engine: written as a directory the engine loads, or sent
+    in the request (weight_load tensors)."""
     versions = {n: version(tiny_model_dir, n) for n in range(1, 5)}
     delays = REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") or 0
     since_step = REGISTRY.get_sample_value("policyloop_weights_step_to_serving_seconds_count") or 0
-    async with rig(bus, redis_client, tiny_model_dir, tmp_path) as r:
+    async with rig(bus, redis_client, tiny_model_dir, tmp_path, weight_load) as r:
         follower = r.start()  # type: ignore[attr-defined]
         trained_ms = now_ms()
         await r.pusher.push(versions[1], step=1, trained_unix_ms=trained_ms)
@@ -143,7 +149,11 @@ async def test_versions_load_in_order_and_those_announced_during_a_load_are_skip
         assert r.engine.weight_version == "4" and serves(r.engine, versions[4])
         assert follower.status.last_fetch.kind == "delta"  # from the held version 2
         assert follower.held is not None and follower.held.version == 4
-        assert sorted(p.name for p in (tmp_path / "versions" / "rollout-t").iterdir()) == ["v000000004"]
+        written = tmp_path / "versions" / "rollout-t"
+        if weight_load == "directory":  # the one being served, no other
+            assert sorted(p.name for p in written.iterdir()) == ["v000000004"]
+        else:
+            assert not written.exists()
         # Publication to serving, once per version served (1, 2 and 4).
         assert REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") == delays + 3
         # From the step's end only where the push said when that was (version 1); the publisher keeps it.

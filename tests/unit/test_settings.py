@@ -77,6 +77,10 @@ def test_rollout_refuses_engine_settings_that_cannot_work() -> None:
         load_settings(RolloutSettings, ["--weight-source", "colocated"]).check_engine()
     load_settings(RolloutSettings, ["--engine", "sglang", "--engine-url", "http://sglang:30000"]).check_engine()
     load_settings(RolloutSettings, []).check_engine()  # embedded: the replica starts its own
+    with pytest.raises(ValueError, match="weight_load=tensors needs engine=embedded"):
+        load_settings(RolloutSettings, ["--engine", "sglang", "--engine-url", "http://sglang:30000",
+                                        "--weight-load", "tensors"]).check_engine()
+    load_settings(RolloutSettings, ["--weight-load", "tensors"]).check_engine()
     with pytest.raises(ValueError, match="role=serving needs serve_run"):
         load_settings(RolloutSettings, ["--role", "serving"]).check_engine()
 

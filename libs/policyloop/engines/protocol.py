@@ -791,10 +791,11 @@ Base64Bytes = Annotated[bytes, BeforeValidator(_from_base64), Strict(),
                         PlainSerializer(lambda raw: base64.b64encode(raw).decode("ascii"), return_type=str)]
 
 
-# The embedded engine's load_format for /load_lora_adapter_from_tensors: each entry of
-# serialized_named_tensors is a safetensors file of the adapter's tensors (named as peft saves
-# them). SGLang's own formats (null, "flattened_bucket") are pickles (MultiprocessingSerializer),
-# made for processes that trust each other; an HTTP body is never unpickled here.
+# The embedded engine's load_format for /load_lora_adapter_from_tensors and
+# /update_weights_from_tensor: each entry of serialized_named_tensors is a safetensors file of the
+# tensors (an adapter's named as peft saves them, the model's as its parameters). SGLang's own
+# formats (null, "flattened_bucket") are pickles (MultiprocessingSerializer), made for processes
+# that trust each other; an HTTP body is never unpickled here.
 SAFETENSORS_FORMAT = "safetensors"
 
 
@@ -812,6 +813,29 @@ class LoadLoraAdapterFromTensorsRequest(_Request):
     serialized_named_tensors: Annotated[list[Base64Bytes], Field(min_length=1)]
     load_format: str | None = _default_unsent(None)
     expected_checksums: dict[str, str] | None = _default_unsent(None)
+
+    @model_validator(mode="after")
+    def _safetensors_only(self) -> Self:
+        if self.load_format != SAFETENSORS_FORMAT:
+            raise _refused(f"the embedded engine takes only {SAFETENSORS_FORMAT!r}, the tensors of each copy as one "
+                           f"safetensors file, got {self.load_format!r} (SGLang's null and 'flattened_bucket' are "
+                           f"pickles, which an HTTP body must never be)", "load_format")
+        return self
+
+
+class UpdateWeightsFromTensorRequest(_Request):
+    """UpdateWeightsFromTensorReqInput: load the tensors sent in the body in place (any of the
+    model's parameters, by name); `weight_version` (when given) becomes the engine's version once
+    they are loaded. `serialized_named_tensors` is one serialized copy per TP rank (base64 on the
+    wire; the embedded engine has one rank): with load_format "safetensors", one safetensors file."""
+
+    serialized_named_tensors: Annotated[list[Base64Bytes], Field(min_length=1)]
+    load_format: str | None = _default_unsent(None)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = _default_unsent(None)
+    selector: WeightSelector = _default_unsent("all")
+    torch_empty_cache: bool = Field(False, exclude=True)  # a GPU detail: checked, without effect, not sent
 
     @model_validator(mode="after")
     def _safetensors_only(self) -> Self:

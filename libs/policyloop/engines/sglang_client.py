@@ -5,8 +5,8 @@ embedded engine, over SGLang's native HTTP API (aiohttp).
         result = await engine.generate(GenerateRequest(input_ids=[...], sampling_params=SamplingParams(...)))
         await engine.update_weights_from_disk("/ckpt/v7", weight_version="7")
 
-Calls that are safe to repeat (model_info, health, the weight update from disk, pause, continue,
-flush, abort) are retried with exponential backoff on connection errors, timeouts and 5xx answers.
+Calls that are safe to repeat (model_info, health, the weight updates from disk and from tensors,
+pause, continue, flush, abort) are retried with exponential backoff on connection errors, timeouts and 5xx answers.
 `generate` is retried only when the connection could not be opened at all (the server never saw
 the request): a request that reached the server may have started decoding, and sending it again
 would produce a second, different sample. The colocated weight-sync calls (init/destroy of the
@@ -49,6 +49,7 @@ from policyloop.engines.protocol import (
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightsResult,
     UpdateWeightVersionRequest,
     error_message,
@@ -315,6 +316,18 @@ class SGLangClient:
                                            flush_cache=flush_cache)
         return await self._versioned_update("/update_weights_from_disk", req.to_json(), UpdateWeightsResult.from_json,
                                             f"update_weights_from_disk({model_path!r})", str(weight_version))
+
+    async def update_weights_from_tensor(self, safetensors: bytes, weight_version: str, flush_cache: bool = True, *,
+                                         abort_all_requests: bool = False) -> UpdateWeightsResult:
+        """Loads the tensors of one safetensors file sent in the request (load_format
+        "safetensors", which the embedded engine takes; SGLang takes pickles only, so an SGLang
+        engine loads versions from a directory) and makes `weight_version` the served version,
+        checked as update_weights_from_disk checks it. Nothing is written to disk."""
+        req = UpdateWeightsFromTensorRequest(serialized_named_tensors=[safetensors], load_format=SAFETENSORS_FORMAT,
+                                             weight_version=str(weight_version), flush_cache=flush_cache,
+                                             abort_all_requests=abort_all_requests)
+        return await self._versioned_update("/update_weights_from_tensor", req.to_json(), UpdateWeightsResult.from_json,
+                                            "update_weights_from_tensor", str(weight_version))
 
     async def update_weight_version(self, new_version: str, *, abort_all_requests: bool = False) -> ControlResult:
         """Relabels the served weights as `new_version` (nothing is loaded) and checks that

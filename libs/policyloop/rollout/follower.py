@@ -8,8 +8,9 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from policyloop.bus import promotions_subject, weights_subject
@@ -170,6 +171,35 @@ class WeightFollower:
             await asyncio.sleep(0.05)
         return False
 
+    async def _into_engine(self, weights: WeightSet, clock: PhaseClock) -> None:
+        """The verified weights into the engine: made into the request's safetensors bytes or
+        written as a directory (phase "write"), then pause → update → continue, as SGLang wants it
+        (the update checks /model_info afterwards)."""
+        from policyloop.weights import torch_io  # torch, which only loading needs
+
+        mode, version = self.settings.weight_update_mode, str(weights.version)
+        directory: Path | None = None
+        update: Callable[[], Awaitable[object]]
+        if self.settings.weight_load == "tensors":
+            payload = await asyncio.to_thread(torch_io.safetensors_bytes, weights)
+            update = partial(self.client.update_weights_from_tensor, payload, version, mode == "abort")
+        else:
+            directory = await asyncio.to_thread(torch_io.write_version_dir, self.settings.weights_dir /
+                                                self.settings.instance_id, self.settings.model_path, weights)
+            update = partial(self.client.update_weights_from_disk, str(directory), version, mode == "abort")
+        clock.lap("write")
+        await self.client.pause_generation(mode)
+        clock.lap("pause")
+        try:
+            await update()
+        finally:
+            clock.lap("load")
+            await self.client.continue_generation()
+            clock.lap("continue")
+        previous, self.loaded_dir = self.loaded_dir, directory
+        if previous is not None and previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+
     async def fetch_and_load(self, event: bus_pb2.WeightsPublished) -> None:
         """Fetch (a delta from the held version when possible), verify every tensor, load into
         the engine. Until the engine confirms the new version, the old one keeps serving."""
@@ -186,25 +216,8 @@ class WeightFollower:
                 WEIGHT_SYNC_FALLBACKS.inc()
         clock.lap("sync")
         loading = time.monotonic()
-        from policyloop.weights.torch_io import write_version_dir  # torch, which only loading needs
-        directory = await asyncio.to_thread(write_version_dir, self.settings.weights_dir / self.settings.instance_id,
-                                            self.settings.model_path, weights)
-        clock.lap("write")
-        # pause → update → continue, as SGLang wants it; the update checks /model_info afterwards.
-        mode = self.settings.weight_update_mode
-        await self.client.pause_generation(mode)
-        clock.lap("pause")
-        try:
-            await self.client.update_weights_from_disk(str(directory), weight_version=str(weights.version),
-                                                       flush_cache=mode == "abort")
-        finally:
-            clock.lap("load")
-            await self.client.continue_generation()
-            clock.lap("continue")
-        previous, self.loaded_dir = self.loaded_dir, directory
+        await self._into_engine(weights, clock)
         self.ctx.policy_version = weights.version
-        if previous is not None and previous != directory:
-            shutil.rmtree(previous, ignore_errors=True)
         if report is None:
             log.info("weights_loaded", version=weights.version, kind="held",
                      seconds=round(time.monotonic() - started, 3))

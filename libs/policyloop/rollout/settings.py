@@ -40,8 +40,16 @@ class RolloutSettings(ServiceSettings):
     generate_timeout_s: float = Field(300.0, description="Deadline of one generate request.")
     weights_dir: Path = Field(
         Path("runs/local/rollout-weights"),
-        description="Where fetched versions are written for the engine to load (one directory per version).",
+        description="Where fetched versions are written for the engine to load (one directory per version) when "
+                    "they go to it as directories (weight_load).",
     )
+    weight_load: Literal["directory", "tensors"] = Field(
+        "directory", description="How a fetched, verified version reaches the engine: directory — written under "
+                                 "weights_dir as a Hugging Face directory the engine loads (/update_weights_from_disk; "
+                                 "the replica and the engine share that directory); tensors — sent in the request "
+                                 "(/update_weights_from_tensor as one safetensors file, nothing written; the embedded "
+                                 "engine only: SGLang's from-tensor route takes pickled tensors). Sending costs more "
+                                 "CPU than writing: the file goes as base64 in JSON.")
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
     weight_source: Literal["publisher", "colocated"] = Field(
         "publisher", description="publisher: fetch each version (a delta) and load it into the engine. colocated: "
@@ -90,6 +98,9 @@ class RolloutSettings(ServiceSettings):
             raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
         if self.role == "serving" and not self.serve_run:
             raise ValueError("role=serving needs serve_run: the run whose promoted versions it serves")
+        if self.engine == "sglang" and self.weight_load == "tensors":
+            raise ValueError("weight_load=tensors needs engine=embedded: SGLang's /update_weights_from_tensor takes "
+                             "pickled tensors only (load versions from a directory)")
         if self.engine == "sglang" and not self.engine_url:
             raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")
 

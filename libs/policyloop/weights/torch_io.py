@@ -54,6 +54,12 @@ def weight_set(version: int, tensors: Mapping[str, torch.Tensor]) -> WeightSet:
     return WeightSet.build(version, {name: to_bytes(t) for name, t in tensors.items()})
 
 
+def safetensors_bytes(weights: WeightSet) -> bytes:
+    """The weights as the bytes of a plain safetensors file (sent to an engine in a request)."""
+    return safetensors.torch.save({name: to_tensor(t) for name, t in weights.tensors.items()},
+                                  metadata={"format": "pt", "policy_version": str(weights.version)})
+
+
 def save_safetensors(weights: WeightSet, path: Path) -> None:
     """Writes the weights as a plain safetensors file (e.g. model.safetensors of an HF directory)."""
     safetensors.torch.save_file({name: to_tensor(t) for name, t in weights.tensors.items()}, str(path),

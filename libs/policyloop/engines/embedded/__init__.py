@@ -23,7 +23,7 @@ One module per concern:
 - `scheduler`: waves of requests decoded together, pauses, aborts, SGLang's writer lock.
 - `sampling`: the next token of each row (greedy, temperature, top-k/top-p, seeded).
 - `model`: the served model and what a request is checked against.
-- `weight_loading`: new weights from disk or from a broadcast, all or nothing.
+- `weight_loading`: new weights from disk, from a request or from a broadcast, all or nothing.
 - `receiver`: the engine's side of the colocated broadcast (`policyloop.weights.broadcast`).
 
 Weights. As in SGLang, an update while generation runs takes the model's writer lock: new

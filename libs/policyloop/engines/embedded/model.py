@@ -20,10 +20,12 @@ BASE_ADAPTER = "__base__"
 TENSOR_SOURCE = "__tensor__"  # the path SGLang reports for an adapter loaded from tensors
 
 
-def adapter_tensors(copies: Sequence[bytes], expected_checksums: dict[str, str] | None) -> dict[str, torch.Tensor]:
-    """The tensors of /load_lora_adapter_from_tensors' serialized_named_tensors (one safetensors
-    file per TP rank; this engine has one), checked against expected_checksums (name -> sha256
-    of the tensor's raw bytes, as SGLang checks them) when given; RequestError naming the field."""
+def sent_tensors(copies: Sequence[bytes], expected_checksums: dict[str, str] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The tensors of a request's serialized_named_tensors (/load_lora_adapter_from_tensors,
+    /update_weights_from_tensor: one safetensors file per TP rank; this engine has one), checked
+    against expected_checksums (name -> sha256 of the tensor's raw bytes, as SGLang checks them)
+    when given; RequestError naming the field."""
     import hashlib
 
     import safetensors.torch

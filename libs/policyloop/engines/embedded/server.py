@@ -15,11 +15,11 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from policyloop.engines.embedded.model import ServedModel, adapter_tensors
+from policyloop.engines.embedded.model import ServedModel, sent_tensors
 from policyloop.engines.embedded.receiver import WeightReceiver
 from policyloop.engines.embedded.sampling import request_generator
 from policyloop.engines.embedded.scheduler import EngineRequest, Scheduler
-from policyloop.engines.embedded.weight_loading import load_from_disk
+from policyloop.engines.embedded.weight_loading import load_from_disk, load_sent
 from policyloop.engines.protocol import (
     DEFAULT_WEIGHT_VERSION,
     SCHEMA,
@@ -38,6 +38,7 @@ from policyloop.engines.protocol import (
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightVersionSpan,
     error_body,
@@ -184,6 +185,7 @@ class EmbeddedEngine:
             ("GET", "/model_info", self._model_info), ("GET", "/get_model_info", self._model_info),
             ("GET", "/health", self._health), ("GET", "/health_generate", self._health),
             ("POST", "/update_weights_from_disk", self._update_from_disk),
+            ("POST", "/update_weights_from_tensor", self._update_from_tensor),
             ("POST", "/update_weight_version", self._update_weight_version),
             ("POST", "/pause_generation", self._pause), ("POST", "/continue_generation", self._continue),
             ("GET", "/flush_cache", self._flush_cache), ("POST", "/flush_cache", self._flush_cache),
@@ -369,7 +371,7 @@ class EmbeddedEngine:
         try:
             parsed = LoadLoraAdapterFromTensorsRequest.from_json(await _json_body(request, empty_ok=False))
             self._not_in_use(parsed.lora_name, "lora_name")
-            tensors = await asyncio.to_thread(adapter_tensors, parsed.serialized_named_tensors,
+            tensors = await asyncio.to_thread(sent_tensors, parsed.serialized_named_tensors,
                                               parsed.expected_checksums)
             async with self.scheduler.load_lock:
                 await self.scheduler.compute(self.served.load_adapter_tensors, parsed.lora_name,
@@ -414,6 +416,20 @@ class EmbeddedEngine:
                 return _refusal(self.scheduler.flush_refusal("flush_cache"))
             result = await self.scheduler.compute(load_from_disk, self.served, parsed)
         log.info("engine_weights_update", model_path=parsed.model_path, success=result.success,
+                 message=result.message, weight_version=self.served.weight_version)
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    async def _update_from_tensor(self, request: web.Request) -> web.Response:
+        try:
+            parsed = UpdateWeightsFromTensorRequest.from_json(await _json_body(request, empty_ok=False))
+            tensors = await asyncio.to_thread(sent_tensors, parsed.serialized_named_tensors)
+        except RequestError as exc:
+            return _refusal(exc)
+        async with self.scheduler.load_lock, self.scheduler.weight_update(parsed.abort_all_requests):
+            if parsed.flush_cache and self.scheduler.pending():
+                return _refusal(self.scheduler.flush_refusal("flush_cache"))
+            result = await self.scheduler.compute(load_sent, self.served, tensors, parsed)
+        log.info("engine_weights_update", source="tensors", tensors=len(tensors), success=result.success,
                  message=result.message, weight_version=self.served.weight_version)
         return web.json_response(result.to_json(), status=200 if result.success else 400)
 

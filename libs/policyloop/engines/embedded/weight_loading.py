@@ -1,8 +1,8 @@
 """New weights into the served model, in place, all or nothing: from a safetensors directory
-(`/update_weights_from_disk`) or from tensors received by broadcast
-(`/update_weights_from_distributed`). Every name and shape is checked before anything is copied;
-any failure leaves the old weights and version serving. Runs on the compute thread, between two
-decode steps."""
+(`/update_weights_from_disk`), from tensors sent in the request (`/update_weights_from_tensor`)
+or from tensors received by broadcast (`/update_weights_from_distributed`). Every name and shape
+is checked before anything is copied; any failure leaves the old weights and version serving.
+Runs on the compute thread, between two decode steps."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from policyloop.engines.protocol import (
     ControlResult,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightsResult,
 )
 
 
 def load_from_disk(served: ServedModel, req: UpdateWeightsFromDiskRequest) -> UpdateWeightsResult:
     def fail(message: str) -> UpdateWeightsResult:
-        return UpdateWeightsResult(success=False, message=f"Failed to update weights: {message}. The old weights "
-                                                          f"(version {served.weight_version}) keep serving.")
+        return _failed(served, message)
 
     if req.load_format not in (None, "auto", "safetensors"):
         return fail(f"load_format {req.load_format!r} is not supported (auto or safetensors)")
@@ -39,14 +39,50 @@ def load_from_disk(served: ServedModel, req: UpdateWeightsFromDiskRequest) -> Up
     missing = _uncovered(params, loaded)
     if missing:
         return fail(f"missing tensors {missing[:5]}{' …' if len(missing) > 5 else ''}")
+    served.model_path = str(path)
+    return _copy_in(served, params, loaded, req.weight_version)
+
+
+def load_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: UpdateWeightsFromTensorRequest
+              ) -> UpdateWeightsResult:
+    """The tensors of /update_weights_from_tensor (any of the model's parameters, as SGLang takes
+    them), each checked by name, shape and kind before any is copied."""
+    if req.selector == "draft":
+        return _failed(served, "the embedded engine has no draft model (selector 'draft')")
+    params = served.parameters()
+    for name, tensor in tensors.items():
+        target = params.get(name)
+        if target is None:
+            return _failed(served, f"{name!r} is not a parameter of the served model")
+        problem = _mismatch(name, tensor, target, "sent")
+        if problem:
+            return _failed(served, problem)
+    return _copy_in(served, params, tensors, req.weight_version)
+
+
+def _failed(served: ServedModel, message: str) -> UpdateWeightsResult:
+    return UpdateWeightsResult(success=False, message=f"Failed to update weights: {message}. The old weights "
+                                                      f"(version {served.weight_version}) keep serving.")
+
+
+def _mismatch(name: str, tensor: torch.Tensor, target: torch.Tensor, source: str) -> str:
+    if tuple(tensor.shape) != tuple(target.shape):
+        return (f"shape mismatch for {name!r}: {tuple(tensor.shape)} {source}, {tuple(target.shape)} in the served "
+                f"model")
+    if tensor.is_floating_point() != target.is_floating_point():
+        return f"dtype mismatch for {name!r}: {tensor.dtype} {source}, the served model has {target.dtype}"
+    return ""
+
+
+def _copy_in(served: ServedModel, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor],
+             weight_version: str | None) -> UpdateWeightsResult:
     with torch.no_grad():
         for name, tensor in loaded.items():
-            params[name].copy_(tensor.to(params[name].dtype))
-    served.model_path = str(path)
+            params[name].copy_(tensor)  # casts to the parameter's dtype
     message = "Succeeded to update model weights."
-    if req.weight_version is not None:
-        served.weight_version = req.weight_version
-        message += f" Weight version updated to {req.weight_version}."
+    if weight_version is not None:
+        served.weight_version = weight_version
+        message += f" Weight version updated to {weight_version}."
     return UpdateWeightsResult(success=True, message=message)
 
 
