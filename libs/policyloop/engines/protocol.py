@@ -799,7 +799,23 @@ Base64Bytes = Annotated[bytes, BeforeValidator(_from_base64), Strict(),
 SAFETENSORS_FORMAT = "safetensors"
 
 
-class LoadLoraAdapterFromTensorsRequest(_Request):
+class _SentTensors(_Request):
+    """A request carrying tensors: `serialized_named_tensors`, one serialized copy per TP rank
+    (base64 on the wire; the embedded engine has one rank), each a safetensors file."""
+
+    serialized_named_tensors: Annotated[list[Base64Bytes], Field(min_length=1)]
+    load_format: str | None = _default_unsent(None)
+
+    @model_validator(mode="after")
+    def _safetensors_only(self) -> Self:
+        if self.load_format != SAFETENSORS_FORMAT:
+            raise _refused(f"the embedded engine takes only {SAFETENSORS_FORMAT!r}, the tensors of each copy as one "
+                           f"safetensors file, got {self.load_format!r} (SGLang's null and 'flattened_bucket' are "
+                           f"pickles, which an HTTP body must never be)", "load_format")
+        return self
+
+
+class LoadLoraAdapterFromTensorsRequest(_SentTensors):
     """LoadLoRAAdapterFromTensorsReqInput: load an adapter sent in the body under `lora_name`:
     `config_dict` is its adapter_config.json, `serialized_named_tensors` one serialized copy of
     its tensors per TP rank (base64 on the wire; the embedded engine has one rank), and
@@ -810,40 +826,19 @@ class LoadLoraAdapterFromTensorsRequest(_Request):
 
     lora_name: Annotated[str, Field(min_length=1)]
     config_dict: dict[str, Any]
-    serialized_named_tensors: Annotated[list[Base64Bytes], Field(min_length=1)]
-    load_format: str | None = _default_unsent(None)
     expected_checksums: dict[str, str] | None = _default_unsent(None)
 
-    @model_validator(mode="after")
-    def _safetensors_only(self) -> Self:
-        if self.load_format != SAFETENSORS_FORMAT:
-            raise _refused(f"the embedded engine takes only {SAFETENSORS_FORMAT!r}, the tensors of each copy as one "
-                           f"safetensors file, got {self.load_format!r} (SGLang's null and 'flattened_bucket' are "
-                           f"pickles, which an HTTP body must never be)", "load_format")
-        return self
 
-
-class UpdateWeightsFromTensorRequest(_Request):
+class UpdateWeightsFromTensorRequest(_SentTensors):
     """UpdateWeightsFromTensorReqInput: load the tensors sent in the body in place (any of the
     model's parameters, by name); `weight_version` (when given) becomes the engine's version once
-    they are loaded. `serialized_named_tensors` is one serialized copy per TP rank (base64 on the
-    wire; the embedded engine has one rank): with load_format "safetensors", one safetensors file."""
+    they are loaded."""
 
-    serialized_named_tensors: Annotated[list[Base64Bytes], Field(min_length=1)]
-    load_format: str | None = _default_unsent(None)
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: str | None = _default_unsent(None)
     selector: WeightSelector = _default_unsent("all")
     torch_empty_cache: bool = Field(False, exclude=True)  # a GPU detail: checked, without effect, not sent
-
-    @model_validator(mode="after")
-    def _safetensors_only(self) -> Self:
-        if self.load_format != SAFETENSORS_FORMAT:
-            raise _refused(f"the embedded engine takes only {SAFETENSORS_FORMAT!r}, the tensors of each copy as one "
-                           f"safetensors file, got {self.load_format!r} (SGLang's null and 'flattened_bucket' are "
-                           f"pickles, which an HTTP body must never be)", "load_format")
-        return self
 
 
 class UnloadLoraAdapterRequest(_Request):
