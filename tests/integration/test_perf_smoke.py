@@ -169,4 +169,6 @@ def test_learner_alone_steps_and_encodes_the_demo_batch(tmp_path: Path, tiny_mod
     assert set(result["phases_ms"]) >= {"pack", "forward", "backward", "optimizer"}
     assert result["step_ms"] > 0 and result["encode_ms"] > 0 and result["apply_ms"] > 0
     assert 0 < result["delta_ratio"] < 1.5  # a delta of a trained version, framed
+    assert set(result["to_engine_ms"]) == {"directory_write", "directory_read", "request_send", "request_read"}
+    assert all(ms > 0 for ms in result["to_engine_ms"].values())
     assert result["mean_prompt_tokens"] > 0 and result["mean_response_tokens"] > 0
