@@ -383,7 +383,8 @@ async def test_update_weights_from_tensor(engine: EmbeddedEngine, client: SGLang
                         ({tensors: [encoded], "load_format": "flattened_bucket"}, "load_format"),
                         ({tensors: ["%%%"], "load_format": "safetensors"}, tensors),
                         ({tensors: [encoded, encoded], "load_format": "safetensors"}, tensors),
-                        ({tensors: [], "load_format": "safetensors"}, tensors)]:
+                        ({tensors: [], "load_format": "safetensors"}, tensors),
+                        ({tensors: [encoded], "load_format": "safetensors", "selector": "draft"}, "draft")]:
         status, answer = await post(engine.base_url + "/update_weights_from_tensor", body)
         assert status == 400 and field in str(answer), (body.keys(), answer)
     assert (await client.model_info()).weight_version == "2"

@@ -92,6 +92,26 @@ def violations(method: str, path: str, body: Any) -> list[str]:
     return problems
 
 
+def check_the_bodies_sent(sent: list[tuple[str, str, Any]], adapter: Path, payload: bytes,
+                          checksums: dict[str, str], model_file: bytes) -> None:
+    """What the client put in the bodies: batches, adapters (`payload`: one's tensors) and a version's tensors."""
+    bodies = {path: body for _, path, body in sent if body}
+    assert bodies["/pause_generation"]["mode"]
+    generated = [body for _, path, body in sent if path == "/generate"]
+    assert generated[0]["sampling_params"]["sampling_seed"] == 3
+    batches = [body for body in generated if isinstance(body["input_ids"][0], list)]
+    assert len(batches) == 3 and batches[0]["rid"] == ["b1", "c2"] and len(batches[0]["sampling_params"]) == 2
+    assert batches[2]["lora_path"] == ["run-a@3", None] and generated[-3]["lora_path"] == "run-a@3"
+    assert generated[-1]["lora_path"] == "run-a@4"
+    assert bodies["/load_lora_adapter"] == {"lora_name": "run-a@3", "lora_path": str(adapter)}
+    from_tensors = bodies["/load_lora_adapter_from_tensors"]
+    assert from_tensors["load_format"] == "safetensors" and from_tensors["expected_checksums"] == checksums
+    assert [base64.b64decode(c) for c in from_tensors["serialized_named_tensors"]] == [payload]
+    whole_model = bodies["/update_weights_from_tensor"]
+    assert whole_model["load_format"] == "safetensors" and whole_model["weight_version"] == "6"
+    assert [base64.b64decode(c) for c in whole_model["serialized_named_tensors"]] == [model_file]
+
+
 async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, tiny_model_dir: Path,
                                                         tmp_path: Path) -> None:
     adapter = make_lora_adapter(tiny_model_dir, tmp_path / "adapter", seed=1)
@@ -157,21 +177,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
         "/destroy_weights_update_group", "/metrics", "/load_lora_adapter", "/unload_lora_adapter",
         "/load_lora_adapter_from_tensors", "/update_weights_from_tensor"}
-    bodies = {path: body for _, path, body in sent if body}
-    assert bodies["/pause_generation"]["mode"]
-    generated = [body for _, path, body in sent if path == "/generate"]
-    assert generated[0]["sampling_params"]["sampling_seed"] == 3
-    batches = [body for body in generated if isinstance(body["input_ids"][0], list)]
-    assert len(batches) == 3 and batches[0]["rid"] == ["b1", "c2"] and len(batches[0]["sampling_params"]) == 2
-    assert batches[2]["lora_path"] == ["run-a@3", None] and generated[-3]["lora_path"] == "run-a@3"
-    assert generated[-1]["lora_path"] == "run-a@4"
-    assert bodies["/load_lora_adapter"] == {"lora_name": "run-a@3", "lora_path": str(adapter)}
-    from_tensors = bodies["/load_lora_adapter_from_tensors"]
-    assert from_tensors["load_format"] == "safetensors" and from_tensors["expected_checksums"] == checksums
-    assert [base64.b64decode(c) for c in from_tensors["serialized_named_tensors"]] == [payload]
-    whole_model = bodies["/update_weights_from_tensor"]
-    assert whole_model["load_format"] == "safetensors" and whole_model["weight_version"] == "6"
-    assert [base64.b64decode(c) for c in whole_model["serialized_named_tensors"]] == [model_file]
+    check_the_bodies_sent(sent, adapter, payload, checksums, model_file)
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
     assert not problems, problems
 
