@@ -258,11 +258,23 @@ async def test_a_sleeping_job_hits_the_wall_clock() -> None:
     await still_serving()
 
 
-async def test_huge_output_is_capped() -> None:
-    result = await run_python("import sys\nsys.stdout.write('x' * 10**7)\nsys.stderr.write('y' * 10**6)\n",
-                              max_output_bytes=4096)
-    assert result.limit_hit == L.SANDBOX_LIMIT_OUTPUT
-    assert len(result.stdout) == 4096 and result.stdout_truncated and result.stderr_truncated
+async def test_huge_output_is_capped(cgroups: JobCgroups | None) -> None:
+    for stream in ("stdout", "stderr"):
+        result = await run_python(f"import sys\nsys.{stream}.write('x' * 10**7)\n", cgroups, max_output_bytes=4096)
+        assert result.limit_hit == L.SANDBOX_LIMIT_OUTPUT and accounted(result, cgroups), result
+        assert len(getattr(result, stream)) == 4096 and getattr(result, f"{stream}_truncated")
+    await still_serving()
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+async def test_a_job_that_floods_its_output_is_ended_at_the_cap(cgroups: JobCgroups | None, stream: str) -> None:
+    """Output that never stops is ended at max_output_bytes, not at the wall clock (which would
+    report WALL_TIME), with a cgroup or without."""
+    result = await run_python(f"import sys\nwhile True:\n    sys.{stream}.write('x' * 65536)\n", cgroups,
+                              wall_seconds=60, cpu_seconds=60, max_output_bytes=4096)
+    assert result.limit_hit == L.SANDBOX_LIMIT_OUTPUT and result.exit_code == -signal.SIGKILL, result
+    assert accounted(result, cgroups)
+    assert len(getattr(result, stream)) == 4096 and getattr(result, f"{stream}_truncated")
     await still_serving()
 
 

@@ -152,6 +152,8 @@ def test_the_limit_reported_is_the_most_decisive_sign() -> None:
         (JobEnding(1, 0.1, filesystem_full=True, usage=usage), L.SANDBOX_LIMIT_FILE_SIZE),
         (JobEnding(-25, 0.1), L.SANDBOX_LIMIT_FILE_SIZE),
         (JobEnding(0, 0.1, output_truncated=True), L.SANDBOX_LIMIT_OUTPUT),
+        # Ended for flooding its output: whatever CPU it burnt meanwhile is not why it stopped.
+        (JobEnding(-9, 2.5, watchdog=L.SANDBOX_LIMIT_OUTPUT, output_truncated=True), L.SANDBOX_LIMIT_OUTPUT),
     ]
     assert [classify(ending, limits) for ending, _ in cases] == [expected for _, expected in cases]
 

@@ -17,7 +17,8 @@ kernel ends every other process of the job, and bwrap reports its exit status. (
 main process's to reap: unreaped, they count against the process limit until it exits.) A
 seccomp filter (policyloop.sandbox.seccomp) denies ptrace, other processes' memory and System V
 shared memory, so no process of the job can stop the main process or take it over. A wall-clock
-timeout kills bwrap, and with it (--die-with-parent) the whole job. Output is capped.
+timeout kills bwrap, and with it (--die-with-parent) the whole job. Output is capped: a job
+whose stdout or stderr passes `max_output_bytes` is ended there and reported OUTPUT.
 
 Limits and accounting. Where the sandbox can make cgroups (policyloop.sandbox.cgroups), each job
 runs in its own: memory (resident, its tmpfs included) and tasks are bounded for the whole job,
@@ -234,8 +235,10 @@ def job_rlimits(limits: JobLimits, cgrouped: bool, passed_fds: int = 0) -> list[
     return rlimits
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int, watch: Callable[[bytes], None] | None = None
-                       ) -> tuple[bytes, bool]:
+async def _read_capped(stream: asyncio.StreamReader, cap: int, watch: Callable[[bytes], None] | None = None,
+                       overflow: asyncio.Event | None = None) -> tuple[bytes, bool]:
+    """Keeps the first `cap` bytes; sets `overflow` once there were more (the job is then ended),
+    and reads on until the stream closes so that the job never blocks on a full pipe meanwhile."""
     kept = bytearray()
     truncated = False
     while chunk := await stream.read(65536):
@@ -244,6 +247,8 @@ async def _read_capped(stream: asyncio.StreamReader, cap: int, watch: Callable[[
         room = cap - len(kept)
         if len(chunk) > room:
             truncated = True
+            if overflow is not None:
+                overflow.set()
         kept += chunk[: max(0, room)]
     return bytes(kept), truncated
 
@@ -284,7 +289,7 @@ class JobEnding:
     returncode: int
     cpu_seconds: float             # the whole job's
     timed_out: bool = False
-    watchdog: int = L.SANDBOX_LIMIT_NONE  # the job-wide limit the watchdog ended it for (CPU, processes)
+    watchdog: int = L.SANDBOX_LIMIT_NONE  # the job-wide limit it was ended for (CPU, processes, output)
     output_truncated: bool = False
     file_at_limit: bool = False    # a file of the job reached max_file_bytes
     filesystem_full: bool = False  # its scratch directory, /tmp or /dev/shm filled up
@@ -305,6 +310,8 @@ def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     """The limit that stopped the job (or that it ran into), most decisive first."""
     if ending.timed_out:
         return L.SANDBOX_LIMIT_WALL_TIME
+    if ending.watchdog == L.SANDBOX_LIMIT_OUTPUT:  # ended for its output: what it used meanwhile is moot
+        return L.SANDBOX_LIMIT_OUTPUT
     # The kernel ends a process over its CPU rlimit (the backstop) with SIGXCPU, then SIGKILL.
     if (ending.watchdog == L.SANDBOX_LIMIT_CPU_TIME or ending.returncode in (-signal.SIGXCPU, 128 + signal.SIGXCPU)
             or ending.cpu_seconds >= limits.cpu_seconds):
@@ -745,20 +752,26 @@ async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyn
     process = job_process.process
     assert process.stdin and process.stdout and process.stderr
     refused = RefusedForkSigns()
-    outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes),
+    # Output past the cap ends the job (OUTPUT) in either mode: a job that floods its pipes would
+    # otherwise run on to the wall clock with nothing more of it kept.
+    overflow = asyncio.Event()
+    outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes, overflow=overflow),
                              _read_capped(process.stderr, limits.max_output_bytes,
-                                          refused.feed if cgroup is None else None))
+                                          refused.feed if cgroup is None else None, overflow))
     feeding = asyncio.ensure_future(_feed(process.stdin, job.stdin))
     exited = asyncio.ensure_future(process.wait())
+    flooded = asyncio.ensure_future(overflow.wait())
     watchdog = _watchdog(job_process, limits, cgroup, refused)
     watching = asyncio.ensure_future(watchdog.run()) if watchdog is not None else None
     timed_out, stopped_by = False, L.SANDBOX_LIMIT_NONE
     try:
-        waited = {exited} if watching is None else {exited, watching}
+        waited = {exited, flooded} if watching is None else {exited, flooded, watching}
         done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
         if exited not in done:
             if watching is not None and watching in done:
                 stopped_by = watching.result()
+            elif flooded in done:
+                stopped_by = L.SANDBOX_LIMIT_OUTPUT
             else:
                 timed_out = True
             job_process.kill()
@@ -779,6 +792,7 @@ async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyn
         raise
     finally:
         feeding.cancel()
+        flooded.cancel()
         if watching is not None:
             watching.cancel()
         if job_process.report_fd is not None:
