@@ -25,9 +25,12 @@ class FetchError(Exception):
 
 # Codes that say the publisher was not reached or did not answer (retried, or left to the
 # caller), or that any request would get: everything else is the publisher refusing this one.
+# UNKNOWN is a failure outside the publisher's own handling (it answers its refusals with a
+# code of their own): it says nothing about this payload, and a keyframe would not mend it.
 _NOT_A_REFUSAL = frozenset({
     grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
     grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNKNOWN,
 })
 
 
