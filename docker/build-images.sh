@@ -13,6 +13,7 @@
 # makes a Debian base with debootstrap (docker/debian-base.sh) and builds NATS and Redis images
 # from Debian's packages. It writes the image names compose should use to docker/images.env.
 set -euo pipefail
+shopt -s inherit_errexit  # a failure inside $(...) stops the script too
 cd "$(dirname "$0")/.."
 
 engine=${CONTAINER_ENGINE:-}
@@ -41,20 +42,23 @@ image_available() {
   timeout 120 "$engine" pull -q "$1" >/dev/null 2>&1
 }
 
+# Makes the Debian base unless it is here. Called as a command, never in $(...): what it and
+# debian-base.sh print is progress for the user (on stderr), not a value.
 debian_base=localhost/debian:bookworm
-offline_base() {
-  if ! image_present "$debian_base"; then
-    echo "building $debian_base with debootstrap (no registry reachable)"
-    CONTAINER_ENGINE=$engine DEBIAN_BASE_TAG=$debian_base docker/debian-base.sh bookworm >/dev/null
-  fi
-  echo "$debian_base"
+ensure_debian_base() {
+  image_present "$debian_base" && return 0
+  echo "building $debian_base with debootstrap (no registry reachable)" >&2
+  CONTAINER_ENGINE=$engine DEBIAN_BASE_TAG=$debian_base docker/debian-base.sh bookworm >&2
 }
 
 official_python=python:3.11-slim-bookworm
 base=${BASE_IMAGE:-}
 if [ -z "$base" ]; then
   if image_available "$official_python"; then base=$official_python
-  else base=$(offline_base); echo "$official_python cannot be pulled: building on $base"
+  else
+    echo "$official_python cannot be pulled: building on $debian_base"
+    ensure_debian_base
+    base=$debian_base
   fi
 fi
 if [ "$variant" = cuda ]; then
@@ -111,11 +115,13 @@ nats=${NATS_IMAGE:-nats:2.9-alpine}
 redis=${REDIS_IMAGE:-redis:7-alpine}
 if ! image_available "$nats"; then
   nats=${prefix}policyloop-nats:debian
-  "$engine" build "${format[@]}" -f docker/nats.Dockerfile --build-arg "BASE_IMAGE=$(offline_base)" -t "$nats" docker
+  ensure_debian_base
+  "$engine" build "${format[@]}" -f docker/nats.Dockerfile --build-arg "BASE_IMAGE=$debian_base" -t "$nats" docker
 fi
 if ! image_available "$redis"; then
   redis=${prefix}policyloop-redis:debian
-  "$engine" build "${format[@]}" -f docker/redis.Dockerfile --build-arg "BASE_IMAGE=$(offline_base)" -t "$redis" docker
+  ensure_debian_base
+  "$engine" build "${format[@]}" -f docker/redis.Dockerfile --build-arg "BASE_IMAGE=$debian_base" -t "$redis" docker
 fi
 
 cat > docker/images.env <<ENV

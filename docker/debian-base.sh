@@ -25,7 +25,7 @@ command -v debootstrap >/dev/null || { echo "debootstrap is missing: apt-get ins
 root=$(mktemp -d /var/tmp/policyloop-rootfs.XXXXXX)
 trap 'rm -rf "$root"' EXIT
 debootstrap --variant=minbase "$suite" "$root" "$mirror" >"$root.log" 2>&1 \
-  || { tail -30 "$root.log"; exit 1; }
+  || { echo "debootstrap failed ($root.log):" >&2; tail -30 "$root.log" >&2; exit 1; }
 rm -f "$root.log"
 # What the official image trims: package lists and caches (apt-get update fetches them again).
 rm -rf "$root"/var/lib/apt/lists/* "$root"/var/cache/apt/*.bin "$root"/var/cache/apt/archives/*.deb

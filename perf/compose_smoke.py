@@ -18,6 +18,9 @@ least --min-gain, recovery after the kills, two healthy rollout replicas, a clea
 hostile job contained, nothing left behind.
 
     make images && .venv/bin/python perf/compose_smoke.py
+
+Before anything it checks what it needs (a container engine, a compose, the images `make images`
+built, policyloop's Python packages) and, if something is missing, says what to run and exits 2.
 """
 
 from __future__ import annotations
@@ -35,15 +38,54 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import grpc  # noqa: E402
+# Missing packages are reported with the rest of what is missing (preflight), not as a traceback.
+try:
+    import grpc
 
-from policyloop.cluster.catalogue import SERVICE_NAMES  # noqa: E402
-from policyloop.cluster.demo import start_arithmetic_run  # noqa: E402
-from policyloop.common.ports import free_port  # noqa: E402
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
+    from policyloop.cluster.catalogue import SERVICE_NAMES
+    from policyloop.cluster.demo import start_arithmetic_run
+    from policyloop.common.ports import free_port
+    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+    IMPORT_ERROR: ImportError | None = None
+except ImportError as exc:
+    IMPORT_ERROR = exc
 
 REPO = Path(__file__).resolve().parents[1]
 COMPOSE = str(REPO / "docker" / "compose.sh")
+IMAGES_ENV = REPO / "docker" / "images.env"
+
+
+def _succeeds(*command: str) -> bool:
+    try:
+        return subprocess.run(command, capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def preflight() -> list[str]:
+    """What this run needs and this host lacks, each with what to run; empty when all is here."""
+    missing = []
+    if IMPORT_ERROR is not None:
+        missing.append(f"{IMPORT_ERROR.name or 'a package'} cannot be imported by {sys.executable}: run "
+                       "`make venv`, then `.venv/bin/python perf/compose_smoke.py` (or `make compose-smoke`)")
+    docker = shutil.which("docker") is not None and _succeeds("docker", "info")
+    engine = "docker" if docker else "podman" if shutil.which("podman") else None
+    if engine is None:
+        return [*missing, "no container engine (no running Docker engine, no podman): run `sudo make podman-setup` "
+                          "(rootful podman) or install Docker, then `make images`"]
+    if engine == "podman" and os.geteuid() != 0:
+        missing.append("compose runs on rootful podman here: run this as root (sudo)")
+    composes = [shutil.which(name) for name in ("docker-compose", "podman-compose")]
+    if not (docker and _succeeds("docker", "compose", "version")) and not any(composes):
+        missing.append("no compose (docker compose, docker-compose or podman-compose): run `sudo make podman-setup`")
+    if not IMAGES_ENV.exists():
+        return [*missing, f"no images built ({IMAGES_ENV.relative_to(REPO)} is missing): run `make images`"]
+    images = [line.split("=", 1)[1].strip() for line in IMAGES_ENV.read_text().splitlines()
+              if "=" in line and not line.startswith("#")]
+    absent = [image for image in images if not _succeeds(engine, "image", "inspect", image)]
+    if absent:
+        missing.append(f"{engine} has no image {', '.join(absent)}: run `make images`")
+    return missing
 
 
 class Compose:
@@ -202,6 +244,10 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the cluster up (no teardown)")
     parser.add_argument("--out", type=Path, default=Path("runs/perf/compose_smoke"))
     args = parser.parse_args()
+    missing = preflight()
+    if missing:
+        print("compose_smoke cannot run yet:\n" + "\n".join(f"  - {line}" for line in missing), file=sys.stderr)
+        sys.exit(2)
     compose = Compose(args.project, free_port())
     result: dict = {"engine": compose.engine, "project": args.project, "gateway_port": int(compose.env[
         "POLICYLOOP_GATEWAY_PORT"]), "timeline_s": {}}
