@@ -17,6 +17,7 @@ import pytest
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor, ServiceDescriptor
 
 import policyloop.contracts.v1
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.weights.client import WeightClient, refused
 from policyloop.weights.push import VersionPusher
 from policyloop.weights.sync import sync_weights
@@ -133,6 +134,18 @@ async def test_every_rpc_refuses_bad_tokens_and_undecodable_strings_with_their_c
     assert sum(len(s.methods) for s in every) >= 14
     wrong = await asyncio.gather(*(refusals_of(servers.targets[s.full_name], s) for s in every))
     assert [line for lines in wrong for line in lines] == []
+
+
+async def test_a_loss_value_that_is_no_number_is_invalid_naming_the_setting(servers: Servers) -> None:
+    """Not FAILED_PRECONDITION advising the learner be started with it."""
+    request = loop_pb2.StartRunRequest(environments=[loop_pb2.EnvironmentMix(environment="a@v1", weight=1)],
+                                       loss={"clip_low": "abc"})
+    async with grpc.aio.insecure_channel(servers.targets["policyloop.v1.LoopService"]) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await loop_pb2_grpc.LoopServiceStub(channel).StartRun(
+                request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=20)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details().startswith("loss[clip_low]: Input should be a valid number"), refused.value.details()
 
 
 async def test_a_replica_with_a_wrong_token_is_told_so_and_does_not_fall_back_to_a_keyframe(servers: Servers) -> None:

@@ -132,13 +132,33 @@ def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
     check_run_against_learner(run(), learner)  # nothing asked: the cluster's settings
     check_run_against_learner(run(model="policy", max_lag=1, loss={"loss": "ppo", "tis_cap": "2"}), learner)
     for request, field in [(run(max_lag=0), "max_lag"), (run(max_lag=-1), "max_lag"), (run(model="other"), "model"),
-                           (run(loss={"loss": "gspo"}), "loss[loss]"), (run(loss={"tis_cap": "3"}), "loss[tis_cap]"),
-                           (run(loss={"kl_coef": "x"}), "loss[kl_coef]")]:
+                           (run(loss={"loss": "gspo"}), "loss[loss]"), (run(loss={"tis_cap": "3"}), "loss[tis_cap]")]:
         with pytest.raises(FailedPrecondition, match=rf"^{re.escape(field)}:"):
             check_run_against_learner(request, learner)
     with pytest.raises(InvalidField, match=r"^loss\[lr\]: not a learner loss setting"):
         check_run_against_learner(run(loss={"lr": "1"}), None)  # names are checked with no learner up
     check_run_against_learner(run(max_lag=5, loss={"loss": "gspo"}), None)
+
+
+@pytest.mark.parametrize(("loss", "expected"), [
+    ({"clip_low": "abc"}, "valid number"), ({"kl_coef": "x"}, "valid number"), ({"tis_cap": "-1"}, ">= 0|equal to 0"),
+    ({"clip_high": "inf"}, "finite"), ({"loss_constant": "nan"}, "equal to 0|finite"), ({"loss": "adam"}, "'ppo'"),
+])
+def test_a_malformed_loss_value_is_invalid_naming_the_setting_whatever_the_learner_runs(loss: dict, expected: str
+                                                                                          ) -> None:
+    """Not FAILED_PRECONDITION advising the learner to start with it: no learner takes it."""
+    from policyloop.contracts.v1 import loop_pb2, status_pb2
+    from policyloop.gateway.errors import FailedPrecondition, InvalidField
+    from policyloop.gateway.validation import check_run_against_learner
+
+    request = loop_pb2.StartRunRequest(loss=loss)
+    learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1),
+                                       loss=status_pb2.LossSettings(kind="ppo", clip_low=0.2))
+    key = next(iter(loss))
+    for running in (learner, None):
+        with pytest.raises(InvalidField, match=rf"^loss\[{key}\]: .*({expected}).*got {loss[key]!r}") as refused:
+            check_run_against_learner(request, running)
+        assert not isinstance(refused.value, FailedPrecondition)
 
 
 def test_the_harness_runs_each_top_level_test_function_once() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from pydantic import ValidationError
 
@@ -20,7 +20,7 @@ from policyloop.gateway.demonstrations import (
 )
 from policyloop.gateway.errors import FailedPrecondition, InvalidField
 from policyloop.gateway.model_context import ModelContext
-from policyloop.rl.settings import RUN_LOSS_KEYS, LoraSpec
+from policyloop.rl.settings import RUN_LOSS_KEYS, LoraSpec, LossConfig
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
@@ -233,6 +233,7 @@ def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status
     for key in sorted(request.loss):
         if key not in RUN_LOSS_KEYS:
             raise InvalidField(f"loss[{key}]", f"not a learner loss setting (one of {', '.join(RUN_LOSS_KEYS)})")
+    _check_loss_values(request.loss)
     if learner is None:
         return
     if request.HasField("lora") and not learner.lora_runs:
@@ -253,6 +254,19 @@ def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status
         if not _same_setting(running, wanted):
             raise FailedPrecondition(f"loss[{key}]", f"the cluster's learner runs {key}={running}, not {wanted} "
                                                      f"(start it with --loss.{field.replace('_', '-')} {wanted})")
+
+
+def _check_loss_values(loss: Mapping[str, str]) -> None:
+    """Each value must be one the learner's setting could hold (a finite number >= 0, one of its
+    kinds): a malformed value is the request's fault, whatever the learner runs."""
+    for key, wanted in sorted(loss.items()):
+        field = RUN_LOSS_KEYS[key]
+        try:
+            value = getattr(LossConfig.model_validate({field: wanted}), field)
+        except ValidationError as exc:
+            raise InvalidField(f"loss[{key}]", f"{exc.errors()[0]['msg']}, got {wanted!r}") from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidField(f"loss[{key}]", f"a finite number expected, got {wanted!r}")
 
 
 def _same_setting(running: object, wanted: str) -> bool:
