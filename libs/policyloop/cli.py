@@ -779,7 +779,7 @@ def run_watch(
 
     def follow(client) -> None:  # type: ignore[no-untyped-def]
         for run in client.watch(run_id):
-            console.print(progress_line(run), highlight=False)
+            console.print(progress_line(run), highlight=False, soft_wrap=True)
 
     _with_gateway(gateway, run_dir, token, follow)
 
@@ -793,7 +793,7 @@ def run_stop(
     from policyloop.cluster.client import progress_line
 
     run = _with_gateway(gateway, run_dir, token, lambda client: client.stop(run_id))
-    console.print(progress_line(run), highlight=False)
+    console.print(progress_line(run), highlight=False, soft_wrap=True)
 
 
 versions_app = typer.Typer(no_args_is_help=True, help="A run's versions: evaluations, promotion and rollback.")

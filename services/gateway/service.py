@@ -1,7 +1,8 @@
 """gateway service: gRPC LoopService in front of the loop; feeds runs' Tasks into TASKS.
 
 The logic is in policyloop.gateway (the servicer, request validation, the feeder); this is its
-wiring: the Redis stores, the model to check prompts against, the gRPC server and the feeder.
+wiring: the Redis stores, the model to check prompts against, the gRPC server, the feeder and
+the count of dead-lettered tasks by run.
 """
 
 from __future__ import annotations
@@ -10,7 +11,9 @@ import asyncio
 
 import redis.asyncio as aioredis
 
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc, status_pb2
+from policyloop.bus import PullWorker
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, status_pb2
+from policyloop.gateway.dead_letters import DeadLetterAccounting
 from policyloop.gateway.feeder import RunFeeder
 from policyloop.gateway.model_context import load_model_context
 from policyloop.gateway.servicer import GatewayStores, LoopServicer
@@ -31,7 +34,7 @@ log = get_logger(__name__)
 async def body(ctx: ServiceContext) -> None:
     settings: GatewaySettings = ctx.settings  # type: ignore[assignment]
     # Environments and run definitions are protobuf bytes: this client does not decode replies.
-    raw: aioredis.Redis = await connect_redis(settings.redis_url, decode_responses=False,
+    raw: aioredis.Redis = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False,
                                               connect_timeout_s=settings.connect_timeout_s)
     stores = GatewayStores(
         environments=EnvironmentCatalog(raw, settings.namespace), runs=RunRegistry(raw, settings.namespace),
@@ -72,14 +75,19 @@ async def body(ctx: ServiceContext) -> None:
         on_backpressure=backpressure, max_waiting_demonstrations=settings.max_waiting_demonstrations,
     )
     feeding = asyncio.create_task(feeder.run())
+    accounting = DeadLetterAccounting(stores.runs, stores.progress.outcomes)
+    dead_letters = PullWorker(ctx.bus, ctx.bus.topology.consumers["gateway"], bus_pb2.DeadLetter, accounting.handle,
+                              service="gateway", concurrency=8)
+    counting = asyncio.create_task(dead_letters.run(ctx.stop))
     try:
         await ctx.stop.wait()
     finally:
         await server.stop(settings.shutdown_grace_s)
         wake.set()
-        await asyncio.wait({feeding}, timeout=settings.shutdown_grace_s)
+        await asyncio.wait({feeding, counting}, timeout=settings.shutdown_grace_s)
         feeding.cancel()
-        await asyncio.gather(feeding, return_exceptions=True)
+        await asyncio.gather(feeding, counting, return_exceptions=True)
+        await dead_letters.drain(settings.shutdown_grace_s)
         await asyncio.gather(*(client.close() for client in publishers.values()))
         await raw.aclose()
 

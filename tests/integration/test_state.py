@@ -142,18 +142,23 @@ async def test_run_progress_adds_up_by_run_and_environment(redis_client) -> None
     from policyloop.contracts.v1 import bus_pb2
     from policyloop.state.progress import RunProgressStore
 
-    def sample(run: str, env: str, reward: float, version: int) -> bus_pb2.Trajectory:
+    def sample(run: str, env: str, reward: float, version: int, task: str) -> bus_pb2.Trajectory:
         return bus_pb2.Trajectory(run_id=run, environment=env, reward=reward, loss_mask=[True, True, False],
+                                  task_id=f"{run}:{task}", trajectory_id=f"{run}:{task}/{version}",
                                   version_spans=[bus_pb2.VersionSpan(version=version, start=0, end=3)])
 
     store = RunProgressStore(redis_client, "ns")
-    await store.record_step(1, 0, [sample("a", "add@v1", 1.0, 0), sample("a", "code@v1", 0.0, 0),
-                                   sample("b", "add@v1", 0.5, 0)])
-    await store.record_step(2, 1, [sample("a", "add@v1", 0.0, 0), sample("a", "add@v1", 0.5, 1)])
-    await store.record_dropped([sample("a", "add@v1", 0.0, 0)])
+    first = [sample("a", "add@v1", 1.0, 0, "1"), sample("a", "code@v1", 0.0, 0, "2"),
+             sample("b", "add@v1", 0.5, 0, "1")]
+    await store.record_step(1, 0, first)
+    await store.record_step(2, 1, [sample("a", "add@v1", 0.0, 0, "3"), sample("a", "add@v1", 0.5, 1, "3")])
+    await store.record_step(1, 0, first)  # a step replayed after a restart: counted when first taken
+    await store.record_dropped([sample("a", "add@v1", 0.0, 0, "4")], "stale")
+    await store.record_dropped([sample("a", "add@v1", 0.0, 0, "3")], "stale")  # a copy of a trained task
     await store.record_generated("a", 40)
     a = await store.get("a")
     assert a.learner_step == 2 and a.trained_samples == 4 and a.dropped_samples == 1 and a.trained_tokens == 8
+    assert (a.tasks_trained, a.tasks_dropped, dict(a.tasks_dropped_by_reason)) == (3, 1, {"stale": 1})
     assert a.environments["add@v1"].trained_samples == 3
     assert a.environments["add@v1"].mean_reward == pytest.approx(0.5)
     assert a.environments["add@v1"].last_step_reward == pytest.approx(0.25)
@@ -162,6 +167,32 @@ async def test_run_progress_adds_up_by_run_and_environment(redis_client) -> None
     b = await store.get("b")
     assert b.trained_samples == 1 and set(b.environments) == {"add@v1"} and b.learner_step == 1
     assert (await store.get("nothing")).trained_samples == 0
+
+
+async def test_a_run_finishes_when_its_last_task_is_accounted_for(redis_client) -> None:  # type: ignore[no-untyped-def]
+    """Each task counts once, by its first outcome; the record that accounts for the last of a
+    running run's tasks makes it FINISHED, and a stopped run stays stopped."""
+    from policyloop.contracts.ids import task_id
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.state.catalog import RunRegistry
+    from policyloop.state.outcomes import DEAD_LETTERED, TRAINED, TaskCount, TaskOutcomes, dropped
+
+    runs, outcomes = RunRegistry(redis_client, "ns"), TaskOutcomes(redis_client, "ns")
+    await runs.create("r", loop_pb2.StartRunRequest(run_id="r"), tasks_total=3)
+    tasks = [TaskCount(task_id("r", i), 4) for i in range(3)]
+    assert await outcomes.record("r", TRAINED, tasks[:1]) == [tasks[0].task_id]
+    assert await outcomes.record("r", DEAD_LETTERED, tasks[:2]) == [tasks[1].task_id]  # the first outcome stands
+    standing = await outcomes.standing("r")
+    assert (standing.state, standing.tasks_total, standing.accounted) == (loop_pb2.RUN_STATE_RUNNING, 3, 2)
+    assert standing.all_held(1) and not standing.all_held(0) and not standing.ended
+    assert await runs.state("r") == loop_pb2.RUN_STATE_RUNNING
+    await outcomes.record("r", dropped("stale"), tasks[2:])
+    assert await runs.state("r") == loop_pb2.RUN_STATE_FINISHED
+
+    await runs.create("s", loop_pb2.StartRunRequest(run_id="s"), tasks_total=1)
+    await runs.set_state("s", loop_pb2.RUN_STATE_STOPPED)
+    await outcomes.record("s", dropped("run_stopped"), [TaskCount(task_id("s", 0), 0)])
+    assert await runs.state("s") == loop_pb2.RUN_STATE_STOPPED and (await outcomes.standing("s")).ended
 
 
 async def test_run_quota_leases(redis_client) -> None:  # type: ignore[no-untyped-def]

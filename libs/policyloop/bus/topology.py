@@ -244,6 +244,8 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
                  "The learner's cursor over scored trajectories."),
         consumer("SANDBOX", "sandbox", f"{p}.sandbox.>", lim.sandbox_ack_wait_s,
                  "Sandbox replicas share it."),
+        consumer("DLQ", "gateway", f"{p}.dlq.>", lim.reward_ack_wait_s,
+                 "Gateway replicas share it: each dead-lettered task counts in its run's progress."),
     ]
     return Topology({s.name: s for s in streams}, {c.durable: c for c in consumers})
 

@@ -187,7 +187,9 @@ def progress_line(run: loop_pb2.Run) -> str:
     return (f"{loop_pb2.RunState.Name(run.state).removeprefix('RUN_STATE_').lower():8} v{run.policy_version} "
             f"step {p.learner_step}  tasks {run.tasks_enqueued}/{run.tasks_total}  reward {envs or '-'}  "
             f"lag {{{lags}}}  {p.generated_tokens_per_second:.0f} gen tok/s  "
-            f"{p.trained_tokens_per_second:.0f} trained tok/s  dropped {p.dropped_samples}")
+            f"{p.trained_tokens_per_second:.0f} trained tok/s  dropped {p.dropped_samples}  "
+            f"tasks trained {p.tasks_trained} dropped {p.tasks_dropped} dead-lettered {p.tasks_dead_lettered} "
+            f"in flight {p.tasks_in_flight}")
 
 
 def version_line(row: loop_pb2.RunVersion) -> str:

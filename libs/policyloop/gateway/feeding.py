@@ -9,12 +9,11 @@ import itertools
 import random
 
 from policyloop.common.clock import now_ms
+from policyloop.contracts.ids import task_id, trajectory_id
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS, task_scorer
 
-
-def task_id(run_id: str, index: int) -> str:
-    return f"{run_id}:{index:09d}"
+__all__ = ["demonstration", "nth_item", "nth_task", "task_id", "tasks_total"]
 
 
 def tasks_total(request: loop_pb2.StartRunRequest, environments: dict[str, loop_pb2.Environment],
@@ -65,7 +64,7 @@ def demonstration(run_id: str, environment: str, spec: loop_pb2.TaskSpec, index:
     tid = task_id(run_id, index)
     tokens = len(spec.demonstration_token_ids)
     return bus_pb2.Trajectory(
-        trajectory_id=f"{tid}/0", task_id=tid, group_id=tid, sample_index=0, group_size=1, run_id=run_id,
+        trajectory_id=trajectory_id(tid, 0), task_id=tid, group_id=tid, sample_index=0, group_size=1, run_id=run_id,
         environment=environment, prompt_token_ids=spec.prompt_token_ids,
         response_token_ids=spec.demonstration_token_ids, loss_mask=[True] * tokens,
         finish_reason=bus_pb2.FINISH_REASON_STOP, metadata=spec.metadata, prompt_text=spec.prompt_text,

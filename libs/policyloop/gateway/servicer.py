@@ -286,6 +286,11 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         run = await self.stores.runs.get(run_id, policy_version=version)
         assert run is not None
         run.progress.CopyFrom(await self.stores.progress.get(run_id))
+        progress = run.progress
+        accounted = progress.tasks_trained + progress.tasks_dropped + progress.tasks_dead_lettered
+        # The feeder records its count every so often: a task accounted for was certainly enqueued.
+        run.tasks_enqueued = max(run.tasks_enqueued, accounted)
+        progress.tasks_in_flight = run.tasks_enqueued - accounted
         run.evals.extend(await self.stores.evals.newest(run_id, RUN_EVALS_SHOWN))
         _, promotion = await self.stores.promotions.current(run_id)
         if promotion is not None:

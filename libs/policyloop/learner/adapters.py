@@ -18,6 +18,7 @@ versions go on with no gap and no reuse.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,18 +34,17 @@ from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
 from policyloop.rl.recovery import Resumed, ResumeError, resume
+from policyloop.state.outcomes import RUN_STOPPED, STALE
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.push import VersionPusher
 
 if TYPE_CHECKING:
     from policyloop.state import VersionRegistry
     from policyloop.state.catalog import RunRegistry
+    from policyloop.state.progress import RunProgressStore
     from policyloop.weights.client import WeightClient
 
 log = get_logger(__name__)
-
-RUN_STOPPED = "run_stopped"
-
 
 class RunNotServed(Exception):
     """A trajectory of a run this learner has no adapter for (yet): handed back, retried later."""
@@ -65,8 +65,10 @@ class RunSlot:
 class AdapterLearner:
     def __init__(self, model: str, instance_id: str, trainer: AdapterTrainer, bus: Bus, *,
                  versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000,
-                 checkpoint_root: Path | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 2) -> None:
+                 checkpoint_root: Path | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 2,
+                 progress: RunProgressStore | None = None, leftovers_check_s: float = 1.0) -> None:
         self.model, self.instance_id = model, instance_id
+        self.progress, self.leftovers_check_s = progress, leftovers_check_s
         self.checkpoint_root, self.checkpoint_every, self.checkpoint_keep = checkpoint_root, checkpoint_every, \
             checkpoint_keep
         self.trainer, self.bus, self.versions, self.publisher = trainer, bus, versions, publisher
@@ -138,6 +140,7 @@ class AdapterLearner:
         if slot is None and run_id in self.removed:
             await record_dropped(self.bus, adapter_model_name(self.model, run_id), run_id, self.instance_id,
                                  RUN_STOPPED, [(t.trajectory_id, delivery.stream_seq) for t in group])
+            await self._record_progress(lambda progress: progress.record_dropped(group, RUN_STOPPED))
             return
         if slot is None:
             raise RunNotServed(f"run {run_id!r} has no adapter on this learner")
@@ -152,29 +155,51 @@ class AdapterLearner:
                 if slot.held.collector.has_batch(slot.held.groups_per_step)]
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Steps the run the fair share picks whenever one holds a full batch, until `stop`."""
+        """Steps the run the fair share picks whenever one holds a full batch — or its last groups,
+        which fill none — until `stop`."""
         stopping = asyncio.ensure_future(stop.wait())
         try:
             while not stop.is_set():
                 self._batch_ready.clear()
                 chosen = self.fair.pick(self.ready())
-                if chosen is None:
-                    waiting = asyncio.ensure_future(self._batch_ready.wait())
-                    await asyncio.wait({waiting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
+                if chosen is not None:
+                    await self.step(chosen)
                     continue
-                await self.step(chosen)
+                waiting = asyncio.ensure_future(self._batch_ready.wait())
+                await asyncio.wait({waiting, stopping}, timeout=self.leftovers_check_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                waiting.cancel()
+                if not waiting.done() and not stop.is_set():
+                    for run_id in await self.leftovers():
+                        await self.step(run_id, last=True)
         finally:
             stopping.cancel()
 
-    async def step(self, run_id: str) -> int:
-        """One step of `run_id`'s adapter on its oldest full batch; returns its new version (the
-        current one when every group of the batch was stale). The batch is of one kind:
-        demonstrations or policy samples (GroupCollector.take)."""
+    async def leftovers(self) -> list[str]:
+        """The runs whose every task not yet accounted for is held here, complete (their last
+        groups, which fill no batch)."""
+        final = []
+        for run_id, slot in list(self.slots.items()):
+            complete = slot.held.collector.complete_groups
+            if not complete or self.progress is None:
+                continue
+            try:
+                standing = await self.progress.outcomes.standing(run_id)
+            except (RedisError, OSError) as exc:
+                log.warning("run_standing_unknown", run=run_id, error=repr(exc))
+                continue
+            if standing.all_held(complete):
+                final.append(run_id)
+        return final
+
+    async def step(self, run_id: str, *, last: bool = False) -> int:
+        """One step of `run_id`'s adapter on its oldest full batch (`last`: on what it holds, its
+        last groups); returns its new version (the current one when every group of the batch was
+        stale). The batch is of one kind: demonstrations or policy samples (GroupCollector.take)."""
         slot = self.slots[run_id]
         run = self.trainer.run(run_id)
-        fresh, stale = slot.held.take(run.version, slot.max_lag)
-        await self._drop(slot, stale, "stale")
+        fresh, stale = slot.held.take(run.version, slot.max_lag, {run_id} if last else None)
+        await self._drop(slot, stale, STALE)
         if fresh:
             await self._train(slot, fresh)
         return run.version
@@ -196,6 +221,7 @@ class AdapterLearner:
         pushed = await slot.pusher.push(weights, report.step)
         await self.versions.advance(slot.model, run.version)
         slot.held.release(samples)
+        await self._record_progress(lambda progress: progress.record_step(report.step, run.version - 1, samples))
         if self.checkpoint_root is not None and self.checkpoint_every and run.version % self.checkpoint_every == 0:
             async with self._trainer_lock:
                 await asyncio.to_thread(self.trainer.save, self.checkpoint_root, run_id,
@@ -211,7 +237,17 @@ class AdapterLearner:
             await record_dropped(self.bus, slot.model, slot.run_id, self.instance_id, reason,
                                  [(t.trajectory_id, slot.held.sequence(t.trajectory_id)) for t in group])
             slot.dropped += len(group)
+            await self._record_progress(lambda progress, group=group: progress.record_dropped(group, reason))
             slot.held.release(group)
+
+    async def _record_progress(self, update: Callable[[RunProgressStore], Awaitable[None]]) -> None:
+        """The run's progress for GetRun and WatchRun, and its tasks' accounting (its end)."""
+        if self.progress is None:
+            return
+        try:
+            await update(self.progress)
+        except (RedisError, OSError) as exc:  # figures: never worth stopping training for
+            log.warning("progress_not_recorded", error=repr(exc))
 
 
 SERVED_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED)  # finished: its last samples still come

@@ -82,21 +82,30 @@ class HeldTrajectories:
             if future is not None and not future.done():
                 future.set_result(None)
 
-    async def wait_for_batch(self, stop: asyncio.Event) -> bool:
-        """Waits until a step's worth of complete groups is held; False when stopping first."""
+    async def wait_for_batch(self, stop: asyncio.Event, timeout_s: float | None = None) -> bool:
+        """Waits until a step's worth of complete groups is held (True), or until stopping or
+        `timeout_s` passed first (False)."""
         waiter = asyncio.create_task(self._enough.wait())
         stopper = asyncio.create_task(stop.wait())
-        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({waiter, stopper}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         waiter.cancel()
         stopper.cancel()
-        return not stop.is_set()
+        return self._enough.is_set() and not stop.is_set()
 
-    def take(self, training_version: int, max_lag: int) -> tuple[Groups, Groups]:
-        """(fresh, stale): one step's groups, oldest versions first; the fresh ones count as
-        trained from now on, so a redelivery arriving during the step is a duplicate."""
+    def take(self, training_version: int, max_lag: int, runs: set[str] | None = None) -> tuple[Groups, Groups]:
+        """(fresh, stale): one step's groups, oldest versions first (`runs`: only theirs, a batch
+        they may not fill); the fresh ones count as trained from now on, so a redelivery arriving
+        during the step is a duplicate."""
         self._enough.clear()
-        fresh, stale = split_stale(self.collector.take(self.groups_per_step), training_version, max_lag)
+        fresh, stale = split_stale(self.collector.take(self.groups_per_step, runs), training_version, max_lag)
         self.collector.trained.add_step(t.trajectory_id for group in fresh for t in group)
         if self.collector.has_batch(self.groups_per_step):
             self._enough.set()
         return fresh, stale
+
+    def discard(self, run_id: str) -> Groups:
+        """Every group of the run held, no longer held: the caller records them and releases them."""
+        groups = self.collector.discard(run_id)
+        if not self.collector.has_batch(self.groups_per_step):
+            self._enough.clear()
+        return groups

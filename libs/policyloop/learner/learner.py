@@ -36,6 +36,7 @@ from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
+from policyloop.state.outcomes import RUN_STOPPED, STALE
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.phases import PhaseClock
 
@@ -109,6 +110,9 @@ class Learner:
         if resumed.replayed:
             self.pusher.confirmed = None
             self.figures.pushed(await self.pusher.push(resumed.weights, self.trainer.steps))
+            # Their tasks may not have been accounted for before the crash (that follows the acks).
+            for trajectory_ids in resumed.recent_steps[-len(resumed.replayed):]:
+                await self._record_progress(self.progress.record_trained_ids(trajectory_ids))
         self.pusher.confirmed = resumed.weights
 
     def current_status(self) -> status_pb2.LearnerStatus:
@@ -140,12 +144,18 @@ class Learner:
             self.figures.dropped("duplicate", copies)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Steps whenever a batch is held, until `stop`; then checkpoints the last step."""
+        """Steps whenever a batch is held, or a run's last groups that fill none, until `stop`;
+        then checkpoints the last step."""
         clock = PhaseClock()  # from one step's end to the next's: waiting for a batch
         try:
-            while await self.held.wait_for_batch(stop):
-                groups, stale = self.held.take(self.trainer.version, self.settings.max_lag)
-                await self.drop_stale(stale)
+            while not stop.is_set():
+                runs = None
+                if not await self.held.wait_for_batch(stop, self.settings.leftovers_check_s):
+                    runs = await self.leftovers() if not stop.is_set() else set()
+                    if not runs:
+                        continue
+                groups, stale = self.held.take(self.trainer.version, self.settings.max_lag, runs)
+                await self.drop(stale, STALE)
                 if groups:  # of one kind: demonstrations or policy samples (GroupCollector.take)
                     clock.lap("wait_for_batch")
                     await self.step(groups, clock)
@@ -250,15 +260,32 @@ class Learner:
             log.warning("crashing_on_purpose", step=report.step, version=self.trainer.version)
             os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
 
-    async def drop_stale(self, stale: Groups) -> None:
-        """Groups beyond the lag bound: recorded in LEDGER and acked, never trained."""
-        for group in stale:
+    async def drop(self, groups: Groups, reason: str) -> None:
+        """Groups acked untrained (beyond the lag bound, or of a run that ended): recorded in LEDGER
+        and in their run's progress first."""
+        for group in groups:
             await record_dropped(self.bus, self.settings.model, self.settings.run_id, self.settings.instance_id,
-                                 "stale", [(t.trajectory_id, self.held.sequence(t.trajectory_id)) for t in group])
-            self.figures.dropped("stale", len(group))
-            self.traces.dropped(group, "stale")
-            await self._record_progress(self.progress.record_dropped(group))
+                                 reason, [(t.trajectory_id, self.held.sequence(t.trajectory_id)) for t in group])
+            self.figures.dropped(reason, len(group))
+            self.traces.dropped(group, reason)
+            await self._record_progress(self.progress.record_dropped(group, reason))
             self.held.release(group)
+
+    async def leftovers(self) -> set[str]:
+        """The runs whose every task not yet accounted for is held here, complete: their last groups,
+        which fill no batch, are trained as one of their own. What runs that ended hold is dropped."""
+        final = set()
+        for run_id, complete in self.held.collector.runs().items():
+            try:
+                standing = await self.progress.outcomes.standing(run_id)
+            except (RedisError, OSError) as exc:
+                log.warning("run_standing_unknown", run=run_id, error=repr(exc))
+                continue
+            if standing.ended:
+                await self.drop(self.held.discard(run_id), RUN_STOPPED)
+            elif complete and standing.all_held(complete):
+                final.add(run_id)
+        return final
 
     async def checkpoint(self) -> None:
         if self.trainer.version == self.checkpointed:

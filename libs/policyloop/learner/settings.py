@@ -101,6 +101,10 @@ class LearnerSettings(ServiceSettings):
     dedupe_steps: int = Field(
         1000, ge=1, description="Steps whose trajectory ids are remembered to recognise redelivered samples (later "
                                 "ones exceed max_lag and are dropped as stale).")
+    leftovers_check_s: float = Field(
+        1.0, gt=0, description="While no full batch is held, how often the learner looks whether the groups it "
+                               "holds are all a run has left (then it trains them in a smaller batch, so the run "
+                               "can finish) or belong to a run that ended (then it drops them as run_stopped).")
     torch_threads: int = Field(1, ge=1, description="torch intra-op threads of this process.")
     share_prompts: bool = Field(
         True, description="Compute each distinct prompt of a step once (a group's samples share theirs) and run "

@@ -9,13 +9,9 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from policyloop.common.clock import now_ms
+from policyloop.contracts.ids import trajectory_id
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams, request_error
-
-
-def trajectory_id(task_id: str, sample_index: int) -> str:
-    """Stable across redeliveries and replicas, so a re-published sample is deduplicated."""
-    return f"{task_id}/{sample_index}"
 
 
 def group_members(task: bus_pb2.Task, replica: str) -> list[bus_pb2.Trajectory]:

@@ -36,6 +36,7 @@ from policyloop.rollout.records import TaskRequestError, generate_request, group
 from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
 from policyloop.state.catalog import RunRegistry, StoppedRuns
+from policyloop.state.outcomes import RUN_STOPPED, TaskCount, dropped
 from policyloop.state.pacing import Pacer
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry import tracing
@@ -104,10 +105,12 @@ class RolloutReplica:
 
     async def _admit(self, task: bus_pb2.Task, delivery_count: int) -> bool:
         """False for a first delivery of a stopped run's Task (acked unsampled: never generated,
-        so in no ledger count; a redelivery is finished instead, as it may have published part of
-        its group before a crash). Otherwise waits for a pacing slot: when the learner is behind,
-        waiting beats sampling what would be dropped as stale."""
+        so in no ledger count; its run counts it as dropped, run_stopped; a redelivery is finished
+        instead, as it may have published part of its group before a crash). Otherwise waits for a
+        pacing slot: when the learner is behind, waiting beats sampling what would be dropped as stale."""
         if delivery_count == 1 and await self._run_ended(task.run_id):
+            # Accounted for before the ack: a stopped run's counts add up to what it enqueued.
+            await self.progress.outcomes.record(task.run_id, dropped(RUN_STOPPED), [TaskCount(task.task_id, 0)])
             self.status.tasks_skipped += 1
             return False
         lora = self.lora

@@ -220,7 +220,7 @@ class Run(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., state: _Optional[_Union[RunState, str]] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., max_lag: _Optional[int] = ..., tasks_total: _Optional[int] = ..., tasks_enqueued: _Optional[int] = ..., policy_version: _Optional[int] = ..., created_unix_ms: _Optional[int] = ..., updated_unix_ms: _Optional[int] = ..., error: _Optional[str] = ..., progress: _Optional[_Union[RunProgress, _Mapping]] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ..., evals: _Optional[_Iterable[_Union[VersionEval, _Mapping]]] = ..., promotion: _Optional[_Union[Promotion, _Mapping]] = ..., start_version: _Optional[int] = ...) -> None: ...
 
 class RunProgress(_message.Message):
-    __slots__ = ("learner_step", "trained_samples", "dropped_samples", "environments", "lag_histogram", "trained_tokens_per_second", "generated_tokens_per_second", "generated_tokens", "trained_tokens")
+    __slots__ = ("learner_step", "trained_samples", "dropped_samples", "environments", "lag_histogram", "trained_tokens_per_second", "generated_tokens_per_second", "generated_tokens", "trained_tokens", "tasks_trained", "tasks_dropped", "tasks_dead_lettered", "tasks_dropped_by_reason", "tasks_in_flight", "dead_lettered_samples")
     class EnvironmentsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -235,6 +235,13 @@ class RunProgress(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class TasksDroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LEARNER_STEP_FIELD_NUMBER: _ClassVar[int]
     TRAINED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     DROPPED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
@@ -244,6 +251,12 @@ class RunProgress(_message.Message):
     GENERATED_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRAINED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TASKS_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DEAD_LETTERED_FIELD_NUMBER: _ClassVar[int]
+    TASKS_DROPPED_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    TASKS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DEAD_LETTERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     learner_step: int
     trained_samples: int
     dropped_samples: int
@@ -253,7 +266,13 @@ class RunProgress(_message.Message):
     generated_tokens_per_second: float
     generated_tokens: int
     trained_tokens: int
-    def __init__(self, learner_step: _Optional[int] = ..., trained_samples: _Optional[int] = ..., dropped_samples: _Optional[int] = ..., environments: _Optional[_Mapping[str, EnvironmentProgress]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_tokens_per_second: _Optional[float] = ..., generated_tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., trained_tokens: _Optional[int] = ...) -> None: ...
+    tasks_trained: int
+    tasks_dropped: int
+    tasks_dead_lettered: int
+    tasks_dropped_by_reason: _containers.ScalarMap[str, int]
+    tasks_in_flight: int
+    dead_lettered_samples: int
+    def __init__(self, learner_step: _Optional[int] = ..., trained_samples: _Optional[int] = ..., dropped_samples: _Optional[int] = ..., environments: _Optional[_Mapping[str, EnvironmentProgress]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_tokens_per_second: _Optional[float] = ..., generated_tokens_per_second: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., tasks_trained: _Optional[int] = ..., tasks_dropped: _Optional[int] = ..., tasks_dead_lettered: _Optional[int] = ..., tasks_dropped_by_reason: _Optional[_Mapping[str, int]] = ..., tasks_in_flight: _Optional[int] = ..., dead_lettered_samples: _Optional[int] = ...) -> None: ...
 
 class EnvironmentProgress(_message.Message):
     __slots__ = ("trained_samples", "mean_reward", "last_step_reward")

@@ -45,14 +45,16 @@ class LossSettings(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., normalization: _Optional[str] = ..., constant: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., gspo_clip_low: _Optional[float] = ..., gspo_clip_high: _Optional[float] = ..., advantages: _Optional[str] = ..., off_policy: _Optional[str] = ..., tis_cap: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ...) -> None: ...
 
 class DroppedCounts(_message.Message):
-    __slots__ = ("stale", "duplicate", "invalid")
+    __slots__ = ("stale", "duplicate", "invalid", "run_stopped")
     STALE_FIELD_NUMBER: _ClassVar[int]
     DUPLICATE_FIELD_NUMBER: _ClassVar[int]
     INVALID_FIELD_NUMBER: _ClassVar[int]
+    RUN_STOPPED_FIELD_NUMBER: _ClassVar[int]
     stale: int
     duplicate: int
     invalid: int
-    def __init__(self, stale: _Optional[int] = ..., duplicate: _Optional[int] = ..., invalid: _Optional[int] = ...) -> None: ...
+    run_stopped: int
+    def __init__(self, stale: _Optional[int] = ..., duplicate: _Optional[int] = ..., invalid: _Optional[int] = ..., run_stopped: _Optional[int] = ...) -> None: ...
 
 class WeightPushTotals(_message.Message):
     __slots__ = ("versions_pushed", "keyframes", "full_bytes", "pushed_bytes", "delta_bytes", "last_changed_fraction")

@@ -1,0 +1,129 @@
+"""What became of each task of a run — trained, dropped (with the reason) or dead-lettered —
+recorded once per task whoever records it and however often its messages were redelivered, and
+the run marked FINISHED in the same atomic step that accounts for its last task.
+
+A task's outcome is a field of the run's outcome hash (`pl:<ns>:outcomes:<run_id>`), set with
+HSETNX: the first outcome stands (a replayed step, a redelivered copy or a dead letter of a
+task already trained changes nothing), and only a newly accounted task adds to the run's
+counts in its progress hash. The learner records trained and dropped tasks, a rollout replica
+the tasks of a stopped run it acks unsampled, and the gateway the tasks DLQ holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+
+from policyloop.common.clock import now_ms
+from policyloop.contracts.v1 import loop_pb2
+
+TRAINED = "trained"
+DEAD_LETTERED = "dead_lettered"
+DROPPED = "dropped"
+TASKS_FIELD = "tasks:"
+# Why a task is dropped: beyond the lag bound when the learner came to it, or its run ended first.
+STALE = "stale"
+RUN_STOPPED = "run_stopped"  # progress hash fields "tasks:<outcome>", counting tasks by outcome
+
+# Where an outcome's samples are counted in the progress hash.
+_SAMPLES_FIELD = {TRAINED: "trained_samples", DROPPED: "dropped_samples", DEAD_LETTERED: "dead_lettered_samples"}
+
+ENDED_STATES = frozenset({loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FAILED})
+
+# KEYS: outcomes hash, progress hash, run hash. ARGV: outcome, samples field, now (ms), the
+# RUNNING and FINISHED state numbers, then (task id, samples) pairs. Returns the newly
+# accounted task ids. Once every task of a running run is accounted for, it is FINISHED.
+_RECORD = """
+local outcomes, progress, run = KEYS[1], KEYS[2], KEYS[3]
+local outcome, samples_field, now, running, finished = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local new, samples = {}, 0
+for i = 6, #ARGV, 2 do
+  if redis.call('HSETNX', outcomes, ARGV[i], outcome) == 1 then
+    new[#new + 1] = ARGV[i]
+    samples = samples + tonumber(ARGV[i + 1])
+  end
+end
+if #new > 0 then
+  redis.call('HINCRBY', progress, 'tasks:' .. outcome, #new)
+  if samples > 0 then redis.call('HINCRBY', progress, samples_field, samples) end
+end
+local total = redis.call('HGET', run, 'tasks_total')
+if total and redis.call('HGET', run, 'state') == running and redis.call('HLEN', outcomes) >= tonumber(total) then
+  redis.call('HSET', run, 'state', finished, 'updated', now)
+end
+return new
+"""
+
+
+def dropped(reason: str) -> str:
+    """The outcome of a task acked without training, for `reason` (stale, run_stopped, ...)."""
+    return f"{DROPPED}:{reason}"
+
+
+@dataclass(frozen=True)
+class TaskCount:
+    """One task's share of an outcome: its id and how many of its samples it had."""
+
+    task_id: str
+    samples: int
+
+
+@dataclass(frozen=True)
+class RunStanding:
+    """A run's state and how many of its tasks are accounted for (None state: no such run)."""
+
+    state: int | None
+    tasks_total: int
+    accounted: int
+
+    @property
+    def ended(self) -> bool:
+        """Stopped or failed: what is left of it will not be trained."""
+        return self.state in ENDED_STATES
+
+    def all_held(self, held_tasks: int) -> bool:
+        """Whether `held_tasks` held by a learner are all its tasks not yet accounted for: nothing
+        more of it can arrive, so a batch it does not fill is final."""
+        return self.state == loop_pb2.RUN_STATE_RUNNING and self.accounted + held_tasks >= self.tasks_total
+
+
+class TaskOutcomes:
+    """`client` may decode responses or not; keys are under the namespace like the run registry's."""
+
+    def __init__(self, client: aioredis.Redis, namespace: str) -> None:
+        self.client = client
+        self.outcomes_prefix = f"pl:{namespace}:outcomes:"
+        self.progress_prefix = f"pl:{namespace}:progress:"
+        self.run_prefix = f"pl:{namespace}:run:"  # the run registry's (state.catalog.RunRegistry)
+        self._record = client.register_script(_RECORD)
+
+    async def record(self, run_id: str, outcome: str, tasks: Iterable[TaskCount]) -> list[str]:
+        """Accounts for `tasks` of `run_id` with `outcome` (TRAINED, DEAD_LETTERED or dropped(reason));
+        returns the ids of those not accounted for before."""
+        args: list[str | int] = [outcome, _SAMPLES_FIELD[outcome.partition(":")[0]], now_ms(),
+                                 loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED]
+        for task in tasks:
+            args += [task.task_id, task.samples]
+        if len(args) == 5:
+            return []
+        keys = [self.outcomes_prefix + run_id, self.progress_prefix + run_id, self.run_prefix + run_id]
+        new = await self._record(keys=keys, args=args)
+        return [t.decode() if isinstance(t, bytes) else t for t in new]
+
+    async def standing(self, run_id: str) -> RunStanding:
+        pipe = self.client.pipeline(transaction=False)
+        pipe.hget(self.run_prefix + run_id, "state")
+        pipe.hget(self.run_prefix + run_id, "tasks_total")
+        pipe.hlen(self.outcomes_prefix + run_id)
+        state, total, accounted = await pipe.execute()
+        return RunStanding(None if state is None else int(state), int(total or 0), int(accounted))
+
+
+def task_counts(task_ids: Iterable[str]) -> list[TaskCount]:
+    """Tasks and their samples from the samples' task ids (one id per sample), in first-seen order."""
+    counts: dict[str, int] = {}
+    for task_id in task_ids:
+        counts[task_id] = counts.get(task_id, 0) + 1
+    return [TaskCount(t, n) for t, n in counts.items()]
