@@ -48,7 +48,8 @@ async def body(ctx: ServiceContext) -> None:
     async def run_job(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
         return await run_in_sandbox(ctx.bus, job, timeout_s=settings.sandbox_timeout_s)
 
-    raw = await connect_redis(settings.redis_url, decode_responses=False)  # definitions and results are protobuf
+    # Definitions and results are protobuf.
+    raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
     try:
         runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
         evaluator = Evaluator(

@@ -120,7 +120,7 @@ async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> Non
     worker = PullWorker(ctx.bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
                         validator=validate_group, concurrency=consumer.max_ack_pending)
     # Run definitions are protobuf bytes: a client that does not decode responses reads them.
-    raw = await connect_redis(settings.redis_url, decode_responses=False)
+    raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
     training = asyncio.create_task(learner.run(ctx.stop))
     following = asyncio.create_task(follow_runs(learner, RunRegistry(raw, settings.namespace), ctx.stop,
                                                 groups_per_step=settings.groups_per_step, max_lag=settings.max_lag))

@@ -76,7 +76,8 @@ async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replic
     from policyloop.state import connect_redis
     from policyloop.state.catalog import RunRegistry
 
-    raw = await connect_redis(settings.redis_url, decode_responses=False)  # run definitions are bytes
+    # Run definitions are bytes.
+    raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
     served = ServedAdapters(client, settings.weights_dir / "adapters", follower.publisher,
                             load_from=settings.adapter_source)
     replica.lora = LoraRuns(ctx.bus, RunRegistry(raw, settings.namespace), served, settings.model, replica.pacer_for,
@@ -141,7 +142,8 @@ async def promoted_adapter(ctx: ServiceContext, settings: RolloutSettings, clien
     from policyloop.state import connect_redis
     from policyloop.state.catalog import RunRegistry
 
-    raw = await connect_redis(settings.redis_url, decode_responses=False)  # run definitions are bytes
+    # Run definitions are bytes.
+    raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
     try:
         while (definition := await RunRegistry(raw, settings.namespace).definition(settings.serve_run)) is None:
             if ctx.stop.is_set():

@@ -28,7 +28,8 @@ async def body(ctx: ServiceContext) -> None:
     def publisher_for(endpoint: str) -> WeightClient:
         return fetchers.setdefault(endpoint, WeightClient(endpoint, bearer_token=settings.publisher_token))
 
-    redis = await connect_redis(settings.redis_url, decode_responses=False)  # models and sessions are protobuf
+    # Models and sessions are protobuf.
+    redis = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
     heartbeats = HeartbeatRegistry(ctx.redis, settings.namespace)
 
     async def fronts_alive() -> set[str]:

@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from policyloop.bus.topology import BusLimits
 from policyloop.cluster.catalogue import SERVICES
 from policyloop.runtime.settings import ServiceSettings, load_settings
+from policyloop.state import RedisPool
 
 
 def settings_model(module: str) -> type[ServiceSettings]:
@@ -24,7 +25,7 @@ def settings_model(module: str) -> type[ServiceSettings]:
 @pytest.mark.parametrize("service", SERVICES, ids=lambda s: s.name)
 def test_every_field_is_documented(service) -> None:  # type: ignore[no-untyped-def]
     model = settings_model(service.module)
-    for model_cls in (model, BusLimits):
+    for model_cls in (model, BusLimits, RedisPool):
         for name, field in model_cls.model_fields.items():
             assert field.description and len(field.description) > 10, f"{model_cls.__name__}.{name}"
 

@@ -160,7 +160,8 @@ async def serve(name: str, settings: ServiceSettings, body: ServiceBody) -> int:
                             topology=build_topology(settings.bus),
                             connect_timeout_s=settings.connect_timeout_s)
     await bus.ensure_topology()
-    client = await connect_redis(settings.redis_url, connect_timeout_s=settings.connect_timeout_s)
+    client = await connect_redis(settings.redis_url, connect_timeout_s=settings.connect_timeout_s,
+                                 pool=settings.redis_pool)
     ctx = ServiceContext(name=name, settings=settings, bus=bus, redis=client)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

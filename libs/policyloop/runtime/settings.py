@@ -13,6 +13,7 @@ from pydantic_settings import BaseSettings, CliApp, SettingsConfigDict
 
 from policyloop.bus.topology import BusLimits
 from policyloop.contracts.v1 import status_pb2
+from policyloop.state.store import RedisPool
 from policyloop.telemetry.tracing import TracingSettings
 
 
@@ -35,6 +36,9 @@ class ServiceSettings(BaseSettings):
                     "(nats://a:4222,nats://b:4222,nats://c:4222); the client fails over between them.",
     )
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="Redis for shared state.")
+    redis_pool: RedisPool = Field(
+        default_factory=RedisPool, description="Bounds of each Redis client's connection pool: a command "
+                                               "beyond max_connections waits for a free one (wait_timeout_s).")
     namespace: str = Field(
         "default",
         description="Redis key namespace of this cluster, so clusters can share one Redis.",

@@ -4,6 +4,7 @@ from policyloop.state.store import (
     Heartbeat,
     HeartbeatRegistry,
     IdempotencyKeys,
+    RedisPool,
     StateUnavailable,
     VersionConflict,
     VersionRegistry,
@@ -11,6 +12,6 @@ from policyloop.state.store import (
 )
 
 __all__ = [
-    "Heartbeat", "HeartbeatRegistry", "IdempotencyKeys", "StateUnavailable", "VersionConflict",
+    "Heartbeat", "HeartbeatRegistry", "IdempotencyKeys", "RedisPool", "StateUnavailable", "VersionConflict",
     "VersionRegistry", "connect_redis",
 ]

@@ -14,6 +14,9 @@ import time
 import redis.asyncio as aioredis
 import redis.exceptions
 from google.protobuf import json_format
+from pydantic import BaseModel, ConfigDict, Field
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
 
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import status_pb2
@@ -29,16 +32,30 @@ class VersionConflict(Exception):
         self.model, self.expected, self.actual = model, expected, actual
 
 
+class RedisPool(BaseModel):
+    """The connections of one Redis client (a service holds one or two). A command finding them
+    all busy waits for one to come back instead of failing: a burst of requests (150 Tinker
+    samples at once) queues for a few milliseconds rather than answering errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_connections: int = Field(64, ge=1, description="Connections the client opens at most; commands beyond "
+                                                       "wait for a free one.")
+    wait_timeout_s: float = Field(20.0, gt=0, description="How long a command waits for a free connection before "
+                                                          "it fails (ConnectionError: No connection available).")
+
+
 async def connect_redis(
-    url: str, *, connect_timeout_s: float = 10.0, decode_responses: bool = True
+    url: str, *, connect_timeout_s: float = 10.0, decode_responses: bool = True, pool: RedisPool | None = None
 ) -> aioredis.Redis:
     """Connects and pings within the deadline (retrying while the server starts). Later
-    commands retry on connection errors, so a Redis restart is survived."""
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialBackoff
-
-    client = aioredis.from_url(
+    commands retry on connection errors, so a Redis restart is survived. `pool`: its bounds
+    (RedisPool's defaults if None)."""
+    pool = pool or RedisPool()
+    connections = aioredis.BlockingConnectionPool.from_url(
         url,
+        max_connections=pool.max_connections,
+        timeout=pool.wait_timeout_s,
         decode_responses=decode_responses,
         socket_connect_timeout=2,
         socket_timeout=5,
@@ -46,6 +63,7 @@ async def connect_redis(
         retry=Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=8),
         retry_on_error=[redis.exceptions.ConnectionError, redis.exceptions.TimeoutError],
     )
+    client = aioredis.Redis.from_pool(connections)  # closing the client closes its pool
     deadline = time.monotonic() + connect_timeout_s
     while True:
         try:
