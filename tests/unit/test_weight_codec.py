@@ -515,6 +515,30 @@ def test_a_torch_dtype_the_codec_cannot_carry_is_refused_by_name() -> None:
         torch_io.to_bytes(torch.zeros(2, dtype=torch.complex128))
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # torch's beta/prototype notes for sparse CSR, nested, qint8
+def test_a_tensor_without_dense_bytes_is_refused_naming_it() -> None:
+    """Meta, sparse and nested tensors are refused with a ValueError that names the tensor (torch
+    alone raises NotImplementedError or RuntimeErrors that name neither it nor the way out)."""
+    torch = pytest.importorskip("torch")
+    from policyloop.weights import torch_io
+
+    dense = torch.eye(3)
+    refused = {
+        "meta": (torch.empty(3, 3, device="meta"), "meta tensor has no data"),
+        "sparse_coo": (dense.to_sparse(), "torch.sparse_coo tensor.*to_dense"),
+        "sparse_csr": (dense.to_sparse_csr(), "torch.sparse_csr tensor.*to_dense"),
+        "nested": (torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]), "nested tensor"),
+        "quantized": (torch.quantize_per_tensor(dense, 0.1, 0, torch.qint8), "torch.qint8"),
+    }
+    for kind, (tensor, says) in refused.items():
+        name = f"model.layers.0.{kind}.weight"
+        with pytest.raises(ValueError, match=f"^{re.escape(name)}: .*{says}"):
+            torch_io.weight_set(1, {"model.embed.weight": dense, name: tensor})
+    # What stays carried: a transposed (non-contiguous) view, a parameter that requires grad.
+    carried = torch_io.weight_set(1, {"t": dense.t(), "p": torch.nn.Parameter(dense.clone())})
+    assert torch.equal(torch_io.to_tensor(carried.tensors["t"]), dense.t())
+
+
 # ---------------------------------------------------------------- version labels and determinism
 
 

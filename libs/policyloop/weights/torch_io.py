@@ -35,12 +35,31 @@ def dtype_name(dtype: torch.dtype) -> str:
                          f"carries {sorted(str(d) for d in DTYPE_NAMES)}") from None
 
 
-def to_bytes(tensor: torch.Tensor) -> TensorBytes:
-    """A CPU copy of the tensor's bytes (the learner keeps training its own)."""
-    name = dtype_name(tensor.dtype)
+def _refuse_without_dense_bytes(tensor: torch.Tensor, name: str) -> None:
+    """Refuses a tensor that holds no dense array of its elements: torch's own errors for these
+    (NotImplementedError for meta, RuntimeErrors for sparse layouts) name neither the tensor nor
+    what to do."""
+    if tensor.is_meta:
+        raise ValueError(f"{name}: a meta tensor has no data (its weights were never materialized: load or "
+                         "initialize them before sending)")
+    if tensor.is_nested:
+        raise ValueError(f"{name}: a nested tensor has no single shape the weight codec can carry")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{name}: a {tensor.layout} tensor; the weight codec carries dense (torch.strided) "
+                         "tensors: send tensor.to_dense()")
+
+
+def to_bytes(tensor: torch.Tensor, name: str = "tensor") -> TensorBytes:
+    """A CPU copy of the tensor's bytes (the learner keeps training its own); `name` names it in
+    a refusal (ValueError) of a tensor the codec cannot carry."""
+    _refuse_without_dense_bytes(tensor, name)
+    try:
+        dtype = dtype_name(tensor.dtype)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     data = flat.view(torch.uint8).numpy().copy() if flat.numel() else np.empty(0, dtype=np.uint8)
-    return TensorBytes(name, tuple(tensor.shape), data)
+    return TensorBytes(dtype, tuple(tensor.shape), data)
 
 
 def to_tensor(tensor: TensorBytes) -> torch.Tensor:
@@ -51,7 +70,9 @@ def to_tensor(tensor: TensorBytes) -> torch.Tensor:
 
 
 def weight_set(version: int, tensors: Mapping[str, torch.Tensor]) -> WeightSet:
-    return WeightSet.build(version, {name: to_bytes(t) for name, t in tensors.items()})
+    """The tensors as a version; a ValueError naming the tensor for one the codec cannot carry
+    (meta, nested, sparse or another non-dense layout, a dtype without whole bytes)."""
+    return WeightSet.build(version, {name: to_bytes(t, name) for name, t in tensors.items()})
 
 
 def safetensors_bytes(weights: WeightSet) -> bytes:
