@@ -189,10 +189,14 @@ async def test_a_run_finishes_when_its_last_task_is_accounted_for(redis_client) 
     await outcomes.record("r", dropped("stale"), tasks[2:])
     assert await runs.state("r") == loop_pb2.RUN_STATE_FINISHED
 
-    await runs.create("s", loop_pb2.StartRunRequest(run_id="s"), tasks_total=1)
+    # A stopped run's last held groups are those of the tasks it fed and has not accounted for.
+    await runs.create("s", loop_pb2.StartRunRequest(run_id="s"), tasks_total=3)
+    await runs.set_enqueued("s", 2)
     await runs.set_state("s", loop_pb2.RUN_STATE_STOPPED)
     await outcomes.record("s", dropped("run_stopped"), [TaskCount(task_id("s", 0), 0)])
-    assert await runs.state("s") == loop_pb2.RUN_STATE_STOPPED and (await outcomes.standing("s")).ended
+    stopped = await outcomes.standing("s")
+    assert await runs.state("s") == loop_pb2.RUN_STATE_STOPPED and stopped.ended
+    assert stopped.all_held(1) and not stopped.all_held(0)
 
 
 async def test_run_quota_leases(redis_client) -> None:  # type: ignore[no-untyped-def]

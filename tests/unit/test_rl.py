@@ -117,6 +117,25 @@ def test_groups_from_older_versions_are_taken_first() -> None:
     assert [g[0].group_id for g in collector.take(3)] == ["newer"]
 
 
+def test_a_runs_last_groups_are_taken_alone_and_its_incomplete_ones_discarded() -> None:
+    """A run's last groups go as a batch they do not fill, of one kind and of that run only; a run
+    that ended gives up the groups still missing members."""
+    def member(run: str, group: str, index: int, size: int, supervised: bool = False) -> bus_pb2.Trajectory:
+        return bus_pb2.Trajectory(trajectory_id=f"{group}/{index}", group_id=group, sample_index=index,
+                                  group_size=size, run_id=run, supervised=supervised)
+
+    collector = GroupCollector()
+    for sample in (member("a", "a1", 0, 1), member("b", "b1", 0, 1), member("a", "a2", 0, 1, supervised=True),
+                   member("a", "a3", 0, 1), member("c", "c1", 0, 2)):
+        collector.add(sample)
+    assert collector.runs() == {"a": 3, "b": 1, "c": 0}  # c: an incomplete group only
+    assert [g[0].group_id for g in collector.take(8, {"a"})] == ["a1", "a3"]  # the oldest one's kind
+    assert [g[0].group_id for g in collector.take(8, {"a"})] == ["a2"]
+    assert [[t.trajectory_id for t in g] for g in collector.discard_incomplete("c")] == [["c1/0"]]
+    assert collector.runs() == {"b": 1} and collector.discard_incomplete("b") == []
+    assert collector.kinds == {False: 1, True: 0} and collector.has_batch(1) and not collector.has_batch(2)
+
+
 def test_lr_schedule_warms_up_then_holds_or_decays_to_its_floor() -> None:
     from policyloop.rl.trainer import LrSchedule, TrainerConfig
 

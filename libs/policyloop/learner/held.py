@@ -103,9 +103,6 @@ class HeldTrajectories:
             self._enough.set()
         return fresh, stale
 
-    def discard(self, run_id: str) -> Groups:
-        """Every group of the run held, no longer held: the caller records them and releases them."""
-        groups = self.collector.discard(run_id)
-        if not self.collector.has_batch(self.groups_per_step):
-            self._enough.clear()
-        return groups
+    def discard_incomplete(self, run_id: str) -> Groups:
+        """The run's groups still missing members, no longer held: the caller records and releases them."""
+        return self.collector.discard_incomplete(run_id)

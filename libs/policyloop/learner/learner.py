@@ -15,8 +15,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from redis.exceptions import RedisError
 
@@ -36,6 +35,7 @@ from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
+from policyloop.rl.checkpoint import CheckpointCadence, checkpoint_path, commit_checkpoint, write_snapshot
 from policyloop.state.outcomes import RUN_STOPPED, STALE
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.phases import PhaseClock
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 
     from policyloop.learner.colocated import ColocatedEngines
     from policyloop.learner.settings import LearnerSettings
+    from policyloop.rl.checkpoint import Snapshot
     from policyloop.rl.recovery import Resumed
     from policyloop.rl.trainer import PolicyTrainer, StepReport
     from policyloop.state import VersionRegistry
@@ -81,8 +82,10 @@ class Learner:
         self.on_version = on_version
         self.held = HeldTrajectories(settings.groups_per_step, RecentSteps(settings.dedupe_steps, resumed.recent_steps))
         self.ledger_seq = resumed.ledger_seq  # LEDGER position of the newest recorded step
-        self.checkpointed = resumed.checkpoint_version
-        self.saving: asyncio.Future[Path] | None = None  # a checkpoint being written
+        self.checkpointed = resumed.checkpoint_version  # the newest checkpoint committed
+        self.cadence = CheckpointCadence(settings.checkpoint.every, settings.checkpoint.every_s,
+                                         resumed.checkpoint_version, time.monotonic())
+        self.saving: asyncio.Future[Any] | None = None  # a checkpoint being copied or written
         self.publishing: asyncio.Future[None] | None = None  # the newest version's overlapping publication
         self.figures_written: asyncio.Task[None] | None = None  # the newest progress update, in order
         self.status = advertised_status(settings)
@@ -192,10 +195,8 @@ class Learner:
         else:
             await self._publish(version, tensors, weights, clock, ON_STEP)
             self.figures.stepped(report, time.monotonic() - started)
-        every = self.settings.checkpoint.every
-        if every and self.trainer.version % every == 0:
-            await self.published()  # a resumed learner takes what its checkpoint holds as published
-            await self.checkpoint()
+        if self.cadence.due(self.trainer.version, time.monotonic()):
+            await self.snapshot()  # the step waits for the copy; the write goes on beside the next steps
         clock.lap("checkpoint")
         self.figures.phases(trainer_phases(clock.seconds, report), ON_STEP)
         if not isinstance(self.tracker, NullTracker):
@@ -273,7 +274,8 @@ class Learner:
 
     async def leftovers(self) -> set[str]:
         """The runs whose every task not yet accounted for is held here, complete: their last groups,
-        which fill no batch, are trained as one of their own. What runs that ended hold is dropped."""
+        which fill no batch, are trained as one of their own. A run that ended (stopped) gives up
+        its groups that will not complete."""
         final = set()
         for run_id, complete in self.held.collector.runs().items():
             try:
@@ -282,24 +284,53 @@ class Learner:
                 log.warning("run_standing_unknown", run=run_id, error=repr(exc))
                 continue
             if standing.ended:
-                await self.drop(self.held.discard(run_id), RUN_STOPPED)
-            elif complete and standing.all_held(complete):
+                await self.drop(self.held.discard_incomplete(run_id), RUN_STOPPED)
+            if complete and standing.all_held(complete):
                 final.add(run_id)
         return final
 
     async def checkpoint(self) -> None:
+        """Checkpoints the newest version now and waits until it is written (a stopping learner
+        leaves nothing to replay). Its version must be published: run() calls it last."""
+        if self.saving is not None:
+            await asyncio.wait({self.saving})  # one write at a time, in version order
         if self.trainer.version == self.checkpointed:
             return
-        started = time.monotonic()
-        # Shielded: a stop that cancels the training loop must not close the trainer under a
-        # save still writing in its thread (`close` waits for it).
+        await self.snapshot()
+        await asyncio.shield(self.saving)  # type: ignore[arg-type]
+
+    async def snapshot(self) -> None:
+        """Copies the state of the version just trained (model, optimizer, RNG, LEDGER position,
+        recently trained ids: one step's) and hands the copy to a writer, which commits it once
+        that version is published (a resumed learner takes what its checkpoint holds as published).
+        One write at a time: while one is under way, the next due step tries again. A write that
+        failed stops the learner here, as a failed step does."""
+        if self.saving is not None:
+            if not self.saving.done():
+                return
+            self.saving.result()
+        version, started = self.trainer.version, time.monotonic()
+        # Shielded and kept in `saving`: a stop that cancels the training loop must not close the
+        # trainer under a copy still running in its thread (the service waits for `saving`).
         self.saving = asyncio.ensure_future(asyncio.to_thread(
-            self.trainer.save, self.settings.checkpoint.dir, list(self.held.trained.steps),
-            {"ledger_seq": self.ledger_seq}, self.settings.checkpoint.kept))
-        directory = await asyncio.shield(self.saving)
-        self.checkpointed = self.status.checkpoint_version = self.trainer.version
-        log.info("checkpoint_written", version=self.checkpointed, path=str(directory),
-                 seconds=round(time.monotonic() - started, 3))
+            self.trainer.snapshot, list(self.held.trained.steps), {"ledger_seq": self.ledger_seq}))
+        snapshot = await asyncio.shield(self.saving)
+        self.cadence.taken(version, started)
+        self.saving = asyncio.ensure_future(self._write_checkpoint(snapshot, self.publishing, started))
+
+    async def _write_checkpoint(self, snapshot: Snapshot, publication: asyncio.Future[None] | None,
+                                started: float) -> None:
+        version, root = snapshot.state.version, self.settings.checkpoint.dir
+        tmp = await asyncio.to_thread(write_snapshot, root, snapshot)
+        if publication is not None:
+            await asyncio.wait({publication})
+            if publication.cancelled() or publication.exception() is not None:
+                log.warning("checkpoint_not_committed", version=version, reason="its version was not published")
+                return
+        final = checkpoint_path(root, version)
+        await asyncio.to_thread(commit_checkpoint, tmp, final, self.settings.checkpoint.kept)
+        self.checkpointed = self.status.checkpoint_version = version
+        log.info("checkpoint_written", version=version, path=str(final), seconds=round(time.monotonic() - started, 3))
 
     async def wait_for_checkpoint(self, timeout_s: float) -> None:
         if self.saving is not None and not self.saving.done():

@@ -105,17 +105,11 @@ class GroupCollector:
             complete[next(iter(members.values())).run_id] += 0
         return complete
 
-    def discard(self, run_id: str) -> list[list[bus_pb2.Trajectory]]:
-        """Every group of `run_id` held, complete or not, no longer held (its run ended)."""
-        taken = []
-        for group_id in [g for g, group in self.complete.items() if group[0].run_id == run_id]:
-            group = self.complete.pop(group_id)
-            self.kinds[group[0].supervised] -= 1
-            taken.append(group)
-        for group_id in [g for g, members in self.groups.items() if next(iter(members.values())).run_id == run_id]:
-            members = self.groups.pop(group_id)
-            taken.append([members[i] for i in sorted(members)])
-        return taken
+    def discard_incomplete(self, run_id: str) -> list[list[bus_pb2.Trajectory]]:
+        """The groups of `run_id` still missing members, no longer held (its run ended: they will
+        not complete)."""
+        ids = [g for g, members in self.groups.items() if next(iter(members.values())).run_id == run_id]
+        return [[members[i] for i in sorted(members)] for members in (self.groups.pop(g) for g in ids)]
 
 
 def split_stale(groups: list[list[bus_pb2.Trajectory]], training_version: int, max_lag: int

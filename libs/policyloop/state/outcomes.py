@@ -72,21 +72,25 @@ class TaskCount:
 
 @dataclass(frozen=True)
 class RunStanding:
-    """A run's state and how many of its tasks are accounted for (None state: no such run)."""
+    """A run's state, its tasks fed and how many of them are accounted for (None state: no such run)."""
 
     state: int | None
     tasks_total: int
+    tasks_enqueued: int
     accounted: int
 
     @property
     def ended(self) -> bool:
-        """Stopped or failed: what is left of it will not be trained."""
+        """Stopped or failed: no more of its tasks are fed."""
         return self.state in ENDED_STATES
 
     def all_held(self, held_tasks: int) -> bool:
         """Whether `held_tasks` held by a learner are all its tasks not yet accounted for: nothing
-        more of it can arrive, so a batch it does not fill is final."""
-        return self.state == loop_pb2.RUN_STATE_RUNNING and self.accounted + held_tasks >= self.tasks_total
+        more of it can arrive, so a batch they do not fill is its last. A running run's tasks are
+        all it will feed; a stopped one's, those it fed before it stopped."""
+        if self.state == loop_pb2.RUN_STATE_RUNNING:
+            return self.accounted + held_tasks >= self.tasks_total
+        return self.ended and self.accounted + held_tasks >= self.tasks_enqueued
 
 
 class TaskOutcomes:
@@ -116,9 +120,11 @@ class TaskOutcomes:
         pipe = self.client.pipeline(transaction=False)
         pipe.hget(self.run_prefix + run_id, "state")
         pipe.hget(self.run_prefix + run_id, "tasks_total")
+        pipe.hget(self.run_prefix + run_id, "tasks_enqueued")
         pipe.hlen(self.outcomes_prefix + run_id)
-        state, total, accounted = await pipe.execute()
-        return RunStanding(None if state is None else int(state), int(total or 0), int(accounted))
+        state, total, enqueued, accounted = await pipe.execute()
+        return RunStanding(None if state is None else int(state), int(total or 0), int(enqueued or 0),
+                           int(accounted))
 
 
 def task_counts(task_ids: Iterable[str]) -> list[TaskCount]:
