@@ -15,12 +15,15 @@ import pytest
 import torch
 
 from policyloop.bus import Bus, trajectories_subject
-from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.ids import task_id
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.learner.adapters import RUN_STOPPED, AdapterLearner
 from policyloop.ledger import DROPPED, trained_steps
 from policyloop.rl.lora import AdapterTrainer, LoraSpec
 from policyloop.rl.trainer import TrainerConfig
 from policyloop.state import VersionRegistry
+from policyloop.state.catalog import RunRegistry
+from policyloop.state.progress import RunProgressStore
 from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.server import WeightServicer, start_weight_server
@@ -36,14 +39,16 @@ async def _announce(_: object) -> None:
 
 @asynccontextmanager
 async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
-                  checkpoint_every: int = 0) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
+                  checkpoint_every: int = 0, progress: RunProgressStore | None = None,
+                  ) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
     publisher = WeightServicer(WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=4),
                                on_stored=_announce)
     server, port = await start_weight_server(publisher, host="127.0.0.1", port=0)
     client = WeightClient(f"127.0.0.1:{port}", deadline_s=60)
     trainer = await asyncio.to_thread(AdapterTrainer, model_dir, TrainerConfig(lr=1e-3, device="cpu"))
     learner = AdapterLearner("policy", "learner-0", trainer, bus, versions=VersionRegistry(redis_client, "default"),
-                             publisher=client, checkpoint_root=root / "checkpoints", checkpoint_every=checkpoint_every)
+                             publisher=client, checkpoint_root=root / "checkpoints", checkpoint_every=checkpoint_every,
+                             progress=progress, leftovers_check_s=0.2)
     from policyloop.bus import PullWorker
     from policyloop.contracts.validate import validate_group
 
@@ -118,6 +123,27 @@ async def test_runs_step_on_their_own_batches_and_never_hold_each_other_up(
             ("b", RUN_STOPPED, ("b3/0", "b3/1")), ("b", RUN_STOPPED, ("b4/0", "b4/1"))}  # a group per event
         assert {e.model for e in dropped} == {b.model}
         assert "b" not in learner.trainer.runs and learner.trainer.run("a").version == 4
+
+
+@pytest.mark.timeout(240)
+async def test_a_runs_last_groups_that_fill_no_batch_are_trained_and_the_run_finishes(
+        bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    versions, progress = VersionRegistry(redis_client, "default"), RunProgressStore(redis_client, "default")
+    runs = RunRegistry(redis_client, "default")
+    await runs.create("r", loop_pb2.StartRunRequest(run_id="r"), tasks_total=3)
+    async with running(bus, redis_client, tiny_model_dir, tmp_path, progress=progress) as (learner, _):
+        slot = await learner.add_run("r", SPEC, groups_per_step=2, max_lag=-1)
+        for i in range(3):
+            await publish_run_group(bus, "r", task_id("r", i))
+        await eventually(lambda: _at(versions, slot.model, 2), timeout_s=120)  # a full batch, then the last group
+
+        async def finished() -> bool:
+            return await runs.state("r") == loop_pb2.RUN_STATE_FINISHED
+
+        await eventually(finished, timeout_s=30)
+    assert [len(r.trajectory_ids) for r in await trained_steps(bus, slot.model)] == [4, 2]
+    done = await progress.get("r")
+    assert (done.tasks_trained, done.trained_samples, done.tasks_dropped) == (3, 6, 0)
 
 
 async def _at(versions: VersionRegistry, model: str, version: int) -> bool:
