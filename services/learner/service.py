@@ -115,7 +115,9 @@ async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> Non
     checkpoints = settings.checkpoint.dir if settings.checkpoint.resume else None
     learner = AdapterLearner(settings.model, settings.instance_id, trainer, ctx.bus, versions=ctx.versions,
                              publisher=publisher, dedupe_steps=settings.dedupe_steps, checkpoint_root=checkpoints,
-                             checkpoint_every=settings.checkpoint.every, checkpoint_keep=settings.checkpoint.kept)
+                             checkpoint_every=settings.checkpoint.every, checkpoint_keep=settings.checkpoint.kept,
+                             progress=RunProgressStore(ctx.redis, settings.namespace),
+                             leftovers_check_s=settings.leftovers_check_s)
     consumer = ctx.bus.topology.consumers["learner"]
     worker = PullWorker(ctx.bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
                         validator=validate_group, concurrency=consumer.max_ack_pending)
