@@ -129,7 +129,8 @@ def audit(
         help="First wait until ROLLOUTS is empty and LEDGER unchanged this long (0: audit at once).")] = 0.0,
     model: Annotated[str, typer.Option(help="Model whose trained steps are listed.")] = "policy",
 ) -> None:
-    """Every generated trajectory's fate from the bus (lost, trained twice, steps…); prints JSON."""
+    """Every generated trajectory's fate from the bus (lost, trained twice, steps…); prints JSON.
+    On a live loop the figures are `provisional` (said with the reason): gaps may be work in flight."""
     from policyloop.bus import Bus
     from policyloop.ledger import audit_bus, trained_steps, wait_settled
 
@@ -138,6 +139,10 @@ def audit(
         try:
             settled = await wait_settled(bus, settle_s, timeout_s=max(60.0, settle_s * 10)) if settle_s else None
             report = await audit_bus(bus)
+            if settled is False and not report.provisional:  # asked to wait for rest, and it never came
+                report.provisional = True
+                report.provisional_reason = (f"the loop did not settle (no {settle_s:g} s without movement): lost "
+                                             "and trained_not_generated may count work in flight")
             steps = await trained_steps(bus, model)
             return {**report.as_dict(), "settled": settled, "newest_version": steps[-1].version if steps else 0}
         finally:

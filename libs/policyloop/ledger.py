@@ -154,6 +154,10 @@ class Audit:
     versions_monotonic: bool = True
     lost_ids: list[str] = field(default_factory=list)        # a few, for a person to look up
     twice_ids: list[str] = field(default_factory=list)
+    # Taken while the loop was live: a trajectory that moves on while the bus is read can show as
+    # lost or as trained_not_generated, gaps that vanish at rest. Final figures: audit at rest.
+    provisional: bool = False
+    provisional_reason: str = ""
 
     def as_dict(self) -> dict[str, object]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -242,7 +246,11 @@ async def audit_bus(bus: Bus, run_id: str | None = None) -> Audit:
     alone). Waiting: in ROLLOUTS (not yet scored) or in TRAJECTORIES above the learner's ack floor
     (everything at or below it was acked). The reads go in the order a trajectory travels, so one
     moving on meanwhile is seen at its next stop: generated events first, then the ack floor,
-    ROLLOUTS, TRAJECTORIES, the learner's events (recorded before its acks) and DLQ."""
+    ROLLOUTS, TRAJECTORIES, the learner's events (recorded before its acks) and DLQ.
+
+    The report is `provisional` when the loop is live: groups wait in ROLLOUTS to be scored, or
+    the streams changed while they were read; its gaps may then be work in flight."""
+    before = await _stream_marks(bus)
     generated = [bus_pb2.LedgerEvent.FromString(m.data) async for _, m in bus.read("LEDGER", "pl.ledger.generated.>")]
     floor = (await bus.js.consumer_info("TRAJECTORIES", "learner")).ack_floor.stream_seq
     pending = set()
@@ -269,7 +277,28 @@ async def audit_bus(bus: Bus, run_id: str | None = None) -> Audit:
         prefix = f"{run_id}:"
         events = of_run(run_id, events)
         scored, dead, pending = ({t for t in ids if t.startswith(prefix)} for ids in (scored, dead, pending))
-    return audit(events, scored=scored, dead_lettered=dead, pending=pending)
+    report = audit(events, scored=scored, dead_lettered=dead, pending=pending)
+    after = await _stream_marks(bus)
+    reasons = []
+    if before["ROLLOUTS"][1]:
+        reasons.append(f"{before['ROLLOUTS'][1]} groups wait in ROLLOUTS to be scored")
+    moved = [name for name in before if before[name] != after[name]]
+    if moved:
+        reasons.append(f"{', '.join(moved)} changed while the audit read the bus")
+    if reasons:
+        report.provisional = True
+        report.provisional_reason = ("the loop is live (" + "; ".join(reasons) + "): lost and trained_not_generated "
+                                     "may count work in flight; audit at rest (--settle-s) for final figures")
+    return report
+
+
+async def _stream_marks(bus: Bus) -> dict[str, tuple[int, int]]:
+    """stream -> (last sequence, messages held) for the streams a trajectory moves through."""
+    marks = {}
+    for name in ("ROLLOUTS", "TRAJECTORIES", "LEDGER"):
+        state = (await bus.js.stream_info(name)).state
+        marks[name] = (state.last_seq, state.messages)
+    return marks
 
 
 async def wait_settled(bus: Bus, quiet_s: float, timeout_s: float) -> bool:
