@@ -223,6 +223,7 @@ def drive(compose: Compose, args: argparse.Namespace, result: dict) -> None:
     result["audit"] = {k: report[k] for k in ("generated", "trained", "dropped", "dead_lettered", "pending", "lost",
                                               "trained_twice", "trained_not_generated", "steps",
                                               "versions_monotonic", "settled", "newest_version")}
+    result["audit"]["provisional"] = report.get("provisional")  # final figures only at rest (absent: older image)
     mark("audited")
     check = compose.exec_json("sandbox", "policyloop", "sandbox-check", check=False)
     result["sandbox_check"] = {"ok": check.get("ok"), **{p["name"]: p["ok"] for p in check.get("probes", [])}}
