@@ -189,6 +189,17 @@ async def test_a_run_finishes_when_its_last_task_is_accounted_for(redis_client) 
     await outcomes.record("r", dropped("stale"), tasks[2:])
     assert await runs.state("r") == loop_pb2.RUN_STATE_FINISHED
 
+    # A learner that resumed accounts again for the steps it knows by their samples' ids: once.
+    from policyloop.state.progress import RunProgressStore
+
+    await runs.create("q", loop_pb2.StartRunRequest(run_id="q"), tasks_total=2)
+    progress = RunProgressStore(redis_client, "ns")
+    ids = [f"{task_id('q', i)}/{j}" for i in range(2) for j in range(3)] + ["by-hand/0"]
+    for _ in range(2):
+        await progress.record_trained_ids(ids)
+    q = await progress.get("q")
+    assert (q.tasks_trained, q.trained_samples) == (2, 6) and await runs.state("q") == loop_pb2.RUN_STATE_FINISHED
+
     # A stopped run's last held groups are those of the tasks it fed and has not accounted for.
     await runs.create("s", loop_pb2.StartRunRequest(run_id="s"), tasks_total=3)
     await runs.set_enqueued("s", 2)

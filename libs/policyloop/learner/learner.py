@@ -113,10 +113,11 @@ class Learner:
         if resumed.replayed:
             self.pusher.confirmed = None
             self.figures.pushed(await self.pusher.push(resumed.weights, self.trainer.steps))
-            # Their tasks may not have been accounted for before the crash (that follows the acks).
-            for trajectory_ids in resumed.recent_steps[-len(resumed.replayed):]:
-                await self._record_progress(self.progress.record_trained_ids(trajectory_ids))
         self.pusher.confirmed = resumed.weights
+        # A step's tasks are accounted for after its acks, off the step's path: the newest steps'
+        # may not have been before the crash (recording them again changes nothing).
+        await self._record_progress(self.progress.record_trained_ids(
+            trajectory_id for step in resumed.recent_steps for trajectory_id in step))
 
     def current_status(self) -> status_pb2.LearnerStatus:
         """The status as of now (the heartbeat asks before each beat)."""
