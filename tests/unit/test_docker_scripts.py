@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((REPO / "docker").glob("*.sh"))
 
@@ -52,3 +54,21 @@ def test_compose_smoke_says_what_to_run_when_there_is_no_container_engine(tmp_pa
     assert "Traceback" not in result.stderr
     assert "no container engine" in result.stderr and "make podman-setup" in result.stderr, result.stderr
     assert result.stdout == ""
+
+
+def test_health_checks_leave_a_busy_host_time_for_the_probe() -> None:
+    """`policyloop probe` is a Python process: on a loaded 2-core host its start alone took 6-16 s,
+    and a 5 s limit kept healthy services "unhealthy" until compose gave up. compose.yaml and the
+    images' HEALTHCHECK allow the same, generous, time."""
+    compose = yaml.safe_load((REPO / "compose.yaml").read_text())
+    check = compose["x-policyloop-healthcheck"]
+    assert check["test"] == ["CMD", "policyloop", "probe"] and _seconds(check["timeout"]) >= 30
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    timeouts = re.findall(r"^HEALTHCHECK .*--timeout=(\w+) .*CMD \[\"policyloop\", \"probe\"\]", dockerfile,
+                          flags=re.MULTILINE)
+    assert len(timeouts) == 2 and {_seconds(t) for t in timeouts} == {_seconds(check["timeout"])}
+
+
+def _seconds(duration: str) -> float:
+    value, unit = re.fullmatch(r"(\d+)(s|m)", duration).groups()  # type: ignore[union-attr]
+    return float(value) * (60 if unit == "m" else 1)
