@@ -8,21 +8,33 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import pkgutil
+import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
+import aiohttp
 import grpc
 import pytest
+from aiohttp import web
 from google.protobuf.descriptor import Descriptor, FieldDescriptor, MethodDescriptor, ServiceDescriptor
+from yarl import URL
 
 import policyloop.contracts.v1
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+from policyloop.bus import Bus
+from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc, tinker_wire_pb2
+from policyloop.engines.embedded import start_engine
+from policyloop.engines.sglang_client import SGLangClient
+from policyloop.state import connect_redis
+from policyloop.tinker.sampling import EngineSampler
+from policyloop.tinker.server import PROTOBUF, TinkerApi
 from policyloop.weights.client import WeightClient, refused
 from policyloop.weights.push import VersionPusher
 from policyloop.weights.sync import sync_weights
-from tests.conftest import ServiceLauncher
-from tests.helpers import perturbed, random_weights
+from tests.conftest import Server, ServiceLauncher
+from tests.helpers import perturbed, random_weights, serving_http
 
 TOKEN = "s3cret"
 BAD_UTF8 = b"\xff\xfe"
@@ -133,7 +145,8 @@ async def test_every_rpc_refuses_bad_tokens_and_undecodable_strings_with_their_c
     assert {s.full_name for s in every} == set(servers.targets), "a service this test does not start"
     assert sum(len(s.methods) for s in every) >= 14
     wrong = await asyncio.gather(*(refusals_of(servers.targets[s.full_name], s) for s in every))
-    assert [line for lines in wrong for line in lines] == []
+    lines = [line for method_lines in wrong for line in method_lines]
+    assert not lines, "\n".join(lines)
 
 
 async def test_a_loss_value_that_is_no_number_is_invalid_naming_the_setting(servers: Servers) -> None:
@@ -171,3 +184,92 @@ def test_failures_outside_the_publishers_handling_are_not_refused_deltas() -> No
     assert not refused(failure(grpc.StatusCode.UNKNOWN))
     assert not refused(failure(grpc.StatusCode.UNAUTHENTICATED))
     assert refused(failure(grpc.StatusCode.DATA_LOSS)) and refused(failure(grpc.StatusCode.FAILED_PRECONDITION))
+
+
+# -- the Tinker HTTP front --------------------------------------------------------------------
+
+API_KEY = "tml-refusals-test-key"
+LONE_SURROGATE = "\ud800"  # valid JSON ("\\ud800"), but no UTF-8 string
+# Every string a Tinker route reads from a JSON body, each holding what is no UTF-8.
+TINKER_STRINGS = ("session_id", "model_id", "base_model", "path", "request_id", "sampling_session_id",
+                  "model_path", "tinker_path", "type")
+
+
+@dataclass
+class Front:
+    url: str
+    app: web.Application
+
+
+@pytest.fixture
+async def tinker_front(bus: Bus, redis_server: Server, tiny_model_dir: Path) -> AsyncIterator[Front]:
+    """The front as the tinker service runs it, sampling on a real engine."""
+    engine = await start_engine(tiny_model_dir, max_batch=8, threads=1, weight_version="0")
+    redis = await connect_redis(redis_server.url, decode_responses=False)
+    engine_client = SGLangClient(engine.base_url, timeout_s=60, retries=0)
+    api = TinkerApi(bus, redis, namespace="test", base_model="policyloop/tiny", api_key=API_KEY, poll_s=1.0,
+                    sampler=EngineSampler(engine_client, lambda endpoint: WeightClient(endpoint)))
+    app = api.app()
+    try:
+        async with serving_http(app) as url:
+            yield Front(url, app)
+            await api.close()
+    finally:
+        await asyncio.gather(redis.aclose(), engine_client.close())
+        await engine.stop()
+
+
+def tinker_routes(app: web.Application) -> list[tuple[str, str]]:
+    """(method, path) of every route, each path parameter `{}` to fill in (the catch-all too)."""
+    routes = []
+    for route in app.router.routes():
+        path = re.sub(r"\{[^}]+\}", "{}", route.resource.canonical)  # type: ignore[union-attr]
+        routes += [(method, path) for method in ([route.method] if route.method != "*" else ["GET", "POST"])]
+    return routes
+
+
+def bad_requests(method: str, path: str) -> Iterator[tuple[str, str, dict[str, str], bytes]]:
+    """(case, url path, headers, body): strings that are no UTF-8 wherever this route takes them."""
+    key = {"X-API-Key": API_KEY}
+    as_json = key | {"Content-Type": "application/json"}
+    yield "path", path.replace("{}", "%FF%FE"), key, b""
+    yield "query", path.replace("{}", "x") + "?limit=%FF&offset=%ED%A0%80", key, b""
+    if method != "POST":
+        return
+    filled = path.replace("{}", "x")
+    yield "body bytes", filled, as_json, b'{"session_id": "\xff\xfe", "model_id": "\xff\xfe"}'
+    surrogates = {name: LONE_SURROGATE for name in TINKER_STRINGS} | {"seq_id": 1, "model_seq_id": 0}
+    yield "lone surrogates", filled, as_json, json.dumps(surrogates).encode()
+    yield "a lone surrogate as a key", filled, as_json, json.dumps({LONE_SURROGATE: 1}).encode()
+    for field_path in string_fields(tinker_wire_pb2.ForwardBackwardRequest.DESCRIPTOR):
+        name = ".".join(f.name for f in field_path)
+        yield f"protobuf {name}", filled, key | {"Content-Type": PROTOBUF}, bad_string(field_path)
+
+
+async def tinker_answers(front: Front) -> list[str]:
+    """What each route answered that it should not have."""
+    wrong = []
+    async with aiohttp.ClientSession() as http:
+        async def status(method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str]:
+            url = URL(front.url + path, encoded=True)  # the bytes as written: %FF stays %FF
+            async with http.request(method, url, headers=headers, data=body) as response:
+                return response.status, await response.text()
+
+        for method, path in tinker_routes(front.app):
+            for case, key in [("no key", {}), ("wrong key", {"X-API-Key": "tml-nope"}),
+                              ("a key that is no ASCII", {"X-API-Key": "tml-schl\u00fcssel"})]:
+                code, text = await status(method, path.replace("{}", "x"), key, b"{}")
+                if code != 401:
+                    wrong.append(f"{method} {path} {case}: {code} {text[:200]!r}")
+            for case, url_path, headers, body in bad_requests(method, path):
+                code, text = await status(method, url_path, headers, body)
+                if code >= 500:
+                    wrong.append(f"{method} {path} {case}: {code} {text[:200]!r}")
+    return wrong
+
+
+async def test_every_tinker_route_refuses_bad_keys_and_strings_that_are_no_utf8_with_a_4xx(
+        tinker_front: Front) -> None:
+    assert len(tinker_routes(tinker_front.app)) >= 20
+    wrong = await tinker_answers(tinker_front)
+    assert not wrong, "\n".join(wrong)

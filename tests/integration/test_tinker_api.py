@@ -7,6 +7,7 @@ nothing and applies nothing twice."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
@@ -600,6 +601,11 @@ async def test_malformed_requests_get_4xx_naming_the_field(bus: Bus, front: str)
                                           "adam_params": {"learning_rate": "fast"}}))[0] == 400
         async with http.get(f"{front}/api/v1/training_runs", params={"limit": "many"}) as answer:
             assert answer.status == 400
+        await post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                               "base_model": BASE_MODEL})
+        assert await post("asample", {"sampling_session_id": f"{session}:sample:0", "seq_id": 1,
+                                      "prompt": {"chunks": [{"type": "encoded_text", "tokens": [4, -1]}]}}) == (
+            400, "prompt.chunks[0].tokens: token ids are within [0, 2**31)")
         oversize = b"\0" * (bus.nc.max_payload + 1)
         async with http.post(f"{front}/api/v1/forward_backward", data=oversize,
                              headers={"Content-Type": "application/x-protobuf"}) as answer:
@@ -615,3 +621,42 @@ async def test_malformed_requests_get_4xx_naming_the_field(bus: Bus, front: str)
     datum.loss_fn_inputs["target_tokens"].dense = np.array([5, 6], dtype="<f4").tobytes()
     with pytest.raises(wire.WireError, match="token ids are integers"):
         wire.examples(tinker_wire_pb2.ForwardBackwardRequest(data=[datum]), vocab_size=32)
+
+
+@pytest.mark.timeout(300)
+async def test_a_burst_of_sample_requests_is_answered_without_a_server_error(front: str) -> None:
+    """150 samples at once, as 150 sample() futures send them, and no retries to hide a 5xx: more
+    requests at once than a Redis client's pool holds wait for a connection (they answered
+    HTTP 500, MaxConnectionsError, past redis-py's 100)."""
+    import aiohttp
+
+    from policyloop.contracts.v1 import tinker_wire_pb2
+
+    burst = 150
+    async with aiohttp.ClientSession(headers={"X-API-Key": API_KEY},
+                                     connector=aiohttp.TCPConnector(limit=0)) as http:  # no client-side queue
+        async def post(route: str, body: dict) -> tuple[int, bytes]:  # type: ignore[type-arg]
+            async with http.post(f"{front}/api/v1/{route}", json=body) as answer:
+                return answer.status, await answer.read()
+
+        session = (await (await http.post(f"{front}/api/v1/create_session", json={})).json())["session_id"]
+        status, _ = await post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                            "base_model": BASE_MODEL})
+        assert status == 200
+
+        async def sample(seq_id: int) -> tinker_wire_pb2.SampleResponse:
+            status, body = await post("asample", {
+                "sampling_session_id": f"{session}:sample:0", "seq_id": seq_id, "num_samples": 1,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": [4, 5, 6]}]},
+                "sampling_params": {"max_tokens": 2, "temperature": 1.0, "seed": seq_id}})
+            assert status == 200, body
+            request_id = json.loads(body)["request_id"]
+            while True:  # the long poll answers try_again until the result is there
+                status, body = await post("retrieve_future", {"request_id": request_id})
+                assert status == 200, body
+                if not body.startswith(b"{"):
+                    return tinker_wire_pb2.SampleResponse.FromString(body)
+                assert json.loads(body).get("type") == "try_again", body
+
+        answers = await asyncio.gather(*(sample(seq_id) for seq_id in range(1, burst + 1)))
+    assert all(len(answer.sequences) == 1 and answer.sequences[0].tokens for answer in answers)

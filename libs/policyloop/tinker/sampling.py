@@ -59,6 +59,8 @@ def parse_sample_request(body: dict) -> SampleSpec:  # type: ignore[type-arg]
         ids = chunk.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise SampleRequestError(f"prompt.chunks[{i}].tokens: a list of token ids is required")
+        if not all(0 <= t < 2**31 for t in ids):  # else the engine refuses it, reported as a server error
+            raise SampleRequestError(f"prompt.chunks[{i}].tokens: token ids are within [0, 2**31)")
         tokens.extend(ids)
     if not tokens:
         raise SampleRequestError("prompt: no tokens")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import datetime
 import hmac
-import json
 import math
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from redis import asyncio as aioredis
 
 from policyloop.bus import Bus, tinker_request_subject, tinker_result_subject
+from policyloop.contracts.undecodable import decode_problem
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
 from policyloop.state.store import SCAN_BATCH
 from policyloop.telemetry.logging import get_logger
@@ -47,6 +48,31 @@ def _error(status: int, message: str) -> web.Response:
     # A JSON body: the SDK raises at once with it (an empty 400 reads as a connection error, and
     # 5xx, 408, 409 and 429 are retried for minutes).
     return web.json_response({"detail": message}, status=status)
+
+
+def _not_utf8(body: dict[str, Any]) -> str | None:
+    """Where a string of a parsed JSON body is no UTF-8 (JSON's \\ud800 escapes decode to lone
+    surrogates, which Redis and protobuf refuse to encode further on), or None."""
+    pending: deque[tuple[str, Any]] = deque([("", body)])
+    while pending:  # breadth first, without recursion: JSON may nest deeper than Python recurses
+        path, value = pending.popleft()
+        if isinstance(value, str) and not _encodes(value):
+            return path
+        if isinstance(value, dict):
+            if not all(_encodes(key) for key in value):
+                return f"{path or 'body'} (a key)"
+            pending.extend((f"{path}.{key}" if path else key, item) for key, item in value.items())
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class BadRequest(Exception):
@@ -115,7 +141,9 @@ class TinkerApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if self.api_key and not hmac.compare_digest(request.headers.get("X-API-Key", ""), self.api_key):
+        # As bytes: compare_digest refuses str that is not ASCII, and a key may be anything.
+        supplied = request.headers.get("X-API-Key", "").encode("utf-8", "surrogateescape")
+        if self.api_key and not hmac.compare_digest(supplied, self.api_key.encode()):
             return _error(401, "X-API-Key is not this cluster's API key")
         try:
             return await handler(request)
@@ -125,10 +153,13 @@ class TinkerApi:
     async def _json(self, request: web.Request) -> dict[str, Any]:
         try:
             body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"body: not JSON ({exc})") from None
+        except (ValueError, LookupError, RecursionError) as exc:  # not JSON or UTF-8, unknown charset, too deep
+            raise BadRequest(f"body: not JSON ({type(exc).__name__}: {exc})") from None
         if not isinstance(body, dict):
             raise BadRequest("body: a JSON object expected")
+        where = _not_utf8(body)
+        if where:
+            raise BadRequest(f"{where}: not valid UTF-8 (a lone surrogate such as \\ud800); strings must be UTF-8")
         return body
 
     @staticmethod
@@ -267,8 +298,9 @@ class TinkerApi:
                              f"({self._message_budget()}; client/config says so): send smaller chunks", 413)
         try:
             parsed = tinker_wire_pb2.ForwardBackwardRequest.FromString(raw)
-        except DecodeError as exc:
-            raise BadRequest(f"body: not a ForwardBackwardRequest ({exc})") from None
+        except DecodeError:
+            problem = decode_problem(tinker_wire_pb2.ForwardBackwardRequest, raw)
+            raise BadRequest(f"body: not a ForwardBackwardRequest: {problem}") from None
         await self._model(parsed.model_id)
         if parsed.seq_id < 1:
             raise BadRequest(f"seq_id: from 1, got {parsed.seq_id}")
