@@ -30,11 +30,12 @@ if TYPE_CHECKING:
 
 
 async def body(ctx: ServiceContext) -> None:
-    from transformers import AutoTokenizer
+    from policyloop.models.tokenizer import load_tokenizer
 
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
     settings.check_engine()
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
+    # as its tokenizer.json defines it (AutoTokenizer may swap in a class that drops characters)
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
     url, engine_proc = engine_url_or_start(settings.engine_url, settings.model_path,
                                            max_batch=settings.engine_max_batch, threads=settings.engine_threads)
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)

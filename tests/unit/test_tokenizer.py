@@ -1,12 +1,23 @@
-"""The character tokenizer loads offline through AutoTokenizer and round-trips text."""
+"""The character tokenizer loads offline through AutoTokenizer and round-trips text; in a model
+directory, load_tokenizer loads it as its tokenizer.json defines it."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from policyloop.models.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, VOCAB, build_tokenizer, save_tokenizer
+from policyloop.models.tokenizer import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    UNK_ID,
+    VOCAB,
+    build_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
 
 
 @pytest.fixture
@@ -70,3 +81,13 @@ def test_batch_left_padding(hf_tokenizer) -> None:  # type: ignore[no-untyped-de
     batch = hf_tokenizer(["1+2=", "10+20="], padding=True)
     assert batch.input_ids[0][:2] == [PAD_ID, PAD_ID]
     assert batch.attention_mask[0] == [0, 0, 1, 1, 1, 1]
+
+
+def test_in_a_model_directory_every_character_it_knows_is_kept(tmp_path: Path) -> None:
+    # config.json names a qwen2 model, as the bootstrap model's does: transformers 5's AutoTokenizer
+    # then builds a Qwen2Tokenizer from the vocabulary, which drops spaces and unknown characters.
+    save_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": len(VOCAB)}))
+    tokenizer = load_tokenizer(tmp_path)
+    assert tokenizer("1 + 2=", add_special_tokens=False).input_ids == [VOCAB[c] for c in "1 + 2="]
+    assert tokenizer("<tools>?", add_special_tokens=False).input_ids == [VOCAB["<tools>"], UNK_ID]

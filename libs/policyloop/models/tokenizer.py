@@ -3,8 +3,10 @@
 One token per character, so the model sees every digit on its own (no BPE merges hiding the
 carries of an addition), and a tiny vocabulary keeps the embedding small. It is a `tokenizers`
 WordLevel model behind a pre-tokenizer that isolates every character, saved as a standard
-Hugging Face tokenizer directory that `transformers.AutoTokenizer.from_pretrained(dir)` loads
-offline (as a fast tokenizer) — the same files an SGLang engine reads.
+Hugging Face tokenizer directory — the same files an SGLang engine reads. Load it with
+`load_tokenizer(dir)`: transformers 5's `AutoTokenizer`, for a directory whose config.json says
+qwen2, builds its own Qwen2Tokenizer from the vocabulary alone (byte-level BPE, no unknown
+token), which drops spaces and every character outside the vocabulary without a word.
 
 No special tokens are added on encode (no BOS): the prompt "12+34=" is exactly six ids whether
 or not the caller passes `add_special_tokens`, so every component tokenizes a prompt the same
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -34,6 +37,8 @@ TOOL_TOKENS: tuple[str, ...] = (*MARKER_TOKENS, TOOLS_PROMPT_TOKEN)
 VOCAB: dict[str, int] = {token: i for i, token in enumerate((*SPECIAL_TOKENS, *CHARACTERS, *TOOL_TOKENS))}
 PAD_ID, EOS_ID, BOS_ID, UNK_ID = (VOCAB[t] for t in SPECIAL_TOKENS)
 MODEL_MAX_LENGTH = 64
+# tokenizer_config.json's class names for "exactly what tokenizer.json says" (transformers 4, 5).
+GENERIC_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 
 
 def build_tokenizer() -> Tokenizer:
@@ -67,3 +72,19 @@ def save_tokenizer(directory: Path) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps(_tokenizer_config(), indent=2) + "\n")
     special = {"pad_token": PAD, "eos_token": EOS, "bos_token": BOS, "unk_token": UNK}
     (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def load_tokenizer(directory: str | Path) -> Any:
+    """The Hugging Face tokenizer in `directory` as its tokenizer.json defines it: a directory that
+    declares the generic fast class (as save_tokenizer writes) is loaded as that class, so no
+    model-specific class replaces its pipeline; any other through AutoTokenizer."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = Path(directory)
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        declared = None
+    if declared in GENERIC_CLASSES and (path / "tokenizer.json").is_file():
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(str(directory))
