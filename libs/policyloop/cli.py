@@ -670,7 +670,8 @@ def env_submit(
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     reply = _with_gateway(gateway, run_dir, token, lambda client: client.submit(env))
-    print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "created": reply.created}))
+    print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "group_size": reply.group_size,
+                      "created": reply.created}))
 
 
 def _served_exchanges(model: str, nats_url: str | None, run_dir: Path):  # type: ignore[no-untyped-def]
@@ -732,7 +733,7 @@ def env_from_traces(
         raise typer.Exit(1)
     reply = _with_gateway(gateway, run_dir, token, lambda client: client.submit(env))
     print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "eval_tasks": len(env.eval_tasks),
-                      "created": reply.created}))
+                      "group_size": reply.group_size, "created": reply.created}))
 
 
 @run_app.command("start")

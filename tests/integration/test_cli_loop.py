@@ -31,7 +31,7 @@ async def test_submit_start_watch_and_stop_through_the_cli(services: ServiceLaun
     submitted = await asyncio.to_thread(cli, "env", "submit", str(tasks), "--name", "sums", "--group-size", "4",
                                         *address)
     assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    assert json.loads(submitted.stdout) == {"environment": "sums@v1", "tasks": 10, "created": True}
+    assert json.loads(submitted.stdout) == {"environment": "sums@v1", "tasks": 10, "group_size": 4, "created": True}
     again = await asyncio.to_thread(cli, "env", "submit", str(tasks), "--name", "sums", "--group-size", "4", *address)
     assert json.loads(again.stdout)["created"] is False
     changed = await asyncio.to_thread(cli, "env", "submit", str(tasks), "--name", "sums", "--group-size", "2",

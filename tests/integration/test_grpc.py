@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from policyloop.bus import Bus, build_topology
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, weights_pb2, weights_pb2_grpc
+from policyloop.envs.spec import DEFAULT_GROUP_SIZE
 from policyloop.envs.tools import TOOLS_PROMPT_TOKEN
 from policyloop.gateway.errors import InvalidField
 from policyloop.gateway.model_context import load_model_context
@@ -119,6 +120,22 @@ async def test_invalid_environment_is_invalid_argument_naming_the_field(gateway)
             await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert err.value.details().startswith(field + ":"), (field, err.value.details())
+
+
+async def test_an_unset_group_size_is_the_default_and_the_answer_says_so(gateway) -> None:  # type: ignore[no-untyped-def]
+    """proto3 cannot tell 0 from unset: 0 means the default, and SubmitEnvironment names the size."""
+    _, _, stub = gateway
+    for version, size, drawn in [("unset", 0, DEFAULT_GROUP_SIZE), ("three", 3, 3)]:
+        env = addition_environment(4, group_size=size)
+        env.version = version
+        reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5,
+                                             metadata=AUTH)
+        assert reply.group_size == drawn
+    env = addition_environment(4, group_size=5000)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=5, metadata=AUTH)
+    assert err.value.details() == f"environment.group_size: at most 1024 (0: the default, {DEFAULT_GROUP_SIZE}), " \
+                                  f"got 5000"
 
 
 async def refusal(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment) -> str:

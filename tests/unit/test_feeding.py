@@ -66,3 +66,14 @@ def test_code_scorers_travel_with_their_parameters_and_the_tasks_metadata() -> N
 def test_tasks_total() -> None:
     assert tasks_total(run_request(), ENVS) == 17
     assert tasks_total(run_request(num_tasks=5), ENVS) == 5
+
+
+def test_a_task_draws_the_environments_group_size_the_default_for_0_and_one_when_supervised() -> None:
+    from policyloop.envs.spec import DEFAULT_GROUP_SIZE, group_size
+
+    assert group_size(loop_pb2.Environment(group_size=3)) == 3
+    assert group_size(loop_pb2.Environment()) == DEFAULT_GROUP_SIZE
+    assert group_size(loop_pb2.Environment(group_size=3, supervised=True)) == 1
+    unset = {"a@1": addition_environment(10, seed=1, group_size=0)}
+    assert nth_task("r", loop_pb2.StartRunRequest(environments=[loop_pb2.EnvironmentMix(environment="a@1", weight=1)]),
+                    unset, 0).group_size == DEFAULT_GROUP_SIZE

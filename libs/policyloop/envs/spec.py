@@ -10,6 +10,12 @@ DEFAULT_GROUP_SIZE = 8
 DEFAULT_MAX_NEW_TOKENS = 32
 
 
+def group_size(env: loop_pb2.Environment) -> int:
+    """Samples a run draws per task: the environment's group_size, the default where it left 0
+    (proto3's unset), one for a supervised environment (its demonstration)."""
+    return 1 if env.supervised else env.group_size or DEFAULT_GROUP_SIZE
+
+
 def task_scorer(env: loop_pb2.Environment, spec: loop_pb2.TaskSpec) -> bus_pb2.Scorer:
     """How a task's samples are scored: the environment's scorer, with the task's answer."""
     scorer = bus_pb2.Scorer(answer=spec.answer)

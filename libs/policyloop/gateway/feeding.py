@@ -11,7 +11,7 @@ import random
 from policyloop.common.clock import now_ms
 from policyloop.contracts.ids import task_id, trajectory_id
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
-from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS, task_scorer
+from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS, group_size, task_scorer
 
 __all__ = ["demonstration", "nth_item", "nth_task", "task_id", "tasks_total"]
 
@@ -86,7 +86,7 @@ def _task(run_id: str, environment: str, env: loop_pb2.Environment, spec: loop_p
         environment=environment,
         prompt_token_ids=spec.prompt_token_ids,
         prompt_text=spec.prompt_text,
-        group_size=env.group_size or DEFAULT_GROUP_SIZE,
+        group_size=group_size(env),
         sampling=sampling,
         metadata=spec.metadata,
         created_unix_ms=now_ms(),

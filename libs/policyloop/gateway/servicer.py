@@ -13,6 +13,7 @@ import grpc
 import redis.exceptions
 
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+from policyloop.envs.spec import group_size
 from policyloop.gateway.errors import FailedPrecondition, InvalidField
 from policyloop.gateway.feeding import tasks_total
 from policyloop.gateway.model_context import ModelContext
@@ -135,7 +136,8 @@ class LoopServicer(loop_pb2_grpc.LoopServiceServicer):
         except EnvironmentConflict as exc:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"environment: {exc}")
         log.info("environment_submitted", environment=key, tasks=len(env.tasks), created=created)
-        return loop_pb2.SubmitEnvironmentResponse(environment=key, num_tasks=len(env.tasks), created=created)
+        return loop_pb2.SubmitEnvironmentResponse(environment=key, num_tasks=len(env.tasks), created=created,
+                                                  group_size=group_size(env))
 
     async def StartRun(self, request: loop_pb2.StartRunRequest,
                        context: grpc.aio.ServicerContext) -> loop_pb2.Run:

@@ -10,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import ValidationError
 
 from policyloop.contracts.v1 import loop_pb2, status_pb2
-from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS
+from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
 from policyloop.gateway.demonstrations import (
@@ -49,7 +49,8 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
     validate_demonstrations(env)
     _validate_scorer(env)
     if env.group_size > MAX_GROUP_SIZE:
-        raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE}")
+        raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE} (0: the default, "
+                                                     f"{DEFAULT_GROUP_SIZE}), got {env.group_size}")
     sampling = env.sampling
     if sampling.temperature < 0 or not math.isfinite(sampling.temperature):
         raise InvalidField("environment.sampling.temperature", "must be a finite number >= 0")

@@ -127,14 +127,16 @@ class UploadEnvironmentRequest(_message.Message):
     def __init__(self, environment: _Optional[_Union[Environment, _Mapping]] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ...) -> None: ...
 
 class SubmitEnvironmentResponse(_message.Message):
-    __slots__ = ("environment", "num_tasks", "created")
+    __slots__ = ("environment", "num_tasks", "created", "group_size")
     ENVIRONMENT_FIELD_NUMBER: _ClassVar[int]
     NUM_TASKS_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     environment: str
     num_tasks: int
     created: bool
-    def __init__(self, environment: _Optional[str] = ..., num_tasks: _Optional[int] = ..., created: _Optional[bool] = ...) -> None: ...
+    group_size: int
+    def __init__(self, environment: _Optional[str] = ..., num_tasks: _Optional[int] = ..., created: _Optional[bool] = ..., group_size: _Optional[int] = ...) -> None: ...
 
 class EnvironmentMix(_message.Message):
     __slots__ = ("environment", "weight")
