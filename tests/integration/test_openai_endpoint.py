@@ -1,7 +1,10 @@
 """The serving endpoint driven by the official `openai` client, over the embedded engine and a
 real NATS: chat and text completions answer with what the engine produced, every exchange is a
 trace on TRACES with the engine's exact token ids and weights version, feedback attaches to a
-response by its id, and the export writes them as training data."""
+response by its id, and the export writes them as training data. On the bootstrap model (a
+context of 64 tokens, a character vocabulary): a request without max_tokens gets the room its
+prompt leaves, and what does not fit, or what the tokenizer cannot represent, is a 400 naming the
+field, before any streamed answer begins."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.gateway.validation import validate_environment
+from policyloop.models.tokenizer import load_tokenizer
 from policyloop.serving.openai_api import OpenAIApi
 from policyloop.serving.traces import environment_from_traces, export_sft, read_exchanges
 from tests.helpers import serving_http
@@ -31,16 +35,19 @@ SERVED = "tiny-arith"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
-@pytest.fixture
-def chat_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
-    """The tiny model with a chat template in its tokenizer config (the model directory's own)."""
-    directory = tmp_path / "chat-model"
-    shutil.copytree(tiny_model_dir, directory)
+def with_chat_template(model_dir: Path, directory: Path) -> Path:
+    """A copy of the model with a chat template in its tokenizer config (the model directory's own)."""
+    shutil.copytree(model_dir, directory)
     config_path = directory / "tokenizer_config.json"
     config = json.loads(config_path.read_text())
     config["chat_template"] = CHAT_TEMPLATE
     config_path.write_text(json.dumps(config))
     return directory
+
+
+@pytest.fixture
+def chat_model_dir(tiny_model_dir: Path, tmp_path: Path) -> Path:
+    return with_chat_template(tiny_model_dir, tmp_path / "chat-model")
 
 
 @pytest.fixture
@@ -159,10 +166,6 @@ async def check_streaming(client, tokenizer, chat_ids: list[int], finish_reason:
     text_stream = await client.completions.create(model=SERVED, prompt="5+6=", max_tokens=3, temperature=0,
                                                   stream=True)
     assert "".join(c.choices[0].text for c in [c async for c in text_stream]) == text
-    # The engine refuses the prompt once the stream has begun: an error event, which the client raises.
-    with pytest.raises(openai.APIError, match="the engine failed"):
-        async for _ in await client.completions.create(model=SERVED, prompt=[10**6], max_tokens=2, stream=True):
-            pass
     return chunks
 
 
@@ -193,3 +196,126 @@ async def cli(*args: str) -> subprocess.CompletedProcess[str]:
                                                 stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT)
     out, _ = await proc.communicate()
     return subprocess.CompletedProcess(args, proc.returncode or 0, out.decode(), "")
+
+
+# -- limits, on the bootstrap model: what agent frameworks send ---------------------------------
+
+@pytest.fixture(scope="module")
+def bootstrap_model_dir() -> Path:
+    from policyloop.models.bootstrap import bootstrap
+
+    return bootstrap()  # cached after the first build
+
+
+@pytest.fixture
+async def bootstrap_endpoint(bootstrap_model_dir: Path, tmp_path: Path, bus: Bus
+                             ) -> AsyncIterator[tuple[openai.AsyncOpenAI, SGLangClient, int]]:
+    """The endpoint on the bootstrap model (with a chat template), its tokenizer loaded as the
+    serving replica loads it: the caller, the engine and the model's context length."""
+    model_dir = with_chat_template(bootstrap_model_dir, tmp_path / "bootstrap-chat")
+    context = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    running = await start_engine(model_dir, max_batch=4, threads=1)
+    engine = SGLangClient(running.base_url, timeout_s=60, retries=0)
+    api = OpenAIApi(engine, load_tokenizer(model_dir), bus, SERVED)
+    async with serving_http(api.app()) as url:
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        yield client, engine, context
+        await client.close()
+    await engine.close()
+    await running.stop()
+
+
+async def complete(client: openai.AsyncOpenAI, stream: bool, chat: bool, text: str, **fields: object) -> str:
+    """The answer's text, from one request of either route, streamed or not."""
+    if chat:
+        answer = await client.chat.completions.create(model=SERVED, messages=[{"role": "user", "content": text}],
+                                                      temperature=0, stream=stream, **fields)  # type: ignore[call-overload]
+        if stream:
+            return "".join([c.choices[0].delta.content or "" async for c in answer if c.choices])
+        return answer.choices[0].message.content or ""
+    if "max_completion_tokens" in fields:  # the client's completions() has no such argument
+        fields = {"extra_body": {"max_completion_tokens": fields.pop("max_completion_tokens")}, **fields}
+    answer = await client.completions.create(model=SERVED, prompt=text, temperature=0, stream=stream,
+                                             **fields)  # type: ignore[call-overload]
+    if stream:
+        return "".join([c.choices[0].text async for c in answer])
+    return answer.choices[0].text
+
+
+ROUTES = [(stream, chat) for stream in (False, True) for chat in (False, True)]
+
+
+@pytest.mark.timeout(180)
+async def test_without_max_tokens_the_answer_gets_the_room_its_prompt_leaves(
+        bootstrap_endpoint: tuple[openai.AsyncOpenAI, SGLangClient, int], bootstrap_model_dir: Path) -> None:
+    client, engine, context = bootstrap_endpoint
+    tokenizer = load_tokenizer(bootstrap_model_dir)
+    prompt = "12+34="
+    prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
+    expected = tokenizer.decode(await greedy_ids(engine, prompt_ids, context - len(prompt_ids)),
+                                skip_special_tokens=True)
+    assert expected  # the bootstrap model answers something
+    for stream, chat in ROUTES:  # the chat template adds nothing: the same prompt either way
+        assert await complete(client, stream, chat, prompt) == expected, (stream, chat)
+
+    # One token of room: one token of answer, however long the model would go on. (The spaces
+    # are in the vocabulary: each is a token.)
+    padded = " " * (context - 1 - len(prompt)) + prompt
+    tight = await client.completions.create(model=SERVED, prompt=padded, temperature=0)
+    assert tight.usage.prompt_tokens == context - 1 and tight.usage.completion_tokens == 1
+
+
+@pytest.mark.timeout(180)
+async def test_what_overflows_the_context_is_a_400_naming_the_field_before_any_answer(
+        bootstrap_endpoint: tuple[openai.AsyncOpenAI, SGLangClient, int]) -> None:
+    client, _, context = bootstrap_endpoint
+    cases = [  # (the prompt, the fields, the field named)
+        ("1" * context, {}, None),  # fills the context: no room for a completion
+        ("1" * (context + 5), {"max_tokens": 1}, None),
+        ("12+34=", {"max_tokens": context}, "max_tokens"),
+        ("12+34=", {"max_completion_tokens": context - 5}, "max_completion_tokens"),
+    ]
+    for prompt, fields, param in cases:
+        for stream, chat in ROUTES:
+            # Raised by create() itself: for a stream, the 400 came instead of the 200, not after it.
+            with pytest.raises(openai.BadRequestError) as refused:
+                await complete(client, stream, chat, prompt, **fields)
+            named = param or ("messages" if chat else "prompt")
+            assert (refused.value.code, refused.value.param) == ("context_length_exceeded", named), (prompt, fields)
+            assert f"maximum context length is {context} tokens" in refused.value.message
+
+    # What fits exactly is served.
+    fits = await client.completions.create(model=SERVED, prompt="12+34=", max_tokens=context - 6, temperature=0)
+    assert fits.usage.prompt_tokens == 6 and fits.choices[0].text
+
+    # OpenAI's error shape, and the status before any event.
+    async with aiohttp.ClientSession() as http, http.post(f"{client.base_url}chat/completions", json={
+            "model": SERVED, "messages": [{"role": "user", "content": "1" * context}], "stream": True}) as answer:
+        body = await answer.json()
+        assert answer.status == 400 and answer.content_type == "application/json"
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.timeout(180)
+async def test_what_the_tokenizer_cannot_represent_is_refused_not_dropped(
+        bootstrap_endpoint: tuple[openai.AsyncOpenAI, SGLangClient, int]) -> None:
+    client, _, _ = bootstrap_endpoint
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "12+34="}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.chat.completions.create(model=SERVED, messages=messages, max_tokens=3,  # type: ignore[arg-type]
+                                                 stream=stream)
+        assert refused.value.param == "messages[0].content"
+        assert "'A', 'd', '.'" in refused.value.message  # which characters, each once
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=SERVED, prompt="12+34=?", max_tokens=3, stream=stream)
+        assert refused.value.param == "prompt" and "'?'" in refused.value.message
+        # Token ids the model has no embedding for: refused before the engine sees them.
+        with pytest.raises(openai.BadRequestError) as refused:
+            await client.completions.create(model=SERVED, prompt=[10**6], max_tokens=2, stream=stream)
+        assert refused.value.param == "prompt" and "vocabulary" in refused.value.message
+
+    # The tokenizer's own added tokens, written as text, are known: served.
+    served = await client.completions.create(model=SERVED, prompt="<tools>12+34=", max_tokens=2, temperature=0)
+    assert served.usage.prompt_tokens == 7

@@ -3,7 +3,9 @@
 The prompt is tokenized here (the chat template of the model directory for chat), sent to the
 engine as token ids, and the engine's output ids are what the caller gets decoded and what the
 trace records: nothing is re-tokenized. A trace is on TRACES before the answer leaves, under
-the response's id, which is what `/v1/feedback` takes. Errors have OpenAI's shape."""
+the response's id, which is what `/v1/feedback` takes. Errors have OpenAI's shape, and every
+limit the engine would enforce (the context, the vocabulary) is checked before it is asked, so a
+refusal is a 400 that names the field, before any streamed answer begins (limits.py)."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import nats.js.errors
 from aiohttp import web
@@ -23,7 +25,10 @@ from policyloop.bus import Bus
 from policyloop.bus.topology import feedback_subject, trace_subject
 from policyloop.contracts.v1 import serving_pb2
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams, WeightVersionSpan
-from policyloop.engines.sglang_client import EngineError, SGLangClient, StreamedTokens
+from policyloop.engines.sglang_client import EngineError, EngineProtocolError, SGLangClient, StreamedTokens
+from policyloop.rl.batching import ModelLimits
+from policyloop.serving.errors import ApiError
+from policyloop.serving.limits import check_vocabulary, limits_of, new_tokens, refuse_unknown_characters
 from policyloop.telemetry.logging import get_logger
 
 if TYPE_CHECKING:
@@ -32,17 +37,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 TRACES_STREAM = "TRACES"
-
-
-class ApiError(Exception):
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.param, self.status, self.kind = param, status, kind
-
-    def response(self) -> web.Response:
-        return web.json_response({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                            "code": None}}, status=self.status)
+_T = TypeVar("_T")
 
 
 class StreamOptions(BaseModel):
@@ -88,6 +83,13 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         raise ApiError(f"{param}: {error['msg']}{hint}", param) from None
 
 
+async def _resumed(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
+    """`first`, already taken from `rest`, then the rest."""
+    yield first
+    async for item in rest:
+        yield item
+
+
 def relabelled(result: GenerateResult, lease: AdapterLease | None) -> GenerateResult:
     """An answer sampled with a LoRA run's adapter carries the adapter's version (the engine
     reports the base's), over every token."""
@@ -100,14 +102,18 @@ def relabelled(result: GenerateResult, lease: AdapterLease | None) -> GenerateRe
 
 class OpenAIApi:
     """`adapter`: for a LoRA run, the adapter to sample each request with, held while it runs
-    (yields None while the run serves its base); None: the engine's own weights serve."""
+    (yields None while the run serves its base); None: the engine's own weights serve.
+    `limits`: the model's context and vocabulary; None: read from the config.json beside the
+    tokenizer (the model directory it was loaded from)."""
 
     def __init__(self, engine: SGLangClient, tokenizer: Any, bus: Bus, served_model: str,
-                 default_max_tokens: int = 64,
-                 adapter: Callable[[], AbstractAsyncContextManager[AdapterLease | None]] | None = None) -> None:
-        self.engine, self.tokenizer, self.bus = engine, tokenizer, bus
-        self.served_model, self.default_max_tokens = served_model, default_max_tokens
+                 adapter: Callable[[], AbstractAsyncContextManager[AdapterLease | None]] | None = None,
+                 limits: ModelLimits | None = None) -> None:
+        self.engine, self.tokenizer, self.bus, self.served_model = engine, tokenizer, bus, served_model
         self.adapter = adapter or (lambda: contextlib.nullcontext(None))
+        self.limits = limits if limits is not None else limits_of(getattr(tokenizer, "name_or_path", "") or ".")
+        if self.limits.context_tokens is None:
+            log.warning("openai_context_unknown", tokenizer=getattr(tokenizer, "name_or_path", None))
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors])
@@ -124,6 +130,10 @@ class OpenAIApi:
         except ApiError as exc:
             return exc.response()
         except EngineError as exc:
+            # The engine's 400 is a refusal of what the client sent (a limit the endpoint could not
+            # check up front); anything else is the engine failing.
+            if exc.status == 400:
+                return ApiError(f"the engine refused the request: {exc}").response()
             return ApiError(f"the engine refused the request: {exc}", status=502, kind="server_error").response()
         except web.HTTPException:
             raise
@@ -150,9 +160,10 @@ class OpenAIApi:
         parsed: CompletionRequest = _parse(CompletionRequest, await self._body(request))
         self._check_model(parsed.model)
         if isinstance(parsed.prompt, str):
-            prompt_ids = list(self.tokenizer(parsed.prompt, add_special_tokens=False).input_ids)
+            prompt_ids = self._encode(parsed.prompt, [("prompt", parsed.prompt)])
         else:
             prompt_ids = list(parsed.prompt)
+            check_vocabulary(self.limits, prompt_ids, "prompt")
         if parsed.stream:
             return await self._stream(request, parsed, prompt_ids, "completions", [])
         trace, result = await self._generate(parsed, prompt_ids, "completions", [])
@@ -177,7 +188,8 @@ class OpenAIApi:
             raise ApiError("messages: the model directory has no chat template (use /v1/completions)", "messages")
         prompt_text = self.tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
                                                          add_generation_prompt=True, tokenize=False)
-        prompt_ids = list(self.tokenizer(prompt_text, add_special_tokens=False).input_ids)
+        contents = [(f"messages[{i}].content", m.content) for i, m in enumerate(messages)]
+        prompt_ids = self._encode(prompt_text, [*contents, ("messages", prompt_text)])  # else: the template's text
         if parsed.stream:
             return await self._stream(request, parsed, prompt_ids, "chat.completions", messages)
         trace, result = await self._generate(parsed, prompt_ids, "chat.completions", messages)
@@ -189,14 +201,34 @@ class OpenAIApi:
                 for t, lp in zip(trace.response_token_ids, result.output_logprobs or [], strict=True)]}
         return web.json_response(self._answer(trace, "chat.completion", choice))
 
+    def _encode(self, text: str, parts: list[tuple[str, str]]) -> list[int]:
+        """text's token ids; refused when the tokenizer has no token for some of its characters,
+        naming the first of `parts` (param, text) that holds them."""
+        ids = list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        if self.tokenizer.decode(ids, skip_special_tokens=False) != text:  # else nothing was lost
+            refuse_unknown_characters(self.tokenizer, parts)
+        return ids
+
     def _piece(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _max_new_tokens(self, parsed: _Sampling, prompt_len: int, prompt_param: str) -> int | None:
+        """The client's limit when it fits the context beside the prompt (newer clients send
+        max_completion_tokens, older ones max_tokens), or the room the prompt leaves."""
+        if parsed.max_completion_tokens is not None:
+            requested: tuple[str, int] | None = ("max_completion_tokens", parsed.max_completion_tokens)
+        elif parsed.max_tokens is not None:
+            requested = ("max_tokens", parsed.max_tokens)
+        else:
+            requested = None
+        return new_tokens(self.limits, prompt_len, prompt_param, requested)
+
     def _engine_request(self, parsed: _Sampling, prompt_ids: list[int], trace_id: str,
                         lease: AdapterLease | None) -> GenerateRequest:
+        prompt_param = "messages" if isinstance(parsed, ChatRequest) else "prompt"
         if not prompt_ids:
-            raise ApiError("prompt: empty", "prompt")
-        max_tokens = parsed.max_completion_tokens or parsed.max_tokens or self.default_max_tokens
+            raise ApiError(f"{prompt_param}: empty", prompt_param)
+        max_tokens = self._max_new_tokens(parsed, len(prompt_ids), prompt_param)
         params = SamplingParams(max_new_tokens=max_tokens, temperature=parsed.temperature, top_p=parsed.top_p)
         if parsed.seed is not None:
             params = params.model_copy(update={"sampling_seed": parsed.seed})
@@ -235,12 +267,18 @@ class OpenAIApi:
         completes text; the trace is stored before the last chunk, then [DONE]."""
         trace_id = uuid.uuid4().hex
         async with self.adapter() as lease:
-            return await self._stream_with(request, parsed, prompt_ids, endpoint, messages, trace_id, lease)
+            engine_request = self._engine_request(parsed, prompt_ids, trace_id, lease)
+            async with contextlib.aclosing(self.engine.generate_stream(engine_request)) as events:
+                # The engine's first event before the 200: a refusal by the engine is an HTTP error then.
+                first = await anext(events, None)
+                if first is None:
+                    raise EngineProtocolError("POST /generate: the stream ended before the answer")
+                return await self._stream_with(request, parsed, prompt_ids, endpoint, messages, trace_id, lease,
+                                               _resumed(first, events))
 
     async def _stream_with(self, request: web.Request, parsed: _Sampling, prompt_ids: list[int], endpoint: str,
-                           messages: list[serving_pb2.ChatMessage], trace_id: str,
-                           lease: AdapterLease | None) -> web.StreamResponse:
-        engine_request = self._engine_request(parsed, prompt_ids, trace_id, lease)
+                           messages: list[serving_pb2.ChatMessage], trace_id: str, lease: AdapterLease | None,
+                           events: AsyncIterator[StreamedTokens | GenerateResult]) -> web.StreamResponse:
         chat = endpoint == "chat.completions"
         asked = getattr(parsed, "logprobs", None)
         want_logprobs = asked is True if chat else asked is not None  # completions: logprobs 0
@@ -270,7 +308,7 @@ class OpenAIApi:
                     "model": self.served_model, "system_fingerprint": f"weights-{version}", "choices": [choice]}
 
         try:
-            async for event in self.engine.generate_stream(engine_request):
+            async for event in events:
                 version = str(lease.version) if lease is not None else event.weight_version
                 final = None if isinstance(event, StreamedTokens) else relabelled(event, lease)
                 text = self.tokenizer.decode(event.output_ids, skip_special_tokens=True)
