@@ -79,7 +79,7 @@ async def beats_after_the_last_step(registry: HeartbeatRegistry, timeout_s: floa
 
 
 async def drive(cluster: LocalCluster, args: argparse.Namespace, model_path: Path) -> dict:
-    from transformers import AutoTokenizer
+    from policyloop.models.tokenizer import load_tokenizer
 
     status = await wait_healthy(cluster, 180)
     if not status.all_healthy:
@@ -105,7 +105,7 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace, model_path: Pat
         rollouts = [b.rollout for b in beats if b.service == "rollout"]
         figures = summarise(learner, rollouts, run_started)
         # Held-out accuracy of what the first replica serves at the end.
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        tokenizer = load_tokenizer(model_path)
         heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), args.eval_problems, seed=args.seed)
         async with SGLangClient(rollouts[0].engine_url, timeout_s=120) as engine:
             measured = await evaluate(engine, tokenizer, heldout)

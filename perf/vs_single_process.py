@@ -62,10 +62,12 @@ TARGETS = (0.60, 0.75)
 
 
 def evaluate(model_path: Path, snapshots: list[Snapshot], eval_problems: int, seed: int) -> list[CurvePoint]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from policyloop.models.tokenizer import load_tokenizer
 
     torch.set_num_threads(2)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
     problems = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), eval_problems, seed=seed)
     curve = []

@@ -166,11 +166,10 @@ def evaluate(
     """Greedy held-out arithmetic accuracy of what an engine serves now; prints JSON."""
     import socket
 
-    from transformers import AutoTokenizer
-
     from policyloop.cluster.demo import evaluate as evaluate_engine
     from policyloop.engines.sglang_client import SGLangClient
     from policyloop.envs import arithmetic
+    from policyloop.models.tokenizer import load_tokenizer
     from policyloop.state import HeartbeatRegistry, connect_redis
 
     async def find_engine() -> str:
@@ -186,7 +185,7 @@ def evaluate(
 
     async def run() -> dict[str, object]:
         url = engine_url or await find_engine()
-        tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+        tokenizer = load_tokenizer(model_path)
         heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), problems, seed=seed)
         client = SGLangClient(url, timeout_s=120)
         try:

@@ -24,10 +24,10 @@ from policyloop.weights.client import WeightClient
 
 
 async def body(ctx: ServiceContext) -> None:
-    from transformers import AutoTokenizer
+    from policyloop.models.tokenizer import load_tokenizer
 
     settings: EvaluatorSettings = ctx.settings  # type: ignore[assignment]
-    tokenizer = await asyncio.to_thread(AutoTokenizer.from_pretrained, str(settings.model_path))
+    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
     engines: list[tuple[SGLangClient, subprocess.Popen | None]] = []
 
     async def connect() -> SGLangClient:

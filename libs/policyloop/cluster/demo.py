@@ -486,7 +486,7 @@ async def _start_full_model_run(stub: loop_pb2_grpc.LoopServiceStub, config: Dem
 
 
 async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tracker: Tracker) -> DemoResult:
-    from transformers import AutoTokenizer
+    from policyloop.models.tokenizer import load_tokenizer
 
     await require_healthy(cluster, config.start_timeout_s)
     console.print("[green]all six services are healthy[/green]")
@@ -498,7 +498,7 @@ async def _drive(cluster: LocalCluster, config: DemoConfig, console: Console, tr
     # Tools episodes in the evaluation run their calls in the cluster's sandbox, over the bus.
     tools_bus = await Bus.connect(cluster.nats_url, name="demo-eval") if config.tools else None
     result = DemoResult("", 0.0, 0.0, 0, 0.0, len(heldout), {}, 0)
-    held = HeldOut(config, result, tracker, console, client, AutoTokenizer.from_pretrained(str(config.model_path)),
+    held = HeldOut(config, result, tracker, console, client, load_tokenizer(config.model_path),
                    heldout, tools_bus)
     evaluator: AdapterEvaluator | None = None
 

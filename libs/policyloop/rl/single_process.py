@@ -116,8 +116,9 @@ class SingleProcessGRPO:
     """The loop's state: model, optimizer, schedule, the train problems and the random streams."""
 
     def __init__(self, config: SingleProcessConfig) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
+        from policyloop.models.tokenizer import load_tokenizer
         from policyloop.rl.trainer import LrSchedule
 
         torch.set_num_threads(config.threads)
@@ -125,7 +126,7 @@ class SingleProcessGRPO:
         self.config = config
         self.model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
         self.model.train()
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.tokenizer = load_tokenizer(config.model_path)
         self.eos_id = int(self.tokenizer.eos_token_id)
         self.pad_id = int(self.tokenizer.pad_token_id or 0)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.optimizer.lr,

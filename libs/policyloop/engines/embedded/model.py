@@ -72,7 +72,9 @@ class ServedModel:
 
     def load(self) -> None:
         import transformers
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from policyloop.models.tokenizer import load_tokenizer
 
         torch.set_num_threads(self.threads)
         transformers.utils.logging.disable_progress_bar()
@@ -83,7 +85,7 @@ class ServedModel:
         model.requires_grad_(False)
         self.model = model
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, local_files_only=True)
+            self.tokenizer = load_tokenizer(self.model_path)
         except Exception as exc:  # ids in, ids out still works; `text` prompts do not
             log.warning("engine_no_tokenizer", model_path=self.model_path, error=str(exc))
             self.tokenizer = None
