@@ -1,6 +1,12 @@
 """Real servers for the tests: each test that asks gets its own nats-server (JetStream, a
 temporary store) and redis-server on free ports, started by the same code `policyloop up`
-uses, and stopped at the end. Service processes are started with `python -m policyloop serve`."""
+uses, and stopped at the end. Service processes are started with `python -m policyloop serve`.
+
+Models are built before the first test runs (pytest_collection_finish), never inside a test: a
+build takes from seconds to minutes depending on how busy the machine is, and inside a test it
+counts against that test's timeout. The tiny test model is built when a selected test uses it,
+and each bootstrap model (cached across sessions) when a selected test's module is listed in
+MODULE_MODELS as running on it."""
 
 from __future__ import annotations
 
@@ -247,12 +253,119 @@ class ServiceLauncher:
                 service.proc.wait(timeout=10)
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Qwen2 policy with the project's tokenizer (a standard HF directory)."""
-    from tests.tiny_model import build_tiny_model
+def suite_models() -> dict:  # name -> BootstrapConfig (imported late: conftest stays light)
+    """The bootstrap models the tests run on, by name."""
+    from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, BootstrapConfig
 
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+    return {"arithmetic": BootstrapConfig(), "tools": TOOLS_BOOTSTRAP}
+
+
+# The bootstrap models each test module runs on, directly or through a process it starts
+# (`policyloop demo` builds "arithmetic" when given no model), by path below tests/. Only these
+# are built for a session, so a run that needs none builds none; test_suite_models checks that
+# every module calling bootstrap() or starting a demo is listed.
+MODULE_MODELS: dict[str, tuple[str, ...]] = {
+    "integration/test_multiturn.py": ("tools",),
+    "integration/test_openai_endpoint.py": ("arithmetic",),
+    "integration/test_evaluation.py": ("arithmetic",),
+    "integration/test_tinker_api.py": ("arithmetic",),
+    "integration/test_suite_models.py": ("arithmetic", "tools"),
+    "e2e/test_learning.py": ("arithmetic",),
+    "e2e/test_local_cluster.py": ("arithmetic",),
+    "e2e/test_production_demo.py": ("arithmetic",),
+}
+
+
+@dataclass
+class PrebuiltModels:
+    """What pytest_collection_finish built before the first test: model name -> directory, and
+    the error of a build that failed (its tests fail with it rather than build again)."""
+    built: dict[str, Path] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    tiny_dir: Path | None = None
+
+
+PREBUILT = pytest.StashKey[PrebuiltModels]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Builds the models the selected tests use before any of them runs, outside every test's
+    timeout (pytest-timeout times each test's setup, call and teardown, not this hook)."""
+    prebuilt = session.config.stash[PREBUILT] = PrebuiltModels()
+    if session.config.option.collectonly or not session.items:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(line: str) -> None:
+        if reporter is not None:
+            reporter.write_line(line)
+
+    if any("tiny_model_dir" in getattr(item, "fixturenames", ()) for item in session.items):
+        import tempfile
+
+        from tests.tiny_model import build_tiny_model
+
+        started = time.monotonic()
+        prebuilt.tiny_dir = build_tiny_model(Path(tempfile.mkdtemp(prefix="policyloop-tiny-model-")))
+        say(f"tiny test model built in {time.monotonic() - started:.0f} s (before the tests)")
+    tests = REPO / "tests"
+    modules = {Path(str(item.path)) for item in session.items}
+    needed = {name for module in modules if module.is_relative_to(tests)
+              for name in MODULE_MODELS.get(module.relative_to(tests).as_posix(), ())}
+    if not needed:
+        return
+    import fcntl
+
+    from policyloop.models.bootstrap import bootstrap, bootstrap_dir, is_complete
+
+    for name, config in suite_models().items():
+        if name not in needed:
+            continue
+        if not is_complete(bootstrap_dir(config)):
+            say(f"building the {name} bootstrap model (once; cached in {bootstrap_dir(config).parent}) ...")
+        started = time.monotonic()
+        try:
+            bootstrap_dir(config).parent.mkdir(parents=True, exist_ok=True)
+            # Sessions started side by side on a fresh machine wait for one build instead of each
+            # running its own (the waiters then find it in the cache).
+            with open(bootstrap_dir(config).parent / f".{config.name}.lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                prebuilt.built[name] = bootstrap(config)
+        except Exception as exc:  # noqa: BLE001 - reported by the tests that need it
+            prebuilt.failed[name] = repr(exc)
+            say(f"the {name} bootstrap model could not be built: {exc!r}")
+            continue
+        if time.monotonic() - started > 1:
+            say(f"{name} bootstrap model ready after {time.monotonic() - started:.0f} s (before the tests)")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    prebuilt = session.config.stash.get(PREBUILT, None)
+    if prebuilt is not None and prebuilt.tiny_dir is not None:
+        import shutil
+
+        shutil.rmtree(prebuilt.tiny_dir, ignore_errors=True)
+
+
+def prebuilt_model(config: pytest.Config, name: str) -> Path:
+    """The directory of a bootstrap model built before the tests; never builds one (a build
+    inside a test would count against its timeout)."""
+    prebuilt = config.stash[PREBUILT]
+    if name in prebuilt.failed:
+        pytest.fail(f"the {name} bootstrap model could not be built before the tests: {prebuilt.failed[name]}")
+    if name not in prebuilt.built:
+        pytest.fail(f"no {name!r} bootstrap model was built before the tests: list it for this module in "
+                    f"MODULE_MODELS (tests/conftest.py)")
+    return prebuilt.built[name]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(request: pytest.FixtureRequest) -> Path:
+    """A tiny random Qwen2 policy with the project's tokenizer (a standard HF directory), built
+    before the first test (pytest_collection_finish)."""
+    tiny = request.config.stash[PREBUILT].tiny_dir
+    assert tiny is not None, "pytest_collection_finish builds the tiny model for every test that uses it"
+    return tiny
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from policyloop.envs.tools import TOOL_FORMATS, find_call
 from policyloop.models.tokenizer import VOCAB
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from policyloop.scorers.answer import answer_text
-from tests.conftest import ServiceLauncher
+from tests.conftest import ServiceLauncher, prebuilt_model
 from tests.helpers import eventually, stored, stored_messages, stored_samples
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan, lineage, lineage_or_none
 
@@ -31,10 +31,10 @@ MODEL, TOOL = bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_TOOL
 
 
 @pytest.fixture(scope="module")
-def bootstrap_model_dir() -> Path:
-    from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, bootstrap
-
-    return bootstrap(TOOLS_BOOTSTRAP)  # cached after the first build (about 45 s)
+def bootstrap_model_dir(request: pytest.FixtureRequest) -> Path:
+    # Built before the first test (tests/conftest.py): the build (45 s, minutes on a busy
+    # machine) never counts against these tests' timeouts.
+    return prebuilt_model(request.config, "tools")
 
 
 def tool_task(task_id: str, prompt: str, max_turns: int = 3, seed: int = 11) -> bus_pb2.Task:
