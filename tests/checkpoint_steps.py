@@ -1,15 +1,17 @@
 """Run by tests/integration/test_checkpoint_reshard.py, under torchrun (any number of ranks) or
 alone (one rank): a learner checkpoint written on N ranks and resumed on M.
 
-    save   --model M --ckpt ROOT --steps N [--more-steps K --out OUT] [--snapshot SNAP]
+    save   --model M --ckpt ROOT --steps N [--more-steps K --out OUT] [--snapshot SNAP] [--off-path]
         N steps (step_groups(0..N-1)), then trainer.save(ROOT, ...); with --out, K further steps
         after the save and rank 0 writes the exported weights to OUT (the uninterrupted run).
+        --off-path: checkpointed as the learner does instead, trainer.snapshot() on every rank,
+        and rank 0 writes and commits the copy only after the K further steps changed the state.
     resume --model M --ckpt ROOT --more-steps K --out OUT [--snapshot SNAP] [--fresh-optimizer]
         trainer.restore(latest_checkpoint(ROOT)), K steps continuing the numbering, and rank 0
         writes the exported weights to OUT. --fresh-optimizer: every rank drops the optimizer's
         state right after the restore (the control run: Adam's moments and step count lost).
 
---snapshot: right after the save (or the restore) every rank joins in gathering the full model
+--snapshot: right after the save, the snapshot (or the restore) every rank joins in gathering the full model
 and optimizer state, and rank 0 writes it to SNAP as safetensors ("model/<name>",
 "optim/<name>/<exp_avg|exp_avg_sq|step>") — what the checkpoint held, and what came back.
 
@@ -36,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
 )
 
+from policyloop.rl import checkpoint
 from policyloop.rl.checkpoint import latest_checkpoint
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
 from tests.distributed_steps import step_groups
@@ -86,7 +89,7 @@ def write_result(trainer: PolicyTrainer, out: Path, summary: dict[str, Any]) -> 
 def save(args: argparse.Namespace) -> None:
     trainer = PolicyTrainer(args.model, CONFIG, version=0)
     if args.snapshot is not None:
-        after(trainer, "save", lambda: write_snapshot(trainer, args.snapshot))
+        after(trainer, "snapshot" if args.off_path else "save", lambda: write_snapshot(trainer, args.snapshot))
     if trainer.rank != 0:
         trainer.follow()
         trainer.close()
@@ -94,10 +97,16 @@ def save(args: argparse.Namespace) -> None:
     try:
         for step in range(args.steps):
             trainer.step(step_groups(step))
-        trainer.save(args.ckpt, trained_ids=TRAINED_IDS, extra=EXTRA)
+        copy = trainer.snapshot(TRAINED_IDS, EXTRA) if args.off_path else None
+        if not args.off_path:
+            trainer.save(args.ckpt, trained_ids=TRAINED_IDS, extra=EXTRA)
         if args.out is not None:
             for step in range(args.steps, args.steps + args.more_steps):
                 trainer.step(step_groups(step))
+        if copy is not None:  # written while (here: after) later steps changed the live state
+            written = checkpoint.write_snapshot(args.ckpt, copy)
+            checkpoint.commit_checkpoint(written, checkpoint.checkpoint_path(args.ckpt, copy.state.version), 2)
+        if args.out is not None:
             write_result(trainer, args.out, {})
     finally:
         trainer.close()
@@ -140,6 +149,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     parser.add_argument("--snapshot", type=Path)
     parser.add_argument("--fresh-optimizer", action="store_true")
+    parser.add_argument("--off-path", action="store_true")
     args = parser.parse_args()
     if args.mode == "resume" and args.out is None:
         parser.error("resume needs --out")

@@ -68,11 +68,11 @@ class Resumed:
         return json.loads(self.weights.with_suffix(".json").read_text())
 
 
-def save_run(model: Path, root: Path, ranks: int) -> Saved:
+def save_run(model: Path, root: Path, ranks: int, *extra: str) -> Saved:
     root.mkdir(parents=True, exist_ok=True)
     saved = Saved(ranks, root / "ckpt", root / "saved.safetensors", root / "uninterrupted.safetensors")
     run_steps(ranks, "save", "--model", model, "--ckpt", saved.ckpt, "--steps", STEPS, "--more-steps", MORE_STEPS,
-              "--out", saved.weights, "--snapshot", saved.snapshot, tmp=root)
+              "--out", saved.weights, "--snapshot", saved.snapshot, *extra, tmp=root)
     return saved
 
 
@@ -159,6 +159,17 @@ def test_saved_on_one_rank_resumes_on_two(tiny_model_dir: Path, saved_on_one: Sa
     resumed = resume_run(tiny_model_dir, saved_on_one, tmp_path / "resume-on-2", 2)
     diff = check_resumed(saved_on_one, resumed, saved_on_one, tiny_model_dir)
     print(f"1 -> 2 ranks: max abs diff from the uninterrupted 1-rank run {diff:.3g}")
+
+
+def test_a_checkpoint_copied_between_steps_on_two_ranks_and_written_later_resumes_on_one(
+        tiny_model_dir: Path, saved_on_one: Saved, tmp_path: Path) -> None:
+    """The learner's way (rl.checkpoint.take_snapshot, then write_snapshot off the step's path):
+    every rank copies its part between two steps, rank 0 writes the whole state alone once
+    further steps changed the live one, and the restore gives back the copy bit for bit."""
+    off_path = save_run(tiny_model_dir, tmp_path / "off-path-on-2", 2, "--off-path")
+    assert sorted(p.name for p in latest_dir(off_path).glob("rng-*.pt")) == ["rng-0.pt", "rng-1.pt"]
+    resumed = resume_run(tiny_model_dir, off_path, tmp_path / "resume-on-1", 1)
+    check_resumed(off_path, resumed, saved_on_one, tiny_model_dir)
 
 
 def test_without_the_optimizer_state_the_resumed_run_ends_elsewhere(

@@ -24,9 +24,14 @@ class CheckpointSettings(BaseModel):
         Path("runs/local/checkpoints"), description="Where checkpoints (model, optimizer, RNG, version, LEDGER "
                                                     "position, recently trained ids) are written.")
     every: int = Field(
-        50, ge=0, description="Steps between checkpoints (one is also written on SIGTERM); 0: only on SIGTERM. "
-                              "Steps after the newest checkpoint are replayed from the ledger on resume, so this "
-                              "trades checkpoint time against replay time, never data.")
+        50, ge=0, description="Versions between checkpoints; 0: by every_s only (one is also written on SIGTERM). "
+                              "Steps after the newest checkpoint are replayed from the ledger on resume, so the "
+                              "cadence trades checkpoint work against replay time, never data.")
+    every_s: float = Field(
+        2.0, ge=0, description="Seconds between checkpoints, whichever of every and every_s comes first; 0: by "
+                               "every only. A checkpoint costs the step a copy of the state; it is written beside "
+                               "the next steps and committed once its version is published (one write at a time), "
+                               "so a restarted learner replays about every_s of steps plus one write's worth.")
     kept: int = Field(2, ge=1, description="Newest checkpoints kept on disk.")
     resume: bool = Field(
         True, description="Start from the newest checkpoint and replay the steps LEDGER recorded after it, "

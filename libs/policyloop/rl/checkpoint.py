@@ -1,12 +1,19 @@
 """Learner checkpoints with torch.distributed.checkpoint.
 
 A checkpoint is a directory `<root>/version-<v>/` holding the model and optimizer state as a
-DCP checkpoint (sharded: every rank writes its own part, and a run can load it on another
-number of ranks) plus `trainer.json` (policy version, steps taken, the LR schedule's position, the
-ids of the samples the most recent steps trained, and what the learner adds: its LEDGER position). It is written to
-a temporary directory and renamed into place, then `<root>/latest` is replaced atomically, so a
-crash while writing leaves the previous checkpoint the one that is loaded. RNG states (torch CPU
-and CUDA, Python's random) are saved per rank (`rng-<rank>.pt`).
+DCP checkpoint (a run can load it on another number of ranks) plus `trainer.json` (policy version,
+steps taken, the LR schedule's position, the ids of the samples the most recent steps trained, and
+what the learner adds: its LEDGER position). It is written to a temporary directory and renamed
+into place, then `<root>/latest` is replaced atomically, so a crash while writing leaves the
+previous checkpoint the one that is loaded. RNG states (torch CPU and CUDA, Python's random) are
+saved per rank (`rng-<rank>.pt`).
+
+Two ways to write one. `save_checkpoint` is collective and writes while the caller waits (every
+rank its shards). The learner's way keeps the write off the step's path: `take_snapshot` copies
+the state of one version between two steps (the full state gathered on rank 0, every rank's RNG;
+the step loop waits only for that copy), `write_snapshot` writes the copy from any thread of rank
+0 while training goes on, and `commit_checkpoint` puts it in place once its version is published.
+`CheckpointCadence` says when the next one is due.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import os
 import random
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,11 +31,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from policyloop.weights.store import fsync_dir
 
 LATEST = "latest"
+# A snapshot is written by rank 0 alone (no_dist), on purpose: DCP warns of it at every save.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclass
@@ -73,7 +84,7 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
     """Writes the checkpoint of `state.version` (collective: every rank calls it); the `keep`
     newest stay on disk."""
     root = Path(root)
-    final = root / f"version-{state.version:09d}"
+    final = checkpoint_path(root, state.version)
     tmp = root / f".version-{state.version:09d}.tmp"
     if _is_leader():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -85,16 +96,107 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
     torch.save(rng_states(), tmp / f"rng-{rank}.pt")
     _barrier()
     if _is_leader():
-        record = {"version": state.version, "steps": state.steps, "trained_ids": state.trained_ids,
-                  "extra": state.extra, "scheduler": state.scheduler, "written_unix": time.time(),
-                  "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-        with open(tmp / "trainer.json", "w") as f:
-            json.dump(record, f)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_record(tmp, state, dist.get_world_size() if dist.is_initialized() else 1)
         commit_checkpoint(tmp, final, keep)
     _barrier()
     return final
+
+
+def _write_record(tmp: Path, state: TrainerState, world_size: int) -> None:
+    """`trainer.json`, the last file of a checkpoint (`latest_checkpoint` takes one without it
+    as incomplete)."""
+    record = {"version": state.version, "steps": state.steps, "trained_ids": state.trained_ids,
+              "extra": state.extra, "scheduler": state.scheduler, "written_unix": time.time(),
+              "world_size": world_size}
+    with open(tmp / "trainer.json", "w") as f:
+        json.dump(record, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@dataclass
+class Snapshot:
+    """A trainer's state at one version, copied off the live tensors: what a writer thread turns
+    into a checkpoint while the next steps train."""
+
+    state: TrainerState
+    tensors: dict[str, Any]          # {"model": ..., "optimizer": ...}: full, on the CPU, owned
+    rngs: list[dict[str, Any]]       # every rank's RNG states, by rank
+
+
+def take_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> Snapshot | None:
+    """Copies the state of `state.version` (collective: every rank calls it between the same two
+    steps). Rank 0 gets the snapshot, the other ranks None."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    rngs: list[Any] = [rng_states()]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list[Any] | None = [None] * dist.get_world_size() if _is_leader() else None
+        dist.gather_object(rngs[0], gathered, dst=0)
+        rngs = gathered or []
+    if not _is_leader():
+        return None
+    # On one rank (and for the optimizer's step counts) the state dict holds the live tensors
+    # themselves, which the next step changes in place: those are copied.
+    live = _storages([*model.parameters(), *model.buffers(), *(
+        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))])
+    tensors = _owned({"model": model_state, "optimizer": optimizer_state}, live)
+    return Snapshot(state=state, tensors=tensors, rngs=rngs)
+
+
+def _storages(tensors: list[torch.Tensor]) -> set[int]:
+    return {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr() for t in tensors}
+
+
+def _owned(value: Any, live: set[int]) -> Any:
+    """`value` with every tensor that shares storage with a live one copied (others are already
+    copies: gathered, or moved to the CPU); containers rebuilt, so nothing is shared."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach()
+        return value.clone() if value.untyped_storage().data_ptr() in live else value
+    if isinstance(value, dict):
+        return {k: _owned(v, live) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_owned(v, live) for v in value)
+    return value
+
+
+def write_snapshot(root: Path, snapshot: Snapshot) -> Path:
+    """Writes `snapshot` to a temporary directory under `root` and returns it; no collectives,
+    so from any thread of rank 0. `commit_checkpoint(tmp, checkpoint_path(root, version), keep)`
+    then puts it in place."""
+    tmp = Path(root) / f".version-{snapshot.state.version:09d}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    dcp.save(snapshot.tensors, checkpoint_id=str(tmp), no_dist=True)
+    for rank, rng in enumerate(snapshot.rngs):
+        torch.save(rng, tmp / f"rng-{rank}.pt")
+    _write_record(tmp, snapshot.state, len(snapshot.rngs))
+    return tmp
+
+
+def checkpoint_path(root: Path, version: int) -> Path:
+    return Path(root) / f"version-{version:09d}"
+
+
+@dataclass
+class CheckpointCadence:
+    """When the next checkpoint is due: `every` versions after the newest snapshot, or `every_s`
+    seconds after it (0 turns either off). Times are the caller's clock (time.monotonic)."""
+
+    every: int
+    every_s: float
+    version: int = 0        # of the newest snapshot (or the checkpoint resumed from)
+    at: float = 0.0         # when it was taken
+
+    def due(self, version: int, now: float) -> bool:
+        if version <= self.version:
+            return False
+        return bool((self.every and version - self.version >= self.every)
+                    or (self.every_s and now - self.at >= self.every_s))
+
+    def taken(self, version: int, now: float) -> None:
+        self.version, self.at = version, now
 
 
 def commit_checkpoint(tmp: Path, final: Path, keep: int) -> None:

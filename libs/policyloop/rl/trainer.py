@@ -45,7 +45,7 @@ from policyloop.rl.settings import LossConfig, OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
-    from policyloop.rl.checkpoint import TrainerState
+    from policyloop.rl.checkpoint import Snapshot, TrainerState
 
 
 class TrainerConfig(OptimizerSettings):
@@ -302,9 +302,12 @@ class PolicyTrainer:
             if box[0] == "export":
                 self.export_tensors()
                 continue
-            if isinstance(box[0], tuple):  # ("save", root) or ("restore", directory)
+            if isinstance(box[0], tuple):  # ("save", root), ("restore", directory) or ("snapshot", "")
                 command, path = box[0]
-                self.save(Path(path)) if command == "save" else self.restore(Path(path))
+                if command == "snapshot":
+                    self.snapshot()
+                else:
+                    self.save(Path(path)) if command == "save" else self.restore(Path(path))
                 continue
             groups = [[bus_pb2.Trajectory.FromString(b) for b in g] for g in box[0]]  # type: ignore[union-attr]
             self._step(groups)
@@ -355,13 +358,27 @@ class PolicyTrainer:
         """Checkpoints this trainer at its version (see policyloop.rl.checkpoint). Collective:
         with several ranks, rank 0 calls it and tells the others to write their shards.
         `trained_ids`: the ids trained by the most recent steps, one list per step."""
-        from policyloop.rl.checkpoint import TrainerState, save_checkpoint
+        from policyloop.rl.checkpoint import save_checkpoint
 
         if self.world_size > 1 and self.rank == 0:
             dist.broadcast_object_list([("save", str(root))], src=0)
-        state = TrainerState(self.version, self.steps, [list(ids) for ids in trained_ids], dict(extra or {}),
-                             scheduler={"last_epoch": self.scheduler.last_epoch})
-        return save_checkpoint(root, self.model, self.optimizer, state, keep=keep)
+        return save_checkpoint(root, self.model, self.optimizer, self._state(trained_ids, extra), keep=keep)
+
+    def snapshot(self, trained_ids: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None
+                 ) -> Snapshot | None:
+        """A copy of this trainer's state at its version, for a checkpoint written off the step's
+        path (policyloop.rl.checkpoint.write_snapshot). Collective like `save`; rank 0 gets it."""
+        from policyloop.rl.checkpoint import take_snapshot
+
+        if self.world_size > 1 and self.rank == 0:
+            dist.broadcast_object_list([("snapshot", "")], src=0)
+        return take_snapshot(self.model, self.optimizer, self._state(trained_ids, extra))
+
+    def _state(self, trained_ids: Sequence[Sequence[str]], extra: dict[str, Any] | None) -> TrainerState:
+        from policyloop.rl.checkpoint import TrainerState
+
+        return TrainerState(self.version, self.steps, [list(ids) for ids in trained_ids], dict(extra or {}),
+                            scheduler={"last_epoch": self.scheduler.last_epoch})
 
     def restore(self, directory: Path) -> TrainerState:
         """Loads a checkpoint (saved on any number of ranks) into this trainer; collective like
