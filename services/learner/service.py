@@ -8,6 +8,7 @@ Redis, health, publishing) and leads every step; the other ranks hold their FSDP
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import TYPE_CHECKING
 
 from policyloop.learner.colocated import ColocatedEngines
@@ -32,7 +33,7 @@ CHECKPOINT_WAIT_S = 600.0
 
 async def body(ctx: ServiceContext) -> None:
     from policyloop.learner.learner import Learner
-    from policyloop.learner.start import start_version
+    from policyloop.learner.start import reclaim_held, start_version
     from policyloop.rl.trainer import DeviceUnavailable, PolicyTrainer, resolve_device
 
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
@@ -51,7 +52,9 @@ async def body(ctx: ServiceContext) -> None:
     if settings.lora_runs:
         await serve_lora_runs(ctx, settings)
         return
+    loading = time.monotonic()
     trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, settings.trainer_config(), 0)
+    log.info("trainer_loaded", seconds=round(time.monotonic() - loading, 3))
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
     colocated = ColocatedEngines(settings.colocated)
@@ -66,6 +69,7 @@ async def body(ctx: ServiceContext) -> None:
                           resumed=resumed, on_version=lambda v: setattr(ctx, "policy_version", v), tracker=tracker)
         ctx.status = learner.current_status
         await learner.publish_resumed(resumed)
+        await reclaim_held(ctx.bus)  # a dead predecessor's batch, now rather than after the ack wait
         await serve_learner(ctx, learner)
     finally:
         await publisher.close()

@@ -11,7 +11,7 @@ from policyloop.bus import Bus, tasks_subject, trajectories_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.ledger import Audit, audit_bus, record_generated, trained_steps
 from policyloop.state import VersionRegistry
-from tests.conftest import ServiceLauncher
+from tests.conftest import ServiceLauncher, ServiceProcess, fast_limits
 from tests.helpers import eventually, publish_group, scored_group
 
 
@@ -38,13 +38,14 @@ async def test_learner_killed_between_steps_resumes_from_checkpoint_and_ledger(
     versions = VersionRegistry(redis_client, "default")
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT__EVERY": "2",
-           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    env = _every_steps(publisher, 2)
     first = services.start("learner", env=env)
     await services.wait_healthy(first, timeout_s=60)
     for n in range(5):  # one at a time: each step trains one known group
         await publish_groups(bus, [f"g{n}"])
         await eventually(lambda n=n: _at(versions, n + 1), timeout_s=60, what=f"version {n + 1}")
+    # Checkpoint 4 is written beside step 5: killed once it is in place.
+    await eventually(lambda: _checkpointed(first, 4), timeout_s=60, what="checkpoint 4 written")
     first.kill()
     assert [r.version for r in await trained_steps(bus, "policy")] == [1, 2, 3, 4, 5]
 
@@ -80,13 +81,13 @@ async def test_learner_dead_between_recording_a_step_and_publishing_it(
     versions = VersionRegistry(redis_client, "default")
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    env = {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1", "POLICYLOOP_CHECKPOINT__EVERY": "2",
-           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    env = _every_steps(publisher, 2)
     first = services.start("learner", env={**env, "POLICYLOOP_CRASH_AFTER_RECORDING_STEP": "3"})
     await services.wait_healthy(first, timeout_s=60)
     for n in range(2):
         await publish_groups(bus, [f"g{n}"])
         await eventually(lambda n=n: _at(versions, n + 1), timeout_s=60, what=f"version {n + 1}")
+    await eventually(lambda: _checkpointed(first, 2), timeout_s=60, what="checkpoint 2 written")
     await publish_groups(bus, ["g2"])
     assert await asyncio.to_thread(first.proc.wait, 60) == 70
     assert [r.version for r in await trained_steps(bus, "policy")] == [1, 2, 3]
@@ -140,6 +141,67 @@ async def test_learner_killed_mid_step_trains_nothing_twice(
     assert report.pending == 0 and report.dropped == {}
 
 
+async def test_a_killed_learner_replays_only_the_steps_since_its_checkpoint_cadence(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """Checkpoints are written beside the steps every 3 versions, so however many steps a learner
+    took, its successor replays fewer than 3 (the write of the newest due one may be under way
+    when it dies: then one write's worth more). After 11 steps: checkpoint 9, replay 10 and 11,
+    bit-exact, and the next step is 12; the old cadence of the default every=50 would replay 11."""
+    versions = VersionRegistry(redis_client, "default")
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    env = _every_steps(publisher, 3)
+    first = services.start("learner", env=env)
+    await services.wait_healthy(first, timeout_s=60)
+    steps = 11
+    for version in range(1, steps + 1):
+        await publish_groups(bus, [f"g{version - 1}"])
+        await eventually(lambda v=version: _at(versions, v), timeout_s=60, what=f"version {version}")
+        if version % 3 == 0:  # each written before the next is due, so none is skipped as busy
+            await eventually(lambda v=version: _checkpointed(first, v), timeout_s=60, what=f"checkpoint {version}")
+    first.kill()
+    assert sorted({e["version"] for e in first.log_events() if e["event"] == "checkpoint_written"}) == [3, 6, 9]
+
+    second = services.start("learner", env=env)
+    await services.wait_healthy(second, timeout_s=60)
+    [resumed] = [e for e in second.log_events() if e["event"] == "learner_resumed"]
+    assert (resumed["checkpoint_version"], resumed["replayed"], resumed["version"]) == (9, 2, steps)
+    assert [e["version"] for e in second.log_events() if e["event"] == "step_replayed"] == [10, 11]
+    await publish_groups(bus, [f"g{steps}"])
+    await eventually(lambda: _at(versions, steps + 1), timeout_s=60, what=f"version {steps + 1}")
+    await eventually(lambda: _settled(bus), what="every trajectory acked")
+    report = await clean_audit(bus)
+    assert report.steps == steps + 1 and report.generated == report.trained == 2 * (steps + 1)
+
+
+async def test_a_restarted_learner_takes_back_what_its_killed_predecessor_held(
+        bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """A group held by a learner that was killed comes back to the next learner when it starts
+    (it naks what its predecessor held), not after the consumer's ack wait — here ten minutes,
+    far beyond what this test waits — and is trained once with a new group in one batch."""
+    versions = VersionRegistry(redis_client, "default")
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "2", "POLICYLOOP_MAX_LAG": "-1",
+           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    limits = fast_limits(learner_ack_wait_s=600.0)
+    first = services.start("learner", env=env, limits=limits)
+    await services.wait_healthy(first, timeout_s=60)
+    await publish_groups(bus, ["g0"])
+    await eventually(lambda: _holds(bus, 1), what="the first group held")
+    first.kill()  # half a batch held, unacked
+
+    second = services.start("learner", env=env, limits=limits)
+    await services.wait_healthy(second, timeout_s=60)
+    [reclaimed] = [e for e in second.log_events() if e["event"] == "held_reclaimed"]
+    assert reclaimed["pending"] == 1
+    await publish_groups(bus, ["g1"])
+    await eventually(lambda: _at(versions, 1), timeout_s=60, what="a step on the held group and the new one")
+    await eventually(lambda: _settled(bus), what="every trajectory acked")
+    report = await clean_audit(bus)
+    assert report.steps == 1 and report.generated == report.trained == 4 and report.pending == 0
+
+
 async def test_rollout_killed_mid_generation_loses_nothing(
         bus: Bus, services: ServiceLauncher) -> None:
     """A replica killed while sampling: its tasks are redelivered to another replica and every
@@ -184,6 +246,17 @@ async def _stored_trajectories(bus: Bus):  # type: ignore[no-untyped-def]
 
 async def _at(versions: VersionRegistry, version: int) -> bool:
     return await versions.get("policy") >= version
+
+
+def _every_steps(publisher: ServiceProcess, every: int) -> dict[str, str]:
+    """A learner of one group per step that checkpoints every `every` versions (never by time)."""
+    return {"POLICYLOOP_GROUPS_PER_STEP": "1", "POLICYLOOP_MAX_LAG": "-1",
+            "POLICYLOOP_CHECKPOINT__EVERY": str(every), "POLICYLOOP_CHECKPOINT__EVERY_S": "0",
+            "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+
+
+async def _checkpointed(learner: ServiceProcess, version: int) -> bool:
+    return any(e["event"] == "checkpoint_written" and e["version"] == version for e in learner.log_events())
 
 
 async def _holds(bus: Bus, count: int) -> bool:
