@@ -14,7 +14,15 @@ to settle (ROLLOUTS empty, LEDGER unchanged for --settle-s) and the ledger audit
 - `trained_not_generated` (trained ids the ledger never saw generated: a gap in the ledger);
 - `versions_monotonic` (the recorded steps make versions 1, 2, … once each), `registry_version`
   and `publisher_newest_version` (`versions_agree`: Redis and the publisher agree with the ledger);
-- `reached_target_steps` (the learner reached --steps), `wall_seconds`.
+- `reached_target_steps` (the learner reached --steps), `wall_seconds`;
+- `time_to_next_step` (`median_s`, `max_s`, `per_kill_s`, `missed`, `killed_again_before_step`): for
+  each learner kill, seconds from its restart to the first step it recorded in LEDGER (a version
+  newer than the newest before the kill; the replay of steps recorded before the kill does not
+  count), none for a learner killed again before it stepped (a learner kill follows the previous
+  kill by --min-gap-s to --max-gap-s: widen them to measure every kill); each learner kill also
+  carries `restart_phases_s`, read from the learner's log: seconds from the restart to
+  `service_started` (interpreter, imports, connections), `trainer_loaded` (torch, the model),
+  `resumed` (checkpoint, replay) and the first `step`.
 
 With `--nats-nodes 3` NATS is a 3-node JetStream cluster (every stream and consumer on all three)
 and the NATS kills pick a node right before killing it: the current JetStream meta leader, or
@@ -31,6 +39,7 @@ Prints `nats_nodes`, `steps_while_node_down` (per node kill) and `steps_while_no
     .venv/bin/python perf/chaos.py --kills 10
     .venv/bin/python perf/chaos.py --kills 3 --steps 20     # a quicker look
     .venv/bin/python perf/chaos.py --nats-nodes 3 --kills 8
+    .venv/bin/python perf/chaos.py --kills 10 --kinds learner-0  # learner kills only: time_to_next_step
     .venv/bin/python perf/chaos.py --runs 2 --kills 10        # two LoRA runs, each audited (`runs`)
 """
 
@@ -41,6 +50,7 @@ import asyncio
 import json
 import random
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,15 +58,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
+import nats.js.errors  # noqa: E402
 
-from policyloop.bus import Bus  # noqa: E402
+from policyloop.bus import Bus, ledger_subject  # noqa: E402
 from policyloop.cluster.catalogue import SERVICES  # noqa: E402
 from policyloop.cluster.demo import arithmetic_environment, require_healthy, start_arithmetic_run  # noqa: E402
 from policyloop.cluster.demo_runs import start_lora_runs  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.cluster.nats_cluster import meta_leader, stream_leader, wait_cluster_ready  # noqa: E402
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc  # noqa: E402
-from policyloop.ledger import Audit, audit_bus, trained_steps, wait_settled  # noqa: E402
+from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc  # noqa: E402
+from policyloop.ledger import TRAINED, Audit, audit_bus, trained_steps, wait_settled  # noqa: E402
 from policyloop.rl.lora import adapter_model_name  # noqa: E402
 from policyloop.state import VersionRegistry, connect_redis  # noqa: E402
 from policyloop.weights.client import WeightClient  # noqa: E402
@@ -142,6 +153,101 @@ async def kill_node(cluster: LocalCluster, kind: str, version: int, args: argpar
             "at_s": round(killed_at - started, 1)}
 
 
+async def kill_process(cluster: LocalCluster, name: str, version: int, down_s: float, started: float,
+                       models: tuple[str, ...]) -> dict:
+    """SIGKILLs `name`, leaves it dead `down_s`, and has the supervisor restart it. A learner's
+    record also takes the newest version each model's ledger holds once it is dead (its next
+    step is measured from there) and the moment of its restart."""
+    process = cluster.process(name)
+    process.signal(signal.SIGKILL)
+    await asyncio.to_thread(process.proc.wait)  # type: ignore[union-attr]
+    killed_at = time.monotonic()
+    kill: dict = {"process": name, "at_version": version}
+    if name.startswith("learner"):
+        bus = await Bus.connect(cluster.nats_url, name="chaos-newest", connect_timeout_s=30)
+        try:
+            kill["newest_before_restart"] = await newest_versions(bus, models)
+        finally:
+            await bus.close()
+    await asyncio.sleep(max(0.0, down_s - (time.monotonic() - killed_at)))  # stays dead a little while
+    kill["restarted"] = cluster.supervise()
+    kill["restarted_unix"] = time.time()
+    kill["at_s"] = round(time.monotonic() - started, 1)
+    return kill
+
+
+async def newest_versions(bus: Bus, models: tuple[str, ...]) -> dict[str, int]:
+    """Each model's newest version in LEDGER: its last step record, one request each."""
+    newest = {}
+    for model in models:
+        try:
+            msg = await bus.js.get_last_msg("LEDGER", ledger_subject(TRAINED, model))
+            newest[model] = bus_pb2.LedgerEvent.FromString(msg.data or b"").policy_version
+        except nats.js.errors.NotFoundError:
+            newest[model] = 0
+    return newest
+
+
+async def time_to_next_step(cluster: LocalCluster, models: tuple[str, ...], kill: dict, timeout_s: float) -> None:
+    """Fills in `kill["time_to_next_step_s"]`: seconds from the learner's restart until a model's
+    ledger holds a version newer than it held while the learner was dead (None: not within
+    `timeout_s`), and `restart_phases_s` from the learner's log."""
+    before = kill["newest_before_restart"]
+    # One connection for the polls (it reconnects by itself while a nats-server restarts).
+    bus = await Bus.connect(cluster.nats_url, name="chaos-next-step", connect_timeout_s=30)
+
+    async def stepped() -> bool:
+        newest = await newest_versions(bus, models)
+        return any(newest[m] > before[m] for m in models)
+
+    kill["time_to_next_step_s"] = None
+    try:
+        if await until(stepped, timeout_s, poll_s=0.2):
+            kill["time_to_next_step_s"] = round(time.time() - kill["restarted_unix"], 2)
+    except asyncio.CancelledError:
+        kill["killed_again_before_step"] = True
+    finally:
+        await bus.close()
+        kill["restart_phases_s"] = restart_phases(cluster.process(kill["process"]).log_path, kill["restarted_unix"])
+
+
+async def interrupt(timings: list[asyncio.Task[None]]) -> None:
+    """Before the learner is killed again: the previous kill's wait for its next step ends without
+    a figure (`killed_again_before_step`)."""
+    for task in timings:
+        task.cancel()
+    await asyncio.gather(*timings, return_exceptions=True)
+
+
+def restart_phases(log_path: Path, restarted_unix: float) -> dict[str, float]:
+    """Seconds from a restart to the first `service_started`, `trainer_loaded`, `learner_resumed`
+    and `step` the process logged after it (JSON lines with ISO timestamps)."""
+    from datetime import datetime
+
+    phases: dict[str, float] = {}
+    for line in log_path.read_text(errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+            at = datetime.fromisoformat(event["timestamp"]).timestamp()
+        except (ValueError, KeyError, TypeError):
+            continue  # not a line of ours (a library's, a traceback)
+        name = {"service_started": "service_started", "trainer_loaded": "trainer_loaded",
+                "learner_resumed": "resumed", "step": "first_step"}.get(event.get("event"))
+        if name and at >= restarted_unix and name not in phases:
+            phases[name] = round(at - restarted_unix, 2)
+    return phases
+
+
+def next_step_figures(kills: list[dict]) -> dict:
+    """The median and the most of the learner kills' times to their next step."""
+    learner = [k for k in kills if "time_to_next_step_s" in k]
+    done = sorted(k["time_to_next_step_s"] for k in learner if k["time_to_next_step_s"] is not None)
+    again = sum(1 for k in learner if k.get("killed_again_before_step"))
+    return {"learner_kills": len(learner), "per_kill_s": [k["time_to_next_step_s"] for k in learner],
+            "killed_again_before_step": again, "missed": len(learner) - len(done) - again,
+            "median_s": statistics.median(done) if done else None, "max_s": done[-1] if done else None}
+
+
 async def learner_version(cluster: LocalCluster, models: tuple[str, ...] = ("policy",), attempts: int = 30) -> int:
     """The newest step the ledger holds (what survives any one process's death); with several
     models (LoRA runs), the least of theirs. Asked again while a restarted nats-server's
@@ -223,10 +329,12 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
             _, run = await start_arithmetic_run(stub, args.group_size, 8, 1.0, args.seed)
             runs = [run]
     models = tuple(adapter_model_name("policy", r.run_id) for r in runs) if args.runs > 1 else ("policy",)
-    kills = []
+    kills: list[dict] = []
+    timings: list[asyncio.Task[None]] = []  # each learner kill's time to its next step, filled in
     clustered = args.nats_nodes > 1
-    schedule = (kill_schedule(args.kills, rng, CLUSTER_KINDS, (META_LEADER, TRAJECTORIES_LEADER)) if clustered
-                else kill_schedule(args.kills, rng))
+    kinds = tuple(args.kinds.split(",")) if args.kinds else (CLUSTER_KINDS if clustered else KINDS)
+    schedule = (kill_schedule(args.kills, rng, kinds, (META_LEADER, TRAJECTORIES_LEADER)) if clustered
+                else kill_schedule(args.kills, rng, kinds))
     for name in schedule:
         await asyncio.sleep(rng.uniform(args.min_gap_s, args.max_gap_s))
         version = await learner_version(cluster, models)
@@ -234,16 +342,16 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
             kills.append(await kill_node(cluster, name, version, args, started))
             print(json.dumps(kills[-1]), file=sys.stderr)
             continue
-        cluster.process(name).signal(signal.SIGKILL)
-        await asyncio.to_thread(cluster.process(name).proc.wait)  # type: ignore[union-attr]
-        await asyncio.sleep(rng.uniform(0.0, args.down_s))     # stays dead a little while
-        restarted = cluster.supervise()
-        kills.append({"process": name, "at_version": version, "restarted": restarted,
-                      "at_s": round(time.monotonic() - started, 1)})
+        if name.startswith("learner"):
+            await interrupt(timings)
+        kills.append(await kill_process(cluster, name, version, rng.uniform(0.0, args.down_s), started, models))
+        if name.startswith("learner"):
+            timings.append(asyncio.create_task(time_to_next_step(cluster, models, kills[-1], args.timeout_s)))
         print(json.dumps(kills[-1]), file=sys.stderr)
     # The loop must go on after the last kill, not only have got far before it.
     target = max(args.steps, (kills[-1]["at_version"] if kills else 0) + args.steps_after_kills)
     reached = await until(lambda: _reached(cluster, target, models), args.timeout_s, poll_s=2.0)
+    await asyncio.gather(*timings)
     async with grpc.aio.insecure_channel(gateway) as channel:
         for run in runs:
             await loop_pb2_grpc.LoopServiceStub(channel).StopRun(loop_pb2.StopRunRequest(run_id=run.run_id),
@@ -262,6 +370,7 @@ async def drive(cluster: LocalCluster, args: argparse.Namespace) -> dict:
         "publisher_newest_version": first["publisher_newest_version"],
         "versions_agree": all(m["versions_agree"] for m in per_model.values()),
         "runs": list(per_model.values()) if args.runs > 1 else [],
+        "time_to_next_step": next_step_figures(kills),
         "reached_target_steps": reached, "target_steps": target, "settled_before_audit": settled,
         "wall_seconds": round(time.monotonic() - started, 1),
     }
@@ -281,6 +390,9 @@ def main() -> None:
     parser.add_argument("--min-gap-s", type=float, default=4.0, help="least time between kills")
     parser.add_argument("--max-gap-s", type=float, default=15.0, help="most time between kills")
     parser.add_argument("--down-s", type=float, default=3.0, help="most time a killed process stays down")
+    parser.add_argument("--kinds", default="",
+                        help="comma-separated process names to kill (e.g. learner-0 for learner kills only); "
+                             "default: every kind")
     parser.add_argument("--nats-nodes", type=int, default=1, choices=(1, 3, 5),
                         help="NATS servers: 1, or a JetStream cluster whose nodes are killed too")
     parser.add_argument("--node-down-s", type=float, default=20.0,
