@@ -62,13 +62,20 @@ def test_version_lag_runs_one_configuration_on_the_local_cluster(tmp_path: Path,
 def test_chaos_kills_restarts_and_audits_the_ledger(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"
     result = run_harness(
-        "chaos.py", "--kills", "1", "--steps", "2", "--steps-after-kills", "1", "--min-gap-s", "0.5",
-        "--max-gap-s", "1", "--down-s", "0.5", "--groups-per-step", "2", "--group-size", "4", "--ack-wait-s", "3",
-        "--settle-s", "1", "--timeout-s", "300", "--model-path", str(tiny_model_dir), "--out", str(out),
-        cwd=tmp_path, timeout_s=CLUSTER_TIMEOUT_S)
-    assert result["kills"] == 1
-    [kill] = result["kill_log"]
-    assert kill["process"] in kill["restarted"] and kill["at_version"] >= 0
+        "chaos.py", "--kills", "2", "--kinds", "publisher-0,learner-0", "--steps", "2", "--steps-after-kills", "1",
+        "--min-gap-s", "0.5", "--max-gap-s", "1", "--down-s", "0.5", "--groups-per-step", "2", "--group-size", "4",
+        "--ack-wait-s", "3", "--settle-s", "1", "--timeout-s", "300", "--model-path", str(tiny_model_dir),
+        "--out", str(out), cwd=tmp_path, timeout_s=CLUSTER_TIMEOUT_S)
+    assert result["kills"] == 2
+    assert sorted(k["process"] for k in result["kill_log"]) == ["learner-0", "publisher-0"]
+    assert all(k["process"] in k["restarted"] and k["at_version"] >= 0 for k in result["kill_log"])
+    # The learner's restart is timed to its next step, phase by phase from its log.
+    [learner] = [k for k in result["kill_log"] if k["process"] == "learner-0"]
+    assert learner["time_to_next_step_s"] > 0 and set(learner["restart_phases_s"]) == {
+        "service_started", "trainer_loaded", "resumed", "first_step"}
+    figures = result["time_to_next_step"]
+    assert (figures["learner_kills"], figures["missed"], figures["killed_again_before_step"]) == (1, 0, 0)
+    assert figures["median_s"] == figures["max_s"] == learner["time_to_next_step_s"]
     assert result["reached_target_steps"] and result["steps"] >= result["target_steps"] >= 2
     # The audit: everything generated is accounted for, nothing trained twice, versions in order.
     assert result["generated"] > 0 and result["trained"] > 0

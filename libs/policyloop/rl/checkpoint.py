@@ -109,7 +109,9 @@ def _write_record(tmp: Path, state: TrainerState, world_size: int) -> None:
               "extra": state.extra, "scheduler": state.scheduler, "written_unix": time.time(),
               "world_size": world_size}
     with open(tmp / "trainer.json", "w") as f:
-        json.dump(record, f)
+        # dumps, not dump: json.dump streams through the pure-Python encoder, and the recent ids
+        # (dedupe_steps lists of a step's ids) made it most of a write's CPU time.
+        f.write(json.dumps(record))
         f.flush()
         os.fsync(f.fileno())
 
