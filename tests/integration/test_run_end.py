@@ -17,6 +17,7 @@ from policyloop.bus.deadletter import publish_dead_letter
 from policyloop.contracts.ids import task_id
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
 from policyloop.gateway.dead_letters import dead_task
+from policyloop.state import IdempotencyKeys
 from policyloop.state.outcomes import TaskCount
 from tests.conftest import ServiceLauncher
 from tests.helpers import addition_environment, eventually
@@ -34,7 +35,7 @@ def accounted(run: loop_pb2.Run) -> int:
 
 
 async def test_a_run_finishes_with_its_last_partial_batch_trained_and_a_stopped_run_accounts_for_all(
-        bus: Bus, services: ServiceLauncher, tmp_path: Path) -> None:
+        bus: Bus, services: ServiceLauncher, redis_client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
     learner = services.start("learner", env=LOOP | {"POLICYLOOP_PUBLISHER_ENDPOINT":
@@ -75,10 +76,13 @@ async def test_a_run_finishes_with_its_last_partial_batch_trained_and_a_stopped_
 
         await eventually(some_trained, timeout_s=120)
         await stub.StopRun(loop_pb2.StopRunRequest(run_id="stopped"))
+        leases = IdempotencyKeys(redis_client, "default")
 
         async def all_accounted() -> bool:
+            # The feeder has let the run go (having recorded how many it fed) and nothing is in flight.
             run = await stub.GetRun(loop_pb2.GetRunRequest(run_id="stopped"))
-            return run.progress.tasks_in_flight == 0 and accounted(run) == run.tasks_enqueued
+            return await leases.owner("feeder:stopped") is None and run.progress.tasks_in_flight == 0 and \
+                accounted(run) == run.tasks_enqueued
 
         await eventually(all_accounted, timeout_s=120)
         run = await stub.GetRun(loop_pb2.GetRunRequest(run_id="stopped"))

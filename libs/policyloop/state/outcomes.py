@@ -33,8 +33,9 @@ _SAMPLES_FIELD = {TRAINED: "trained_samples", DROPPED: "dropped_samples", DEAD_L
 ENDED_STATES = frozenset({loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FAILED})
 
 # KEYS: outcomes hash, progress hash, run hash. ARGV: outcome, samples field, now (ms), the
-# RUNNING and FINISHED state numbers, then (task id, samples) pairs. Returns the newly
-# accounted task ids. Once every task of a running run is accounted for, it is FINISHED.
+# RUNNING and FINISHED state numbers (FINISHED empty: do not finish it here), then (task id,
+# samples) pairs. Returns the newly accounted task ids. Once every task of a running run is
+# accounted for, it is FINISHED.
 _RECORD = """
 local outcomes, progress, run = KEYS[1], KEYS[2], KEYS[3]
 local outcome, samples_field, now, running, finished = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
@@ -50,7 +51,8 @@ if #new > 0 then
   if samples > 0 then redis.call('HINCRBY', progress, samples_field, samples) end
 end
 local total = redis.call('HGET', run, 'tasks_total')
-if total and redis.call('HGET', run, 'state') == running and redis.call('HLEN', outcomes) >= tonumber(total) then
+local running_now = redis.call('HGET', run, 'state') == running
+if finished ~= '' and total and running_now and redis.call('HLEN', outcomes) >= tonumber(total) then
   redis.call('HSET', run, 'state', finished, 'updated', now)
 end
 return new
@@ -103,18 +105,25 @@ class TaskOutcomes:
         self.run_prefix = f"pl:{namespace}:run:"  # the run registry's (state.catalog.RunRegistry)
         self._record = client.register_script(_RECORD)
 
-    async def record(self, run_id: str, outcome: str, tasks: Iterable[TaskCount]) -> list[str]:
+    async def record(self, run_id: str, outcome: str, tasks: Iterable[TaskCount], *, finish: bool = True
+                     ) -> list[str]:
         """Accounts for `tasks` of `run_id` with `outcome` (TRAINED, DEAD_LETTERED or dropped(reason));
-        returns the ids of those not accounted for before."""
+        returns the ids of those not accounted for before. `finish`: mark the run FINISHED if this
+        accounts for its last task (else the caller does, with `finish_if_accounted`, once the
+        figures that go with them are written)."""
         args: list[str | int] = [outcome, _SAMPLES_FIELD[outcome.partition(":")[0]], now_ms(),
-                                 loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED]
+                                 loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED if finish else ""]
         for task in tasks:
             args += [task.task_id, task.samples]
-        if len(args) == 5:
+        if len(args) == 5 and not finish:
             return []
         keys = [self.outcomes_prefix + run_id, self.progress_prefix + run_id, self.run_prefix + run_id]
         new = await self._record(keys=keys, args=args)
         return [t.decode() if isinstance(t, bytes) else t for t in new]
+
+    async def finish_if_accounted(self, run_id: str) -> None:
+        """Marks the run FINISHED if it runs and every task of it is accounted for."""
+        await self.record(run_id, TRAINED, [])
 
     async def standing(self, run_id: str) -> RunStanding:
         pipe = self.client.pipeline(transaction=False)

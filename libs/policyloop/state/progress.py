@@ -41,8 +41,11 @@ class RunProgressStore:
         replayed after a restart, a copy of a trained task) are not counted again."""
         now = now_ms()
         pipe = self.client.pipeline(transaction=False)
-        for run_id, trajs in _by_run(samples).items():
-            new = set(await self.outcomes.record(run_id, TRAINED, task_counts(t.task_id for t in trajs)))
+        runs = _by_run(samples)
+        for run_id, trajs in runs.items():
+            # A run is finished only once its last step's figures are written too (below).
+            new = set(await self.outcomes.record(run_id, TRAINED, task_counts(t.task_id for t in trajs),
+                                                 finish=False))
             trajs = [t for t in trajs if t.task_id in new]
             if not trajs:
                 continue
@@ -65,6 +68,8 @@ class RunProgressStore:
             pipe.hsetnx(key, "first_step_ms", now)
             pipe.hset(key, "last_step_ms", now)
         await pipe.execute()
+        for run_id in runs:
+            await self.outcomes.finish_if_accounted(run_id)
 
     async def record_trained_ids(self, trajectory_ids: Iterable[str]) -> None:
         """Tasks trained by a step known only by its samples' ids (a step replayed from LEDGER after
