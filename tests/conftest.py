@@ -224,8 +224,9 @@ class ServiceLauncher:
         self.started.append(service)
         return service
 
-    async def wait_healthy(self, *services: ServiceProcess, timeout_s: float = 30) -> None:
-        """Waits until each service's heartbeat in Redis says healthy."""
+    async def wait_healthy(self, *services: ServiceProcess, timeout_s: float = 120) -> None:
+        """Waits until each service's heartbeat in Redis says healthy. The deadline is generous: a
+        rollout's engine takes 20 s to start on a 2-core machine at load 4, longer when busier."""
         from policyloop.state import HeartbeatRegistry
 
         client = await connect_redis(self.redis.url)

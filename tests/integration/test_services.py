@@ -353,7 +353,7 @@ async def test_a_sandbox_job_its_caller_gave_up_on_is_not_run(bus: Bus, services
 async def test_a_task_whose_prompt_gives_no_tokens_is_dead_lettered(bus: Bus, services: ServiceLauncher) -> None:
     rollout = services.start("rollout", env={"POLICYLOOP_MAX_LAG": "-1"})
     await services.wait_healthy(rollout, timeout_s=60)
-    # The test model's character tokenizer knows no letters: this prompt has no tokens at all.
+    # The test model's character tokenizer knows no letters: this prompt would be <unk> tokens only.
     await bus.publish(tasks_subject("addition@v1"), bus_pb2.Task(
         task_id="letters", run_id="r", environment="addition@v1", prompt_text="abc", group_size=2,
         sampling=bus_pb2.SamplingParams(max_new_tokens=4)), "letters")

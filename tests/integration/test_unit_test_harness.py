@@ -50,7 +50,9 @@ async def score(sandbox: JobCgroups | None, solution: str, tests: str = TESTS,
     traj = bus_pb2.Trajectory(trajectory_id="t", response_text=solution, metadata={"tests": tests},
                               scorer=bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(timeout_seconds=timeout_s)))
     code_job = sandbox_job(traj)
-    limits = JobLimits(wall_seconds=code_job.job.limits.wall_seconds, cpu_seconds=code_job.job.limits.cpu_seconds)
+    asked = code_job.job.limits  # as the sandbox service takes them (its defaults aside)
+    limits = JobLimits(wall_seconds=asked.wall_seconds, cpu_seconds=asked.cpu_seconds,
+                       max_output_bytes=asked.max_output_bytes)
     result = await run_job(code_job.job, limits, cgroups=sandbox)
     reward, breakdown = score_result(traj, code_job, result)
     return reward, {c.name: (c.value, c.detail) for c in breakdown}, result

@@ -140,6 +140,11 @@ class RolloutReplica:
         prompt_ids = list(task.prompt_token_ids) or self.tokenizer(task.prompt_text, add_special_tokens=False).input_ids
         if not prompt_ids:
             raise PermanentError("prompt_text: the model's tokenizer gives no tokens for it (give prompt_token_ids)")
+        unknown = getattr(self.tokenizer, "unk_token_id", None)
+        if not task.prompt_token_ids and unknown is not None and unknown in prompt_ids:
+            # Sampled, the model would see <unk> where the text said something else.
+            raise PermanentError("prompt_text: has characters the model's tokenizer does not know "
+                                 "(give prompt_token_ids, or text the tokenizer covers)")
         return prompt_ids
 
     async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory]) -> None:
