@@ -48,7 +48,7 @@ async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: 
     trainer = await asyncio.to_thread(AdapterTrainer, model_dir, TrainerConfig(lr=1e-3, device="cpu"))
     learner = AdapterLearner("policy", "learner-0", trainer, bus, versions=VersionRegistry(redis_client, "default"),
                              publisher=client, checkpoint_root=root / "checkpoints", checkpoint_every=checkpoint_every,
-                             progress=progress, leftovers_check_s=0.2)
+                             progress=progress or RunProgressStore(redis_client, "default"), leftovers_check_s=0.2)
     from policyloop.bus import PullWorker
     from policyloop.contracts.validate import validate_group
 

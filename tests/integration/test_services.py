@@ -364,6 +364,7 @@ async def test_a_task_whose_prompt_gives_no_tokens_is_dead_lettered(bus: Bus, se
     await eventually(dead, timeout_s=30)
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     assert letter.service == "rollout" and "prompt_text" in letter.reason and letter.delivery_count == 1
+    assert "'a', 'b', 'c'" in letter.reason, letter.reason  # the characters it has no token for
     assert await stored_messages(bus, "ROLLOUTS") == []
 
 

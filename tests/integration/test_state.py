@@ -200,6 +200,12 @@ async def test_a_run_finishes_when_its_last_task_is_accounted_for(redis_client) 
     q = await progress.get("q")
     assert (q.tasks_trained, q.trained_samples) == (2, 6) and await runs.state("q") == loop_pb2.RUN_STATE_FINISHED
 
+    # Many tasks at once go in several script calls (Redis serves no one else during one): all count.
+    await runs.create("big", loop_pb2.StartRunRequest(run_id="big"), tasks_total=2500)
+    many = [TaskCount(task_id("big", i), 1) for i in range(2500)]
+    assert len(await outcomes.record("big", TRAINED, many)) == 2500
+    assert (await progress.get("big")).tasks_trained == 2500 and await runs.state("big") == loop_pb2.RUN_STATE_FINISHED
+
     # A stopped run's last held groups are those of the tasks it fed and has not accounted for.
     await runs.create("s", loop_pb2.StartRunRequest(run_id="s"), tasks_total=3)
     await runs.set_enqueued("s", 2)

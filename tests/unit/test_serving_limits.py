@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from policyloop.models.tokenizer import VOCAB, load_tokenizer, save_tokenizer
+from policyloop.models.tokenizer import VOCAB, load_tokenizer, save_tokenizer, unreadable_characters
 from policyloop.rl.batching import ModelLimits
 from policyloop.serving.errors import ApiError
-from policyloop.serving.limits import check_vocabulary, limits_of, new_tokens, unreadable_characters
+from policyloop.serving.limits import check_vocabulary, limits_of, new_tokens
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ versions go on with no gap and no reuse.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,12 +27,20 @@ from redis.exceptions import RedisError
 from policyloop.bus import Bus, Delivery
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.learner.fair import FairShare
-from policyloop.learner.held import Groups, HeldTrajectories, refuse_unscored, refuse_untrainable
+from policyloop.learner.held import (
+    Groups,
+    HeldTrajectories,
+    record_progress,
+    refuse_unscored,
+    refuse_untrainable,
+    standings,
+)
 from policyloop.learner.start import VersionBehind
 from policyloop.ledger import StepRecord, record_dropped, record_trained
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
 from policyloop.rl.recovery import Resumed, ResumeError, resume
+from policyloop.state.catalog import ENDED_STATES
 from policyloop.state.outcomes import RUN_STOPPED, STALE
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.push import VersionPusher
@@ -66,7 +73,7 @@ class AdapterLearner:
     def __init__(self, model: str, instance_id: str, trainer: AdapterTrainer, bus: Bus, *,
                  versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000,
                  checkpoint_root: Path | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 2,
-                 progress: RunProgressStore | None = None, leftovers_check_s: float = 1.0) -> None:
+                 progress: RunProgressStore, leftovers_check_s: float = 1.0) -> None:
         self.model, self.instance_id = model, instance_id
         self.progress, self.leftovers_check_s = progress, leftovers_check_s
         self.checkpoint_root, self.checkpoint_every, self.checkpoint_keep = checkpoint_root, checkpoint_every, \
@@ -140,7 +147,7 @@ class AdapterLearner:
         if slot is None and run_id in self.removed:
             await record_dropped(self.bus, adapter_model_name(self.model, run_id), run_id, self.instance_id,
                                  RUN_STOPPED, [(t.trajectory_id, delivery.stream_seq) for t in group])
-            await self._record_progress(lambda progress: progress.record_dropped(group, RUN_STOPPED))
+            await record_progress(self.progress.record_dropped(group, RUN_STOPPED))
             return
         if slot is None:
             raise RunNotServed(f"run {run_id!r} has no adapter on this learner")
@@ -178,19 +185,10 @@ class AdapterLearner:
     async def leftovers(self) -> list[str]:
         """The runs whose every task not yet accounted for is held here, complete (their last
         groups, which fill no batch)."""
-        final = []
-        for run_id, slot in list(self.slots.items()):
-            complete = slot.held.collector.complete_groups
-            if not complete or self.progress is None:
-                continue
-            try:
-                standing = await self.progress.outcomes.standing(run_id)
-            except (RedisError, OSError) as exc:
-                log.warning("run_standing_unknown", run=run_id, error=repr(exc))
-                continue
-            if standing.all_held(complete):
-                final.append(run_id)
-        return final
+        held = {run_id: slot.held.collector.complete_groups for run_id, slot in self.slots.items()}
+        held = {run_id: complete for run_id, complete in held.items() if complete}
+        return [run_id for run_id, standing in (await standings(self.progress.outcomes, held)).items()
+                if standing.all_held(held[run_id])]
 
     async def step(self, run_id: str, *, last: bool = False) -> int:
         """One step of `run_id`'s adapter on its oldest full batch (`last`: on what it holds, its
@@ -221,7 +219,7 @@ class AdapterLearner:
         pushed = await slot.pusher.push(weights, report.step)
         await self.versions.advance(slot.model, run.version)
         slot.held.release(samples)
-        await self._record_progress(lambda progress: progress.record_step(report.step, run.version - 1, samples))
+        await record_progress(self.progress.record_step(report.step, run.version - 1, samples))
         if self.checkpoint_root is not None and self.checkpoint_every and run.version % self.checkpoint_every == 0:
             async with self._trainer_lock:
                 await asyncio.to_thread(self.trainer.save, self.checkpoint_root, run_id,
@@ -237,21 +235,11 @@ class AdapterLearner:
             await record_dropped(self.bus, slot.model, slot.run_id, self.instance_id, reason,
                                  [(t.trajectory_id, slot.held.sequence(t.trajectory_id)) for t in group])
             slot.dropped += len(group)
-            await self._record_progress(lambda progress, group=group: progress.record_dropped(group, reason))
+            await record_progress(self.progress.record_dropped(group, reason))
             slot.held.release(group)
 
-    async def _record_progress(self, update: Callable[[RunProgressStore], Awaitable[None]]) -> None:
-        """The run's progress for GetRun and WatchRun, and its tasks' accounting (its end)."""
-        if self.progress is None:
-            return
-        try:
-            await update(self.progress)
-        except (RedisError, OSError) as exc:  # figures: never worth stopping training for
-            log.warning("progress_not_recorded", error=repr(exc))
 
-
-SERVED_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED)  # finished: its last samples still come
-ENDED_STATES = (loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FAILED)
+SERVED_STATES = (loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED)  # finished: a copy may still come
 
 
 async def follow_runs(learner: AdapterLearner, runs: RunRegistry, stop: asyncio.Event, *, groups_per_step: int,

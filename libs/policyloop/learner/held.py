@@ -4,13 +4,39 @@ that trains on them has made a version the publisher stored (or they were droppe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Awaitable, Iterable, Sequence
+
+from redis.exceptions import RedisError
 
 from policyloop.bus import PermanentError
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.batching import Admission, GroupCollector, ModelLimits, RecentSteps, split_stale
+from policyloop.state.outcomes import RunStanding, TaskOutcomes
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
 
 Groups = list[list[bus_pb2.Trajectory]]
+
+
+async def record_progress(update: Awaitable[None]) -> None:
+    """A run's figures and its tasks' accounting (GetRun, WatchRun, its end): never worth
+    stopping training for (a resumed learner accounts again for the steps it remembers)."""
+    try:
+        await update
+    except (RedisError, OSError) as exc:
+        log.warning("progress_not_recorded", error=repr(exc))
+
+
+async def standings(outcomes: TaskOutcomes, run_ids: Iterable[str]) -> dict[str, RunStanding]:
+    """Each run's standing; one Redis cannot tell of now is left out (looked at again later)."""
+    found = {}
+    for run_id in run_ids:
+        try:
+            found[run_id] = await outcomes.standing(run_id)
+        except (RedisError, OSError) as exc:
+            log.warning("run_standing_unknown", run=run_id, error=repr(exc))
+    return found
 
 
 def refuse_unscored(group: Sequence[bus_pb2.Trajectory]) -> None:

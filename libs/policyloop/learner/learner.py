@@ -17,8 +17,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from redis.exceptions import RedisError
-
 from policyloop.bus import Bus, Delivery, PullWorker
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_group
@@ -30,7 +28,14 @@ from policyloop.learner.figures import (
     publish_phases,
     trainer_phases,
 )
-from policyloop.learner.held import Groups, HeldTrajectories, refuse_unscored, refuse_untrainable
+from policyloop.learner.held import (
+    Groups,
+    HeldTrajectories,
+    record_progress,
+    refuse_unscored,
+    refuse_untrainable,
+    standings,
+)
 from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
 from policyloop.ledger import StepRecord, record_dropped, record_trained
@@ -116,7 +121,7 @@ class Learner:
         self.pusher.confirmed = resumed.weights
         # A step's tasks are accounted for after its acks, off the step's path: the newest steps'
         # may not have been before the crash (recording them again changes nothing).
-        await self._record_progress(self.progress.record_trained_ids(
+        await record_progress(self.progress.record_trained_ids(
             trajectory_id for step in resumed.recent_steps for trajectory_id in step))
 
     def current_status(self) -> status_pb2.LearnerStatus:
@@ -270,7 +275,7 @@ class Learner:
                                  reason, [(t.trajectory_id, self.held.sequence(t.trajectory_id)) for t in group])
             self.figures.dropped(reason, len(group))
             self.traces.dropped(group, reason)
-            await self._record_progress(self.progress.record_dropped(group, reason))
+            await record_progress(self.progress.record_dropped(group, reason))
             self.held.release(group)
 
     async def leftovers(self) -> set[str]:
@@ -278,12 +283,9 @@ class Learner:
         which fill no batch, are trained as one of their own. A run that ended (stopped) gives up
         its groups that will not complete."""
         final = set()
-        for run_id, complete in self.held.collector.runs().items():
-            try:
-                standing = await self.progress.outcomes.standing(run_id)
-            except (RedisError, OSError) as exc:
-                log.warning("run_standing_unknown", run=run_id, error=repr(exc))
-                continue
+        held = self.held.collector.runs()
+        for run_id, standing in (await standings(self.progress.outcomes, held)).items():
+            complete = held[run_id]
             if standing.ended:
                 await self.drop(self.held.discard_incomplete(run_id), RUN_STOPPED)
             if complete and standing.all_held(complete):
@@ -346,14 +348,8 @@ class Learner:
         async def in_order() -> None:
             if previous is not None:
                 await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
-            await self._record_progress(update)
+            await record_progress(update)
 
         self.figures_written = asyncio.create_task(in_order())
 
-    @staticmethod
-    async def _record_progress(update: Awaitable[None]) -> None:
-        # Figures for GetRun/WatchRun: never worth stopping training for.
-        try:
-            await update
-        except (RedisError, OSError) as exc:
-            log.warning("progress_not_recorded", error=repr(exc))
+

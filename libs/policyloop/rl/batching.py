@@ -102,7 +102,7 @@ class GroupCollector:
         """The runs whose groups are held: how many complete groups each (0: only incomplete ones)."""
         complete = Counter(group[0].run_id for group in self.complete.values())
         for members in self.groups.values():
-            complete[next(iter(members.values())).run_id] += 0
+            complete.setdefault(next(iter(members.values())).run_id, 0)
         return complete
 
     def discard_incomplete(self, run_id: str) -> list[list[bus_pb2.Trajectory]]:

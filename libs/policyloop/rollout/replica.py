@@ -29,6 +29,7 @@ from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
+from policyloop.models.tokenizer import unreadable_characters
 from policyloop.rollout.adapters import LoraRuns, stamp_version
 from policyloop.rollout.episodes import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
@@ -140,11 +141,12 @@ class RolloutReplica:
         prompt_ids = list(task.prompt_token_ids) or self.tokenizer(task.prompt_text, add_special_tokens=False).input_ids
         if not prompt_ids:
             raise PermanentError("prompt_text: the model's tokenizer gives no tokens for it (give prompt_token_ids)")
-        unknown = getattr(self.tokenizer, "unk_token_id", None)
-        if not task.prompt_token_ids and unknown is not None and unknown in prompt_ids:
+        unk = getattr(self.tokenizer, "unk_token_id", None)
+        if not task.prompt_token_ids and unk is not None and unk in prompt_ids:
             # Sampled, the model would see <unk> where the text said something else.
-            raise PermanentError("prompt_text: has characters the model's tokenizer does not know "
-                                 "(give prompt_token_ids, or text the tokenizer covers)")
+            unknown = ", ".join(repr(c) for c in unreadable_characters(self.tokenizer, task.prompt_text)[:20])
+            raise PermanentError(f"prompt_text: the model's tokenizer has no token for {unknown} (give "
+                                 "prompt_token_ids, or text the tokenizer covers)")
         return prompt_ids
 
     async def _store(self, task: bus_pb2.Task, group: list[bus_pb2.Trajectory]) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from policyloop.models.tokenizer import unreadable_characters
 from policyloop.rl.batching import ModelLimits
 from policyloop.serving.errors import CONTEXT_LENGTH_EXCEEDED, ApiError
 
@@ -67,29 +68,6 @@ def check_vocabulary(limits: ModelLimits, ids: Sequence[int], param: str) -> Non
     if bad:
         bounds = f" [0, {vocab})" if vocab is not None else ""
         raise ApiError(f"{param}: token ids {bad[:5]} are outside the model's vocabulary{bounds}", param)
-
-
-def unreadable_characters(tokenizer: Any, text: str) -> list[str]:
-    """The pieces of `text` the model would not see, each once, in order: those the tokenizer
-    maps to its unknown token, and characters no token covers (a tokenizer without an unknown
-    token drops them). Nothing when the ids decode back to `text` exactly: then nothing was lost
-    (this also spares a byte-level tokenizer whose offsets leave out the spaces)."""
-    unk = getattr(tokenizer, "unk_token_id", None)
-    try:
-        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    except NotImplementedError:  # a slow (Python) tokenizer has no offsets: each character on its own
-        return [] if unk is None else [c for c in dict.fromkeys(text)
-                                       if unk in tokenizer(c, add_special_tokens=False).input_ids]
-    if tokenizer.decode(encoded.input_ids, skip_special_tokens=False) == text:
-        return []
-    covered = [False] * len(text)
-    pieces: list[tuple[int, str]] = []
-    for token_id, (start, end) in zip(encoded.input_ids, encoded.offset_mapping, strict=True):
-        if token_id == unk and text[start:end] != tokenizer.unk_token:
-            pieces.append((start, text[start:end]))
-        covered[start:end] = [True] * (end - start)
-    pieces += [(i, c) for i, c in enumerate(text) if not covered[i]]
-    return list(dict.fromkeys(piece for _, piece in sorted(pieces) if piece))
 
 
 def refuse_unknown_characters(tokenizer: Any, parts: Sequence[tuple[str, str]]) -> None:

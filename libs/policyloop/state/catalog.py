@@ -14,9 +14,14 @@ import redis.asyncio as aioredis
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import loop_pb2
 
-TERMINAL_STATES = frozenset({
-    loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FINISHED, loop_pb2.RUN_STATE_FAILED,
-})
+# Stopped or failed: no more of the run's tasks are fed, and what was fed may not all be trained.
+ENDED_STATES = frozenset({loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FAILED})
+TERMINAL_STATES = ENDED_STATES | {loop_pb2.RUN_STATE_FINISHED}
+
+
+def run_key_prefix(namespace: str) -> str:
+    """Where the run registry keeps a run's hash (`<prefix><run_id>`)."""
+    return f"pl:{namespace}:run:"
 
 
 class EnvironmentConflict(Exception):
@@ -55,7 +60,7 @@ class RunRegistry:
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
         """`client` must not decode responses: definitions are protobuf bytes."""
         self.client = client
-        self.prefix = f"pl:{namespace}:run:"
+        self.prefix = run_key_prefix(namespace)
         self.index = f"pl:{namespace}:runs"
 
     async def create(self, run_id: str, request: loop_pb2.StartRunRequest, tasks_total: int,

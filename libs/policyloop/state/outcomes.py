@@ -18,6 +18,7 @@ import redis.asyncio as aioredis
 
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import loop_pb2
+from policyloop.state.catalog import ENDED_STATES, run_key_prefix
 
 TRAINED = "trained"
 DEAD_LETTERED = "dead_lettered"
@@ -27,10 +28,10 @@ TASKS_FIELD = "tasks:"
 STALE = "stale"
 RUN_STOPPED = "run_stopped"  # progress hash fields "tasks:<outcome>", counting tasks by outcome
 
+_CHUNK_TASKS = 1000  # tasks per script call
+
 # Where an outcome's samples are counted in the progress hash.
 _SAMPLES_FIELD = {TRAINED: "trained_samples", DROPPED: "dropped_samples", DEAD_LETTERED: "dead_lettered_samples"}
-
-ENDED_STATES = frozenset({loop_pb2.RUN_STATE_STOPPED, loop_pb2.RUN_STATE_FAILED})
 
 # KEYS: outcomes hash, progress hash, run hash. ARGV: outcome, samples field, now (ms), the
 # RUNNING and FINISHED state numbers (FINISHED empty: do not finish it here), then (task id,
@@ -101,8 +102,8 @@ class TaskOutcomes:
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
         self.client = client
         self.outcomes_prefix = f"pl:{namespace}:outcomes:"
-        self.progress_prefix = f"pl:{namespace}:progress:"
-        self.run_prefix = f"pl:{namespace}:run:"  # the run registry's (state.catalog.RunRegistry)
+        self.progress_prefix = f"pl:{namespace}:progress:"  # the run's figures (state.progress)
+        self.run_prefix = run_key_prefix(namespace)
         self._record = client.register_script(_RECORD)
 
     async def record(self, run_id: str, outcome: str, tasks: Iterable[TaskCount], *, finish: bool = True
@@ -111,15 +112,19 @@ class TaskOutcomes:
         returns the ids of those not accounted for before. `finish`: mark the run FINISHED if this
         accounts for its last task (else the caller does, with `finish_if_accounted`, once the
         figures that go with them are written)."""
-        args: list[str | int] = [outcome, _SAMPLES_FIELD[outcome.partition(":")[0]], now_ms(),
+        head: list[str | int] = [outcome, _SAMPLES_FIELD[outcome.partition(":")[0]], now_ms(),
                                  loop_pb2.RUN_STATE_RUNNING, loop_pb2.RUN_STATE_FINISHED if finish else ""]
-        for task in tasks:
-            args += [task.task_id, task.samples]
-        if len(args) == 5 and not finish:
-            return []
         keys = [self.outcomes_prefix + run_id, self.progress_prefix + run_id, self.run_prefix + run_id]
-        new = await self._record(keys=keys, args=args)
-        return [t.decode() if isinstance(t, bytes) else t for t in new]
+        tasks = list(tasks)
+        new: list[str] = []
+        # In chunks: Redis runs nothing else while a script runs (a resumed learner's thousand steps).
+        for start in range(0, max(1, len(tasks)), _CHUNK_TASKS):
+            chunk = tasks[start:start + _CHUNK_TASKS]
+            if not chunk and not finish:
+                break
+            args = head + [field for task in chunk for field in (task.task_id, task.samples)]
+            new += [t.decode() if isinstance(t, bytes) else t for t in await self._record(keys=keys, args=args)]
+        return new
 
     async def finish_if_accounted(self, run_id: str) -> None:
         """Marks the run FINISHED if it runs and every task of it is accounted for."""

@@ -32,8 +32,8 @@ from policyloop.state.outcomes import (
 class RunProgressStore:
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
         self.client = client
-        self.prefix = f"pl:{namespace}:progress:"
         self.outcomes = TaskOutcomes(client, namespace)
+        self.prefix = self.outcomes.progress_prefix
 
     async def record_step(self, step: int, trained_version: int, samples: Iterable[bus_pb2.Trajectory]) -> None:
         """One learner step: its tasks accounted for as trained, and its samples counted by run and
