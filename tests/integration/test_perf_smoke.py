@@ -2,7 +2,7 @@
 can no longer break without a test going red (those that start a whole cluster for a window of
 steps in `make test-all`). Each runs as users run it (`python perf/X.py ...`),
 on the tiny test model where it takes one; the figures are checked for presence and sanity, never
-for speed (the figures themselves are measured by hand at full size, see the README).
+for speed (the figures themselves are measured by hand at full size, see docs/measurements.md).
 perf/weights_bench.py has its own smoke test (test_weights_bench.py)."""
 
 from __future__ import annotations
