@@ -129,7 +129,7 @@ def wandb_records(path: Path) -> Iterator[object]:
             position += left
             continue
         _crc, length, kind = struct.unpack("<IHB", data[position:position + 7])
-        if kind == 0:
+        if kind == 0 or position + 7 + length > len(data):  # the end, or a chunk still being written
             break
         pending += data[position + 7:position + 7 + length]
         position += 7 + length
@@ -140,11 +140,25 @@ def wandb_records(path: Path) -> Iterator[object]:
             yield record
 
 
+def finished_wandb_records(path: Path, timeout_s: float = 120.0) -> list[object]:
+    """The records of a finished wandb run file. finish() returns once wandb's service has the run's
+    exit, but its buffered writer reaches the file when the service closes the stream, a moment
+    later (on a busy machine, after the test had read an empty file): wait for the exit record."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(wandb_records(path))
+        kinds = [r.WhichOneof("record_type") for r in records]  # type: ignore[attr-defined]
+        if "exit" in kinds:
+            return records
+        assert time.monotonic() < deadline, f"{path} has no exit record after {timeout_s} s: {kinds}"
+        time.sleep(0.1)
+
+
 def test_wandb_offline_holds_the_steps_the_evaluations_and_the_configuration(tmp_path: Path) -> None:
     write_run(learner_settings(tmp_path, "wandb", wandb_mode="offline"))
     runs = {}
     for path in (tmp_path / "tracking" / "wandb").glob("offline-run-*/run-*.wandb"):
-        records = list(wandb_records(path))
+        records = finished_wandb_records(path)
         [run] = [r.run for r in records if r.WhichOneof("record_type") == "run"]  # type: ignore[attr-defined]
         config = {item.key: json.loads(item.value_json) for item in run.config.update}
         config |= {item.key: json.loads(item.value_json) for r in records
