@@ -1,0 +1,219 @@
+"""The chat model's warm-up tasks: arithmetic questions posed in chat, answered in text or through
+a function tool, as conversations in the OpenAI / transformers message format (chat_format).
+
+Two kinds of conversation, both on "a op b" problems with operands 0..99 and + or -:
+
+- text: a user asks ("What is 47+38?", phrased a few ways) and the assistant answers in words
+  ending with the number ("47 + 38 = 85.");
+- tool: the same question with tools offered (`add`/`subtract`, `calculator`, sometimes an
+  unrelated tool beside them; the schemas rendered as a client would send them: with or without
+  descriptions, OpenAI Agents SDK style with `"strict": true` and `"additionalProperties": false`),
+  with or without a system prompt; the assistant calls the right tool with the right arguments,
+  the tool answers, and the assistant states the result.
+
+Problems are split by prompt hash as envs/arithmetic splits them (`is_heldout` of the problem's
+"a+b=" prompt), so held-out questions are never trained on whatever their phrasing.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from policyloop.envs.arithmetic import Problem, is_heldout
+from policyloop.models.chat_format import CHAT_TEMPLATE, AssistantTurn, ToolCall, parse_assistant
+
+OPERANDS = range(100)
+
+QUESTIONS: tuple[str, ...] = (
+    "What is {a}{op}{b}?",
+    "What is {a} {op} {b}?",
+    "what is {a} {op} {b}?",
+    "What's {a} {op} {b}?",
+    "Compute {a} {op} {b}.",
+    "Calculate {a} {op} {b}.",
+    "How much is {a} {op} {b}?",
+    "{a} {op} {b} = ?",
+    "Can you tell me what {a} {op} {b} is?",
+    "Please work out {a} {op} {b}.",
+)
+ANSWERS: tuple[str, ...] = ("{a} {op} {b} = {r}.", "The answer is {r}.", "{r}", "It is {r}.")
+SYSTEM_PROMPTS: tuple[str | None, ...] = (
+    None,
+    None,
+    "You are a helpful assistant.",
+    "You are a math assistant. Use the tools you are given to compute exact results.",
+    "You are an agent that answers arithmetic questions. Call a tool when one can do the work, "
+    "then reply with the result.",
+)
+
+_INTEGER = {"type": "integer"}
+_NUMBER = {"type": "number"}
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A function tool the warm-up offers: its name, description and JSON-schema parameters."""
+    name: str
+    description: str
+    properties: dict[str, Any]
+
+    def schema(self, style: str) -> dict[str, Any]:
+        """The `tools` entry a client sends: "plain" (with description), "bare" (no description),
+        or "strict" (as the OpenAI Agents SDK sends it)."""
+        parameters: dict[str, Any] = {"type": "object", "properties": self.properties,
+                                      "required": list(self.properties)}
+        function: dict[str, Any] = {"name": self.name}
+        if style != "bare":
+            function["description"] = self.description
+        if style == "strict":
+            parameters = {"properties": self.properties, "required": list(self.properties),
+                          "title": f"{self.name}_args", "type": "object", "additionalProperties": False}
+        function["parameters"] = parameters
+        if style == "strict":
+            function["strict"] = True
+        return {"type": "function", "function": function}
+
+
+ADD = ToolSpec("add", "Add two numbers and return their sum.", {"a": _INTEGER, "b": _INTEGER})
+SUBTRACT = ToolSpec("subtract", "Subtract b from a and return the difference.", {"a": _INTEGER, "b": _INTEGER})
+CALCULATOR = ToolSpec("calculator", "Evaluate an arithmetic expression such as '12 + 7' and return the result.",
+                      {"expression": {"type": "string", "description": "The expression to evaluate."}})
+DISTRACTORS: tuple[ToolSpec, ...] = (
+    ToolSpec("get_weather", "Get the current weather for a city.",
+             {"city": {"type": "string", "description": "The city name."}}),
+    ToolSpec("search_web", "Search the web and return the top results.", {"query": {"type": "string"}}),
+    ToolSpec("multiply", "Multiply two numbers.", {"x": _NUMBER, "y": _NUMBER}),
+)
+# The tool sets offered (the arithmetic tool first or not) and the schema styles.
+TOOLSETS: tuple[tuple[ToolSpec, ...], ...] = (
+    (CALCULATOR,), (ADD, SUBTRACT), (CALCULATOR, DISTRACTORS[0]), (DISTRACTORS[1], ADD, SUBTRACT),
+    (ADD, SUBTRACT, DISTRACTORS[2]), (DISTRACTORS[0], CALCULATOR),
+)
+SCHEMA_STYLES: tuple[str, ...] = ("plain", "bare", "strict")
+
+_EXPRESSION = re.compile(r"\s*(-?\d+)\s*([+-])\s*(-?\d+)\s*")
+_LAST_INTEGER = re.compile(r"-?\d+")
+
+
+@dataclass(frozen=True)
+class ChatTask:
+    """One problem posed in chat: the messages up to the assistant's first turn and what it should say."""
+    problem: Problem
+    messages: tuple[dict[str, Any], ...]
+    """The conversation before the assistant's first turn (system? + user)."""
+    tools: tuple[dict[str, Any], ...] | None
+    """The `tools` offered (None: a text question)."""
+    call: ToolCall | None
+    """The call a right answer makes (None for a text question)."""
+    tool_output: str | None
+    answer: str
+    """The assistant's final text."""
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """The whole conversation: a text answer, or the call, the tool's answer, then the text."""
+        messages = [dict(m) for m in self.messages]
+        if self.call is not None:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [
+                {"type": "function", "function": {"name": self.call.name, "arguments": self.call.arguments}}]})
+            messages.append({"role": "tool", "content": self.tool_output})
+        messages.append({"role": "assistant", "content": self.answer})
+        return messages
+
+    def after_tool(self) -> list[dict[str, Any]]:
+        """The conversation up to the tool's answer (the assistant's next turn states the result)."""
+        return self.conversation()[:-1]
+
+
+def render(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None, *,
+           add_generation_prompt: bool = False) -> str:
+    """The conversation as chat_format.CHAT_TEMPLATE renders it through transformers (what
+    `apply_chat_template(..., tokenize=False)` gives), without loading a tokenizer."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template([list(messages)], tools=list(tools) if tools else None,
+                                        chat_template=CHAT_TEMPLATE, add_generation_prompt=add_generation_prompt)
+    return rendered[0]
+
+
+def problems(count: int, seed: int, *, heldout: bool, ops: Sequence[str] = ("+", "-"),
+             heldout_fraction: float = 0.2) -> list[Problem]:
+    """`count` problems of one split (drawn with replacement from train, distinct from held-out)."""
+    rng = random.Random(seed)
+    out: list[Problem] = []
+    seen: set[Problem] = set()
+    while len(out) < count:
+        problem = Problem(rng.choice(OPERANDS), rng.choice(tuple(ops)), rng.choice(OPERANDS))
+        if is_heldout(problem, heldout_fraction) != heldout or (heldout and problem in seen):
+            continue
+        seen.add(problem)
+        out.append(problem)
+    return out
+
+
+def _fill(template: str, problem: Problem) -> str:
+    return template.format(a=problem.a, op=problem.op, b=problem.b, r=problem.answer)
+
+
+def _call(problem: Problem, tools: Sequence[ToolSpec], rng: random.Random) -> ToolCall:
+    names = {t.name for t in tools}
+    if "calculator" in names:
+        spaced = rng.random() < 0.7
+        expression = f"{problem.a} {problem.op} {problem.b}" if spaced else f"{problem.a}{problem.op}{problem.b}"
+        return ToolCall("calculator", {"expression": expression})
+    return ToolCall("add" if problem.op == "+" else "subtract", {"a": problem.a, "b": problem.b})
+
+
+def text_task(problem: Problem, rng: random.Random) -> ChatTask:
+    system = rng.choice(SYSTEM_PROMPTS[:3])
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": _fill(rng.choice(QUESTIONS), problem)}]
+    return ChatTask(problem, tuple(messages), None, None, None, _fill(rng.choice(ANSWERS), problem))
+
+
+def tool_task(problem: Problem, rng: random.Random) -> ChatTask:
+    specs = rng.choice(TOOLSETS)
+    style = rng.choice(SCHEMA_STYLES)
+    system = rng.choice(SYSTEM_PROMPTS)
+    messages = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": _fill(rng.choice(QUESTIONS), problem)}]
+    output = problem.answer if rng.random() < 0.7 else json.dumps({"result": int(problem.answer)})
+    return ChatTask(problem, tuple(messages), tuple(s.schema(style) for s in specs), _call(problem, specs, rng),
+                    output, _fill(rng.choice(ANSWERS), problem))
+
+
+def tasks(count: int, seed: int, *, heldout: bool, tool_fraction: float, ops: Sequence[str] = ("+", "-")
+          ) -> list[ChatTask]:
+    """`count` tasks of one split, a `tool_fraction` share of them with tools; the same for the same seed."""
+    rng = random.Random(seed)
+    return [tool_task(p, rng) if rng.random() < tool_fraction else text_task(p, rng)
+            for p in problems(count, seed, heldout=heldout, ops=ops)]
+
+
+def text_correct(text: str, finished_by_stop: bool, problem: Problem) -> bool:
+    """A text answer is right when the turn ended and its last integer is the result."""
+    numbers = _LAST_INTEGER.findall(text)
+    return finished_by_stop and bool(numbers) and numbers[-1] == problem.answer and "<tool_call>" not in text
+
+
+def call_correct(turn: AssistantTurn, task: ChatTask) -> bool:
+    """The turn makes exactly one call, to an offered tool, whose arguments compute the problem."""
+    offered = {t["function"]["name"] for t in task.tools or ()}
+    if len(turn.tool_calls) != 1 or turn.tool_calls[0].name not in offered:
+        return False
+    call, problem = turn.tool_calls[0], task.problem
+    if call.name == "calculator":
+        match = _EXPRESSION.fullmatch(str(call.arguments.get("expression", "")))
+        return (set(call.arguments) == {"expression"} and match is not None
+                and (int(match[1]), match[2], int(match[3])) == (problem.a, problem.op, problem.b))
+    wanted = "add" if problem.op == "+" else "subtract"
+    return call.name == wanted and call.arguments == {"a": problem.a, "b": problem.b}
+
+
+def tool_call_valid(text: str, finished_by_stop: bool, task: ChatTask) -> bool:
+    """The generated turn parses (chat_format.parse_assistant) into the right call."""
+    return finished_by_stop and call_correct(parse_assistant(text), task)
