@@ -296,6 +296,31 @@ async def test_stop_tokens_eos_and_max_new_tokens(client: SGLangClient) -> None:
     assert nothing.output_ids == [] and nothing.finish_reason == "length" and nothing.completion_tokens == 0
 
 
+async def test_stop_strings_end_the_request_and_cut_its_text(client: SGLangClient) -> None:
+    """A stop string (SGLang's `stop`) ends the request at the token that completes it: the ids
+    keep every token drawn (the stop's among them), the text ends before the stop string."""
+    text = build_tokenizer().decode
+    for i in range(4, 40):  # a greedy continuation with a few distinct characters to stop on
+        ids = prompt(i, 6)
+        full = await client.generate(greedy(ids, 12))
+        full_text = text(full.output_ids)
+        if len(set(full_text[2:])) >= 2:
+            break
+    else:
+        pytest.fail("every greedy continuation repeats one character")
+    stop = full_text[2:4]
+    at = full_text.find(stop)
+    ends = next(n for n in range(1, 13) if stop in text(full.output_ids[:n]))
+    stopped = await client.generate(greedy(ids, 12, stop=[stop, "never there"]))
+    assert stopped.finish_reason == "stop" and stopped.finish_detail.matched == stop  # type: ignore[union-attr]
+    assert stopped.output_ids == full.output_ids[:ends] and len(stopped.output_logprobs or []) == ends
+    assert stopped.text == full_text[:at]
+    alone = await client.generate(greedy(ids, 12, stop=stop))  # SGLang also takes one string
+    assert alone.output_ids == stopped.output_ids
+    unmatched = await client.generate(greedy(ids, 12, stop=["never there"]))
+    assert unmatched.output_ids == full.output_ids and unmatched.finish_reason == "length"
+
+
 async def test_logprobs_match_a_teacher_forced_forward(client: SGLangClient, tiny_model: Path) -> None:
     prompts = [prompt(i, n) for i, n in enumerate([1, 3, 6, 9, 12, 17])]
     requests = [sampled(p, 8 + 3 * i, seed=100 + i, ignore_eos=True) for i, p in enumerate(prompts)]
@@ -591,6 +616,7 @@ async def test_abort_request(engine: EmbeddedEngine, client: SGLangClient) -> No
     ({"input_ids": [4], "sampling_params": {"top_p": 0}}, "sampling_params.top_p", 400),
     ({"input_ids": [4], "sampling_params": {"stop_token_ids": [1, "x"]}}, "sampling_params.stop_token_ids", 400),
     ({"input_ids": [4], "sampling_params": {"frequency_penalty": 0.5}}, "sampling_params.frequency_penalty", 400),
+    ({"input_ids": [4], "sampling_params": {"stop": ["x", ""]}}, "sampling_params.stop[1]", 400),
     ({"input_ids": [[4], [5]], "stream": True}, "stream", 400),  # a batch is answered whole
 ])
 async def test_invalid_generate_requests_get_sglangs_refusal_naming_the_field(

@@ -294,11 +294,16 @@ class _Answer(_Struct):
 # with the value that means "off" (None also means off). The reference also lists attributes
 # SamplingParams derives itself (stop_strs, stop_str_max_len, is_normalized, ...): not accepted.
 _SAMPLING_UNSUPPORTED: dict[str, Any] = {
-    "stop": None, "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "stop_regex": None, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
     "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "beam_width": None, "json_schema": None,
     "regex": None, "ebnf": None, "structural_tag": None, "logit_bias": None, "custom_params": None,
     "watermark": None, "ebnf_full_assistant": False,
 }
+
+
+def _listed(value: Any) -> Any:
+    """SGLang's `stop` is a string or a list of them."""
+    return [value] if isinstance(value, str) else value
 
 
 def _top_k(value: int) -> int:
@@ -327,6 +332,10 @@ class SamplingParams(_Request):
     top_k: Annotated[int, AfterValidator(_top_k)] = -1
     stop_token_ids: Annotated[tuple[int, ...], Strict(False), _entries_as_a_whole("a list of integers"),
                               _null_as(())] = _default_unsent(())
+    # Stop strings: the request ends once its decoded output contains one (`finish_reason.matched`
+    # is the string); the text is cut before it, the ids keep every token drawn.
+    stop: Annotated[tuple[Annotated[str, Field(min_length=1)], ...], Strict(False), BeforeValidator(_listed),
+                    _null_as(())] = _default_unsent(())
     sampling_seed: int | None = _default_unsent(None)
     ignore_eos: bool = _default_unsent(False)
     skip_special_tokens: bool = _default_unsent(True)

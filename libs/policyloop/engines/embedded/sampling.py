@@ -13,7 +13,7 @@ log-probability, equal to a teacher-forced forward pass over prompt + response.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -90,12 +90,23 @@ def draw(logprobs: torch.Tensor, top_k: int, top_p: float, generator: torch.Gene
 
 
 def finish_after(token: int, produced: int, max_new_tokens: int, params: SamplingParams,
-                 eos_ids: frozenset[int]) -> FinishReason | None:
+                 eos_ids: frozenset[int], output_text: Callable[[], str] | None = None) -> FinishReason | None:
     """Whether the request ends with `token` (its `produced`-th output token), as SGLang's
     Req.check_finished: the length check first; ignore_eos turns off every stop token, the
-    request's stop_token_ids as well as the model's EOS."""
+    request's stop_token_ids as well as the model's EOS; then the stop strings, in the output
+    decoded so far (`output_text`, asked only when the request has stop strings)."""
     if produced >= max_new_tokens:
         return FinishReason(type="length", length=max_new_tokens)
     if not params.ignore_eos and (token in params.stop_token_ids or token in eos_ids):
         return FinishReason(type="stop", matched=token)
+    if params.stop and output_text is not None:
+        matched = first_stop(output_text(), params.stop)
+        if matched is not None:
+            return FinishReason(type="stop", matched=matched[1])
     return None
+
+
+def first_stop(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(position, stop string) of the stop string that begins first in `text`, None if none does."""
+    found = [(at, stop) for stop in stops if (at := text.find(stop)) >= 0]
+    return min(found) if found else None

@@ -370,8 +370,10 @@ class Scheduler:
                     token, logprob = drawn[i]
                     req.add_token(token, logprob, wave.version)
                     self.generated_tokens += 1
-                    req.finish = finish_after(token, len(req.output_ids), req.max_new_tokens, req.params,
-                                              self.served.eos_ids)
+                    req.finish = finish_after(
+                        token, len(req.output_ids), req.max_new_tokens, req.params, self.served.eos_ids,
+                        lambda req=req: self.served.decode(req.output_ids,
+                                                           skip_special_tokens=req.params.skip_special_tokens))
                     if req.finish is not None:
                         finished.append(req)
                         continue

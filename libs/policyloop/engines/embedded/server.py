@@ -297,9 +297,11 @@ class EmbeddedEngine:
             WeightVersionSpan(version=self.served.weight_version, start=0, end=0)]
         finish = req.finish or FinishReason(type="abort", message="unfinished")
         text_ids = req.output_ids
-        if finish.type == "stop" and text_ids:  # SGLang trims the matched stop token from the text
-            text_ids = text_ids[:-1]
+        if finish.type == "stop" and isinstance(finish.matched, int) and text_ids:
+            text_ids = text_ids[:-1]  # SGLang trims the matched stop token from the text
         text = self.served.decode(text_ids, skip_special_tokens=req.params.skip_special_tokens)
+        if finish.type == "stop" and isinstance(finish.matched, str):  # and a stop string, with what follows it
+            text = text[:text.find(finish.matched)] if finish.matched in text else text
         token_texts = None
         if req.return_logprob and req.return_text_in_logprobs and self.served.tokenizer is not None:
             token_texts = [self.served.decode([t], skip_special_tokens=False) for t in req.output_ids]
