@@ -15,7 +15,7 @@ from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore
 from policyloop.releases.promotion import Promoter
 from policyloop.rollout.engine_process import engine_url_or_start, name_base_version, stop_engine, wait_for_engine
-from policyloop.runtime import ServiceContext, run_main
+from policyloop.runtime import ServiceContext, model_directory, run_main
 from policyloop.sandbox.client import run_in_sandbox
 from policyloop.scorers.registry import default_registry
 from policyloop.state import connect_redis
@@ -27,12 +27,13 @@ async def body(ctx: ServiceContext) -> None:
     from policyloop.models.tokenizer import load_tokenizer
 
     settings: EvaluatorSettings = ctx.settings  # type: ignore[assignment]
-    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
+    model_dir = await model_directory(settings.model_path)
+    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     engines: list[tuple[SGLangClient, subprocess.Popen | None]] = []
 
     async def connect() -> SGLangClient:
         """The engine, on the first version to evaluate: settings.engine_url, or an embedded one."""
-        url, proc = engine_url_or_start(settings.engine_url, settings.model_path,
+        url, proc = engine_url_or_start(settings.engine_url, model_dir,
                                         max_batch=settings.engine_max_batch, threads=settings.engine_threads)
         client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
         engines.append((client, proc))
@@ -54,7 +55,7 @@ async def body(ctx: ServiceContext) -> None:
         runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
         evaluator = Evaluator(
             ctx.bus, runs, EnvironmentCatalog(raw, settings.namespace), evals,
-            PinnedEngine(connect, publisher, settings.weights_dir / settings.instance_id, settings.model_path,
+            PinnedEngine(connect, publisher, settings.weights_dir / settings.instance_id, model_dir,
                          settings.adapter_source),
             tokenizer, default_registry(run_job), settings, promoter=Promoter(ctx.bus, runs, evals, publisher))
         ctx.status = lambda: status_pb2.EvaluatorStatus(

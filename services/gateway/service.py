@@ -20,7 +20,7 @@ from policyloop.gateway.servicer import GatewayStores, LoopServicer
 from policyloop.gateway.settings import GatewaySettings
 from policyloop.releases.evals import EvalStore
 from policyloop.releases.promotion import Promoter, PromotionLog
-from policyloop.runtime import ServiceContext, run_main
+from policyloop.runtime import ServiceContext, model_directory, run_main
 from policyloop.runtime.grpc_server import start_grpc_server
 from policyloop.state import HeartbeatRegistry, IdempotencyKeys, connect_redis
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
@@ -47,7 +47,8 @@ async def body(ctx: ServiceContext) -> None:
     def publisher(endpoint: str) -> WeightClient:
         return publishers.setdefault(endpoint, WeightClient(endpoint, bearer_token=settings.publisher_token))
 
-    model = await asyncio.to_thread(load_model_context, settings.model_path) if settings.model_path else None
+    model = await asyncio.to_thread(load_model_context, await model_directory(settings.model_path)) \
+        if settings.model_path else None
     if model is not None:
         log.info("model_context", model_path=model.path, context_tokens=model.context_tokens,
                  vocab_size=model.vocab_size, prompts_counted_by=model.measure)

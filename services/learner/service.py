@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policyloop.learner.colocated import ColocatedEngines
@@ -16,7 +17,7 @@ from policyloop.learner.figures import advertised_status
 from policyloop.learner.follow import follow_rank, is_follower_rank
 from policyloop.learner.settings import LearnerSettings
 from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, require_tracker, start_learner_tracker
-from policyloop.runtime import ServiceCannotStart, ServiceContext, run_main, run_pull_workers
+from policyloop.runtime import ServiceCannotStart, ServiceContext, model_directory, run_main, run_pull_workers
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.client import WeightClient
@@ -46,14 +47,15 @@ async def body(ctx: ServiceContext) -> None:
         require_tracker(settings.tracker.kind)  # a missing extra: refused before the model loads
     except (DeviceUnavailable, TrackerUnavailable) as exc:
         raise ServiceCannotStart(str(exc)) from exc
+    model_dir = await model_directory(settings.model_path)
     if settings.tinker:
-        await serve_tinker(ctx, settings)
+        await serve_tinker(ctx, settings, model_dir)
         return
     if settings.lora_runs:
-        await serve_lora_runs(ctx, settings)
+        await serve_lora_runs(ctx, settings, model_dir)
         return
     loading = time.monotonic()
-    trainer = await asyncio.to_thread(PolicyTrainer, settings.model_path, settings.trainer_config(), 0)
+    trainer = await asyncio.to_thread(PolicyTrainer, model_dir, settings.trainer_config(), 0)
     log.info("trainer_loaded", seconds=round(time.monotonic() - loading, 3))
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
@@ -78,7 +80,7 @@ async def body(ctx: ServiceContext) -> None:
         trainer.close()
 
 
-async def serve_tinker(ctx: ServiceContext, settings: LearnerSettings) -> None:
+async def serve_tinker(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path) -> None:
     """The Tinker API's learner: applies TINKER's requests to LoRA adapters over the base."""
     from policyloop.rl.lora import AdapterTrainer
     from policyloop.tinker.settings import TinkerSettings
@@ -87,7 +89,7 @@ async def serve_tinker(ctx: ServiceContext, settings: LearnerSettings) -> None:
 
     if settings.lora_runs or settings.colocated.engines or settings.tracker.kind != "none":
         raise ServiceCannotStart("tinker: not with lora_runs, colocated engines or a tracker")
-    trainer = await asyncio.to_thread(AdapterTrainer, settings.model_path, settings.trainer_config())
+    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
     base_model = TinkerSettings(model_path=settings.model_path).model_name()
@@ -101,7 +103,7 @@ async def serve_tinker(ctx: ServiceContext, settings: LearnerSettings) -> None:
         await publisher.close()
 
 
-async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> None:
+async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path) -> None:
     """The many-runs learner: one frozen base, an adapter per LoRA run the gateway starts."""
     from policyloop.bus import PullWorker
     from policyloop.contracts.v1 import bus_pb2
@@ -113,7 +115,7 @@ async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings) -> Non
 
     if settings.colocated.engines or settings.tracker.kind != "none":
         raise ServiceCannotStart("lora_runs: colocated engines and trackers are not served with LoRA runs yet")
-    trainer = await asyncio.to_thread(AdapterTrainer, settings.model_path, settings.trainer_config())
+    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
     publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
                              deadline_s=settings.publish_deadline_s)
     checkpoints = settings.checkpoint.dir if settings.checkpoint.resume else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
@@ -21,7 +22,7 @@ from policyloop.rollout.follower import WeightFollower, promoted_versions
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.replica import RolloutReplica
 from policyloop.rollout.settings import RolloutSettings
-from policyloop.runtime import ServiceContext, run_main, run_pull_workers
+from policyloop.runtime import ServiceContext, model_directory, run_main, run_pull_workers
 from policyloop.runtime.agreement import LoopAgreement
 from policyloop.state import HeartbeatRegistry
 
@@ -34,9 +35,10 @@ async def body(ctx: ServiceContext) -> None:
 
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
     settings.check_engine()
+    model_dir = await model_directory(settings.model_path)
     # as its tokenizer.json defines it (AutoTokenizer may swap in a class that drops characters)
-    tokenizer = await asyncio.to_thread(load_tokenizer, settings.model_path)
-    url, engine_proc = engine_url_or_start(settings.engine_url, settings.model_path,
+    tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+    url, engine_proc = engine_url_or_start(settings.engine_url, model_dir,
                                            max_batch=settings.engine_max_batch, threads=settings.engine_threads)
     client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     status = status_pb2.RolloutStatus(loop=settings.loop_config(), engine_url=url)
@@ -46,9 +48,9 @@ async def body(ctx: ServiceContext) -> None:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
         ctx.policy_version = await name_base_version(client)
         if settings.role == "serving":
-            await serve_promoted(ctx, settings, client, tokenizer, status, engine_proc)
+            await serve_promoted(ctx, settings, client, tokenizer, status, engine_proc, model_dir)
             return
-        follower = WeightFollower(ctx, settings, client, status)
+        follower = WeightFollower(ctx, settings, client, status, base_dir=model_dir)
         engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, follower.resync)
         ctx.add_health_probe("engine", engine_health.probe)
         agreement = LoopAgreement(settings, HeartbeatRegistry(ctx.redis, settings.namespace))
@@ -103,13 +105,14 @@ async def serve_replica(ctx: ServiceContext, replica: RolloutReplica, follower: 
 
 
 async def serve_promoted(ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient, tokenizer: Any,
-                         status: status_pb2.RolloutStatus, engine_proc: subprocess.Popen | None) -> None:
+                         status: status_pb2.RolloutStatus, engine_proc: subprocess.Popen | None,
+                         model_dir: Path) -> None:
     """The serving role: the run's promoted version in the engine, the OpenAI endpoint in front."""
     from aiohttp import web
 
     from policyloop.serving.openai_api import OpenAIApi
 
-    follower = WeightFollower(ctx, settings, client, status, promoted_versions(settings.serve_run))
+    follower = WeightFollower(ctx, settings, client, status, promoted_versions(settings.serve_run), base_dir=model_dir)
     adapter = await promoted_adapter(ctx, settings, client, follower) if settings.lora_runs else None
     engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc,
                                  follower.resync if adapter is None else adapter.resync)

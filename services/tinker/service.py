@@ -9,8 +9,9 @@ import asyncio
 from aiohttp import web
 
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.models.resolve import hub_repo
 from policyloop.rollout.engine_process import engine_url_or_start, stop_engine, wait_for_engine
-from policyloop.runtime import ServiceContext, run_main
+from policyloop.runtime import ServiceContext, model_directory, run_main
 from policyloop.state import HeartbeatRegistry, connect_redis
 from policyloop.tinker.sampling import EngineSampler
 from policyloop.tinker.server import TinkerApi
@@ -20,7 +21,8 @@ from policyloop.weights.client import WeightClient
 
 async def body(ctx: ServiceContext) -> None:
     settings: TinkerSettings = ctx.settings  # type: ignore[assignment]
-    url, engine_proc = engine_url_or_start(settings.engine_url, settings.model_path,
+    model_dir = await model_directory(settings.model_path)
+    url, engine_proc = engine_url_or_start(settings.engine_url, model_dir,
                                            max_batch=settings.engine_max_batch, threads=settings.engine_threads)
     engine = SGLangClient(url, timeout_s=settings.generate_timeout_s)
     fetchers: dict[str, WeightClient] = {}
@@ -41,7 +43,7 @@ async def body(ctx: ServiceContext) -> None:
         await wait_for_engine(engine, engine_proc, settings.engine_start_timeout_s)
         api = TinkerApi(ctx.bus, redis, namespace=settings.namespace, base_model=settings.model_name(),
                         api_key=settings.api_key, sampler=EngineSampler(engine, publisher_for, settings.adapters_kept),
-                        tokenizer_id=settings.tokenizer_id or str(settings.model_path.resolve()),
+                        tokenizer_id=settings.tokenizer_id or hub_repo(model_dir) or str(model_dir.resolve()),
                         poll_s=settings.poll_s, order_wait_s=settings.order_wait_s,
                         max_sampling=settings.max_sampling, instance_id=settings.instance_id,
                         fronts_alive=fronts_alive)

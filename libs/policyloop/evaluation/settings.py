@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime import ServiceSettings
 
 
@@ -24,8 +25,7 @@ class EvaluatorSettings(ServiceSettings):
         200, ge=0, description="Eval tasks scored per environment and version: the first this many of its "
                                "eval_tasks (0: all).")
     concurrency: int = Field(64, ge=1, description="Eval samples sent to the engine at once.")
-    model_path: Path = Field(Path("model"),
-                             description="Hugging Face directory of the base policy (tokenizer, config).")
+    model_path: ModelRef = Field("model", description="The base policy (tokenizer, config, weights). " + REF_HELP)
     engine_url: str = Field(
         "", description="The evaluator's own engine (SGLang protocol): it serves only the version under evaluation. "
                         "Empty: an embedded engine started as a child process.")

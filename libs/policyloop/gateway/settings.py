@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import Field
 
 from policyloop.gateway.validation import MAX_ENVIRONMENT_BYTES
+from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime import ServiceSettings
 
 
@@ -27,10 +26,10 @@ class GatewaySettings(ServiceSettings):
                                 "learner: feeding pauses above it (backpressure, as when TASKS is full), so that a "
                                 "large SFT run never fills TRAJECTORIES.")
     watch_poll_s: float = Field(0.5, description="How often WatchRun looks for changes.")
-    model_path: Path | None = Field(
-        None, description="Hugging Face directory of the cluster's base model (config.json, tokenizer.json): "
-                          "environments whose prompts cannot fit its context with max_new_tokens are refused. "
-                          "Unset: prompts are not checked against a model.")
+    model_path: ModelRef | None = Field(
+        None, description="The cluster's base model (its config.json and tokenizer.json): environments whose "
+                          "prompts cannot fit its context with max_new_tokens are refused. Unset: prompts are not "
+                          "checked against a model. " + REF_HELP)
     max_environment_bytes: int = Field(
         MAX_ENVIRONMENT_BYTES, gt=0, description="Largest environment (serialized) SubmitEnvironment or "
                                                  "UploadEnvironment accepts; an upload is refused as soon as it "

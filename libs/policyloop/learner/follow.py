@@ -17,6 +17,7 @@ def is_follower_rank() -> bool:
 
 
 def follow_rank(settings: LearnerSettings) -> int:
+    from policyloop.models.resolve import resolve_model
     from policyloop.rl.trainer import PolicyTrainer
 
     # torchrun forwards SIGTERM to every rank; rank 0 stops gracefully and then releases the
@@ -25,7 +26,9 @@ def follow_rank(settings: LearnerSettings) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     configure_logging(service="learner", run_id=settings.run_id,
                       instance=f"{settings.instance_id}-rank{os.environ['RANK']}", level=settings.log_level)
-    trainer = PolicyTrainer(settings.model_path, settings.trainer_config(), version=0)
+    # Each rank resolves the name itself (a Hugging Face id: from the node's cache, where
+    # huggingface_hub's file locks let ranks that download at once share the work).
+    trainer = PolicyTrainer(resolve_model(settings.model_path), settings.trainer_config(), version=0)
     log.info("follower_ready", rank=trainer.rank, world_size=trainer.world_size)
     steps = trainer.follow()
     trainer.close()

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.rl.settings import LossConfig, OptimizerSettings
 from policyloop.runtime.settings import ServiceSettings
 
@@ -91,7 +92,7 @@ class TrackerSettings(BaseModel):
 
 
 class LearnerSettings(ServiceSettings):
-    model_path: Path = Field(Path("model"), description="Hugging Face directory of the base policy.")
+    model_path: ModelRef = Field("model", description="The base policy. " + REF_HELP)
     publisher_endpoint: str = Field("127.0.0.1:50052", description="host:port of the publisher's WeightService.")
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
     publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")

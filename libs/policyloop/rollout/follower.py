@@ -61,8 +61,12 @@ class WeightFollower:
     """Loads the announced version into the engine, one load at a time."""
 
     def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient,
-                 status: status_pb2.RolloutStatus, announcements: Announcements | None = None) -> None:
+                 status: status_pb2.RolloutStatus, announcements: Announcements | None = None, *,
+                 base_dir: Path | None = None) -> None:
         self.ctx, self.settings, self.client, self.status = ctx, settings, client, status
+        # The base policy's directory (settings.model_path as the service resolved it): its config
+        # goes beside each version written for the engine.
+        self.base_dir = base_dir if base_dir is not None else Path(settings.model_path)
         self.announcements = announcements or newest_versions(settings.model)
         self.latest: bus_pb2.WeightsPublished | None = None
         self.announced = asyncio.Event()
@@ -185,7 +189,7 @@ class WeightFollower:
             update = partial(self.client.update_weights_from_tensor, payload, version, mode == "abort")
         else:
             directory = await asyncio.to_thread(torch_io.write_version_dir, self.settings.weights_dir /
-                                                self.settings.instance_id, self.settings.model_path, weights)
+                                                self.settings.instance_id, self.base_dir, weights)
             update = partial(self.client.update_weights_from_disk, str(directory), version, mode == "abort")
         clock.lap("write")
         await self.client.pause_generation(mode)

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime.settings import ServiceSettings
 
 
@@ -25,9 +26,7 @@ class RolloutSettings(ServiceSettings):
         0, ge=0, description="Tasks (groups) this replica samples at once; 0: groups_per_step, a step's batch at once "
                              "(the engine decodes what it holds together: few large batches cost far less than "
                              "many small ones).")
-    model_path: Path = Field(
-        Path("model"), description="Hugging Face directory of the base policy (tokenizer, config)."
-    )
+    model_path: ModelRef = Field("model", description="The base policy (tokenizer, config, weights). " + REF_HELP)
     engine: Literal["embedded", "sglang"] = Field("embedded", description="Which engine serves the policy.")
     engine_url: str = Field(
         "", description="Base URL of the engine's HTTP API; empty with engine=embedded starts one as a child process."

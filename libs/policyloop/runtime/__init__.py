@@ -4,6 +4,7 @@ from policyloop.runtime.service import (
     ServiceCannotStart,
     ServiceContext,
     limit_threads,
+    model_directory,
     run_main,
     run_pull_workers,
     serve,
@@ -11,6 +12,6 @@ from policyloop.runtime.service import (
 from policyloop.runtime.settings import ServiceSettings, load_settings
 
 __all__ = [
-    "ServiceCannotStart", "ServiceContext", "ServiceSettings", "limit_threads", "load_settings", "run_main",
-    "run_pull_workers", "serve",
+    "ServiceCannotStart", "ServiceContext", "ServiceSettings", "limit_threads", "load_settings", "model_directory",
+    "run_main", "run_pull_workers", "serve",
 ]

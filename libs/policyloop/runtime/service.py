@@ -14,6 +14,7 @@ import signal
 import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats.errors
 import redis.asyncio as aioredis
@@ -130,6 +131,21 @@ ServiceBody = Callable[[ServiceContext], Awaitable[None]]
 class ServiceCannotStart(Exception):
     """Raised by a body before it takes work when this process cannot do its job (e.g. the
     device it was configured for is missing): one clear log line instead of a traceback."""
+
+
+async def model_directory(name: str, setting: str = "model_path") -> Path:
+    """The directory of the model a setting names (a directory, or a Hugging Face model id looked
+    up in the Hugging Face cache: models.resolve), found off the event loop as a service starts;
+    none stops the start with the reason."""
+    from policyloop.models.resolve import ModelNotFound, resolve_model
+
+    try:
+        directory = await asyncio.to_thread(resolve_model, name, setting=setting)
+    except ModelNotFound as exc:
+        raise ServiceCannotStart(str(exc)) from exc
+    if str(directory) != str(name):
+        log.info("model_resolved", setting=setting, name=str(name), directory=str(directory))
+    return directory
 
 
 async def _heartbeat_loop(ctx: ServiceContext, registry: HeartbeatRegistry, started_ms: int) -> None:

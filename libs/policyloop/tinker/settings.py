@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from pydantic import Field
 
+from policyloop.models.resolve import REF_HELP, ModelRef, model_label
 from policyloop.runtime import ServiceSettings
 
 
@@ -18,12 +17,13 @@ class TinkerSettings(ServiceSettings):
                         "wants keys that start with 'tml-'). Empty: any key.")
     base_model: str = Field(
         "", description="The name clients use for the cluster's base model (base_model of create_lora_training_client"
-                        "); empty: the name of model_path's directory.")
-    model_path: Path = Field(Path("model"), description="Hugging Face directory of the base model.")
+                        "); empty: model_path's Hugging Face model id (also where model_path is a snapshot in the "
+                        "Hugging Face cache), else the name of its directory.")
+    model_path: ModelRef = Field("model", description="The base model. " + REF_HELP)
     tokenizer_id: str = Field(
         "", description="What get_info names as the tokenizer: the SDK's get_tokenizer() loads it with "
                         "AutoTokenizer.from_pretrained (a hub id, or a directory the clients can read); empty: "
-                        "model_path.")
+                        "model_path's Hugging Face model id, else its directory.")
     engine_url: str = Field(
         "", description="The SGLang-protocol engine sampling requests run on (an SGLang server or an embedded "
                         "engine); empty: an embedded engine started as a child process.")
@@ -41,4 +41,4 @@ class TinkerSettings(ServiceSettings):
                                 "(the SDK spends a seq_id on a request that fails in the client).")
 
     def model_name(self) -> str:
-        return self.base_model or self.model_path.resolve().name
+        return self.base_model or model_label(self.model_path)

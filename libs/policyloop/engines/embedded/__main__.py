@@ -6,16 +6,20 @@ import argparse
 import asyncio
 import os
 import signal
+import sys
 
 from policyloop.engines.embedded.server import start_engine
 from policyloop.engines.protocol import DEFAULT_WEIGHT_VERSION
+from policyloop.models.resolve import ModelNotFound, resolve_model
 from policyloop.telemetry.logging import configure_logging
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m policyloop.engines.embedded",
                                      description="The embedded engine: SGLang's native HTTP API on a CPU.")
-    parser.add_argument("--model-path", required=True, help="a Hugging Face causal-LM directory")
+    parser.add_argument("--model-path", required=True,
+                        help="a Hugging Face causal-LM directory, or a Hugging Face model id (org/name[@revision]) "
+                             "found through the Hugging Face cache (HF_HOME; fetched into it unless HF_HUB_OFFLINE=1)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--max-batch", type=int, default=64, help="most requests decoded together")
@@ -41,7 +45,11 @@ async def _serve(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory: never reach for the hub
+    try:  # a model id: its snapshot in the Hugging Face cache, fetched first unless HF_HUB_OFFLINE=1
+        args.model_path = str(resolve_model(args.model_path, setting="--model-path"))
+    except ModelNotFound as exc:
+        sys.exit(f"python -m policyloop.engines.embedded: {exc}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local directory from here on: never reach for the hub
     configure_logging(service="engine", run_id="", instance=f"{args.host}:{args.port}")
     asyncio.run(_serve(args))
 

@@ -74,8 +74,11 @@ class ServedModel:
         import transformers
         from transformers import AutoModelForCausalLM
 
+        from policyloop.models.resolve import resolve_model
         from policyloop.models.tokenizer import load_tokenizer
 
+        # A Hugging Face model id: its snapshot in the Hugging Face cache (a directory: itself).
+        self.model_path = str(resolve_model(self.model_path))
         torch.set_num_threads(self.threads)
         transformers.utils.logging.disable_progress_bar()
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
