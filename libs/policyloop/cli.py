@@ -156,8 +156,9 @@ def evaluate(
     engine_url: Annotated[str | None, typer.Option(
         help="An SGLang-protocol engine (default: the embedded engine of the rollout replica on this host, "
              "found through its heartbeat in Redis).")] = None,
-    model_path: Annotated[Path, typer.Option(envvar="POLICYLOOP_MODEL_PATH", help="The policy's tokenizer.")
-                          ] = Path("model"),
+    model_path: Annotated[str, typer.Option(
+        envvar="POLICYLOOP_MODEL_PATH", help="The policy's tokenizer: a model directory or a Hugging Face model id.")
+                          ] = "model",
     problems: Annotated[int, typer.Option(help="Held-out arithmetic problems.")] = 200,
     seed: Annotated[int, typer.Option()] = 0,
     redis_url: Annotated[str, typer.Option(envvar="POLICYLOOP_REDIS_URL")] = "redis://127.0.0.1:6379/0",
@@ -185,7 +186,7 @@ def evaluate(
 
     async def run() -> dict[str, object]:
         url = engine_url or await find_engine()
-        tokenizer = load_tokenizer(model_path)
+        tokenizer = load_tokenizer(model_dir(model_path))
         heldout = arithmetic.heldout_problems(arithmetic.ArithmeticConfig(), problems, seed=seed)
         client = SGLangClient(url, timeout_s=120)
         try:
@@ -240,7 +241,9 @@ def up(
     namespace: Annotated[str, typer.Option(help="Redis key namespace of this cluster.")] = "default",
     replicas: Annotated[list[str], typer.Option("--replicas", help="e.g. --replicas rollout=2")] = [],  # noqa: B006
     wait_s: Annotated[float, typer.Option(help="How long to wait for every service to be healthy.")] = 60.0,
-    model_path: Annotated[Path | None, typer.Option(help="Base policy directory (default: bootstrap).")] = None,
+    model_path: Annotated[str | None, typer.Option(
+        help="Base policy: a directory, or a Hugging Face model id (org/name[@revision]) fetched into the Hugging "
+             "Face cache first (default: bootstrap).")] = None,
     nats_nodes: Annotated[int, typer.Option(
         min=1, max=5, help="NATS servers to start: 1, or 3 for a JetStream cluster that survives losing one "
                            "(every stream kept on all three).")] = 1,
@@ -263,7 +266,8 @@ def up(
     if model_path is None:
         from policyloop.models.bootstrap import BootstrapConfig, bootstrap
 
-        model_path = bootstrap(BootstrapConfig())
+        model_path = str(bootstrap(BootstrapConfig()))
+    model_path = str(model_dir(model_path))  # a Hugging Face id: downloaded once, before any service starts
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
@@ -431,7 +435,9 @@ def demo(
     out: Annotated[Path | None, typer.Option(help="Where summary.json and the plot go (default: runs/<run>).")] = None,
     budget_s: Annotated[float, typer.Option(help="Seconds of RL after the first evaluation.")] = 420.0,
     steps: Annotated[int, typer.Option(help="Stop after this many learner steps (0: the budget decides).")] = 0,
-    model_path: Annotated[Path | None, typer.Option(help="Base model directory (default: bootstrap).")] = None,
+    model_path: Annotated[str | None, typer.Option(
+        help="Base model: a directory, or a Hugging Face model id (org/name[@revision]) fetched into the Hugging "
+             "Face cache first (default: bootstrap).")] = None,
     eval_problems: Annotated[int, typer.Option(help="Held-out problems per evaluation.")] = 600,
     eval_interval_s: Annotated[float, typer.Option(
         help="--tools and LoRA runs: seconds between the demo's own held-out evaluations.")] = 60.0,
@@ -482,7 +488,8 @@ def demo(
     loss = _demo_objective(objective, weight_update_mode, tracker, runs, lora_rank, tools)
     if lora_rank:
         lr = lora_lr
-    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_path, budget_s=budget_s, max_steps=steps,
+    config = DemoConfig(run_dir=run_dir, out=out, model_path=model_dir(model_path) if model_path else None,
+                        budget_s=budget_s, max_steps=steps,
                         eval_problems=eval_problems, eval_interval_s=eval_interval_s,
                         eval_every_versions=eval_every_versions,
                         groups_per_step=groups_per_step, group_size=group_size, lr=lr, loss=loss,
@@ -584,6 +591,44 @@ def _replace_symlink(link: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(relative, target_is_directory=True)
     tmp.replace(link)
+
+
+# -- base models: a directory, or a Hugging Face model id in the Hugging Face cache -------------
+
+models_app = typer.Typer(no_args_is_help=True, help="Base models named by a Hugging Face model id (docs/deploy.md).")
+app.add_typer(models_app, name="models")
+
+
+def model_dir(name: str | Path, flag: str = "--model-path") -> Path:
+    """The directory of the model a flag names (models.resolve: a directory, or a Hugging Face
+    model id looked up in, or fetched into, the Hugging Face cache); a bad name is a usage error."""
+    from policyloop.models.resolve import ModelNotFound, resolve_model
+
+    try:
+        return resolve_model(name, setting=flag)
+    except ModelNotFound as exc:
+        raise typer.BadParameter(str(exc).removeprefix(f"{flag}: "), param_hint=flag) from exc
+
+
+@models_app.command("fetch")
+def models_fetch(
+    model: Annotated[str, typer.Argument(
+        help="A Hugging Face model id: org/name, or org/name@revision (a branch, tag or commit).")],
+    link: Annotated[Path | None, typer.Option(
+        help="Also point this path at the model's snapshot (a relative symlink, replaced atomically): a fixed "
+             "name such as /models/base for containers that mount the same volume.")] = None,
+) -> None:
+    """Download a Hugging Face model into the Hugging Face cache (HF_HOME), once for a cluster whose
+    services share that cache; prints JSON. With HF_HUB_OFFLINE=1 it only checks the cache."""
+    from policyloop.models.resolve import hub_model
+
+    if hub_model(model) is None:
+        raise typer.BadParameter(f"{model!r} is not a Hugging Face model id (org/name[@revision])",
+                                 param_hint="MODEL")
+    path = model_dir(model, "MODEL")
+    if link is not None:
+        _replace_symlink(link, path)
+    print(json.dumps({"model": model, "path": str(path), "link": str(link) if link else None}, indent=2))
 
 
 # -- environments and runs through the gateway's LoopService ----------------------------------
