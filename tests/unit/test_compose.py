@@ -132,6 +132,47 @@ def test_the_models_job_links_the_base_policy_before_anything_loads_it(config: d
             assert condition == "service_completed_successfully", name
 
 
+def test_the_models_job_fetches_the_hugging_face_model_base_model_names(config: dict[str, Any],
+                                                                        tmp_path: Path) -> None:
+    """BASE_MODEL=<org/name[@revision]>: `policyloop models fetch` into the volume's Hugging Face
+    cache, linked at /models/base; unset, the bootstrap model, unless /models/base is a directory
+    of the user's own. The job's shell command runs here with a `policyloop` that records its
+    arguments; the services read the same cache, offline."""
+    import os
+    import stat
+
+    models = config["services"]["models"]
+    env = _environment(models)
+    assert env["BASE_MODEL"] == "" and env["HF_HOME"].startswith("/models/") and env["HF_TOKEN"] == ""
+    root = tmp_path / "models"
+    root.mkdir()
+    script = models["command"][2].replace("$$", "$").replace("/models/", f"{root}/")
+    fake = tmp_path / "bin" / "policyloop"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\necho "$@" >> "$CALLS"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+
+    def run(base_model: str) -> list[str]:
+        calls = tmp_path / f"calls-{len(list(tmp_path.glob('calls-*')))}"
+        calls.touch()
+        done = subprocess.run(["sh", "-c", script], capture_output=True, text=True, timeout=30,
+                              env={**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}",
+                                   "BASE_MODEL": base_model, "CALLS": str(calls)})
+        assert done.returncode == 0, done.stderr
+        return calls.read_text().splitlines()
+
+    assert run("Qwen/Qwen2.5-0.5B-Instruct@main") == \
+        [f"models fetch Qwen/Qwen2.5-0.5B-Instruct@main --link {root}/base"]
+    assert run("") == [f"bootstrap --out {root}/cache --link {root}/base"]
+    (root / "base").mkdir()
+    (root / "base" / "config.json").write_text("{}")
+    assert run("") == []  # the user's own model directory
+    for name, service in config["services"].items():
+        if _environment(service).get("POLICYLOOP_MODEL_PATH", "").startswith("/models/"):
+            assert _environment(service)["HF_HOME"] == env["HF_HOME"], name
+            assert _environment(service)["HF_HUB_OFFLINE"] == "1", name
+
+
 def test_every_image_comes_from_a_variable_with_the_official_default() -> None:
     images = re.findall(r"^\s*image:\s*(\S+)\s*$", COMPOSE_FILE.read_text(), flags=re.MULTILINE)
     assert images

@@ -771,6 +771,67 @@ def test_the_serving_component_adds_a_serving_deployment(overlay: str, tmp_path:
                                          "instance": "serving-0"}]
 
 
+# --- a Hugging Face model as the base policy: a component an overlay may add ------------------------------
+
+def test_every_object_is_in_the_policyloop_namespace(rendered: Rendered) -> None:
+    """Beside the models claim and each other: an object without one would go to kubectl's namespace."""
+    for obj in rendered.objects:
+        if obj["kind"] != "Namespace":
+            assert obj["metadata"].get("namespace") == "policyloop", f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_hub_model_component_makes_a_hugging_face_model_the_base_policy(overlay: str, tmp_path: Path) -> None:
+    """Its Job, the cluster's models job, downloads the model once into the models volume's
+    Hugging Face cache and links /models/base to it (replacing cpu-local's bootstrap Job); the
+    services read /models/base as before, and could name the id itself: they read the same cache
+    (HF_HOME), offline. The rest of the overlay is left as it was."""
+    import kubernetes_validate
+
+    from policyloop.models.resolve import hub_model
+    from policyloop.rollout.settings import RolloutSettings
+
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
+    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path / "default", ("hub-model",))
+    added = [o for o in objects if key(o) not in {key(p) for p in plain}]
+    removed = [key(p) for p in plain if key(p) not in {key(o) for o in objects}]
+    assert sorted(key(o)[0] for o in added) == ["ConfigMap", "Job"]
+    assert removed == ([("Job", "bootstrap-model")] if overlay == "cpu-local" else [])
+    assert [o for o in objects if o not in added] == [p for p in plain if key(p) not in removed]
+    for obj in added:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == "policyloop", key(obj)
+
+    rendered = Rendered(overlay, objects)
+    [job] = rendered.of_kind("Job")
+    pod = job["spec"]["template"]["spec"]
+    [container] = pod["containers"]
+    assert container["command"] == ["policyloop", "models", "fetch", "$(BASE_MODEL)", "--link", "/models/base"]
+    assert _image(container["image"]) == ("policyloop-light", IMAGE_TAGS[overlay]["policyloop-light"])
+    env = rendered.environment(container)
+    assert hub_model(env["BASE_MODEL"]) is not None and RolloutSettings(model_path=env["BASE_MODEL"])
+    assert env["HF_TOKEN"]["secretKeyRef"]["optional"] is True
+    [mount] = [m for m in container["volumeMounts"] if m["mountPath"] == "/models"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "models" and not mount.get("readOnly")
+    assert PurePosixPath(env["HF_HOME"]).is_relative_to("/models") and "HF_HUB_OFFLINE" not in env
+    for name, service in rendered.services.items():  # wherever a service reads the model: the same cache
+        if "POLICYLOOP_MODEL_PATH" in service.env:
+            assert service.env["HF_HOME"] == env["HF_HOME"] and service.env["HF_HUB_OFFLINE"] == "1", name
+            assert service.mount_for(env["HF_HOME"])[1]["persistentVolumeClaim"]["claimName"] == "models", name
+
+    # The model, set as the component says (the Job's pod template changes with the ConfigMap's name).
+    patch = {"target": {"kind": "ConfigMap", "name": "policyloop-hub-model"},
+             "patch": "- {op: replace, path: /data/BASE_MODEL, value: org/model@v1}"}
+    patched = Rendered(overlay, _render_with_components(overlay, tmp_path / "patched", ("hub-model",), [patch]))
+    [patched_job] = patched.of_kind("Job")
+    [patched_container] = patched_job["spec"]["template"]["spec"]["containers"]
+    assert patched.environment(patched_container)["BASE_MODEL"] == "org/model@v1"
+    assert patched_container["envFrom"] != container["envFrom"]
+
+
 # --- three deployment paths, one topology -------------------------------------------------------------
 
 # What `policyloop up` sets that only makes sense for processes on one machine: free ports, the
