@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpolicyloop/v1/serving.proto\x12\rpolicyloop.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xf6\x02\n\x05Trace\x12\x10\n\x08trace_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.policyloop.v1.ChatMessage\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x07 \x03(\x05\x12\x19\n\x11response_logprobs\x18\x08 \x03(\x02\x12\x15\n\rresponse_text\x18\t \x01(\t\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x17\n\x0fweights_version\x18\x0b \x01(\t\x12\x31\n\rweights_spans\x18\x0c \x03(\x0b\x32\x1a.policyloop.v1.WeightsSpan\x12\x17\n\x0f\x63reated_unix_ms\x18\r \x01(\x03\x12\x13\n\x0btemperature\x18\x0e \x01(\x02\":\n\x0bWeightsSpan\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\x92\x01\n\rTraceFeedback\x12\x10\n\x08trace_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x02 \x01(\t\x12\x13\n\x06reward\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05label\x18\x04 \x01(\t\x12\x12\n\ncorrection\x18\x05 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x42\t\n\x07_rewardb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpolicyloop/v1/serving.proto\x12\rpolicyloop.v1\"o\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12+\n\ntool_calls\x18\x03 \x03(\x0b\x32\x17.policyloop.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"\x95\x04\n\x05Trace\x12\x10\n\x08trace_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x03 \x01(\t\x12,\n\x08messages\x18\x04 \x03(\x0b\x32\x1a.policyloop.v1.ChatMessage\x12\x13\n\x0bprompt_text\x18\x05 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\x05\x12\x1a\n\x12response_token_ids\x18\x07 \x03(\x05\x12\x19\n\x11response_logprobs\x18\x08 \x03(\x02\x12\x15\n\rresponse_text\x18\t \x01(\t\x12\x15\n\rfinish_reason\x18\n \x01(\t\x12\x17\n\x0fweights_version\x18\x0b \x01(\t\x12\x31\n\rweights_spans\x18\x0c \x03(\x0b\x32\x1a.policyloop.v1.WeightsSpan\x12\x17\n\x0f\x63reated_unix_ms\x18\r \x01(\x03\x12\x13\n\x0btemperature\x18\x0e \x01(\x02\x12\x12\n\ntools_json\x18\x0f \x01(\t\x12\x34\n\x13response_tool_calls\x18\x10 \x03(\x0b\x32\x17.policyloop.v1.ToolCall\x12\x12\n\nsession_id\x18\x11 \x01(\t\x12\x13\n\x0bresponse_id\x18\x12 \x01(\t\x12\x14\n\x0c\x63hoice_index\x18\x13 \x01(\r\x12\x14\n\x0cstop_matched\x18\x14 \x01(\t\":\n\x0bWeightsSpan\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x0b\n\x03\x65nd\x18\x03 \x01(\r\"\xa6\x01\n\rTraceFeedback\x12\x10\n\x08trace_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12\x13\n\x0b\x66\x65\x65\x64\x62\x61\x63k_id\x18\x02 \x01(\t\x12\x13\n\x06reward\x18\x03 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05label\x18\x04 \x01(\t\x12\x12\n\ncorrection\x18\x05 \x01(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x06 \x01(\x03\x42\t\n\x07_rewardb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,11 +32,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'policyloop.v1.serving_pb2',
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_CHATMESSAGE']._serialized_start=46
-  _globals['_CHATMESSAGE']._serialized_end=90
-  _globals['_TRACE']._serialized_start=93
-  _globals['_TRACE']._serialized_end=467
-  _globals['_WEIGHTSSPAN']._serialized_start=469
-  _globals['_WEIGHTSSPAN']._serialized_end=527
-  _globals['_TRACEFEEDBACK']._serialized_start=530
-  _globals['_TRACEFEEDBACK']._serialized_end=676
+  _globals['_CHATMESSAGE']._serialized_end=157
+  _globals['_TOOLCALL']._serialized_start=159
+  _globals['_TOOLCALL']._serialized_end=214
+  _globals['_TRACE']._serialized_start=217
+  _globals['_TRACE']._serialized_end=750
+  _globals['_WEIGHTSSPAN']._serialized_start=752
+  _globals['_WEIGHTSSPAN']._serialized_end=810
+  _globals['_TRACEFEEDBACK']._serialized_start=813
+  _globals['_TRACEFEEDBACK']._serialized_end=979
 # @@protoc_insertion_point(module_scope)
