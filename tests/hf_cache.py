@@ -7,6 +7,7 @@ tests/tiny_model.py built) put into the hub cache's on-disk layout as huggingfac
         refs/<revision>                            the commit a branch or tag points at
         snapshots/<commit>/<path>                  -> ../../blobs/<sha256> (relative links)
 
+    cache = offline_cache(monkeypatch, tmp_path / "hf")             # HF_HOME, HF_HUB_OFFLINE=1
     cache_model(cache, "org/tiny", model_dir)                       # refs/main
     cache_model(cache, "org/tiny", other_dir, revision="v2")        # a second commit, refs/v2
 """
@@ -16,6 +17,22 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
+
+import pytest
+
+
+def offline_cache(monkeypatch: pytest.MonkeyPatch, home: Path) -> Path:
+    """HF_HOME=`home` and HF_HUB_OFFLINE=1 for this test, and the hub cache `home`/hub (empty)
+    returned: in the environment, for the processes the test starts, and in huggingface_hub's
+    constants, which this process read once, when it imported huggingface_hub."""
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HOME", str(home))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return home / "hub"
 
 
 def cache_model(cache: Path, repo_id: str, source: Path, *, revision: str = "main") -> Path:

@@ -17,7 +17,7 @@ from policyloop.engines.sglang_client import SGLangClient
 from policyloop.models.tokenizer import load_tokenizer
 from policyloop.rollout.engine_process import engine_url_or_start, stop_engine, wait_for_engine
 from policyloop.runtime import ServiceCannotStart, model_directory
-from tests.hf_cache import cache_model
+from tests.hf_cache import cache_model, offline_cache
 from tests.tiny_model import perturbed_copy
 
 REPO_ID = "policyloop-test/tiny-qwen2"
@@ -25,18 +25,10 @@ REPO_ID = "policyloop-test/tiny-qwen2"
 
 @pytest.fixture
 def hub(tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
-    """The cache under HF_HOME=tmp_path/hf, offline, for this process (huggingface_hub's constants,
-    read once at import) and for the processes it starts (the environment)."""
-    from huggingface_hub import constants
-
-    home = tmp_path / "hf"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return {"main": cache_model(home / "hub", REPO_ID, tiny_model_dir),
-            "v2": cache_model(home / "hub", REPO_ID, perturbed_copy(tiny_model_dir, tmp_path / "v2"), revision="v2")}
+    """The cache under HF_HOME=tmp_path/hf, offline, for this process and those it starts."""
+    cache = offline_cache(monkeypatch, tmp_path / "hf")
+    return {"main": cache_model(cache, REPO_ID, tiny_model_dir),
+            "v2": cache_model(cache, REPO_ID, perturbed_copy(tiny_model_dir, tmp_path / "v2"), revision="v2")}
 
 
 async def test_a_replica_serves_the_model_its_settings_name_by_id(hub: dict[str, Path]) -> None:

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from policyloop.cluster.catalogue import SERVICES
 from policyloop.models.resolve import ModelNotFound, ModelRef, hub_model, model_label, resolve_model
 from policyloop.rollout.settings import RolloutSettings
-from tests.hf_cache import cache_model
 from tests.helpers import settings_model
+from tests.hf_cache import cache_model, offline_cache
 
 REPO_ID = "policyloop-test/tiny"
 
@@ -34,17 +34,8 @@ def _model_files(directory: Path, marker: str) -> Path:
 
 @pytest.fixture
 def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """An empty Hugging Face cache under HF_HOME=tmp_path/hf, offline. huggingface_hub reads its
-    environment once, when imported: its constants are set to match for this process."""
-    from huggingface_hub import constants
-
-    home = tmp_path / "hf"
-    monkeypatch.setenv("HF_HOME", str(home))
-    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return home / "hub"
+    """An empty Hugging Face cache under HF_HOME=tmp_path/hf, offline."""
+    return offline_cache(monkeypatch, tmp_path / "hf")
 
 
 def test_a_hub_id_resolves_to_its_snapshot_in_the_cache(hub: Path, tmp_path: Path) -> None:
@@ -63,6 +54,27 @@ def test_a_revision_picks_its_own_snapshot(hub: Path, tmp_path: Path) -> None:
     assert resolve_model(f"{REPO_ID}@{main.name}") == main  # a commit hash: its snapshot, no ref needed
     with pytest.raises(ModelNotFound, match=rf"^model_path: .*{REPO_ID}@v3 is not in the cache"):
         resolve_model(f"{REPO_ID}@v3")
+
+
+def test_offline_a_snapshot_is_checked_against_its_listing_less_the_files_left_out(hub: Path, tmp_path: Path) -> None:
+    """huggingface_hub keeps each commit's file listing beside the snapshots (trees/<commit>.json,
+    written by a download): offline, a snapshot missing a listed file is incomplete — except files
+    of the formats fetches leave out (IGNORED_FILES), which are never there."""
+    pytest.importorskip("huggingface_hub._tree_cache", reason="this huggingface_hub keeps no listings")
+    snapshot = cache_model(hub, REPO_ID, _model_files(tmp_path / "src", "main"))
+    listing = snapshot.parent.parent / "trees" / f"{snapshot.name}.json"
+    listing.parent.mkdir()
+    files = {"config.json": {"size": 1, "blob_id": "a" * 40}, "tokenizer.json": {"size": 1, "blob_id": "b" * 40},
+             "original/consolidated.00.pth": {"size": 1, "blob_id": "c" * 40}}
+    listing.write_text(json.dumps({"format_version": 1, "files": files}))
+    assert resolve_model(REPO_ID) == snapshot
+    files["model.safetensors"] = {"size": 1, "blob_id": "d" * 40}
+    listing.with_name(f"{'e' * 40}.json").write_text(json.dumps({"format_version": 1, "files": files}))
+    (hub / f"models--{REPO_ID.replace('/', '--')}" / "refs" / "broken").write_text("e" * 40)
+    (snapshot.parent / ("e" * 40)).symlink_to(snapshot.name)  # the same files: model.safetensors missing
+    with pytest.raises(ModelNotFound, match=r"^model_path: the cached snapshot of .*@broken is incomplete.*"
+                                            r"model\.safetensors"):
+        resolve_model(f"{REPO_ID}@broken")
 
 
 def test_a_missing_id_offline_names_the_setting_the_cache_and_the_way_out(hub: Path) -> None:

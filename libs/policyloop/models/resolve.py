@@ -126,6 +126,9 @@ def _snapshot(hub: HubModel, text: str, setting: str) -> Path:
         raise ModelNotFound(f"{setting}: no directory {text} here, and the Hugging Face Hub has no model "
                             f"{hub.repo_id} this token may read") from exc
     except LocalEntryNotFoundError as exc:
+        if type(exc).__name__ == "IncompleteSnapshotError":  # huggingface_hub 1.x+: files of it are missing
+            raise ModelNotFound(f"{setting}: the cached snapshot of the Hugging Face model {hub} is incomplete "
+                                f"(fetch it again: `policyloop models fetch {hub}`): {exc}") from exc
         why = ("HF_HUB_OFFLINE is set: download it first (`policyloop models fetch "
                f"{hub}` with the same HF_HOME)") if offline else f"the Hub could not be reached: {exc}"
         raise ModelNotFound(f"{setting}: no directory {text} here, and the Hugging Face model {hub} is not in "
@@ -134,6 +137,17 @@ def _snapshot(hub: HubModel, text: str, setting: str) -> Path:
         raise ModelNotFound(f"{setting}: the Hugging Face model {hub} could not be fetched: "
                             f"{type(exc).__name__}: {exc}") from exc
     return Path(folder)
+
+
+def model_argument(text: str) -> Path:
+    """`resolve_model` as an argparse type (`--model-path`): a name that names nothing is a usage
+    error that says why."""
+    import argparse
+
+    try:
+        return resolve_model(text, setting="--model-path")
+    except ModelNotFound as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--model-path: ")) from exc
 
 
 def hub_repo(name: str | PurePath) -> str | None:
