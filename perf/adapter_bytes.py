@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from policyloop.contracts.v1 import bus_pb2  # noqa: E402
 from policyloop.models.bootstrap import BootstrapConfig, bootstrap, make_model  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.models.tokenizer import save_tokenizer  # noqa: E402
 from policyloop.rl.lora import DEFAULT_TARGET_MODULES, AdapterTrainer, LoraSpec  # noqa: E402
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
@@ -122,7 +123,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="75m")
-    parser.add_argument("--model-path", type=Path, default=None, help="a model directory instead of --size")
+    parser.add_argument("--model-path", type=model_argument, default=None, help="a model directory instead of --size")
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--alpha", type=float, default=32.0)
     parser.add_argument("--steps", type=int, default=6)

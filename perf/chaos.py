@@ -68,6 +68,7 @@ from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.cluster.nats_cluster import meta_leader, stream_leader, wait_cluster_ready  # noqa: E402
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc  # noqa: E402
 from policyloop.ledger import TRAINED, Audit, audit_bus, trained_steps, wait_settled  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.rl.lora import adapter_model_name  # noqa: E402
 from policyloop.state import VersionRegistry, connect_redis  # noqa: E402
 from policyloop.weights.client import WeightClient  # noqa: E402
@@ -408,7 +409,7 @@ def main() -> None:
     parser.add_argument("--timeout-s", type=float, default=900, help="after the kills, to reach --steps")
     parser.add_argument("--settle-s", type=float, default=5,
                         help="after stopping the run, how long LEDGER must stay unchanged before the audit")
-    parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
+    parser.add_argument("--model-path", type=model_argument, default=None, help="default: the bootstrap model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--runs", type=int, default=1,
                         help="runs trained at once: more than one are LoRA runs (learner and rollout in the "

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from policyloop.contracts.v1 import bus_pb2  # noqa: E402
 from policyloop.models.bootstrap import BootstrapConfig, bootstrap  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.rl.single_process import SingleProcessConfig, SingleProcessGRPO, generate  # noqa: E402
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
 from policyloop.weights import codec  # noqa: E402
@@ -98,7 +99,7 @@ def to_engine_s(weights: WeightSet, model_path: Path, root: Path) -> dict[str, f
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model-path", type=Path, default=None, help="Default: the demo's bootstrap model.")
+    parser.add_argument("--model-path", type=model_argument, default=None, help="Default: the demo's bootstrap model.")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--groups-per-step", type=int, default=32)

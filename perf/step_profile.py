@@ -45,6 +45,7 @@ from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, re
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
 from policyloop.learner.figures import ON_STEP, OVERLAPPED, PUBLISH_PHASES, STEP_PHASES  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
 
 VERSION_PHASES = ("fetch", "decode_verify", "write", "pause", "load", "continue")
@@ -229,7 +230,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="Fresh clusters measured (medians are reported).")
     parser.add_argument("--groups-per-step", type=int, default=defaults.groups_per_step)
     parser.add_argument("--group-size", type=int, default=defaults.group_size)
-    parser.add_argument("--model-path", type=Path, default=None, help="Default: the demo's bootstrap model.")
+    parser.add_argument("--model-path", type=model_argument, default=None, help="Default: the demo's bootstrap model.")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="Most seconds to reach the warm-up steps.")
     parser.add_argument("--learner-device", choices=("auto", "cpu", "cuda"), default=None,
                         help="Where the learner trains (its POLICYLOOP_DEVICE). Default: POLICYLOOP_DEVICE as set, "

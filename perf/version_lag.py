@@ -40,6 +40,7 @@ from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc, status_pb2  # noqa: E402
 from policyloop.engines.sglang_client import SGLangClient  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
 
 
@@ -180,7 +181,7 @@ def main() -> None:
     parser.add_argument("--eval-problems", type=int, default=100)
     parser.add_argument("--timeout-s", type=float, default=600, help="per configuration")
     parser.add_argument("--quick", action="store_true", help="max_lag 0 and 1, one replica, 12 steps")
-    parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
+    parser.add_argument("--model-path", type=model_argument, default=None, help="default: the bootstrap model")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs/perf/version_lag"))
     args = parser.parse_args()

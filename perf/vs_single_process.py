@@ -43,6 +43,7 @@ import torch  # noqa: E402
 from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.rl.settings import OptimizerSettings  # noqa: E402
 from policyloop.rl.single_process import (  # noqa: E402
     CurvePoint,
@@ -197,7 +198,7 @@ def main() -> None:
     parser.add_argument("--mark-every", type=float, default=15.0, help="seconds between kept versions")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--eval-problems", type=int, default=600)
-    parser.add_argument("--model-path", type=Path, default=None, help="default: the bootstrap model")
+    parser.add_argument("--model-path", type=model_argument, default=None, help="default: the bootstrap model")
     parser.add_argument("--groups-per-step", type=int, default=DemoConfig.groups_per_step)
     parser.add_argument("--group-size", type=int, default=DemoConfig.group_size)
     parser.add_argument("--single-shares-prompts", action="store_true",
