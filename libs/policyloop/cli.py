@@ -901,18 +901,20 @@ app.add_typer(traces_app, name="traces")
 @traces_app.command("export")
 def traces_export(
     model: Annotated[str, typer.Option(help="The served model's name (what callers pass as `model`).")],
-    to: Annotated[Path, typer.Option(help="The JSON-lines file to write (one exchange per line).")],
+    to: Annotated[Path, typer.Option(help="The JSON-lines file to write (one exchange per line; an agent session's "
+                                          "exchanges as one multi-turn line, with its loss mask).")],
     min_reward: Annotated[float | None, typer.Option(
         help="Only exchanges whose newest feedback gave at least this reward.")] = None,
     run_dir: Annotated[Path, typer.Option(help="Run directory of a `policyloop up`.")] = DEFAULT_RUN_DIR,
     nats_url: Annotated[str | None, typer.Option(help="Instead of the run directory's.")] = None,
 ) -> None:
     """Write the model's traces, with their exact token ids, weights version and feedback, as
-    training data (SFT)."""
+    training data (SFT); an agent session's turns as one token sequence, split where its client
+    rewrote history."""
     from policyloop.serving.traces import export_sft
 
     count = export_sft(_served_exchanges(model, nats_url, run_dir), to, min_reward=min_reward)
-    console.print(f"{count} exchanges of {model} written to {to}")
+    console.print(f"{count} records of {model} written to {to}")
 
 
 if __name__ == "__main__":

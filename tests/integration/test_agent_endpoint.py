@@ -24,7 +24,7 @@ from policyloop.models.chat_format import function_tool
 from policyloop.models.chat_tokenizer import save_chat_tokenizer
 from policyloop.models.tokenizer import load_tokenizer
 from policyloop.serving.openai_api import MAX_BODY_BYTES, OpenAIApi
-from policyloop.serving.traces import TracedExchange, read_exchanges
+from policyloop.serving.traces import TracedExchange, export_sft, read_exchanges
 from tests.helpers import serving_http
 
 openai = pytest.importorskip("openai")
@@ -158,7 +158,9 @@ async def test_n_choices_are_sampled_together_and_stop_strings_cut_the_text_not_
 
 @pytest.mark.timeout(180)
 async def test_a_sessions_next_prompt_continues_the_exact_tokens_of_its_last_exchange(
-        served: tuple[str, SGLangClient, Any], bus: Bus) -> None:
+        served: tuple[str, SGLangClient, Any], bus: Bus, tmp_path: Path) -> None:
+    """...and the session exports as one sequence whose model-written tokens (loss mask) are exactly
+    the engine's, cut where the client rewrote history."""
     url, _, tokenizer = served
     client = client_of(url)
     history: list[dict[str, Any]] = [{"role": "user", "content": "Hello there, how are you?"}]
@@ -173,8 +175,24 @@ async def test_a_sessions_next_prompt_continues_the_exact_tokens_of_its_last_exc
     first, second = turns
     assert second["prompt_token_ids"][:len(first["prompt_token_ids"]) + len(first["choices"][0]["token_ids"])] == \
         first["prompt_token_ids"] + first["choices"][0]["token_ids"]
+    # The client rewrites history: the session goes on, but its export is cut there.
+    rewritten = [{"role": "user", "content": "Hello, how are you?"}, *history[1:]]
+    third = await client.chat.completions.create(model=SERVED, messages=rewritten, max_tokens=4, temperature=0,
+                                                 extra_headers={"X-Session-Id": "agent-run-1"},
+                                                 extra_body={"return_token_ids": True})
     traces = await read_exchanges_by_id(bus, SERVED)
     assert {t.trace.session_id for t in traces.values()} == {"agent-run-1"}
+
+    written = export_sft(traces.values(), tmp_path / "sessions.jsonl")
+    records = [json.loads(line) for line in (tmp_path / "sessions.jsonl").read_text().splitlines()]
+    assert written == 2 and [(r["kind"], r["segment"], bool(r["broken_before"])) for r in records] == \
+        [("session", 0, False), ("session", 1, True)]
+    whole, cut = records
+    wrote = [t for t in (first, second) for t in t["choices"][0]["token_ids"]]
+    assert whole["token_ids"] == second["prompt_token_ids"] + second["choices"][0]["token_ids"]
+    assert [t for t, m in zip(whole["token_ids"], whole["loss_mask"], strict=True) if m] == wrote
+    assert len(whole["trace_ids"]) == 2 and cut["token_ids"] == third.model_dump()["prompt_token_ids"] + \
+        third.model_dump()["choices"][0]["token_ids"]
     # Given as metadata, the same; a header and metadata that disagree are refused.
     with pytest.raises(openai.BadRequestError, match="differs from the X-Session-Id header"):
         await client.chat.completions.create(model=SERVED, messages=history[:1], max_tokens=1,
