@@ -118,6 +118,7 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
+    store: bool | None = None  # accepted for clients that send it: exchanges are traces here either way
     # vLLM's extension, as the verifiers library uses it: the exact prompt and completion ids.
     return_token_ids: bool = False
 
