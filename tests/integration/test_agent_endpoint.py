@@ -24,7 +24,8 @@ from policyloop.models.chat_format import function_tool
 from policyloop.models.chat_tokenizer import save_chat_tokenizer
 from policyloop.models.tokenizer import load_tokenizer
 from policyloop.serving.openai_api import MAX_BODY_BYTES, OpenAIApi
-from policyloop.serving.traces import TracedExchange, export_sft, read_exchanges
+from policyloop.gateway.validation import validate_environment
+from policyloop.serving.traces import TracedExchange, environment_from_traces, export_sft, read_exchanges
 from tests.helpers import serving_http
 
 openai = pytest.importorskip("openai")
@@ -200,6 +201,16 @@ async def test_a_sessions_next_prompt_continues_the_exact_tokens_of_its_last_exc
     async with aiohttp.ClientSession() as http, http.post(f"{url}/v1/feedback", json={
             "session_id": "agent-run-1", "reward": 1.0}) as response:
         assert response.status == 200 and (await response.json())["session_id"] == "agent-run-1"
+    # Rewarded, the session is supervised data: its first prompt, then the rest to imitate where
+    # the model wrote.
+    env = environment_from_traces(await read_exchanges(bus, SERVED), "agent", "v1", min_reward=1.0,
+                                  eval_fraction=0.0, supervised=True)
+    validate_environment(env)
+    task = next(t for t in env.tasks if t.metadata.get("segment") == "0")
+    start = len(first["prompt_token_ids"])
+    assert list(task.prompt_token_ids) == whole["token_ids"][:start]
+    assert list(task.demonstration_token_ids) == whole["token_ids"][start:]
+    assert [int(m) for m in task.demonstration_loss_mask] == whole["loss_mask"][start:]
     await client.close()
 
 

@@ -70,6 +70,11 @@ def test_a_demonstration_is_a_valid_trajectory_and_its_rules_are_enforced() -> N
     demo = demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5, 6], demonstration_token_ids=[7, 8]), 3)
     validate_trajectory(demo)
     assert demo.trajectory_id == "r:000000003/0" and demo.scored and list(demo.loss_mask) == [True, True]
+    # A multi-turn demonstration (an agent's session) trains only where the model wrote.
+    turns = demonstration("r", "d@1", loop_pb2.TaskSpec(prompt_token_ids=[5], demonstration_token_ids=[7, 8, 9],
+                                                        demonstration_loss_mask=[True, False, True]), 4)
+    validate_trajectory(turns)
+    assert list(turns.loss_mask) == [True, False, True]
     for spoil, field in [
         (lambda t: t.behaviour_logprobs.extend([0.0, 0.0]), "behaviour_logprobs"),
         (lambda t: t.version_spans.add(start=0, end=2, version=1), "version_spans"),
@@ -138,6 +143,11 @@ REFUSALS = [
     (loop_pb2.Environment(name="sums", version="v1", builtin=loop_pb2.BuiltinVerifier(
         kind=loop_pb2.BuiltinVerifier.KIND_REGEX, pattern="2"), tasks=[loop_pb2.TaskSpec(
             prompt_text="1+1=", demonstration_text="2")]), "environment.tasks[0].demonstration_text"),
+    (supervised_env(loop_pb2.TaskSpec(prompt_token_ids=[4], demonstration_token_ids=[5, 6],
+                                      demonstration_loss_mask=[True])), "environment.tasks[0].demonstration_loss_mask"),
+    (supervised_env(loop_pb2.TaskSpec(prompt_token_ids=[4], demonstration_token_ids=[5, 6],
+                                      demonstration_loss_mask=[False, False])),
+     "environment.tasks[0].demonstration_loss_mask"),
 ]
 
 

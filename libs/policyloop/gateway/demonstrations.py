@@ -36,6 +36,13 @@ def validate_demonstrations(env: loop_pb2.Environment) -> None:
             raise InvalidField(f"{field}.demonstration_text", "a supervised task needs a demonstration")
         if any(t < 0 for t in task.demonstration_token_ids):
             raise InvalidField(f"{field}.demonstration_token_ids", "token ids must not be negative")
+        mask = task.demonstration_loss_mask
+        if mask and len(mask) != len(task.demonstration_token_ids):
+            raise InvalidField(f"{field}.demonstration_loss_mask",
+                               f"one value per demonstration token id: {len(mask)} for "
+                               f"{len(task.demonstration_token_ids)}")
+        if mask and not any(mask):
+            raise InvalidField(f"{field}.demonstration_loss_mask", "trains on no token")
 
 
 def tokenize_demonstrations(env: loop_pb2.Environment, model: ModelContext | None) -> None:

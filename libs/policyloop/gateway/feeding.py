@@ -66,7 +66,8 @@ def demonstration(run_id: str, environment: str, spec: loop_pb2.TaskSpec, index:
     return bus_pb2.Trajectory(
         trajectory_id=trajectory_id(tid, 0), task_id=tid, group_id=tid, sample_index=0, group_size=1, run_id=run_id,
         environment=environment, prompt_token_ids=spec.prompt_token_ids,
-        response_token_ids=spec.demonstration_token_ids, loss_mask=[True] * tokens,
+        response_token_ids=spec.demonstration_token_ids,
+        loss_mask=list(spec.demonstration_loss_mask) or [True] * tokens,
         finish_reason=bus_pb2.FINISH_REASON_STOP, metadata=spec.metadata, prompt_text=spec.prompt_text,
         response_text=spec.demonstration_text, scored=True, supervised=True,
         timings=bus_pb2.Timings(task_created_unix_ms=now_ms()))

@@ -205,9 +205,19 @@ def environment_from_traces(exchanges: Iterable[TracedExchange], name: str, vers
     samples against. `supervised`: the outcome is the demonstration to imitate — a rewarded
     response as the engine's exact token ids, a correction as text the gateway tokenizes. Either
     way `eval_fraction` of the prompts (by trace id) become the eval split, judged by exact answer.
-    max_new_tokens 0: twice the longest reference response, at least 8."""
+    max_new_tokens 0: twice the longest reference response, at least 8.
+
+    Supervised, an agent session rewarded at least `min_reward` is one task instead of its turns:
+    its first prompt, and the rest of the session as the demonstration, trained on where the model
+    wrote (its loss mask), never on tool results."""
+    exchanges = list(exchanges)
+    segments = [s for s in session_segments(exchanges) if s.reward is not None and s.reward >= min_reward] \
+        if supervised else []
+    in_sessions = {e.trace.trace_id for s in segments for e in s.exchanges}
     by_prompt: dict[tuple[int, ...], tuple[TracedExchange, Outcome]] = {}
     for exchange in exchanges:
+        if exchange.trace.trace_id in in_sessions:
+            continue
         outcome = recorded_outcome(exchange, min_reward)
         if outcome is not None and exchange.trace.prompt_token_ids:
             by_prompt[tuple(exchange.trace.prompt_token_ids)] = (exchange, outcome)
@@ -230,5 +240,14 @@ def environment_from_traces(exchanges: Iterable[TracedExchange], name: str, vers
         elif supervised:
             task.demonstration_text = outcome.text
         env.tasks.append(task)
+    for segment in segments:
+        first = segment.exchanges[0].trace
+        start = len(first.prompt_token_ids)
+        longest = max(longest, max(len(e.trace.response_token_ids) for e in segment.exchanges))
+        env.tasks.append(loop_pb2.TaskSpec(
+            prompt_token_ids=segment.token_ids[:start], prompt_text=first.prompt_text,
+            demonstration_token_ids=segment.token_ids[start:], demonstration_loss_mask=segment.loss_mask[start:],
+            metadata={"session_id": segment.session_id, "segment": str(segment.index),
+                      "trace_ids": ",".join(e.trace.trace_id for e in segment.exchanges)}))
     env.sampling.max_new_tokens = max_new_tokens or max(8, 2 * longest)
     return env

@@ -60,7 +60,7 @@ RUN_STATE_FINISHED: RunState
 RUN_STATE_FAILED: RunState
 
 class TaskSpec(_message.Message):
-    __slots__ = ("prompt_text", "prompt_token_ids", "answer", "metadata", "demonstration_token_ids", "demonstration_text")
+    __slots__ = ("prompt_text", "prompt_token_ids", "answer", "metadata", "demonstration_token_ids", "demonstration_text", "demonstration_loss_mask")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -74,13 +74,15 @@ class TaskSpec(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     DEMONSTRATION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DEMONSTRATION_TEXT_FIELD_NUMBER: _ClassVar[int]
+    DEMONSTRATION_LOSS_MASK_FIELD_NUMBER: _ClassVar[int]
     prompt_text: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     answer: str
     metadata: _containers.ScalarMap[str, str]
     demonstration_token_ids: _containers.RepeatedScalarFieldContainer[int]
     demonstration_text: str
-    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., demonstration_token_ids: _Optional[_Iterable[int]] = ..., demonstration_text: _Optional[str] = ...) -> None: ...
+    demonstration_loss_mask: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., demonstration_token_ids: _Optional[_Iterable[int]] = ..., demonstration_text: _Optional[str] = ..., demonstration_loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Environment(_message.Message):
     __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised")
