@@ -113,7 +113,8 @@ class SamplingRequest(_Strict):
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=0)
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Annotated[str, Field(min_length=1)] | Annotated[
+        list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
