@@ -216,3 +216,25 @@ async def serving_http(app: web.Application) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def openai_endpoint(model_dir: Path, bus: Bus, served_model: str, *, weight_version: str = "0",
+                          max_batch: int = 8) -> AsyncIterator[tuple[str, object, object]]:
+    """The serving endpoint over an embedded engine on `model_dir`, for as long as the block runs:
+    its base URL, the engine's client (an SGLangClient) and the tokenizer as the replica loads it."""
+    from policyloop.engines.embedded import start_engine
+    from policyloop.engines.sglang_client import SGLangClient
+    from policyloop.models.tokenizer import load_tokenizer
+    from policyloop.serving.openai_api import OpenAIApi
+
+    running = await start_engine(model_dir, max_batch=max_batch, threads=1, weight_version=weight_version)
+    engine = SGLangClient(running.base_url, timeout_s=120, retries=0)
+    tokenizer = load_tokenizer(model_dir)
+    try:
+        async with serving_http(OpenAIApi(engine, tokenizer, bus, served_model).app()) as url:
+            yield url, engine, tokenizer
+    finally:
+        await engine.close()
+        await running.stop()
+

@@ -17,16 +17,15 @@ import aiohttp
 import pytest
 
 from policyloop.bus import Bus
-from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.gateway.validation import validate_environment
 from policyloop.models.chat_format import function_tool
 from policyloop.models.chat_tokenizer import save_chat_tokenizer
 from policyloop.models.tokenizer import load_tokenizer
-from policyloop.serving.openai_api import MAX_BODY_BYTES, OpenAIApi
-from policyloop.gateway.validation import validate_environment
+from policyloop.serving.openai_api import MAX_BODY_BYTES
 from policyloop.serving.traces import TracedExchange, environment_from_traces, export_sft, read_exchanges
-from tests.helpers import serving_http
+from tests.helpers import openai_endpoint
 
 openai = pytest.importorskip("openai")
 
@@ -55,14 +54,9 @@ def chat_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-async def served(chat_model_dir: Path, bus: Bus) -> AsyncIterator[tuple[str, SGLangClient, Any]]:
-    running: EmbeddedEngine = await start_engine(chat_model_dir, max_batch=8, threads=1, weight_version="7")
-    engine = SGLangClient(running.base_url, timeout_s=60, retries=0)
-    tokenizer = load_tokenizer(chat_model_dir)
-    async with serving_http(OpenAIApi(engine, tokenizer, bus, SERVED).app()) as url:
-        yield url, engine, tokenizer
-    await engine.close()
-    await running.stop()
+async def served(chat_model_dir: Path, bus: Bus) -> AsyncIterator[tuple[str, Any, Any]]:
+    async with openai_endpoint(chat_model_dir, bus, SERVED, weight_version="7") as endpoint:
+        yield endpoint
 
 
 async def read_exchanges_by_id(bus: Bus, model: str) -> dict[str, TracedExchange]:

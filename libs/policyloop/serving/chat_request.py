@@ -154,7 +154,8 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
         # A union's branch names (str, list[...], the message roles) are pydantic's, not the client's;
         # of the branches' errors, the one that went deepest into the value says what is wrong.
         located = [(e, [p for p in e["loc"] if not _is_branch(str(p))]) for e in exc.errors(include_url=False)]
-        error, loc = max(located, key=lambda pair: len(pair[1]))
+        # and at equal depth, a branch of the right type whose value is refused beats a wrong type.
+        error, loc = max(located, key=lambda pair: (len(pair[1]), not pair[0]["type"].endswith("_type")))
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".") or None
         raise ApiError(f"{param}: {error['msg']}", param) from None
 
@@ -162,7 +163,7 @@ def parse_request(model: type[_Request], body: Any) -> _Request:
 def _is_branch(part: str) -> bool:
     # OpenAI's field names are lower case; pydantic names a union's branches by type or class.
     return part in {"str", "int", "system", "developer", "user", "assistant", "tool"} or part[:1].isupper() \
-        or part.startswith(("list[", "Literal[", "function-"))
+        or part.startswith(("list[", "Literal[", "function-", "constrained-"))
 
 
 def text_of(content: Content | None) -> str:
