@@ -23,16 +23,17 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -53,30 +54,28 @@ if TYPE_CHECKING:  # torch stays out of the import path of services that only ne
     import torch
     from transformers import Qwen2ForCausalLM
 
+log = logging.getLogger(__name__)
+
 # Part of the cache key: bump it when a code change makes old cached models wrong.
 BUILD_FORMAT = 2  # 2: the tool tokens and the tool-format share of the warm-up
 RECORD_FILE = "bootstrap.json"
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 
 
 class BootstrapError(RuntimeError):
     """The warm-up could not reach the target accuracy window."""
 
 
-class BootstrapConfig(BaseModel):
-    """Everything that determines the bootstrap model; its hash names the cache directory."""
+class BootstrapRecipe(BaseModel):
+    """What every bootstrap model's config has: the Qwen2 shape, the warm-up's optimizer and its
+    accuracy window. A subclass adds its task and says how it builds (`build`); its hash, with
+    the subclass's `build_format`, names the cache directory."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    build_format: ClassVar[int] = 0
 
-    name: str = Field("arith-qwen2-tiny", pattern=r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$",
-                      description="Prefix of the cache directory name.")
-    # 3 rather than 0: of seeds 0-5 of this recipe, its checkpoint lands nearest 25% (0.27 on 1000
-    # held-out problems) and a simulated GRPO run (32x8, lr 1e-4, T=1) lifted it fastest (+33 points
-    # in 100 steps, +40 in 200; seed 0: +25 and +35). Any seed gives a model inside the window.
-    seed: int = Field(3, description="Seeds the weight init, the training batches and the eval problems.")
-
-    digits: int = Field(2, ge=1, description="Operand digits of the arithmetic task.")
-    ops: tuple[str, ...] = Field(("+",), description='Operators of the task, a subset of ("+", "-").')
-    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of problems held out from training.")
+    name: str = Field(pattern=NAME_PATTERN, description="Prefix of the cache directory name.")
+    seed: int = Field(0, description="Seeds the weight init, the training batches and the eval problems.")
 
     hidden_size: int = Field(128, ge=8, description="Qwen2 hidden size.")
     num_layers: int = Field(4, ge=1, description="Transformer layers.")
@@ -92,30 +91,54 @@ class BootstrapConfig(BaseModel):
     max_steps: int = Field(3000, ge=1, description="Step budget: fail if the target is not reached by then.")
     eval_every: int = Field(25, ge=1, description="Steps between held-out evaluations.")
     eval_problems: int = Field(256, ge=1, description="Distinct held-out problems in each evaluation.")
-    report_problems: int = Field(1000, ge=1, description="Held-out problems of the final report in bootstrap.json "
-                                 "(greedy and temperature-1 accuracy), at most the whole held-out split.")
     max_new_tokens: int = Field(6, ge=1, description="Generation limit of the evaluation (answer + eos).")
     target_accuracy: float = Field(0.20, ge=0, le=1,
                                    description="Stop at the first evaluation with held-out greedy accuracy >= this.")
     max_accuracy: float = Field(0.35, ge=0, le=1,
                                 description="Upper end of the window; overshooting it replays the last "
                                             "interval evaluating every step, and fails if that overshoots too.")
+    threads: int = Field(2, ge=1, le=2, description="torch CPU threads (at most 2: the machine has 2 cores).")
+
+    def digest(self) -> str:
+        """Short stable hash of the config (and the build format): the cache key."""
+        payload = json.dumps({"format": self.build_format, **self.model_dump(mode="json")}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+    def build(self, directory: Path) -> dict[str, Any]:
+        """Trains the model and writes the full model directory; returns the bootstrap.json record."""
+        raise NotImplementedError
+
+
+class BootstrapConfig(BootstrapRecipe):
+    """Everything that determines the arithmetic bootstrap model; its hash names the cache directory."""
+
+    build_format: ClassVar[int] = BUILD_FORMAT
+
+    name: str = Field("arith-qwen2-tiny", pattern=NAME_PATTERN,
+                      description="Prefix of the cache directory name.")
+    # 3 rather than 0: of seeds 0-5 of this recipe, its checkpoint lands nearest 25% (0.27 on 1000
+    # held-out problems) and a simulated GRPO run (32x8, lr 1e-4, T=1) lifted it fastest (+33 points
+    # in 100 steps, +40 in 200; seed 0: +25 and +35). Any seed gives a model inside the window.
+    seed: int = Field(3, description="Seeds the weight init, the training batches and the eval problems.")
+
+    digits: int = Field(2, ge=1, description="Operand digits of the arithmetic task.")
+    ops: tuple[str, ...] = Field(("+",), description='Operators of the task, a subset of ("+", "-").')
+    heldout_fraction: float = Field(0.2, gt=0, lt=1, description="Share of problems held out from training.")
+    report_problems: int = Field(1000, ge=1, description="Held-out problems of the final report in bootstrap.json "
+                                 "(greedy and temperature-1 accuracy), at most the whole held-out split.")
     tool_fraction: float = Field(
         0.0, ge=0, lt=1,
         description="Share of warm-up problems posed after the <tools> prompt token: half of them answered through "
                     "a python call (the call, the tool's output — not trained on — then the answer), half directly. "
                     "The model knows the tool format but calls it only half the time: the multi-turn demo's RL "
                     "teaches it when the tool pays (TOOLS_BOOTSTRAP).")
-    threads: int = Field(2, ge=1, le=2, description="torch CPU threads (at most 2: the machine has 2 cores).")
 
     @property
     def task(self) -> ArithmeticConfig:
         return ArithmeticConfig(digits=self.digits, ops=self.ops, heldout_fraction=self.heldout_fraction)
 
-    def digest(self) -> str:
-        """Short stable hash of the config (and the build format): the cache key."""
-        payload = json.dumps({"format": BUILD_FORMAT, **self.model_dump(mode="json")}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+    def build(self, directory: Path) -> dict[str, Any]:
+        return build(self, directory)
 
 
 # The multi-turn demo's base policy: half the <tools> problems of its warm-up go through a call,
@@ -137,7 +160,7 @@ def default_cache_root() -> Path:
     return Path(base) / "models" if base else Path.home() / ".cache" / "policyloop" / "models"
 
 
-def bootstrap_dir(config: BootstrapConfig, cache_root: Path | None = None) -> Path:
+def bootstrap_dir(config: BootstrapRecipe, cache_root: Path | None = None) -> Path:
     return (cache_root or default_cache_root()) / f"{config.name}-{config.digest()}"
 
 
@@ -150,8 +173,9 @@ def read_record(directory: Path) -> dict[str, Any]:
     return json.loads((directory / RECORD_FILE).read_text())
 
 
-def bootstrap(config: BootstrapConfig | None = None, cache_root: Path | None = None, *, force: bool = False) -> Path:
-    """The directory of the bootstrap model for config, built first unless already cached."""
+def bootstrap(config: BootstrapRecipe | None = None, cache_root: Path | None = None, *, force: bool = False) -> Path:
+    """The directory of the bootstrap model for config (the arithmetic one by default), built
+    first unless already cached."""
     config = config or BootstrapConfig()
     final = bootstrap_dir(config, cache_root)
     if is_complete(final) and not force:
@@ -159,7 +183,7 @@ def bootstrap(config: BootstrapConfig | None = None, cache_root: Path | None = N
     final.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.building-", dir=final.parent))
     try:
-        build(config, staging)
+        config.build(staging)
         _install(staging, final, replace=force)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
@@ -178,28 +202,39 @@ def _install(staging: Path, final: Path, *, replace: bool) -> None:
 
 
 def build(config: BootstrapConfig, directory: Path) -> dict[str, Any]:
-    """Trains the model and writes the full model directory; returns the bootstrap.json record."""
+    """Trains the arithmetic model and writes the full model directory; returns the bootstrap.json record."""
+
+    def train(model: Qwen2ForCausalLM) -> dict[str, Any]:
+        eval_set = heldout_problems(config.task, config.eval_problems, seed=config.seed)
+        steps, heldout_acc, history = warm_up(model, config, eval_set)
+        return {"steps": steps, "heldout_accuracy": heldout_acc, "report": _report(model, config),
+                "history": [{"step": s, "heldout_accuracy": a} for s, a in history],
+                "eval_problems": [p.prompt for p in eval_set]}
+
+    return train_and_save(config, directory, lambda: make_model(config), train, save_tokenizer)
+
+
+def train_and_save(config: BootstrapRecipe, directory: Path, make: Callable[[], Qwen2ForCausalLM],
+                   train: Callable[[Qwen2ForCausalLM], dict[str, Any]],
+                   save_tokenizer_files: Callable[[Path], object]) -> dict[str, Any]:
+    """The build every bootstrap model shares: with `config.threads` torch threads and the torch
+    seed set, `make` the model and `train` it (its dict goes into the record), then write the
+    model, the tokenizer and, last, bootstrap.json; returns the record."""
     import torch
     import transformers
 
     started = time.monotonic()
     with _torch_threads(config.threads):
         torch.manual_seed(config.seed)
-        model = make_model(config)
-        eval_set = heldout_problems(config.task, config.eval_problems, seed=config.seed)
-        steps, heldout_acc, history = warm_up(model, config, eval_set)
-        report = _report(model, config)
-    _save(model, directory)
+        model = make()
+        details = train(model)
+    _save(model, directory, save_tokenizer_files)
     record = {
-        "format": BUILD_FORMAT,
+        "format": config.build_format,
         "config": config.model_dump(mode="json"),
         "config_hash": config.digest(),
         "seed": config.seed,
-        "steps": steps,
-        "heldout_accuracy": heldout_acc,
-        "report": report,
-        "history": [{"step": s, "heldout_accuracy": a} for s, a in history],
-        "eval_problems": [p.prompt for p in eval_set],
+        **details,
         "parameters": sum(p.numel() for p in model.parameters()),
         "seconds": round(time.monotonic() - started, 2),
         "torch": torch.__version__,
@@ -209,7 +244,7 @@ def build(config: BootstrapConfig, directory: Path) -> dict[str, Any]:
     return record
 
 
-def _save(model: Qwen2ForCausalLM, directory: Path) -> None:
+def _save(model: Qwen2ForCausalLM, directory: Path, save_tokenizer_files: Callable[[Path], object]) -> None:
     """config.json, generation_config.json, model.safetensors (float32) and the tokenizer files."""
     from transformers.utils import logging as hf_logging
 
@@ -220,7 +255,7 @@ def _save(model: Qwen2ForCausalLM, directory: Path) -> None:
     finally:
         if progress_bar:
             hf_logging.enable_progress_bar()
-    save_tokenizer(directory)
+    save_tokenizer_files(directory)
     # mkdtemp makes the directory private; the cache is shared (other users, containers).
     directory.chmod(0o755)
     for file in directory.iterdir():
@@ -240,30 +275,38 @@ def _torch_threads(threads: int) -> Iterator[None]:
 
 
 def make_model(config: BootstrapConfig) -> Qwen2ForCausalLM:
+    return qwen2_model(config, vocab_size=len(VOCAB), pad_id=PAD_ID, eos_id=EOS_ID, bos_id=BOS_ID)
+
+
+def qwen2_model(config: BootstrapRecipe, *, vocab_size: int, pad_id: int, eos_id: int,
+                bos_id: int | None) -> Qwen2ForCausalLM:
+    """A freshly initialised float32 Qwen2 of the config's shape, embeddings tied, its
+    generation config ending at eos."""
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     model_config = Qwen2Config(
-        vocab_size=len(VOCAB),
+        vocab_size=vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
         num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_heads,
         num_key_value_heads=config.num_kv_heads,
         max_position_embeddings=config.max_position_embeddings,
-        tie_word_embeddings=True,  # the vocabulary is tiny; one matrix is enough
-        pad_token_id=PAD_ID,
-        eos_token_id=EOS_ID,
-        bos_token_id=BOS_ID,
+        tie_word_embeddings=True,  # the vocabulary is small; one matrix is enough
+        pad_token_id=pad_id,
+        eos_token_id=eos_id,
+        bos_token_id=bos_id,
         dtype="float32",
     )
     model = Qwen2ForCausalLM(model_config)
     model.generation_config = GenerationConfig(
-        eos_token_id=EOS_ID, pad_token_id=PAD_ID, bos_token_id=BOS_ID, max_new_tokens=config.max_new_tokens,
+        eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=bos_id, max_new_tokens=config.max_new_tokens,
     )
     return model
 
 
-def _step_seed(seed: int, step: int) -> int:
+def step_seed(seed: int, step: int) -> int:
+    """The seed of step `step`'s batch: batches depend only on (seed, step), so a replay is the same."""
     return int.from_bytes(hashlib.sha256(f"{seed}:{step}".encode()).digest()[:8], "big")
 
 
@@ -308,7 +351,17 @@ def training_batch(problems: Sequence[Problem], modes: Sequence[str] | None = No
 
 def warm_up(model: Qwen2ForCausalLM, config: BootstrapConfig,
             eval_set: Sequence[Problem]) -> tuple[int, float, list[tuple[int, float]]]:
-    """Supervised steps until held-out accuracy enters the window: (steps, accuracy, history).
+    """Supervised steps until held-out accuracy enters the window: (steps, accuracy, history)."""
+    return accuracy_window(model, config,
+                           lambda optimizer, schedule, step: _train_step(model, optimizer, schedule, config, step),
+                           lambda: evaluate(model, eval_set, config.max_new_tokens))
+
+
+def accuracy_window(model: Qwen2ForCausalLM, config: BootstrapRecipe,
+                    train_step: Callable[[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, int], object],
+                    measure: Callable[[], float]) -> tuple[int, float, list[tuple[int, float]]]:
+    """`train_step(optimizer, schedule, step)` until `measure()` enters the config's accuracy
+    window: (steps, accuracy, history).
 
     Evaluations are every `eval_every` steps. If one overshoots `max_accuracy`, the model and
     optimizer go back to the previous evaluation and the interval is replayed with an
@@ -322,12 +375,13 @@ def warm_up(model: Qwen2ForCausalLM, config: BootstrapConfig,
     snapshot = _snapshot(model, optimizer, schedule, 0)
     step, every, replay_until = 0, config.eval_every, -1
     while step < config.max_steps:
-        _train_step(model, optimizer, schedule, config, step)
+        train_step(optimizer, schedule, step)
         step += 1
         if step % every and step != config.max_steps:
             continue
-        acc = evaluate(model, eval_set, config.max_new_tokens)
+        acc = measure()
         history.append((step, acc))
+        log.info("%s: step %d, held-out accuracy %.3f", config.name, step, acc)
         if config.target_accuracy <= acc <= config.max_accuracy:
             return step, acc, history
         if acc > config.max_accuracy:
@@ -346,11 +400,18 @@ def warm_up(model: Qwen2ForCausalLM, config: BootstrapConfig,
 
 def _train_step(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
                 schedule: torch.optim.lr_scheduler.LRScheduler, config: BootstrapConfig, step: int) -> float:
-    model.train()
-    problems = train_problems(config.task, config.batch_size, seed=_step_seed(config.seed, step))
-    modes = tool_modes(len(problems), config.tool_fraction, seed=_step_seed(config.seed + 1, step))
+    problems = train_problems(config.task, config.batch_size, seed=step_seed(config.seed, step))
+    modes = tool_modes(len(problems), config.tool_fraction, seed=step_seed(config.seed + 1, step))
     input_ids, attention_mask, labels = training_batch(problems, modes)
-    loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    return optimize(model, optimizer, schedule,
+                    lambda: model(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss)
+
+
+def optimize(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
+             schedule: torch.optim.lr_scheduler.LRScheduler, loss_fn: Callable[[], torch.Tensor]) -> float:
+    """One optimizer step on the loss `loss_fn` computes (in train mode); returns the loss."""
+    model.train()
+    loss = loss_fn()
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
@@ -374,16 +435,24 @@ def _restore(model: Qwen2ForCausalLM, optimizer: torch.optim.Optimizer,
 
 def generate(model: Qwen2ForCausalLM, prompts: Sequence[str], max_new_tokens: int, *,
              temperature: float = 0.0, generator: torch.Generator | None = None) -> list[Completion]:
-    """Batched decoding with a KV cache; greedy at temperature 0. Prompts are left-padded and
-    each row stops at its eos."""
+    """Batched decoding of character-level prompts; greedy at temperature 0."""
+    tokenizer = build_tokenizer()
+    return generate_ids(model, [tokenizer.encode(p).ids for p in prompts], max_new_tokens, pad_id=PAD_ID,
+                        eos_id=EOS_ID, decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False),
+                        temperature=temperature, generator=generator)
+
+
+def generate_ids(model: Qwen2ForCausalLM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
+                 pad_id: int, eos_id: int, decode: Callable[[list[int]], str], temperature: float = 0.0,
+                 generator: torch.Generator | None = None) -> list[Completion]:
+    """Batched decoding with a KV cache; greedy at temperature 0. Prompts (token ids) are
+    left-padded and each row stops at its eos; `decode` gives a completion's text."""
     import torch
 
-    tokenizer = build_tokenizer()
-    encoded = [tokenizer.encode(p).ids for p in prompts]
-    width = max(len(ids) for ids in encoded)
-    input_ids = torch.tensor([[PAD_ID] * (width - len(ids)) + ids for ids in encoded])
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-    generated = torch.full((len(prompts), max_new_tokens), PAD_ID)
+    width = max(len(ids) for ids in prompts)
+    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in prompts])
+    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts])
+    generated = torch.full((len(prompts), max_new_tokens), pad_id)
     finished = torch.zeros(len(prompts), dtype=torch.bool)
     past = None
     step_ids = input_ids
@@ -395,14 +464,19 @@ def generate(model: Qwen2ForCausalLM, prompts: Sequence[str], max_new_tokens: in
                         past_key_values=past, use_cache=True)
             past = out.past_key_values
             next_ids = _pick(out.logits[:, -1, :], temperature, generator)
-            next_ids = torch.where(finished, PAD_ID, next_ids)
+            next_ids = torch.where(finished, pad_id, next_ids)
             generated[:, t] = next_ids
-            finished |= next_ids == EOS_ID
+            finished |= next_ids == eos_id
             if bool(finished.all()):
                 break
             step_ids = next_ids[:, None]
             attention_mask = torch.cat([attention_mask, torch.ones_like(step_ids)], dim=1)
-    return [_completion(tokenizer, row.tolist()) for row in generated]
+    completions = []
+    for row in generated.tolist():
+        stopped = eos_id in row
+        ids = row[: row.index(eos_id)] if stopped else row
+        completions.append(Completion(token_ids=ids, text=decode(ids), finished_by_stop=stopped))
+    return completions
 
 
 def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:
@@ -414,12 +488,6 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def _completion(tokenizer: Any, row: list[int]) -> Completion:
-    stopped = EOS_ID in row
-    ids = row[: row.index(EOS_ID)] if stopped else row
-    return Completion(token_ids=ids, text=tokenizer.decode(ids, skip_special_tokens=False), finished_by_stop=stopped)
-
-
 def _report(model: Qwen2ForCausalLM, config: BootstrapConfig) -> dict[str, float | int]:
     """A second look on a larger, independent held-out sample: greedy accuracy, and what
     sampling at temperature 1 (as RL does) gives — accuracy and share of well-formed answers."""
@@ -428,7 +496,7 @@ def _report(model: Qwen2ForCausalLM, config: BootstrapConfig) -> dict[str, float
     count = min(config.report_problems, available)
     problems = heldout_problems(config.task, count, seed=config.seed + 1)
     sampled = generate(model, [p.prompt for p in problems], config.max_new_tokens, temperature=1.0,
-                       generator=_generator(config.seed))
+                       generator=seeded_generator(config.seed))
     return {
         "problems": count,
         "greedy_accuracy": evaluate(model, problems, config.max_new_tokens),
@@ -446,7 +514,7 @@ def _tool_report(model: Qwen2ForCausalLM, problems: Sequence[Problem], config: B
         return {}
     python = TOOL_FORMATS[PYTHON]
     sampled = generate(model, [TOOLS_PROMPT_TOKEN + p.prompt for p in problems], 12, temperature=1.0,
-                       generator=_generator(config.seed + 2))
+                       generator=seeded_generator(config.seed + 2))
     calls = [c.text.startswith(python.call_open) for c in sampled]
     exact = [c.text.startswith(f"{python.call_open}{p.prompt.removesuffix('=')}{python.call_close}")
              for c, p in zip(sampled, problems, strict=True)]
@@ -460,7 +528,7 @@ def _tool_report(model: Qwen2ForCausalLM, problems: Sequence[Problem], config: B
                                                  [c.finished_by_stop for c in after])}
 
 
-def _generator(seed: int) -> torch.Generator:
+def seeded_generator(seed: int) -> torch.Generator:
     import torch
 
     return torch.Generator().manual_seed(seed)
@@ -470,6 +538,6 @@ def evaluate(model: Qwen2ForCausalLM, problems: Sequence[Problem], max_new_token
              temperature: float = 0.0, seed: int = 0) -> float:
     """Accuracy under the strict verifier (greedy unless a temperature is given)."""
     completions = generate(model, [p.prompt for p in problems], max_new_tokens,
-                           temperature=temperature, generator=_generator(seed))
+                           temperature=temperature, generator=seeded_generator(seed))
     return accuracy([c.text for c in completions], [p.answer for p in problems],
                     [c.finished_by_stop for c in completions])
