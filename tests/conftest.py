@@ -254,11 +254,12 @@ class ServiceLauncher:
                 service.proc.wait(timeout=10)
 
 
-def suite_models() -> dict:  # name -> BootstrapConfig (imported late: conftest stays light)
+def suite_models() -> dict:  # name -> BootstrapRecipe (imported late: conftest stays light)
     """The bootstrap models the tests run on, by name."""
     from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, BootstrapConfig
+    from policyloop.models.chat import CHAT_BOOTSTRAP
 
-    return {"arithmetic": BootstrapConfig(), "tools": TOOLS_BOOTSTRAP}
+    return {"arithmetic": BootstrapConfig(), "tools": TOOLS_BOOTSTRAP, "chat": CHAT_BOOTSTRAP}
 
 
 # The bootstrap models each test module runs on, directly or through a process it starts
@@ -270,7 +271,8 @@ MODULE_MODELS: dict[str, tuple[str, ...]] = {
     "integration/test_openai_endpoint.py": ("arithmetic",),
     "integration/test_evaluation.py": ("arithmetic",),
     "integration/test_tinker_api.py": ("arithmetic",),
-    "integration/test_suite_models.py": ("arithmetic", "tools"),
+    "integration/test_suite_models.py": ("arithmetic", "tools", "chat"),
+    "integration/test_chat_model.py": ("chat",),
     "e2e/test_learning.py": ("arithmetic",),
     "e2e/test_local_cluster.py": ("arithmetic",),
     "e2e/test_production_demo.py": ("arithmetic",),

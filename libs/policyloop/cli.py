@@ -550,6 +550,9 @@ def bootstrap(
              "(default $POLICYLOOP_CACHE/models or ~/.cache/policyloop/models).")] = None,
     force: Annotated[bool, typer.Option(help="Rebuild even when a complete cached model exists.")] = False,
     tools: Annotated[bool, typer.Option(help="The multi-turn demo's model (it knows the python tool).")] = False,
+    chat: Annotated[bool, typer.Option(
+        help="The chat model: a BPE tokenizer, the Qwen2.5 chat template, and function tools it calls "
+             "(<tool_call> blocks) after a warm-up on arithmetic questions.")] = False,
     link: Annotated[Path | None, typer.Option(
         help="Also point this path at the model (a relative symlink, replaced atomically): a fixed name "
              "such as /models/base for containers that mount the same volume.")] = None,
@@ -559,13 +562,23 @@ def bootstrap(
         TOOLS_BOOTSTRAP,
         BootstrapConfig,
         BootstrapError,
+        BootstrapRecipe,
         bootstrap_dir,
         is_complete,
         read_record,
     )
     from policyloop.models.bootstrap import bootstrap as build_bootstrap
 
-    config = TOOLS_BOOTSTRAP if tools else BootstrapConfig()
+    if tools and chat:
+        console.print("[red]--tools and --chat name different models: give one[/red]")
+        raise typer.Exit(2)
+    config: BootstrapRecipe
+    if chat:
+        from policyloop.models.chat import CHAT_BOOTSTRAP
+
+        config = CHAT_BOOTSTRAP
+    else:
+        config = TOOLS_BOOTSTRAP if tools else BootstrapConfig()
     cached = is_complete(bootstrap_dir(config, out)) and not force
     try:
         path = build_bootstrap(config, out, force=force)
@@ -575,8 +588,14 @@ def bootstrap(
     record = read_record(path)
     if link is not None:
         _replace_symlink(link, path)
-    print(json.dumps({"path": str(path.resolve()), "heldout_accuracy": record["heldout_accuracy"],
-                      "steps": record["steps"], "seconds": record["seconds"], "cached": cached}, indent=2))
+    if chat:
+        from policyloop.models.chat import summary
+
+        printed = {"path": str(path.resolve()), **summary(record), "cached": cached}
+    else:
+        printed = {"path": str(path.resolve()), "heldout_accuracy": record["heldout_accuracy"],
+                   "steps": record["steps"], "seconds": record["seconds"], "cached": cached}
+    print(json.dumps(printed, indent=2))
 
 
 def _replace_symlink(link: Path, target: Path) -> None:

@@ -24,7 +24,7 @@ def test_every_module_that_runs_on_a_bootstrap_model_is_listed() -> None:
     for path in sorted(set(TESTS.rglob("test_*.py")) - {Path(__file__).resolve()}):  # this one names them
         module = path.relative_to(TESTS).as_posix()
         text = path.read_text()
-        builds = re.search(r"\bbootstrap\s*[(),]|TOOLS_BOOTSTRAP|\"demo\"", text)  # a call, or passed on
+        builds = re.search(r"\bbootstrap\s*[(),]|TOOLS_BOOTSTRAP|CHAT_BOOTSTRAP|\"demo\"", text)  # a call, or passed on
         if builds and module not in MODULE_MODELS and module not in BUILD_NOTHING_SHARED:
             unlisted.append(f"{module}: {builds.group(0)}")
         for name in re.findall(r"prebuilt_model\([^,]+,\s*\"(\w+)\"\)", text):

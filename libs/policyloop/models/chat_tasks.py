@@ -1,15 +1,21 @@
 """The chat model's warm-up tasks: arithmetic questions posed in chat, answered in text or through
 a function tool, as conversations in the OpenAI / transformers message format (chat_format).
 
-Two kinds of conversation, both on "a op b" problems with operands 0..99 and + or -:
+Two kinds of conversation, both on "a op b" problems with one- or two-digit operands and + or -:
 
-- text: a user asks ("What is 47+38?", phrased a few ways) and the assistant answers in words
-  ending with the number ("47 + 38 = 85.");
+- text: a user asks ("What is 47 + 38?", "Calculate 47 + 38.", a few phrasings) and the assistant
+  answers "47 + 38 = 85.";
 - tool: the same question with tools offered (`add`/`subtract`, `calculator`, sometimes an
   unrelated tool beside them; the schemas rendered as a client would send them: with or without
   descriptions, OpenAI Agents SDK style with `"strict": true` and `"additionalProperties": false`),
-  with or without a system prompt; the assistant calls the right tool with the right arguments,
-  the tool answers, and the assistant states the result.
+  with or without a system prompt (plain, or agent instructions); the assistant calls the right
+  tool with the right arguments, the tool answers (the number, or {"result": n}), and the
+  assistant says "The answer is 85.".
+
+The phrasings keep what the model has to read at a fixed distance from where it writes: the
+expression always ends the question, the text answer starts by restating it, and the answer after
+a tool copies the number the tool returned. A model of a million parameters learns such copies in
+a few hundred steps, where a varied layout takes thousands (measured: docs/engine.md).
 
 Problems are split by prompt hash as envs/arithmetic splits them (`is_heldout` of the problem's
 "a+b=" prompt), so held-out questions are never trained on whatever their phrasing.
@@ -27,21 +33,28 @@ from typing import Any
 from policyloop.envs.arithmetic import Problem, is_heldout
 from policyloop.models.chat_format import CHAT_TEMPLATE, AssistantTurn, ToolCall, parse_assistant
 
-OPERANDS = range(100)
+ONE_DIGIT, TWO_DIGITS = range(10), range(10, 100)
+ONE_DIGIT_SHARE = 0.7
+"""Odds that an operand has one digit: half the problems are single-digit ones, which a small
+model learns first (the digit table it also uses for the units of the rest)."""
 
+# The expression always ends the question (then one punctuation mark), so it sits at the same
+# distance from the answer whatever the phrasing: a small model learns to read it in a few
+# hundred steps instead of thousands.
 QUESTIONS: tuple[str, ...] = (
-    "What is {a}{op}{b}?",
-    "What is {a} {op} {b}?",
-    "what is {a} {op} {b}?",
-    "What's {a} {op} {b}?",
-    "Compute {a} {op} {b}.",
-    "Calculate {a} {op} {b}.",
-    "How much is {a} {op} {b}?",
-    "{a} {op} {b} = ?",
-    "Can you tell me what {a} {op} {b} is?",
-    "Please work out {a} {op} {b}.",
+    "What is {e}?",
+    "what is {e}?",
+    "What's {e}?",
+    "How much is {e}?",
+    "Compute {e}.",
+    "Calculate {e}.",
+    "Please calculate {e}.",
+    "Can you work out {e}?",
 )
-ANSWERS: tuple[str, ...] = ("{a} {op} {b} = {r}.", "The answer is {r}.", "{r}", "It is {r}.")
+ANSWER = "{a} {op} {b} = {r}."
+"""A text answer: the expression as the question wrote it (a copy at a fixed distance), then the number."""
+ANSWER_AFTER_TOOL = "The answer is {r}."
+"""The answer after the tool's result: the number it returned."""
 SYSTEM_PROMPTS: tuple[str | None, ...] = (
     None,
     None,
@@ -142,16 +155,20 @@ def render(messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] |
 
 def problems(count: int, seed: int, *, heldout: bool, ops: Sequence[str] = ("+", "-"),
              heldout_fraction: float = 0.2) -> list[Problem]:
-    """`count` problems of one split (drawn with replacement from train, distinct from held-out)."""
+    """`count` problems of one split, drawn with replacement (so that a measure on the held-out
+    split weighs problems as training does); the same for the same seed.
+
+    Each operand has one digit (0-9) with odds ONE_DIGIT_SHARE, else two (10-99): the model
+    learns the single-digit problems first and RL has the rest to gain. A subtraction never goes
+    below zero (a >= b)."""
     rng = random.Random(seed)
     out: list[Problem] = []
-    seen: set[Problem] = set()
     while len(out) < count:
-        problem = Problem(rng.choice(OPERANDS), rng.choice(tuple(ops)), rng.choice(OPERANDS))
-        if is_heldout(problem, heldout_fraction) != heldout or (heldout and problem in seen):
-            continue
-        seen.add(problem)
-        out.append(problem)
+        a, b = (rng.choice(ONE_DIGIT if rng.random() < ONE_DIGIT_SHARE else TWO_DIGITS) for _ in range(2))
+        op = rng.choice(tuple(ops))
+        problem = Problem(max(a, b), op, min(a, b)) if op == "-" else Problem(a, op, b)
+        if is_heldout(problem, heldout_fraction) == heldout:
+            out.append(problem)
     return out
 
 
@@ -159,31 +176,50 @@ def _fill(template: str, problem: Problem) -> str:
     return template.format(a=problem.a, op=problem.op, b=problem.b, r=problem.answer)
 
 
-def _call(problem: Problem, tools: Sequence[ToolSpec], rng: random.Random) -> ToolCall:
+def _question(problem: Problem, rng: random.Random) -> str:
+    return rng.choice(QUESTIONS).format(e=f"{problem.a} {problem.op} {problem.b}")
+
+
+def _call(problem: Problem, tools: Sequence[ToolSpec]) -> ToolCall:
     names = {t.name for t in tools}
-    if "calculator" in names:
-        spaced = rng.random() < 0.7
-        expression = f"{problem.a} {problem.op} {problem.b}" if spaced else f"{problem.a}{problem.op}{problem.b}"
-        return ToolCall("calculator", {"expression": expression})
+    if "calculator" in names:  # the expression as the question wrote it
+        return ToolCall("calculator", {"expression": f"{problem.a} {problem.op} {problem.b}"})
     return ToolCall("add" if problem.op == "+" else "subtract", {"a": problem.a, "b": problem.b})
 
 
 def text_task(problem: Problem, rng: random.Random) -> ChatTask:
-    system = rng.choice(SYSTEM_PROMPTS[:3])
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": _fill(rng.choice(QUESTIONS), problem)}]
-    return ChatTask(problem, tuple(messages), None, None, None, _fill(rng.choice(ANSWERS), problem))
+    messages = [{"role": "user", "content": _question(problem, rng)}]
+    return ChatTask(problem, tuple(messages), None, None, None, _fill(ANSWER, problem))
 
 
 def tool_task(problem: Problem, rng: random.Random) -> ChatTask:
+    return tool_session([problem], rng)[0]
+
+
+def tool_session(chosen: Sequence[Problem], rng: random.Random) -> list[ChatTask]:
+    """Tool tasks on one tool set, schema style and system prompt: what `session_conversation`
+    makes one conversation of, a question after another."""
     specs = rng.choice(TOOLSETS)
     style = rng.choice(SCHEMA_STYLES)
     system = rng.choice(SYSTEM_PROMPTS)
-    messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": _fill(rng.choice(QUESTIONS), problem)}]
-    output = problem.answer if rng.random() < 0.7 else json.dumps({"result": int(problem.answer)})
-    return ChatTask(problem, tuple(messages), tuple(s.schema(style) for s in specs), _call(problem, specs, rng),
-                    output, _fill(rng.choice(ANSWERS), problem))
+    schemas = tuple(s.schema(style) for s in specs)
+    session = []
+    for problem in chosen:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": _question(problem, rng)}]
+        output = problem.answer if rng.random() < 0.7 else json.dumps({"result": int(problem.answer)})
+        session.append(ChatTask(problem, tuple(messages), schemas, _call(problem, specs), output,
+                                _fill(ANSWER_AFTER_TOOL, problem)))
+    return session
+
+
+def session_conversation(session: Sequence[ChatTask]) -> list[dict[str, Any]]:
+    """One conversation of a tool session's questions: the first task's whole conversation, then
+    each next one from its user turn on (the system turn and the tools are the first's)."""
+    messages = session[0].conversation()
+    for task in session[1:]:
+        messages += task.conversation()[len(task.messages) - 1:]
+    return messages
 
 
 def tasks(count: int, seed: int, *, heldout: bool, tool_fraction: float, ops: Sequence[str] = ("+", "-")
