@@ -16,6 +16,7 @@ from policyloop.models.chat_tasks import (
     ADD,
     CALCULATOR,
     SUBTRACT,
+    calculate,
     call_correct,
     problems,
     render,
@@ -86,6 +87,13 @@ def test_calculator_calls_may_space_the_expression() -> None:
     for expression in (f"{p.a}{p.op}{p.b}", f"{p.a} {p.op} {p.b}", f" {p.a} {p.op}  {p.b} "):
         assert call_correct(parse_assistant(render_tool_call(ToolCall("calculator", {"expression": expression}))), task)
     assert {ADD.name, SUBTRACT.name, CALCULATOR.name} == {"add", "subtract", "calculator"}
+
+
+def test_the_calculator_tool_computes_what_its_calls_may_ask_and_refuses_the_rest() -> None:
+    assert (calculate("47 + 38"), calculate("9-12"), calculate(" -3 + 4 ")) == (85, -3, 1)
+    for bad in ("", "4 * 5", "1 + 2 + 3", "__import__('os')", "x + 1"):
+        with pytest.raises(ValueError, match="not an expression"):
+            calculate(bad)
 
 
 def test_the_loss_covers_the_assistant_turns_only() -> None:

@@ -236,6 +236,21 @@ def text_correct(text: str, finished_by_stop: bool, problem: Problem) -> bool:
     return finished_by_stop and bool(numbers) and numbers[-1] == problem.answer and "<tool_call>" not in text
 
 
+def calculate(expression: str) -> int:
+    """The `calculator` tool: the value of "a + b" or "a - b" (integers); ValueError for anything else."""
+    match = _EXPRESSION.fullmatch(expression)
+    if match is None:
+        raise ValueError(f"not an expression 'a + b' or 'a - b' of integers: {expression!r}")
+    a, op, b = int(match[1]), match[2], int(match[3])
+    return a + b if op == "+" else a - b
+
+
+def calculator_call_correct(expression: object, problem: Problem) -> bool:
+    """The calculator's expression is the problem's (spaces aside)."""
+    match = _EXPRESSION.fullmatch(str(expression))
+    return match is not None and (int(match[1]), match[2], int(match[3])) == (problem.a, problem.op, problem.b)
+
+
 def call_correct(turn: AssistantTurn, task: ChatTask) -> bool:
     """The turn makes exactly one call, to an offered tool, whose arguments compute the problem."""
     offered = {t["function"]["name"] for t in task.tools or ()}
@@ -243,9 +258,7 @@ def call_correct(turn: AssistantTurn, task: ChatTask) -> bool:
         return False
     call, problem = turn.tool_calls[0], task.problem
     if call.name == "calculator":
-        match = _EXPRESSION.fullmatch(str(call.arguments.get("expression", "")))
-        return (set(call.arguments) == {"expression"} and match is not None
-                and (int(match[1]), match[2], int(match[3])) == (problem.a, problem.op, problem.b))
+        return set(call.arguments) == {"expression"} and calculator_call_correct(call.arguments["expression"], problem)
     wanted = "add" if problem.op == "+" else "subtract"
     return call.name == wanted and call.arguments == {"a": problem.a, "b": problem.b}
 

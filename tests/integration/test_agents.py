@@ -1,0 +1,126 @@
+"""The official OpenAI Agents SDK drives the chat bootstrap model (MODULE_MODELS) through the
+serving endpoint: an Agent with a Python function tool gets a question, the model calls the
+tool, the SDK runs it and sends its result back, the model answers. Each run is an agent session
+(X-Session-Id) whose exchanges export as one token sequence, and the tokens the model wrote are
+exactly the engine's greedy tokens for the prompts it read. The same agent over Chat Completions
+(streamed, so its tool calls arrive as delta.tool_calls chunks) makes the same calls."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from policyloop.bus import Bus
+from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.models.chat_tasks import calculate, problems
+from policyloop.serving.traces import read_exchanges, session_segments
+from tests.conftest import prebuilt_model
+from tests.helpers import openai_endpoint
+
+agents = pytest.importorskip("agents")
+openai = pytest.importorskip("openai")
+
+SERVED = "chat-agent"
+INSTRUCTIONS = "You are a math assistant. Use the tools you are given to compute exact results."
+MAX_TOKENS = 48
+
+
+@dataclass
+class Calls:
+    """What the agent's tool was asked, in order."""
+    expressions: list[str] = field(default_factory=list)
+
+
+def calculator_agent(model: Any, calls: Calls, session_id: str) -> Any:
+    @agents.function_tool
+    def calculator(expression: str) -> str:
+        """Evaluate an arithmetic expression such as '12 + 7' and return the result."""
+        calls.expressions.append(expression)
+        return str(calculate(expression))
+
+    return agents.Agent(name="calculator-agent", instructions=INSTRUCTIONS, tools=[calculator], model=model,
+                        model_settings=agents.ModelSettings(temperature=0, max_tokens=MAX_TOKENS,
+                                                            extra_headers={"X-Session-Id": session_id}))
+
+
+@pytest.fixture(scope="module")
+def chat_dir(request: pytest.FixtureRequest) -> Path:
+    return prebuilt_model(request.config, "chat")
+
+
+@pytest.fixture
+async def served(chat_dir: Path, bus: Bus) -> AsyncIterator[tuple[str, Any]]:
+    agents.set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
+    async with openai_endpoint(chat_dir, bus, SERVED) as (url, engine, _tokenizer):
+        yield url, engine
+
+
+QUESTIONS = [f"What is {p.a} {p.op} {p.b}?" for p in problems(6, 17, heldout=True)]
+
+
+async def run_agents(url: str, api: str, *, streamed: bool) -> dict[str, tuple[list[str], str]]:
+    """Each question to a fresh agent session: session id -> (the tool's calls, the final output)."""
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    model = agents.OpenAIResponsesModel(SERVED, client) if api == "responses" else \
+        agents.OpenAIChatCompletionsModel(SERVED, client)
+    done = {}
+    for number, question in enumerate(QUESTIONS):
+        calls, session_id = Calls(), f"{api}-{number}"
+        agent = calculator_agent(model, calls, session_id)
+        if streamed:
+            run = agents.Runner.run_streamed(agent, question, max_turns=3)
+            async for _ in run.stream_events():
+                pass
+        else:
+            run = await agents.Runner.run(agent, question, max_turns=3)
+        done[session_id] = (calls.expressions, str(run.final_output))
+    await client.close()
+    return done
+
+
+@pytest.mark.timeout(300)
+async def test_an_agent_calls_its_tool_reads_the_result_and_answers_with_exact_tokens_recorded(
+        served: tuple[str, Any], bus: Bus) -> None:
+    url, engine = served
+    done = await run_agents(url, "responses", streamed=False)
+    called = {sid: run for sid, run in done.items() if run[0]}
+    # The model calls the tool on most questions, and some of its calls are followed by an answer
+    # that states the tool's result (the rest of its imperfection is what training is for).
+    assert len(called) >= len(QUESTIONS) // 2, done
+    answered = [sid for sid, (expressions, output) in called.items() if str(calculate(expressions[-1])) in output]
+    assert answered, done
+
+    exchanges = await read_exchanges(bus, SERVED)
+    segments = {s.session_id: s for s in session_segments(exchanges)}
+    assert set(segments) == set(done) and all(s.index == 0 for s in segments.values())
+    for sid, (expressions, _) in done.items():
+        segment = segments[sid]
+        # One model request per call plus the answer; each prompt continues the last exchange's tokens.
+        assert len(segment.exchanges) == len(expressions) + 1
+        last = segment.exchanges[-1].trace
+        assert segment.token_ids == list(last.prompt_token_ids) + list(last.response_token_ids)
+        wrote = [t for e in segment.exchanges for t in e.trace.response_token_ids]
+        assert [t for t, m in zip(segment.token_ids, segment.loss_mask, strict=True) if m] == wrote
+        for exchange in segment.exchanges:  # the engine's own greedy tokens for the prompt it read
+            trace = exchange.trace
+            again = await engine.generate(GenerateRequest(input_ids=list(trace.prompt_token_ids), sampling_params=
+                                                          SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0.0)))
+            assert list(trace.response_token_ids) == again.output_ids
+        if expressions:
+            first = segment.exchanges[0].trace
+            assert [c.name for c in first.response_tool_calls] == ["calculator"]
+            assert [m.role for m in last.messages][-2:] == ["assistant", "tool"]
+            assert last.messages[-1].content == str(calculate(expressions[0]))
+
+
+@pytest.mark.timeout(300)
+async def test_the_same_agent_over_streamed_chat_completions_makes_the_same_calls(served: tuple[str, Any]) -> None:
+    url, _ = served
+    responses = await run_agents(url, "responses", streamed=False)
+    streamed = await run_agents(url, "chat", streamed=True)
+    assert [run for _, run in sorted(streamed.items())] == [run for _, run in sorted(responses.items())]
+    assert any(expressions for expressions, _ in streamed.values())
