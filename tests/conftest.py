@@ -277,6 +277,7 @@ MODULE_MODELS: dict[str, tuple[str, ...]] = {
     "e2e/test_learning.py": ("arithmetic",),
     "e2e/test_local_cluster.py": ("arithmetic",),
     "e2e/test_production_demo.py": ("arithmetic",),
+    "e2e/test_agent_demo.py": ("chat",),
 }
 
 

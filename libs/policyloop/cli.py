@@ -474,10 +474,18 @@ def demo(
         "--production", help="The whole production loop (docs/evaluation.md): train with the evaluator scoring "
                              "versions and promoting by rule to a serving replica, send it scripted traffic with "
                              "feedback, turn the traces into an environment and train a second run on it.")] = False,
-    traffic: Annotated[int, typer.Option(help="--production: requests the scripted client sends.")] = 96,
+    traffic: Annotated[int | None, typer.Option(
+        help="--production: requests the scripted client sends; --agent: agent sessions (default: each demo's own)."
+    )] = None,
     traces_budget_s: Annotated[float, typer.Option(help="--production: seconds of the run on the traces.")] = 150.0,
     every_versions: Annotated[int, typer.Option(help="--production: the evaluator scores every this many versions.")]
     = 20,
+    agent: Annotated[bool, typer.Option(
+        "--agent", help="The chat model served as an OpenAI Agents SDK agent with a calculator tool: held-out "
+                        "questions measured through the endpoint, scripted agent traffic with feedback, SFT on the "
+                        "rewarded sessions, the promoted version measured again (docs/serving.md).")] = False,
+    sessions_per_step: Annotated[int | None, typer.Option(
+        help="--agent: rewarded sessions per SFT step, for --groups-per-step (default: the demo's own).")] = None,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
@@ -496,8 +504,13 @@ def demo(
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
     signal.signal(signal.SIGTERM, _interrupt)  # a demo told to stop stops its cluster on the way out, as on Ctrl-C
+    if production and agent:
+        console.print("[red]--production and --agent are two demos: choose one[/red]")
+        raise typer.Exit(2)
     if production:
         sys.exit(_production_demo(config, traffic, traces_budget_s, every_versions))
+    if agent:
+        sys.exit(_agent_demo(config, traffic, sessions_per_step))
     sys.exit(run_demo(config, console=console, print_status=_print_status))
 
 
@@ -530,7 +543,7 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def _production_demo(config, traffic: int, traces_budget_s: float, every_versions: int) -> int:  # type: ignore[no-untyped-def]
+def _production_demo(config, traffic: int | None, traces_budget_s: float, every_versions: int) -> int:  # type: ignore[no-untyped-def]
     """`demo --production` on the demo's loop settings (its own run directory by default)."""
     from policyloop.cluster.demo_production import ProductionConfig, run_production_demo
 
@@ -539,8 +552,25 @@ def _production_demo(config, traffic: int, traces_budget_s: float, every_version
         raise typer.Exit(2)
     if config.run_dir == Path("runs/demo"):
         config.run_dir = Path("runs/demo-production")
-    return run_production_demo(ProductionConfig(loop=config, traffic=traffic, traces_budget_s=traces_budget_s,
-                                                every_versions=every_versions), console=console)
+    production = ProductionConfig(loop=config, traces_budget_s=traces_budget_s, every_versions=every_versions)
+    production.traffic = production.traffic if traffic is None else traffic
+    return run_production_demo(production, console=console)
+
+
+def _agent_demo(config, traffic: int | None, sessions_per_step: int | None) -> int:  # type: ignore[no-untyped-def]
+    """`demo --agent`: the chat model, its own run directory by default."""
+    from policyloop.cluster.demo_agent import AgentDemoConfig, run_agent_demo
+
+    agent = AgentDemoConfig()
+    agent.traffic = agent.traffic if traffic is None else traffic
+    config.groups_per_step = agent.loop.groups_per_step if sessions_per_step is None else sessions_per_step
+    agent.loop = config
+    if config.lora_rank or config.tools or config.tracker != "none" or agent.traffic < 1:
+        console.print("[red]--agent trains the full model, without --tools or --tracker, on --traffic >= 1[/red]")
+        raise typer.Exit(2)
+    if config.run_dir == Path("runs/demo"):
+        config.run_dir = Path("runs/demo-agent")
+    return run_agent_demo(agent, console=console)
 
 
 @app.command()

@@ -15,9 +15,12 @@ from typing import Any
 import pytest
 
 from policyloop.bus import Bus
+from policyloop.cluster import demo_agent
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
+from policyloop.gateway.feeding import demonstration
+from policyloop.gateway.validation import validate_environment
 from policyloop.models.chat_tasks import calculate, problems
-from policyloop.serving.traces import read_exchanges, session_segments
+from policyloop.serving.traces import environment_from_traces, read_exchanges, session_segments
 from tests.conftest import prebuilt_model
 from tests.helpers import openai_endpoint
 
@@ -57,6 +60,13 @@ async def served(chat_dir: Path, bus: Bus) -> AsyncIterator[tuple[str, Any]]:
     agents.set_tracing_disabled(True)  # the SDK would export its traces to OpenAI's servers
     async with openai_endpoint(chat_dir, bus, SERVED) as (url, engine, _tokenizer):
         yield url, engine
+
+
+@pytest.fixture
+async def served_as_demo(chat_dir: Path, bus: Bus) -> AsyncIterator[tuple[str, Any]]:
+    """The endpoint under the demo's model name (the run whose promotions a serving replica follows)."""
+    async with openai_endpoint(chat_dir, bus, demo_agent.AGENT_RUN) as (url, _engine, tokenizer):
+        yield url, tokenizer
 
 
 QUESTIONS = [f"What is {p.a} {p.op} {p.b}?" for p in problems(6, 17, heldout=True)]
@@ -124,3 +134,42 @@ async def test_the_same_agent_over_streamed_chat_completions_makes_the_same_call
     streamed = await run_agents(url, "chat", streamed=True)
     assert [run for _, run in sorted(streamed.items())] == [run for _, run in sorted(responses.items())]
     assert any(expressions for expressions, _ in streamed.values())
+
+
+@pytest.mark.timeout(300)
+async def test_the_agent_demos_usage_becomes_one_demonstration_per_rewarded_session(
+        served_as_demo: tuple[str, Any], bus: Bus) -> None:
+    """What `policyloop demo --agent` does between its measures, in one process: agent sessions
+    through the endpoint, judged and given feedback per session; the rewarded ones are a
+    supervised environment the gateway accepts, each session one demonstration trained where the
+    model wrote (its calls and answers), never on the instructions, questions or tool results."""
+    url, tokenizer = served_as_demo
+    config = demo_agent.AgentDemoConfig(concurrency=4)
+    chosen = problems(24, 5, heldout=False)
+    runs = await demo_agent.run_agents(f"{url}/v1", chosen, config, temperature=0.0)  # greedy: the same every run
+    usage = demo_agent.measure(runs, version=0)
+    assert usage.sessions == 24 and usage.right_answers <= usage.valid_calls
+    assert usage.validity_interval[0] <= usage.validity <= usage.validity_interval[1]
+    for run, problem in zip(runs, chosen, strict=True):  # the demo's judgement, by hand
+        assert run.valid_call == (bool(run.expressions) and run.expressions[0].replace(" ", "") ==
+                                  f"{problem.a}{problem.op}{problem.b}")
+    assert await demo_agent.give_feedback(f"{url}/v1", runs) == 24
+
+    exchanges = await read_exchanges(bus, demo_agent.AGENT_RUN)
+    rewarded = {r.session_id for r in runs if r.valid_call and r.right_answer}
+    segments = {s.session_id: s for s in session_segments(exchanges) if s.index == 0}
+    assert set(segments) == {r.session_id for r in runs}
+    env = environment_from_traces(exchanges, "agent-sessions", "v1", min_reward=1.0, eval_fraction=0.0,
+                                  supervised=True)
+    validate_environment(env)
+    assert env.tasks and {t.metadata["session_id"] for t in env.tasks} == {s for s in rewarded if not segments[s].broken_before}
+    for index, task in enumerate(env.tasks):
+        segment = segments[task.metadata["session_id"]]
+        assert list(task.prompt_token_ids) + list(task.demonstration_token_ids) == segment.token_ids
+        trajectory = demonstration(demo_agent.AGENT_RUN, env.name, task, index)
+        trained = tokenizer.decode([t for t, m in zip(trajectory.response_token_ids, trajectory.loss_mask,
+                                                       strict=True) if m])
+        assert trajectory.supervised and "<tool_call>" in trained and "The answer is" in trained
+        untrained = tokenizer.decode([t for t, m in zip(trajectory.response_token_ids, trajectory.loss_mask,
+                                                         strict=True) if not m])
+        assert "<tool_response>" in untrained and demo_agent.INSTRUCTIONS not in trained

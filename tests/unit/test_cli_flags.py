@@ -14,6 +14,9 @@ import pytest
     (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
     (["--weight-update-mode", "sideways"], "--weight-update-mode must be one of"),
     (["--tracker", "neptune"], "--tracker must be one of none, tensorboard, wandb, mlflow"),
+    (["--agent", "--production"], "--production and --agent are two demos: choose one"),
+    (["--agent", "--tools"], "--agent trains the full model, without --tools or --tracker, on --traffic >= 1"),
+    (["--agent", "--traffic", "0"], "--agent trains the full model, without --tools or --tracker, on --traffic >= 1"),
 ])
 def test_demo_refuses_an_unknown_objective(flags: list[str], named: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """In this process (typer's runner): the module entry point is run by the test below."""
