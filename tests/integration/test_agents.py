@@ -162,7 +162,8 @@ async def test_the_agent_demos_usage_becomes_one_demonstration_per_rewarded_sess
     env = environment_from_traces(exchanges, "agent-sessions", "v1", min_reward=1.0, eval_fraction=0.0,
                                   supervised=True)
     validate_environment(env)
-    assert env.tasks and {t.metadata["session_id"] for t in env.tasks} == {s for s in rewarded if not segments[s].broken_before}
+    whole = {s for s in rewarded if not segments[s].broken_before}
+    assert env.tasks and {t.metadata["session_id"] for t in env.tasks} == whole
     for index, task in enumerate(env.tasks):
         segment = segments[task.metadata["session_id"]]
         assert list(task.prompt_token_ids) + list(task.demonstration_token_ids) == segment.token_ids
