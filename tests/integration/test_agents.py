@@ -157,20 +157,22 @@ async def test_the_agent_demos_usage_becomes_one_demonstration_per_rewarded_sess
 
     exchanges = await read_exchanges(bus, demo_agent.AGENT_RUN)
     rewarded = {r.session_id for r in runs if r.valid_call and r.right_answer}
-    segments = {s.session_id: s for s in session_segments(exchanges) if s.index == 0}
-    assert set(segments) == {r.session_id for r in runs}
+    segments = {(s.session_id, s.index): s for s in session_segments(exchanges)}
+    assert {sid for sid, _ in segments} == {r.session_id for r in runs}
     env = environment_from_traces(exchanges, "agent-sessions", "v1", min_reward=1.0, eval_fraction=0.0,
                                   supervised=True)
     validate_environment(env)
-    whole = {s for s in rewarded if not segments[s].broken_before}
-    assert env.tasks and {t.metadata["session_id"] for t in env.tasks} == whole
+    # Each segment of a rewarded session is a task (a session whose continuity broke gives two).
+    kept = {(t.metadata["session_id"], int(t.metadata["segment"])) for t in env.tasks}
+    assert env.tasks and kept == {key for key in segments if key[0] in rewarded}
+    trained_by_session: dict[str, str] = {}
     for index, task in enumerate(env.tasks):
-        segment = segments[task.metadata["session_id"]]
+        segment = segments[task.metadata["session_id"], int(task.metadata["segment"])]
         assert list(task.prompt_token_ids) + list(task.demonstration_token_ids) == segment.token_ids
         trajectory = demonstration(demo_agent.AGENT_RUN, env.name, task, index)
-        trained = tokenizer.decode([t for t, m in zip(trajectory.response_token_ids, trajectory.loss_mask,
-                                                       strict=True) if m])
-        assert trajectory.supervised and "<tool_call>" in trained and "The answer is" in trained
-        untrained = tokenizer.decode([t for t, m in zip(trajectory.response_token_ids, trajectory.loss_mask,
-                                                         strict=True) if not m])
-        assert "<tool_response>" in untrained and demo_agent.INSTRUCTIONS not in trained
+        pairs = list(zip(trajectory.response_token_ids, trajectory.loss_mask, strict=True))
+        trained, untrained = (tokenizer.decode([t for t, m in pairs if m == kind]) for kind in (True, False))
+        assert trajectory.supervised and demo_agent.INSTRUCTIONS not in trained and "<tool_response>" not in trained
+        assert "<tool_response>" in untrained or segment.index > 0  # a segment after a break starts past it
+        trained_by_session[segment.session_id] = trained_by_session.get(segment.session_id, "") + trained
+    assert all("<tool_call>" in text and "The answer is" in text for text in trained_by_session.values())
