@@ -230,6 +230,30 @@ async def test_the_responses_api_takes_items_and_function_call_outputs(
     await client.close()
 
 
+@pytest.mark.timeout(180)
+async def test_the_responses_api_streams_its_events_and_ends_with_the_whole_response(
+        served: tuple[str, SGLangClient, Any], bus: Bus) -> None:
+    url, _, _ = served
+    client = client_of(url)
+    ask = {"model": SERVED, "input": "Tell me something.", "max_output_tokens": 10, "temperature": 0,
+           "tools": [{"type": "function", "name": "add", "parameters": ADD["function"]["parameters"]}]}
+    whole = await client.responses.create(**ask)
+    events = [event async for event in await client.responses.create(**ask, stream=True)]
+    kinds = [event.type for event in events]
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == f"response.{whole.status}"
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    last = events[-1].response
+    assert [item.type for item in last.output] == [item.type for item in whole.output]
+    assert last.output_text == whole.output_text == "".join(
+        event.delta for event in events if event.type == "response.output_text.delta")
+    if whole.output_text:  # the message item opened, its text streamed, closed with the same id
+        done = next(event for event in events if event.type == "response.output_item.done")
+        assert done.item.id == last.output[0].id and done.item.content[0].text == whole.output_text
+    streamed = (await read_exchanges_by_id(bus, SERVED))[last.id.removeprefix("resp_")].trace
+    assert streamed.endpoint == "responses" and streamed.response_text == whole.output_text
+    await client.close()
+
+
 HUGE = "x" * (MAX_BODY_BYTES + 1)
 
 
@@ -268,7 +292,8 @@ CALL = {"role": "assistant", "content": None, "tool_calls": [
      400, "messages[0].content[0].type"),
     ("chat/completions", chat(messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0]"),
     ("responses", {"model": SERVED, "input": "hi", "previous_response_id": "resp_1"}, 400, "previous_response_id"),
-    ("responses", {"model": SERVED, "input": "hi", "stream": True}, 400, "stream"),
+    ("responses", {"model": SERVED, "input": "hi", "stream": "maybe"}, 400, "stream"),
+    ("responses", {"model": SERVED, "input": "hi", "reasoning": {"effort": "low"}}, 400, "reasoning"),
     ("responses", {"model": SERVED, "input": [{"type": "reasoning", "summary": []}]}, 400, "input[0].type"),
     ("responses", {"model": SERVED, "input": "hi", "text": {"format": {"type": "json_schema"}}}, 400,
      "text.format.type"),

@@ -2,8 +2,8 @@
 serving endpoint: an Agent with a Python function tool gets a question, the model calls the
 tool, the SDK runs it and sends its result back, the model answers. Each run is an agent session
 (X-Session-Id) whose exchanges export as one token sequence, and the tokens the model wrote are
-exactly the engine's greedy tokens for the prompts it read. The same agent over Chat Completions
-(streamed, so its tool calls arrive as delta.tool_calls chunks) makes the same calls."""
+exactly the engine's greedy tokens for the prompts it read. The same agent streamed, over the
+Responses API's events or Chat Completions' chunks, makes the same calls."""
 
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ async def run_agents(url: str, api: str, *, streamed: bool) -> dict[str, tuple[l
         agents.OpenAIChatCompletionsModel(SERVED, client)
     done = {}
     for number, question in enumerate(QUESTIONS):
-        calls, session_id = Calls(), f"{api}-{number}"
+        calls, session_id = Calls(), f"{api}-{'streamed' if streamed else 'whole'}-{number}"
         agent = calculator_agent(model, calls, session_id)
         if streamed:
             run = agents.Runner.run_streamed(agent, question, max_turns=3)
@@ -128,12 +128,15 @@ async def test_an_agent_calls_its_tool_reads_the_result_and_answers_with_exact_t
 
 
 @pytest.mark.timeout(300)
-async def test_the_same_agent_over_streamed_chat_completions_makes_the_same_calls(served: tuple[str, Any]) -> None:
+async def test_the_same_agent_streamed_makes_the_same_calls(served: tuple[str, Any]) -> None:
+    """Runner.run_streamed over the Responses API (its events) and over Chat Completions (tool
+    calls as delta.tool_calls chunks): the same calls and answers as the whole responses."""
     url, _ = served
-    responses = await run_agents(url, "responses", streamed=False)
-    streamed = await run_agents(url, "chat", streamed=True)
-    assert [run for _, run in sorted(streamed.items())] == [run for _, run in sorted(responses.items())]
-    assert any(expressions for expressions, _ in streamed.values())
+    whole = await run_agents(url, "responses", streamed=False)
+    assert any(expressions for expressions, _ in whole.values())
+    for api in ("responses", "chat"):
+        streamed = await run_agents(url, api, streamed=True)
+        assert [run for _, run in sorted(streamed.items())] == [run for _, run in sorted(whole.items())], api
 
 
 @pytest.mark.timeout(300)

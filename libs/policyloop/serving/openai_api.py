@@ -355,10 +355,12 @@ class OpenAIApi:
 
     # -- streaming ------------------------------------------------------------------------------
 
-    async def _stream(self, request: web.Request, parsed: SamplingRequest, prompt: Prompt) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, parsed: SamplingRequest, prompt: Prompt,
+                      form: StreamFormat | None = None) -> web.StreamResponse:
         """stream: server-sent events in OpenAI's chunk shapes, a chunk per engine step that
         completes text, choices interleaved; each choice's trace is stored before its last chunk,
-        then [DONE]."""
+        then [DONE]. `form` writes the chunks as another API's events (the Responses API's)."""
+        form = form or StreamFormat()
         response_id = uuid.uuid4().hex
         async with self.adapter() as lease, contextlib.AsyncExitStack() as stack:
             streams = []
@@ -374,18 +376,25 @@ class OpenAIApi:
             await response.prepare(request)
             lock = asyncio.Lock()
 
-            async def send(payload: dict[str, Any]) -> None:
+            async def write(events: list[tuple[str | None, dict[str, Any]]]) -> None:
                 async with lock:
-                    await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+                    for name, payload in events:
+                        await response.write((f"event: {name}\n" if name else "").encode() + b"data: "
+                                             + json.dumps(payload).encode() + b"\n\n")
 
+            async def send(chunk: dict[str, Any]) -> None:
+                await write(form.chunk(chunk))
+
+            await write(form.opening(response_id))
             writer = _ChunkWriter(self, parsed, prompt, response_id, send)
             try:
                 choices = await asyncio.gather(*(writer.choice(i, events, lease) for i, events in enumerate(streams)))
                 await writer.usage(list(choices))
+                await write(form.closing(list(choices)))
             except EngineError as exc:
-                await send({"error": {"message": f"the engine failed: {exc}", "type": "server_error", "param": None,
-                                      "code": None}})
-            await response.write(b"data: [DONE]\n\n")
+                await write(form.error(f"the engine failed: {exc}"))
+            if form.done_marker:
+                await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
 
@@ -445,6 +454,25 @@ def held_back(text: str, prefixes: tuple[str, ...]) -> int:
                 longest = size
                 break
     return longest
+
+
+class StreamFormat:
+    """How a streamed answer's chat chunks go out: as they are (chat and text completions), or, in
+    a subclass, as another API's events. Each method returns (SSE event name or None, payload)s."""
+
+    done_marker = True  # a last `data: [DONE]`
+
+    def opening(self, response_id: str) -> list[tuple[str | None, dict[str, Any]]]:
+        return []
+
+    def chunk(self, chunk: dict[str, Any]) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(None, chunk)]
+
+    def closing(self, choices: list[Choice]) -> list[tuple[str | None, dict[str, Any]]]:
+        return []
+
+    def error(self, message: str) -> list[tuple[str | None, dict[str, Any]]]:
+        return [(None, {"error": {"message": message, "type": "server_error", "param": None, "code": None}})]
 
 
 class _ChunkWriter:
