@@ -41,11 +41,12 @@ from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs import arithmetic
+from policyloop.envs.episode import run_episodes
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
 from policyloop.learner.settings import LearnerSettings, TrackerSettings
 from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, mlflow_tracking_uri, open_tracker
 from policyloop.rl.settings import LoraSpec, LossConfig
-from policyloop.rollout.episodes import from_hf, run_episode, sandbox_tools
+from policyloop.rollout.episodes import ToolEpisode, from_hf, sandbox_tools
 from policyloop.state import Heartbeat, HeartbeatRegistry, VersionRegistry, connect_redis
 from policyloop.telemetry.dashboard import grafana_dir
 
@@ -171,14 +172,15 @@ async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Pr
             result = await client.generate(request)
             return result, episode_tokenizer.decode([t for t in result.output_ids if t != eos]), False
 
-        async def generate(req: GenerateRequest) -> Completion:
-            return await generate_resumable(client, req)
+        async def generate_batch(requests: list[GenerateRequest]) -> list[Completion]:
+            return [await generate_resumable(client, r) for r in requests]
 
         run_tool = sandbox_tools(tools_bus, job_id=f"eval:{i}", run_id="demo-eval", timeout_s=10.0,
                                  reply_timeout_s=120.0, max_chars=2000)
-        episode = await run_episode(request, generate=generate, run_tool=run_tool, tokenizer=episode_tokenizer,
-                                    formats=tool_formats([PYTHON]), max_turns=TOOL_MAX_TURNS,
-                                    max_tool_tokens=TOOL_MAX_TOOL_TOKENS)
+        tools = ToolEpisode(run_tool=run_tool, tokenizer=episode_tokenizer, formats=tool_formats([PYTHON]),
+                            max_tool_tokens=TOOL_MAX_TOOL_TOKENS)
+        [episode] = await run_episodes([request], [tools], generate_batch=generate_batch,
+                                       decode=episode_tokenizer.decode, max_turns=TOOL_MAX_TURNS)
         last = [t for t in episode.turns if t.role == bus_pb2.Turn.ROLE_MODEL][-1]
         ran = any(t.role == bus_pb2.Turn.ROLE_TOOL and t.status == "ok" for t in episode.turns)
         return episode.result, last.text, ran

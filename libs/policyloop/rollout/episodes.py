@@ -1,15 +1,13 @@
-"""Multi-turn episodes: model turns alternating with tool turns, as one trajectory.
+"""The python tool's episodes: model turns alternating with tool turns, driven by the one
+episode loop (envs/episode.py).
 
-The model writes until it stops; a turn that ends with a tool's closing marker is a call (see
-envs/tools.py), which the rollout runs and whose result it appends as a tool turn; the model
-then continues from the whole transcript. The episode ends with a model turn that makes no call,
-when the model has had `max_turns` turns, or when its token budget (`max_new_tokens`, counted
-over model tokens only) is spent.
-
-The result is one response: every model token with its behaviour logprob and version (joined
-as in a partial rollout), every tool token with loss_mask False and logprob 0, so the learner
-trains on what the policy wrote and never on what the tool printed. The turns record which
-tokens are which, with each tool run's status.
+A model turn that ends with a tool's closing marker is a call (see envs/tools.py), which the
+episode runs (as a sandbox job) and whose result it answers as an observation, between the
+tool's result markers; the model then continues from the whole transcript. The episode ends with
+a model turn that makes no call, or when the loop stops it (`max_turns`, the token budget). The
+result's tool tokens have loss_mask False and logprob 0, so the learner trains on what the policy
+wrote and never on what the tool printed; the turns record which tokens are which, with each tool
+run's status.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.engines.partial import Completion, join
-from policyloop.engines.protocol import GenerateRequest, GenerateResult
+from policyloop.envs.episode import ModelTurn, Observation
 from policyloop.envs.tools import ToolCall, ToolFormat, find_call, result_text, tool_job, wrap_result
 from policyloop.sandbox.client import run_in_sandbox
 from policyloop.telemetry import tracing
@@ -28,17 +25,7 @@ from policyloop.telemetry import tracing
 if TYPE_CHECKING:
     from policyloop.bus import Bus
 
-TURN_SEED_STRIDE = 7_919  # turn k of a seeded sample draws with seed + k × stride
-
-Generate = Callable[[GenerateRequest], Awaitable[Completion]]
 RunTool = Callable[[ToolCall], Awaitable[tuple[str, str]]]  # → (result text, status)
-
-
-@dataclass(frozen=True)
-class Episode:
-    result: GenerateResult           # all response tokens, joined (tool tokens: logprob 0)
-    loss_mask: list[bool]            # False on tool tokens
-    turns: list[bus_pb2.Turn]
 
 
 @dataclass(frozen=True)
@@ -78,64 +65,33 @@ def close_ids(formats: Sequence[ToolFormat], tokenizer: Tokenizer) -> dict[int, 
     return out
 
 
-async def run_episode(request: GenerateRequest, *, generate: Generate, run_tool: RunTool, tokenizer: Tokenizer,
-                      formats: Sequence[ToolFormat], max_turns: int, max_tool_tokens: int) -> Episode:
-    """Runs model and tool turns from `request` (its prompt, sampling and model-token budget)."""
-    calls = close_ids(formats, tokenizer)
-    params = request.sampling_params
-    stop_ids = tuple(dict.fromkeys([*params.stop_token_ids, *calls]))
-    prompt = list(request.input_ids or [])
-    budget = params.max_new_tokens
-    response: list[int] = []
-    pieces: list[GenerateResult] = []
-    mask: list[bool] = []
-    turns: list[bus_pb2.Turn] = []
-    for turn in range(max(1, max_turns)):
-        seed = params.sampling_seed
-        turn_request = request.model_copy(update=dict(
-            input_ids=prompt + response, rid=f"{request.rid}/t{turn}" if request.rid else None,
-            sampling_params=params.model_copy(update=dict(
-                stop_token_ids=stop_ids,
-                max_new_tokens=budget,
-                sampling_seed=None if seed is None else (seed + turn * TURN_SEED_STRIDE) % (1 << 63))),
-        ))
-        with tracing.span("model turn", attributes={"policyloop.turn": turn}) as made:
-            completion = await generate(turn_request)
-            made.set_attributes({"policyloop.output_tokens": len(completion.result.output_ids),
-                                 "policyloop.finish_reason": completion.result.finish_reason or "",
-                                 tracing.POLICY_VERSION: completion.result.weight_version or ""})
-        piece = completion.result  # partial-rollout resubmissions are the caller's to count
-        start = len(response)
-        response.extend(piece.output_ids)
-        pieces.append(piece)
-        mask.extend([True] * len(piece.output_ids))
-        if budget is not None:
-            budget -= len(piece.output_ids)
-        text = tokenizer.decode([t for t in piece.output_ids if t not in params.stop_token_ids])
-        turns.append(bus_pb2.Turn(role=bus_pb2.Turn.ROLE_MODEL, start=start, end=len(response), text=text))
-        ends_in_call = (piece.finish_reason == "stop" and piece.output_ids and piece.output_ids[-1] in calls)
-        if not ends_in_call or turn + 1 >= max_turns or (budget is not None and budget <= 0):
-            break
-        call = find_call(text, [calls[piece.output_ids[-1]]])
+class ToolEpisode:
+    """A sample of a task that offers tools: each call its turn ends with is run by `run_tool`."""
+
+    def __init__(self, *, run_tool: RunTool, tokenizer: Tokenizer, formats: Sequence[ToolFormat],
+                 max_tool_tokens: int) -> None:
+        self.calls = close_ids(formats, tokenizer)
+        self.run_tool, self.tokenizer, self.max_tool_tokens = run_tool, tokenizer, max_tool_tokens
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(self.calls)
+
+    async def step(self, turn: ModelTurn) -> Observation:
+        piece = turn.result
+        ends_in_call = piece.finish_reason == "stop" and bool(piece.output_ids) and piece.output_ids[-1] in self.calls
+        if not ends_in_call or turn.final:
+            return Observation(done=True)
+        call = find_call(turn.text, [self.calls[piece.output_ids[-1]]])
         assert call is not None  # the turn ends with this tool's closing marker
         if call.complete:
             with tracing.span("tool call", attributes={"policyloop.tool": call.tool.name}) as made:
-                result, status = await run_tool(call)  # a sandbox job: its span is this one's child
+                result, status = await self.run_tool(call)  # a sandbox job: its span is this one's child
                 made.set_attribute("policyloop.tool_status", status)
         else:
             result, status = f"no {call.tool.call_open} before {call.tool.call_close}", "no_call_open"
-        tool_ids = tool_turn_ids(call.tool, result, tokenizer, max_tool_tokens)
-        start = len(response)
-        response.extend(tool_ids)
-        mask.extend([False] * len(tool_ids))
-        # The tool's tokens are filed under the version of the model turn before them: masked out
-        # of the loss, they only need to keep the spans covering the response.
-        pieces.append(GenerateResult(rid=piece.rid, output_ids=tool_ids, output_logprobs=[0.0] * len(tool_ids),
-                                     finish_reason="stop", finish_detail=None, weight_version=piece.weight_version,
-                                     prompt_tokens=0, completion_tokens=len(tool_ids), weight_versions=None))
-        turns.append(bus_pb2.Turn(role=bus_pb2.Turn.ROLE_TOOL, start=start, end=len(response), tool=call.tool.name,
-                                  status=status, text=result))
-    return Episode(join(request, pieces), mask, turns)
+        return Observation(tuple(tool_turn_ids(call.tool, result, self.tokenizer, self.max_tool_tokens)),
+                           bus_pb2.Turn(role=bus_pb2.Turn.ROLE_TOOL, tool=call.tool.name, status=status, text=result))
 
 
 def sandbox_tools(bus: Bus, *, job_id: str, run_id: str, timeout_s: float, reply_timeout_s: float,

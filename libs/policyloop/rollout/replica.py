@@ -27,11 +27,12 @@ from policyloop.engines.adapters import AdapterLease
 from policyloop.engines.partial import Completion, generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
+from policyloop.envs.episode import SingleTurn, run_episodes
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
 from policyloop.models.tokenizer import unreadable_characters
 from policyloop.rollout.adapters import LoraRuns, stamp_version
-from policyloop.rollout.episodes import ToolSetupError, from_hf, run_episode, sandbox_tools, transcript
+from policyloop.rollout.episodes import ToolEpisode, ToolSetupError, from_hf, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.records import TaskRequestError, generate_request, group_members, record_response
 from policyloop.rollout.settings import RolloutSettings
@@ -176,12 +177,10 @@ class RolloutReplica:
         Each member's `sample` span covers that call and the reading of its own answer."""
         requests = [self._request(task, traj, lora_path) for traj in group]
         parent, started_ns = tracing.current(), time.time_ns()
-        completions = await self.generate_batch(requests)
-        for traj, completion in zip(group, completions, strict=True):
-            self._count_resubmits(completion)
-            result = completion.result
-            text = self.episode_tokenizer.decode([t for t in result.output_ids if t not in self.stop_ids])
-            record_response(traj, result, text)
+        episodes = await run_episodes(requests, [SingleTurn() for _ in group], generate_batch=self.counted_batch,
+                                      decode=self.episode_tokenizer.decode)
+        for traj, episode in zip(group, episodes, strict=True):
+            record_response(traj, episode.result, episode.turns[0].text)
             traj.prompt_text = task.prompt_text
             if tracing.enabled():
                 tracing.record_span("sample", parent, started_ns, time.time_ns(), self._sample_attributes(task, traj))
@@ -209,13 +208,13 @@ class RolloutReplica:
         settings = self.settings
         try:
             formats = tool_formats(list(task.tools))
-            episode = await run_episode(
-                request, generate=self.generate,
+            tools = ToolEpisode(
                 run_tool=sandbox_tools(self.ctx.bus, job_id=f"tool:{traj.trajectory_id}", run_id=task.run_id,
                                        timeout_s=settings.tool_timeout_s, reply_timeout_s=settings.tool_reply_timeout_s,
                                        max_chars=settings.max_tool_chars, on_result=self._count_tool_call),
-                tokenizer=self.episode_tokenizer, formats=formats, max_turns=task.max_turns,
-                max_tool_tokens=settings.max_tool_tokens)
+                tokenizer=self.episode_tokenizer, formats=formats, max_tool_tokens=settings.max_tool_tokens)
+            [episode] = await run_episodes([request], [tools], generate_batch=self.counted_batch,
+                                           decode=self.episode_tokenizer.decode, max_turns=task.max_turns)
         except (UnknownTool, ToolSetupError) as exc:
             raise PermanentError(str(exc)) from exc
         record_response(traj, episode.result, transcript(episode.turns, formats), episode.loss_mask)
@@ -225,11 +224,12 @@ class RolloutReplica:
         TOOL_CALLS.labels(call.tool.name, status).inc()
         self.status.tool_calls += 1
 
-    async def generate(self, request: GenerateRequest) -> Completion:
-        """One sample, resumed across weight updates that abort it (a model turn of an episode)."""
-        [completion] = await self.generate_batch([request])
-        self._count_resubmits(completion)
-        return completion
+    async def counted_batch(self, requests: list[GenerateRequest]) -> list[Completion]:
+        """generate_batch, its resubmissions counted (a round of the episode loop)."""
+        completions = await self.generate_batch(requests)
+        for completion in completions:
+            self._count_resubmits(completion)
+        return completions
 
     async def generate_batch(self, requests: list[GenerateRequest]) -> list[Completion]:
         """Samples in one engine call (SGLang's batch form when there are several), each resumed on

@@ -184,7 +184,7 @@ class RewardComponent(_message.Message):
     def __init__(self, name: _Optional[str] = ..., value: _Optional[float] = ..., weight: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
 
 class Turn(_message.Message):
-    __slots__ = ("role", "start", "end", "tool", "status", "text")
+    __slots__ = ("role", "start", "end", "tool", "status", "text", "reward")
     class Role(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         ROLE_UNSPECIFIED: _ClassVar[Turn.Role]
@@ -199,13 +199,15 @@ class Turn(_message.Message):
     TOOL_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
     role: Turn.Role
     start: int
     end: int
     tool: str
     status: str
     text: str
-    def __init__(self, role: _Optional[_Union[Turn.Role, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ...) -> None: ...
+    reward: float
+    def __init__(self, role: _Optional[_Union[Turn.Role, str]] = ..., start: _Optional[int] = ..., end: _Optional[int] = ..., tool: _Optional[str] = ..., status: _Optional[str] = ..., text: _Optional[str] = ..., reward: _Optional[float] = ...) -> None: ...
 
 class Trajectory(_message.Message):
     __slots__ = ("trajectory_id", "task_id", "group_id", "sample_index", "group_size", "run_id", "environment", "prompt_token_ids", "response_token_ids", "behaviour_logprobs", "loss_mask", "version_spans", "finish_reason", "timings", "rollout_replica", "metadata", "prompt_text", "response_text", "turns", "scored", "reward", "reward_breakdown", "scorer", "supervised")
