@@ -7,11 +7,11 @@ import pytest
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.contracts.validate import InvalidMessage, validate_trajectory
 from policyloop.envs.arithmetic import Problem
+from policyloop.envs.tool_episodes import Tokenizer, ToolSetupError, close_ids, tool_turn_ids, transcript
 from policyloop.envs.tools import TOOL_FORMATS, UnknownTool, find_call, result_text, tool_formats, tool_job
 from policyloop.gateway.feeding import nth_task
 from policyloop.models.bootstrap import PLAIN, TOOLS_CALL, TOOLS_DIRECT, tool_modes, training_batch
 from policyloop.models.tokenizer import EOS_ID, VOCAB, build_tokenizer
-from policyloop.rollout.episodes import Tokenizer, ToolSetupError, close_ids, tool_turn_ids, transcript
 from policyloop.scorers.verifiers import verify
 from tests.helpers import addition_environment
 

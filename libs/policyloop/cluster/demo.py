@@ -42,11 +42,11 @@ from policyloop.engines.protocol import GenerateRequest, GenerateResult, Samplin
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs import arithmetic
 from policyloop.envs.episode import run_episodes
+from policyloop.envs.tool_episodes import ToolEpisode, from_hf, sandbox_tools
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
 from policyloop.learner.settings import LearnerSettings, TrackerSettings
 from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, mlflow_tracking_uri, open_tracker
 from policyloop.rl.settings import LoraSpec, LossConfig
-from policyloop.rollout.episodes import ToolEpisode, from_hf, sandbox_tools
 from policyloop.state import Heartbeat, HeartbeatRegistry, VersionRegistry, connect_redis
 from policyloop.telemetry.dashboard import grafana_dir
 

@@ -5,7 +5,7 @@ An `Episode` is opened for one sample of a task. The loop gives it each model tu
 the engine produced, decoded) and gets back an `Observation`: tokens to append before the model
 goes on (a tool's result, an environment's next message), an optional reward for the step the
 model just took, and whether the episode is done. A single completion is the episode that is done
-after its first turn (`SingleTurn`); the python tool's episodes (rollout/episodes.py) are another
+after its first turn (`SingleTurn`); the python tool's episodes (envs/tool_episodes.py) are another
 implementation, and environments users bring are more.
 
 The loop keeps the tokens exact: each model turn is the engine's output ids, continued from the

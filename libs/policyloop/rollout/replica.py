@@ -28,11 +28,11 @@ from policyloop.engines.partial import Completion, generate_resumable, generate_
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.episode import SingleTurn, run_episodes
+from policyloop.envs.tool_episodes import ToolEpisode, ToolSetupError, from_hf, sandbox_tools, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
 from policyloop.models.tokenizer import unreadable_characters
 from policyloop.rollout.adapters import LoraRuns, stamp_version
-from policyloop.rollout.episodes import ToolEpisode, ToolSetupError, from_hf, sandbox_tools, transcript
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.records import TaskRequestError, generate_request, group_members, record_response
 from policyloop.rollout.settings import RolloutSettings
