@@ -34,7 +34,8 @@ import grpc
 from rich.console import Console
 
 from policyloop.bus import Bus
-from policyloop.cluster.demo import DemoConfig, loop_env, require_healthy
+from policyloop.cluster.demo import DemoConfig, require_healthy
+from policyloop.cluster.demo_production import on_serving_cluster, train_demonstrations
 from policyloop.cluster.local import LocalCluster
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs.arithmetic import Problem
@@ -206,27 +207,16 @@ async def give_feedback(openai_url: str, runs: list[AgentRun]) -> int:
 async def train_on_sessions(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment,
                             config: AgentDemoConfig, result: AgentDemoResult, console: Console) -> int:
     """SFT on the rewarded sessions; returns the run's last version."""
-    reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=60)
-    run = await stub.StartRun(loop_pb2.StartRunRequest(
-        run_id=AGENT_RUN, environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
-        num_tasks=config.sft_epochs * len(env.tasks), seed=config.loop.seed, model="policy"), timeout=30)
-    wanted, before = run.tasks_total, run.policy_version
-    console.print(f"4. learn: {reply.environment}, {len(env.tasks)} rewarded sessions (each one sequence, trained "
-                  f"where the model wrote); run {AGENT_RUN} trains {wanted} of them by cross-entropy")
-    started = time.monotonic()
-    while run.progress.trained_samples < wanted:
-        if time.monotonic() - started > config.sft_timeout_s:
-            raise RuntimeError(f"the run trained {run.progress.trained_samples} of {wanted} demonstrations in "
-                               f"{config.sft_timeout_s:.0f} s")
-        await asyncio.sleep(1.0)
-        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=AGENT_RUN), timeout=30)
-    result.sft_seconds = round(time.monotonic() - started, 1)
-    result.demonstrations_trained = int(run.progress.trained_samples)
-    result.versions = (before, run.policy_version)
-    console.print(f"   {result.demonstrations_trained} trained in {result.sft_seconds} s "
-                  f"(v{before} → v{run.policy_version})")
-    await stub.StopRun(loop_pb2.StopRunRequest(run_id=AGENT_RUN), timeout=30)
-    return int(run.policy_version)
+    def announce(name: str, wanted: int) -> None:
+        console.print(f"4. learn: {name}, {len(env.tasks)} rewarded sessions (each one sequence, trained where the "
+                      f"model wrote); run {AGENT_RUN} trains {wanted} of them by cross-entropy")
+
+    done = await train_demonstrations(stub, env, AGENT_RUN, epochs=config.sft_epochs, seed=config.loop.seed,
+                                      timeout_s=config.sft_timeout_s, announce=announce)
+    result.sft_seconds, result.demonstrations_trained, result.versions = done.seconds, done.demonstrations, \
+        done.versions
+    console.print(f"   {done.demonstrations} trained in {done.seconds} s (v{done.versions[0]} → v{done.versions[1]})")
+    return done.versions[1]
 
 
 def show(console: Console, label: str, m: AgentMeasure) -> None:
@@ -318,16 +308,8 @@ def run_agent_demo(config: AgentDemoConfig, *, console: Console, bootstrap_confi
     if loop.model_path is None:
         console.print("base model: the chat bootstrap model (built and cached after the first run) …")
         loop.model_path = bootstrap(bootstrap_config or CHAT_BOOTSTRAP)
-    env = {**loop_env(loop), "POLICYLOOP_WEIGHTS_DIR": str(loop.run_dir.resolve() / "rollout-weights")}
-    cluster = LocalCluster(loop.run_dir, extra_env=env, fresh=True, prometheus=loop.prometheus,
-                           serving_run=AGENT_RUN)
-    console.print(f"starting the local cluster in {loop.run_dir} (with a serving replica) …")
-    try:  # the cluster is stopped however the demo ends, even while it starts
-        cluster.start()
-        result = asyncio.run(drive(cluster, config, console))
-    finally:
-        console.print("stopping the cluster …")
-        cluster.stop()
+    result = on_serving_cluster(loop, {}, AGENT_RUN, lambda cluster: drive(cluster, config, console), console=console,
+                                what="a serving replica")
     out = loop.out or Path("runs") / "demo-agent"
     out.mkdir(parents=True, exist_ok=True)
     summary = asdict(result) | {"config": {

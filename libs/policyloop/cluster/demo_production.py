@@ -22,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import grpc
@@ -152,32 +154,53 @@ async def send_traffic(openai_url: str, model: str, problems: list[arithmetic.Pr
         await asyncio.gather(*(gated(p) for p in problems))
 
 
-async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment, config: ProductionConfig,
-                         result: ProductionResult, console: Console) -> None:
-    """SFT on the traces: a run of their supervised environment, `sft_epochs` times as many
-    demonstrations as it holds (drawn at random), followed until the learner has trained them all."""
+@dataclass
+class SupervisedRun:
+    """A finished SFT run: what it trained, the policy versions before and after, its seconds."""
+    demonstrations: int
+    versions: tuple[int, int]
+    seconds: float
+
+
+async def train_demonstrations(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment, run_id: str, *,
+                               epochs: int, seed: int, timeout_s: float,
+                               announce: Callable[[str, int], None]) -> SupervisedRun:
+    """A run of a supervised environment, `epochs` times as many demonstrations as it holds (drawn
+    at random), followed until the learner has trained them all, then stopped. `announce(name,
+    wanted)` is told the environment's name and how many it trains before the wait."""
     reply = await stub.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env), timeout=60)
     run = await stub.StartRun(loop_pb2.StartRunRequest(
-        run_id=SFT_RUN, environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
-        num_tasks=config.sft_epochs * len(env.tasks), seed=config.loop.seed, model="policy"), timeout=30)
+        run_id=run_id, environments=[loop_pb2.EnvironmentMix(environment=reply.environment, weight=1.0)],
+        num_tasks=epochs * len(env.tasks), seed=seed, model="policy"), timeout=30)
     wanted = run.tasks_total  # the gateway rounds it up to a multiple of the learner's batch: all are trained
     before = run.policy_version
-    console.print(f"3. SFT on usage: {reply.environment} ({len(env.tasks)} demonstrations: rewarded answers as the "
-                  f"engine's tokens, corrections as text); run {SFT_RUN} trains {wanted} of them (drawn at "
-                  f"random) by cross-entropy")
+    announce(reply.environment, wanted)
     started = time.monotonic()
     while run.progress.trained_samples < wanted:
-        if time.monotonic() - started > config.sft_timeout_s:
-            raise RuntimeError(f"the SFT run trained {run.progress.trained_samples} of {wanted} demonstrations "
-                               f"in {config.sft_timeout_s:.0f} s")
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"run {run_id} trained {run.progress.trained_samples} of {wanted} demonstrations "
+                               f"in {timeout_s:.0f} s")
         await asyncio.sleep(1.0)
-        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=SFT_RUN), timeout=30)
-    result.sft_seconds = round(time.monotonic() - started, 1)
-    result.sft_demonstrations = int(run.progress.trained_samples)
-    result.sft_versions = (before, run.policy_version)
-    console.print(f"   {result.sft_demonstrations} demonstrations trained in {result.sft_seconds} s "
-                  f"(v{before} → v{run.policy_version})")
-    await stub.StopRun(loop_pb2.StopRunRequest(run_id=SFT_RUN), timeout=30)
+        run = await stub.GetRun(loop_pb2.GetRunRequest(run_id=run_id), timeout=30)
+    await stub.StopRun(loop_pb2.StopRunRequest(run_id=run_id), timeout=30)
+    return SupervisedRun(int(run.progress.trained_samples), (before, run.policy_version),
+                         round(time.monotonic() - started, 1))
+
+
+async def supervised_run(stub: loop_pb2_grpc.LoopServiceStub, env: loop_pb2.Environment, config: ProductionConfig,
+                         result: ProductionResult, console: Console) -> None:
+    """SFT on the traces, `sft_epochs` passes' worth."""
+    def announce(name: str, wanted: int) -> None:
+        console.print(f"3. SFT on usage: {name} ({len(env.tasks)} demonstrations: rewarded answers as the "
+                      f"engine's tokens, corrections as text); run {SFT_RUN} trains {wanted} of them (drawn at "
+                      f"random) by cross-entropy")
+
+    done = await train_demonstrations(stub, env, SFT_RUN, epochs=config.sft_epochs, seed=config.loop.seed,
+                                      timeout_s=config.sft_timeout_s, announce=announce)
+    result.sft_seconds, result.sft_demonstrations, result.sft_versions = done.seconds, done.demonstrations, \
+        done.versions
+    console.print(f"   {done.demonstrations} demonstrations trained in {done.seconds} s "
+                  f"(v{done.versions[0]} → v{done.versions[1]})")
 
 
 async def drive(cluster: LocalCluster, config: ProductionConfig, console: Console) -> ProductionResult:
@@ -264,6 +287,25 @@ def write_plot(result: ProductionResult, path: Path) -> None:
     plt.close(fig)
 
 
+_R = TypeVar("_R")
+
+
+def on_serving_cluster(loop: DemoConfig, extra_env: dict[str, str], serving_run: str,
+                       drive: Callable[[LocalCluster], Awaitable[_R]], *, console: Console, what: str) -> _R:
+    """Runs `drive` on a fresh local cluster of the demo's loop with a serving replica that follows
+    `serving_run`'s promotions; the cluster is stopped however it ends, even while it starts."""
+    env = {**loop_env(loop), **extra_env, "POLICYLOOP_WEIGHTS_DIR": str(loop.run_dir.resolve() / "rollout-weights")}
+    cluster = LocalCluster(loop.run_dir, extra_env=env, fresh=True, prometheus=loop.prometheus,
+                           serving_run=serving_run)
+    console.print(f"starting the local cluster in {loop.run_dir} (with {what}) …")
+    try:
+        cluster.start()
+        return asyncio.run(drive(cluster))
+    finally:
+        console.print("stopping the cluster …")
+        cluster.stop()
+
+
 def run_production_demo(config: ProductionConfig, *, console: Console) -> int:
     from policyloop.models.bootstrap import bootstrap
 
@@ -271,17 +313,9 @@ def run_production_demo(config: ProductionConfig, *, console: Console) -> int:
     if loop.model_path is None:
         console.print("base model: bootstrapping (cached after the first run) …")
         loop.model_path = bootstrap()
-    env = {**loop_env(loop), **production_env(config),
-           "POLICYLOOP_WEIGHTS_DIR": str(loop.run_dir.resolve() / "rollout-weights")}
-    cluster = LocalCluster(loop.run_dir, extra_env=env, fresh=True, prometheus=loop.prometheus,
-                           serving_run=TRAIN_RUN)
-    console.print(f"starting the local cluster in {loop.run_dir} (with the evaluator and a serving replica) …")
-    try:  # the cluster is stopped however the demo ends, even while it starts
-        cluster.start()
-        result = asyncio.run(drive(cluster, config, console))
-    finally:
-        console.print("stopping the cluster …")
-        cluster.stop()
+    result = on_serving_cluster(loop, production_env(config), TRAIN_RUN,
+                                lambda cluster: drive(cluster, config, console), console=console,
+                                what="the evaluator and a serving replica")
     out = loop.out or Path("runs") / "demo-production"
     out.mkdir(parents=True, exist_ok=True)
     summary = asdict(result) | {"config": {"budget_s": loop.budget_s, "traces_budget_s": config.traces_budget_s,
