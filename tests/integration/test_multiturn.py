@@ -154,3 +154,57 @@ async def test_without_a_sandbox_a_tool_call_waits_and_nothing_is_published_half
     await eventually(generated, timeout_s=150, what="the group generated once a sandbox runs")
     assert sorted(t.trajectory_id for t in await stored_samples(bus, "ROLLOUTS")) == [
         f"waits/{i}" for i in range(8)]
+
+
+@pytest.mark.timeout(300)
+async def test_the_evaluator_scores_a_multi_turn_split_through_the_same_episodes(
+        bus: Bus, services: ServiceLauncher, bootstrap_model_dir: Path) -> None:
+    """score_version (the evaluator's) drives an eval split with tools through the episode loop:
+    the model's calls run in the sandbox and it is judged on its answer after the tool's result.
+    The same items as single completions (no tools) pass less: the model was taught to call."""
+    import dataclasses
+
+    from transformers import AutoTokenizer
+
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.engines.embedded import start_engine
+    from policyloop.engines.sglang_client import SGLangClient
+    from policyloop.envs.tool_episodes import ToolSettings, from_hf
+    from policyloop.envs.tools import tool_formats
+    from policyloop.evaluation.scoring import EvalItem, eval_items, score_version
+    from policyloop.scorers.registry import default_registry
+
+    sandbox = services.start("sandbox")
+    await services.wait_healthy(sandbox, timeout_s=90)
+    tokenizer = AutoTokenizer.from_pretrained(bootstrap_model_dir)
+    env = loop_pb2.Environment(
+        name="tools", version="v1", max_turns=3, tools=["python"],
+        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+        sampling=bus_pb2.SamplingParams(max_new_tokens=24),
+        eval_tasks=[loop_pb2.TaskSpec(prompt_text=f"<tools>{p}", answer=str(eval(p.removesuffix("="))))  # noqa: S307
+                    for p in ("12+34=", "57+68=", "23+45=", "91+19=", "30+44=", "66+17=")])
+    items = eval_items({"tools@v1": env}, lambda text: tokenizer(text, add_special_tokens=False).input_ids,
+                       [tokenizer.eos_token_id], max_tasks=0)
+    statuses: list[str] = []
+
+    def open_episode(item: EvalItem, rid: str):  # type: ignore[no-untyped-def]
+        return ToolSettings().episode(bus, job_id=f"tool:{rid}", run_id="eval", tokenizer=from_hf(tokenizer),
+                                      formats=tool_formats(list(item.tools)),
+                                      on_result=lambda call, status: statuses.append(status))
+
+    async def no_jobs(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+        raise AssertionError("the exact-answer verifier runs in process")
+
+    engine = await start_engine(bootstrap_model_dir, threads=1, weight_version="5")
+    client = SGLangClient(engine.base_url, timeout_s=120)
+    try:
+        [episodes] = await score_version(client, items, default_registry(no_jobs), version=5, decode=tokenizer.decode,
+                                         concurrency=3, rid_prefix="multi", open_episode=open_episode)
+        single = [dataclasses.replace(item, tools=(), max_turns=1) for item in items]
+        [alone] = await score_version(client, single, default_registry(no_jobs), version=5, decode=tokenizer.decode,
+                                      concurrency=3, rid_prefix="single")
+    finally:
+        await client.close()
+        await engine.stop()
+    assert episodes.tasks == alone.tasks == 6 and "ok" in statuses  # some answers come after the tool's
+    assert episodes.passed > alone.passed, (episodes, alone)

@@ -117,6 +117,18 @@ def test_the_code_environment_is_one_the_gateway_takes() -> None:
     validate_environment(env)
 
 
+def test_a_multi_turn_environment_may_carry_an_eval_split() -> None:
+    """The evaluator scores it through the episode loop (tests/integration/test_multiturn.py)."""
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.gateway.validation import validate_environment
+
+    exact = loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER)
+    validate_environment(loop_pb2.Environment(
+        name="tools", version="v1", max_turns=3, tools=["python"], builtin=exact,
+        tasks=[loop_pb2.TaskSpec(prompt_text="<tools>1+2=", answer="3")],
+        eval_tasks=[loop_pb2.TaskSpec(prompt_text="<tools>3+4=", answer="7")]))
+
+
 def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
     from policyloop.contracts.v1 import loop_pb2, status_pb2
     from policyloop.gateway.errors import FailedPrecondition, InvalidField

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, Field
+
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.envs.episode import ModelTurn, Observation
 from policyloop.envs.tools import ToolCall, ToolFormat, find_call, result_text, tool_job, wrap_result
@@ -26,6 +28,26 @@ if TYPE_CHECKING:
     from policyloop.bus import Bus
 
 RunTool = Callable[[ToolCall], Awaitable[tuple[str, str]]]  # → (result text, status)
+
+
+class ToolSettings(BaseModel):
+    """How the python tool's calls run, wherever episodes are driven (rollout replicas, the
+    evaluator): fields of those services' settings (`--tool-timeout-s`, POLICYLOOP_TOOL_TIMEOUT_S…)."""
+
+    tool_timeout_s: float = Field(10.0, description="Wall and CPU seconds of one tool call's sandbox job.")
+    tool_reply_timeout_s: float = Field(
+        120.0, description="How long a tool call waits for a sandbox's result (queueing included) before the task "
+                           "is given back to be sampled again.")
+    max_tool_tokens: int = Field(64, ge=3, description="Most tokens of one tool turn (its result is cut to fit).")
+    max_tool_chars: int = Field(2000, description="Most characters of a tool's result kept before tokenizing.")
+
+    def episode(self, bus: Bus, *, job_id: str, run_id: str, tokenizer: Tokenizer, formats: Sequence[ToolFormat],
+                on_result: Callable[[ToolCall, str], None] | None = None) -> ToolEpisode:
+        """A tool episode whose calls run as sandbox jobs under these limits."""
+        return ToolEpisode(run_tool=sandbox_tools(bus, job_id=job_id, run_id=run_id, timeout_s=self.tool_timeout_s,
+                                                  reply_timeout_s=self.tool_reply_timeout_s,
+                                                  max_chars=self.max_tool_chars, on_result=on_result),
+                           tokenizer=tokenizer, formats=formats, max_tool_tokens=self.max_tool_tokens)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,9 @@ from policyloop.bus.newest import NewestPerSubject
 from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.evaluation.scoring import EvaluationError, eval_items, score_version, version_eval
+from policyloop.envs.tool_episodes import ToolEpisode, from_hf
+from policyloop.envs.tools import tool_formats
+from policyloop.evaluation.scoring import EvalItem, EvaluationError, eval_items, score_version, version_eval
 from policyloop.evaluation.settings import EvaluatorSettings
 from policyloop.releases.evals import EvalStore, record_eval
 from policyloop.releases.promotion import Promoter, PromotionLog
@@ -320,9 +322,14 @@ class Evaluator:
             adapter = await self.engine.pin_adapter(run_id, lora, event)
             label = self.engine.held.version if self.engine.held is not None else 0
         items = eval_items(environments, self.encode, self.stop_ids, self.settings.max_eval_tasks)
+
+        def open_episode(item: EvalItem, rid: str) -> ToolEpisode:
+            return self.settings.episode(self.bus, job_id=f"tool:{rid}", run_id=run_id,
+                                         tokenizer=from_hf(self.tokenizer), formats=tool_formats(list(item.tools)))
+
         scores = await score_version(self.engine.client, items, self.registry, version=label, lora_path=adapter,
                                      decode=self.decode, concurrency=self.settings.concurrency,
-                                     rid_prefix=f"eval-{run_id}-{event.version}")
+                                     rid_prefix=f"eval-{run_id}-{event.version}", open_episode=open_episode)
         result = version_eval(run_id, event.model, event.version, event.step, scores,
                               seconds=time.monotonic() - started, evaluator=self.settings.instance_id)
         judge(result, await self.store.all(run_id))

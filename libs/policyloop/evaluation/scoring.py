@@ -1,6 +1,8 @@
 """Scoring one version on a run's eval splits: greedy, one sample per task, judged by the
 environment's own scorer (the reward service's registry), on an engine that serves exactly
-that version."""
+that version. Each sample is an episode of the one loop (envs/episode.py), as the rollout
+replicas sample them: a single completion, or a multi-turn episode with tools, scored on its
+whole transcript."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ from dataclasses import dataclass
 
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.envs.episode import Episode, SingleTurn, run_episodes
 from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS, task_scorer
+from policyloop.envs.tool_episodes import transcript
+from policyloop.envs.tools import tool_formats
 from policyloop.scorers.registry import ScorerRegistry
 
 WILSON_Z = 1.96  # a 95% interval
@@ -46,6 +52,8 @@ class EvalItem:
     template: bus_pb2.Trajectory  # prompt, scorer and metadata; no response yet
     max_new_tokens: int
     stop_token_ids: tuple[int, ...]
+    tools: tuple[str, ...] = ()      # the environment's tools: a multi-turn episode
+    max_turns: int = 1
 
 
 def eval_items(environments: Mapping[str, loop_pb2.Environment], encode: Callable[[str], list[int]],
@@ -63,7 +71,8 @@ def eval_items(environments: Mapping[str, loop_pb2.Environment], encode: Callabl
                 prompt_text=spec.prompt_text, metadata=spec.metadata, scorer=task_scorer(env, spec),
                 group_size=1,
             )
-            items.append(EvalItem(key, i, template, env.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stops))
+            items.append(EvalItem(key, i, template, env.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stops,
+                                  tuple(env.tools), max(1, env.max_turns)))
     return items
 
 
@@ -81,10 +90,16 @@ def passed(breakdown: Sequence[bus_pb2.RewardComponent]) -> bool:
 
 async def score_version(engine: SGLangClient, items: Sequence[EvalItem], registry: ScorerRegistry, *, version: int,
                         decode: Callable[[Sequence[int]], str], concurrency: int, rid_prefix: str,
-                        lora_path: str | None = None) -> list[loop_pb2.EnvironmentScore]:
+                        lora_path: str | None = None,
+                        open_episode: Callable[[EvalItem, str], Episode] | None = None
+                        ) -> list[loop_pb2.EnvironmentScore]:
     """Samples every item greedily and scores it; raises EvaluationError when an answer came from
-    another version than `version` (the engine must be pinned to it)."""
+    another version than `version` (the engine must be pinned to it). `open_episode(item, rid)`
+    opens a multi-turn item's episode (items with tools need it); the rest are single completions."""
     gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def generate_batch(requests: list[GenerateRequest]) -> list[Completion]:
+        return [await generate_resumable(engine, request) for request in requests]
 
     async def one(item: EvalItem) -> Outcome:
         request = GenerateRequest(
@@ -92,16 +107,27 @@ async def score_version(engine: SGLangClient, items: Sequence[EvalItem], registr
             return_logprob=False, lora_path=lora_path,
             sampling_params=SamplingParams(max_new_tokens=item.max_new_tokens, temperature=0.0,
                                            stop_token_ids=item.stop_token_ids))
+        if item.tools and open_episode is None:
+            raise EvaluationError(f"{item.environment} eval task {item.index}: a multi-turn item needs open_episode")
+        episode = open_episode(item, request.rid or "") if item.tools and open_episode is not None else SingleTurn()
         async with gate:
-            result = await engine.generate(request)
-        if str(result.weight_version) != str(version):
-            raise EvaluationError(f"the engine answered with version {result.weight_version}, not {version}: "
+            [done] = await run_episodes([request], [episode], generate_batch=generate_batch, decode=decode,
+                                        max_turns=item.max_turns)
+        result = done.result
+        answered = {str(result.weight_version), *(str(s.version) for s in result.weight_versions or [])}
+        if answered != {str(version)}:
+            raise EvaluationError(f"the engine answered with version {', '.join(sorted(answered))}, not {version}: "
                                   f"it must serve only the version under evaluation")
         traj = bus_pb2.Trajectory()
         traj.CopyFrom(item.template)
         traj.response_token_ids.extend(result.output_ids)
         traj.finish_reason = _FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
-        traj.response_text = decode([t for t in result.output_ids if t not in item.stop_token_ids])
+        if item.tools:  # scored as the rollout's trajectories are: the turns say which tokens are whose
+            traj.loss_mask.extend(done.loss_mask)
+            traj.turns.extend(done.turns)
+            traj.response_text = transcript(done.turns, tool_formats(list(item.tools)))
+        else:
+            traj.response_text = done.turns[0].text
         try:
             reward, breakdown = await registry.score(traj)
         except ValueError as exc:  # UnscorableTrajectory: the environment's scorer cannot score it

@@ -7,11 +7,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from policyloop.envs.tool_episodes import ToolSettings
 from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime import ServiceSettings
 
 
-class EvaluatorSettings(ServiceSettings):
+class EvaluatorSettings(ServiceSettings, ToolSettings):
     every_versions: int = Field(
         5, ge=1, description="Evaluate each version whose number is a multiple of this (1: every version). An "
                              "evaluator still busy when several such versions appeared evaluates the newest.")

@@ -83,8 +83,6 @@ def task_lists(env: loop_pb2.Environment) -> list[tuple[str, Sequence[loop_pb2.T
 def _validate_tasks(env: loop_pb2.Environment) -> None:
     if not env.tasks:
         raise InvalidField("environment.tasks", "an environment needs at least one task")
-    if env.eval_tasks and env.max_turns > 1:
-        raise InvalidField("environment.eval_tasks", "the evaluator scores single-turn environments only")
     for name, tasks in (("tasks", env.tasks), ("eval_tasks", env.eval_tasks)):
         if len(tasks) > MAX_TASKS_PER_ENVIRONMENT:
             raise InvalidField(f"environment.{name}", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")

@@ -28,7 +28,7 @@ from policyloop.engines.partial import Completion, generate_resumable, generate_
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.episode import SingleTurn, run_episodes
-from policyloop.envs.tool_episodes import ToolEpisode, ToolSetupError, from_hf, sandbox_tools, transcript
+from policyloop.envs.tool_episodes import ToolSetupError, from_hf, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
 from policyloop.models.tokenizer import unreadable_characters
@@ -208,11 +208,9 @@ class RolloutReplica:
         settings = self.settings
         try:
             formats = tool_formats(list(task.tools))
-            tools = ToolEpisode(
-                run_tool=sandbox_tools(self.ctx.bus, job_id=f"tool:{traj.trajectory_id}", run_id=task.run_id,
-                                       timeout_s=settings.tool_timeout_s, reply_timeout_s=settings.tool_reply_timeout_s,
-                                       max_chars=settings.max_tool_chars, on_result=self._count_tool_call),
-                tokenizer=self.episode_tokenizer, formats=formats, max_tool_tokens=settings.max_tool_tokens)
+            tools = settings.episode(self.ctx.bus, job_id=f"tool:{traj.trajectory_id}", run_id=task.run_id,
+                                     tokenizer=self.episode_tokenizer, formats=formats,
+                                     on_result=self._count_tool_call)
             [episode] = await run_episodes([request], [tools], generate_batch=self.counted_batch,
                                            decode=self.episode_tokenizer.decode, max_turns=task.max_turns)
         except (UnknownTool, ToolSetupError) as exc:

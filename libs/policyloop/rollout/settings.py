@@ -8,11 +8,12 @@ from typing import Literal
 
 from pydantic import Field
 
+from policyloop.envs.tool_episodes import ToolSettings
 from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime.settings import ServiceSettings
 
 
-class RolloutSettings(ServiceSettings):
+class RolloutSettings(ServiceSettings, ToolSettings):
     role: Literal["training", "serving"] = Field(
         "training", description="training: sample Tasks for the learner, following each new version. serving: a "
                                 "replica of a run's serving deployment — it follows only the run's promoted version "
@@ -84,12 +85,6 @@ class RolloutSettings(ServiceSettings):
     pacing_poll_s: float = Field(
         1.0, gt=0, description="A paced replica asks again for a slot when its engine takes a newer version, or "
                                "after this long.")
-    tool_timeout_s: float = Field(10.0, description="Wall and CPU seconds of one tool call's sandbox job.")
-    tool_reply_timeout_s: float = Field(
-        120.0, description="How long a tool call waits for a sandbox's result (queueing included) before the task "
-                           "is given back to be sampled again.")
-    max_tool_tokens: int = Field(64, ge=3, description="Most tokens of one tool turn (its result is cut to fit).")
-    max_tool_chars: int = Field(2000, description="Most characters of a tool's result kept before tokenizing.")
 
     def check_engine(self) -> None:
         """Refuses engine settings that cannot work, before anything starts."""
