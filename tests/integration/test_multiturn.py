@@ -5,6 +5,7 @@ inserted as a tool turn whose tokens are masked out of the loss, and the model a
 from __future__ import annotations
 
 import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -101,6 +102,11 @@ async def test_tool_turns_run_in_the_sandbox_and_are_masked_out_of_the_loss(
                 ran += 1
     # The tools bootstrap policy opens with a call about half the time (bootstrap.json's report).
     assert calls >= 4 and ran >= 1, (calls, ran)
+    with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    model_turns = sum(t.role == MODEL for traj in episodes for t in traj.turns)
+    assert f'policyloop_episode_model_turns_count{{environment="tools@v1"}} {len(episodes)}.0' in metrics
+    assert f'policyloop_episode_model_turns_sum{{environment="tools@v1"}} {model_turns}.0' in metrics
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     assert letter.service == "rollout" and "shell" in letter.reason and letter.delivery_count == 1
     # Each tool call's sandbox job is a span in the episode's trace, under the call.

@@ -27,7 +27,7 @@ from policyloop.engines.adapters import AdapterLease
 from policyloop.engines.partial import Completion, generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
-from policyloop.envs.episode import SingleTurn, run_episodes
+from policyloop.envs.episode import EpisodeResult, SingleTurn, run_episodes
 from policyloop.envs.tool_episodes import ToolSetupError, from_hf, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
@@ -43,7 +43,14 @@ from policyloop.state.pacing import Pacer
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import GENERATED_TOKENS, RESUBMITTED, TOOL_CALLS, run_label
+from policyloop.telemetry.metrics import (
+    EPISODE_MODEL_TURNS,
+    EPISODE_STEP_REWARD,
+    GENERATED_TOKENS,
+    RESUBMITTED,
+    TOOL_CALLS,
+    run_label,
+)
 
 log = get_logger(__name__)
 
@@ -182,6 +189,7 @@ class RolloutReplica:
         for traj, episode in zip(group, episodes, strict=True):
             record_response(traj, episode.result, episode.turns[0].text)
             traj.prompt_text = task.prompt_text
+            observe_episode(task.environment, episode)
             if tracing.enabled():
                 tracing.record_span("sample", parent, started_ns, time.time_ns(), self._sample_attributes(task, traj))
 
@@ -217,6 +225,7 @@ class RolloutReplica:
             raise PermanentError(str(exc)) from exc
         record_response(traj, episode.result, transcript(episode.turns, formats), episode.loss_mask)
         traj.turns.extend(episode.turns)
+        observe_episode(task.environment, episode)
 
     def _count_tool_call(self, call: ToolCall, status: str) -> None:
         TOOL_CALLS.labels(call.tool.name, status).inc()
@@ -257,3 +266,11 @@ class RolloutReplica:
         if completion.resubmits:
             RESUBMITTED.inc(completion.resubmits)
             self.status.resubmitted += completion.resubmits
+
+
+def observe_episode(environment: str, episode: EpisodeResult) -> None:
+    """Its model turns, and each step reward its environment gave."""
+    EPISODE_MODEL_TURNS.labels(environment).observe(
+        sum(t.role == bus_pb2.Turn.ROLE_MODEL for t in episode.turns))
+    for reward in episode.step_rewards:
+        EPISODE_STEP_REWARD.labels(environment).observe(reward)

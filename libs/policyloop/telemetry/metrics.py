@@ -108,6 +108,14 @@ RESUBMITTED = Counter(
 TOOL_CALLS = Counter(
     "policyloop_rollout_tool_calls_total", "Tool calls of multi-turn episodes, by tool and status.", ["tool", "status"],
 )
+EPISODE_MODEL_TURNS = Histogram(
+    "policyloop_episode_model_turns", "Model turns of each sampled episode, by environment.", ["environment"],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
+EPISODE_STEP_REWARD = Histogram(
+    "policyloop_episode_step_reward", "Rewards environments gave for single steps of their episodes.",
+    ["environment"], buckets=(-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 2.0),
+)
 LEARNER_TOKENS = Counter("policyloop_learner_tokens_total", "Response tokens the learner trained on.")
 LEARNER_STEP_SECONDS = Histogram(
     "policyloop_learner_step_seconds", "Wall time of one learner step, publishing included.",
