@@ -118,7 +118,7 @@ class ResponsesRequest(_Strict):
     return_token_ids: bool = False
 
 
-# What a stateless server without streamed responses cannot give, and why.
+# What a stateless server cannot give, and why.
 REFUSED = {
     "previous_response_id": "nothing is stored here: send the whole conversation as input",
     "conversation": "nothing is stored here: send the whole conversation as input",
