@@ -101,12 +101,10 @@ INVALID_ENVIRONMENTS = [
     (lambda e: e.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
                                                           timeout_seconds=-3)),
      "environment.reward_code.timeout_seconds"),
-    # The eval split is checked as the tasks are, and only single-turn environments have one.
+    # The eval split is checked as the tasks are.
     (lambda e: e.eval_tasks.add(prompt_text="", answer="3"), "environment.eval_tasks[0].prompt_text"),
     (lambda e: e.eval_tasks.add(prompt_text="1+2=", answer=""), "environment.eval_tasks[0].answer"),
     (lambda e: e.eval_tasks.add(prompt_token_ids=[-1], answer="3"), "environment.eval_tasks[0].prompt_token_ids"),
-    (lambda e: (setattr(e, "max_turns", 3), e.tools.append("python"), e.eval_tasks.add(prompt_text="1+2=", answer="3")),
-     "environment.eval_tasks"),
 ]
 
 
