@@ -491,7 +491,7 @@ def demo(
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
     before and after (summary.json and a plot). --tools: the multi-turn environment.
     --production: evaluation, promotion, serving and traces, end to end."""
-    from policyloop.cluster.demo import DemoConfig, run_demo
+    from policyloop.cluster.demo import DemoConfig
 
     loss = _demo_objective(objective, weight_update_mode, tracker, runs, lora_rank, tools)
     if lora_rank:
@@ -504,14 +504,24 @@ def demo(
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
     signal.signal(signal.SIGTERM, _interrupt)  # a demo told to stop stops its cluster on the way out, as on Ctrl-C
+    sys.exit(_chosen_demo(config, production=production, agent=agent, traffic=traffic,
+                          traces_budget_s=traces_budget_s, every_versions=every_versions,
+                          sessions_per_step=sessions_per_step))
+
+
+def _chosen_demo(config, *, production: bool, agent: bool, traffic: int | None,  # type: ignore[no-untyped-def]
+                 traces_budget_s: float, every_versions: int, sessions_per_step: int | None) -> int:
+    """The demo the flags name: the RL run, --production or --agent (one of them)."""
+    from policyloop.cluster.demo import run_demo
+
     if production and agent:
         console.print("[red]--production and --agent are two demos: choose one[/red]")
         raise typer.Exit(2)
     if production:
-        sys.exit(_production_demo(config, traffic, traces_budget_s, every_versions))
+        return _production_demo(config, traffic, traces_budget_s, every_versions)
     if agent:
-        sys.exit(_agent_demo(config, traffic, sessions_per_step))
-    sys.exit(run_demo(config, console=console, print_status=_print_status))
+        return _agent_demo(config, traffic, sessions_per_step)
+    return run_demo(config, console=console, print_status=_print_status)
 
 
 def _demo_objective(objective: dict[str, object], weight_update_mode: str, tracker: str, runs: int, lora_rank: int,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -40,7 +39,7 @@ from policyloop.cluster.local import LocalCluster
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.envs.arithmetic import Problem
 from policyloop.evaluation.scoring import wilson_interval
-from policyloop.models.chat_tasks import QUESTIONS, calculate, calculator_call_correct, problems
+from policyloop.models.chat_tasks import QUESTIONS, calculate, calculator_call_correct, problems, text_correct
 from policyloop.serving.traces import environment_from_traces, read_exchanges, session_segments
 
 if TYPE_CHECKING:
@@ -49,7 +48,6 @@ if TYPE_CHECKING:
 AGENT_RUN = "agent"
 """The run whose promotions the serving replica follows; the Agents SDK's model name."""
 INSTRUCTIONS = "You are a math assistant. Use the tools you are given to compute exact results."
-_LAST_INTEGER = re.compile(r"-?\d+")
 
 
 @dataclass
@@ -115,8 +113,8 @@ class AgentRun:
 
     @property
     def right_answer(self) -> bool:
-        numbers = _LAST_INTEGER.findall(self.output or "")
-        return bool(numbers) and numbers[-1] == self.problem.answer
+        """The final output's last number is the result (the run ended with an answer)."""
+        return self.output is not None and text_correct(self.output, True, self.problem)
 
 
 def question(problem: Problem, index: int) -> str:

@@ -98,19 +98,20 @@ class _Progress:
     done: bool = False
 
     def turn_request(self, turn: int) -> GenerateRequest:
+        """Turn 0 is the request itself; a later turn continues the transcript with what is left of
+        the budget and a seed of its own. Every turn also stops on the episode's stop ids."""
         request, params = self.request, self.request.sampling_params
-        seed = params.sampling_seed
+        update: dict[str, object] = {
+            "stop_token_ids": tuple(dict.fromkeys([*params.stop_token_ids, *self.episode.stop_token_ids]))}
         if turn == 0:
-            stops = tuple(dict.fromkeys([*params.stop_token_ids, *self.episode.stop_token_ids]))
-            return request.model_copy(update=dict(sampling_params=params.model_copy(update=dict(
-                stop_token_ids=stops))))
+            return request.model_copy(update=dict(sampling_params=params.model_copy(update=update)))
+        seed = params.sampling_seed
+        update |= {"max_new_tokens": self.budget,
+                   "sampling_seed": None if seed is None else (seed + turn * TURN_SEED_STRIDE) % (1 << 63)}
         return request.model_copy(update=dict(
             input_ids=list(request.input_ids or []) + self.response,
             rid=f"{request.rid}/t{turn}" if request.rid else None,
-            sampling_params=params.model_copy(update=dict(
-                stop_token_ids=tuple(dict.fromkeys([*params.stop_token_ids, *self.episode.stop_token_ids])),
-                max_new_tokens=self.budget,
-                sampling_seed=None if seed is None else (seed + turn * TURN_SEED_STRIDE) % (1 << 63)))))
+            sampling_params=params.model_copy(update=update)))
 
     def add_model_turn(self, piece: GenerateResult, text: str) -> bus_pb2.Turn:
         start = len(self.response)
