@@ -20,7 +20,7 @@ from pydantic import Field
 from policyloop.bus import Delivery, PullWorker
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, status_pb2
-from policyloop.contracts.validate import validate_sandbox_job
+from policyloop.contracts.validate import validate_sandbox_job, validate_sandbox_session
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.sandbox.cgroups import job_cgroups
 from policyloop.sandbox.runner import (
@@ -31,10 +31,11 @@ from policyloop.sandbox.runner import (
     job_outcome,
     run_job,
 )
+from policyloop.sandbox.session import SessionChannel
 from policyloop.state.quota import RunningSlots, RunQuota
 from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
-from policyloop.telemetry.metrics import SANDBOX_JOB_SECONDS, SANDBOX_JOBS
+from policyloop.telemetry.metrics import SANDBOX_JOB_SECONDS, SANDBOX_JOBS, SANDBOX_SESSIONS
 
 log = get_logger(__name__)
 
@@ -64,6 +65,10 @@ class SandboxSettings(ServiceSettings):
                              "one run cannot take every sandbox. A job over its run's quota waits among the held "
                              "jobs; slots are leases, so a dead replica's come back.")
     quota_poll_s: float = Field(0.05, gt=0, description="How often a job held for its run's quota asks again.")
+    session_concurrency: int = Field(
+        16, ge=0, description="Sessions (one process per episode of an environment program, mostly waiting for the "
+                              "model) this replica runs at once, besides its jobs. 0: it runs no sessions.")
+    default_step_seconds: float = Field(10.0, gt=0, description="A session step's limit when the session sets none.")
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -114,12 +119,42 @@ async def body(ctx: ServiceContext) -> None:
                  limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
                  cpu_s=round(result.cpu_seconds, 3))
 
-    worker = PullWorker(
+    async def handle_session(delivery: Delivery[bus_pb2.SandboxJob]) -> None:
+        """A session: the process answers steps on its channel until closed; its result goes to the
+        step that closed it and to reply_subject, like a job's."""
+        job = delivery.message
+        if expired(job):
+            return
+        limits = effective_limits(job.limits, defaults, ceiling)
+        channel = SessionChannel(job.session.step_seconds or settings.default_step_seconds)
+        sub = await ctx.bus.nc.subscribe(job.session.channel_subject, cb=channel.on_step)
+        try:
+            result = await run_job(job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups,
+                                   conversation=channel)
+            await channel.finish(result)
+        finally:
+            await sub.unsubscribe()
+        if job.reply_subject:
+            await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
+        await ctx.bus.nc.flush(timeout=5)
+        status.sessions_done += 1
+        outcome = job_outcome(result)
+        SANDBOX_SESSIONS.labels(outcome).inc()
+        log.info("session_done", job=job.job_id, exit_code=result.exit_code,
+                 limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
+                 cpu_s=round(result.cpu_seconds, 3), peak_memory_bytes=result.peak_memory_bytes)
+
+    workers = [PullWorker(
         ctx.bus, ctx.bus.topology.consumers["sandbox"], bus_pb2.SandboxJob, handle,
         service="sandbox", concurrency=settings.concurrency + settings.held_jobs, validator=validate_sandbox_job,
-    )
+    )]
+    if settings.session_concurrency:
+        workers.append(PullWorker(
+            ctx.bus, ctx.bus.topology.consumers["sandbox-sessions"], bus_pb2.SandboxJob, handle_session,
+            service="sandbox", concurrency=settings.session_concurrency, validator=validate_sandbox_session,
+        ))
     try:
-        await run_pull_workers(ctx, worker)
+        await run_pull_workers(ctx, *workers)
     finally:
         if cgroups is not None:
             cgroups.remove_parents()

@@ -21,6 +21,7 @@ from policyloop.bus.topology import (
     promotions_subject,
     rollouts_subject,
     sandbox_subject,
+    session_subject,
     tasks_subject,
     tinker_request_subject,
     tinker_result_subject,
@@ -32,6 +33,6 @@ __all__ = [
     "Backlog", "Bus", "BusError", "BusLimits", "BusUnavailable", "ConsumerSpec", "Delivery",
     "PermanentError", "PublishFailed", "PullWorker", "StreamFull", "StreamSpec", "Topology",
     "build_topology", "decode_message", "dlq_subject", "evals_subject", "ledger_subject", "promotions_subject",
-    "rollouts_subject", "sandbox_subject", "tasks_subject", "tinker_request_subject", "tinker_result_subject",
-    "trajectories_subject", "weights_subject",
+    "rollouts_subject", "sandbox_subject", "session_subject", "tasks_subject", "tinker_request_subject",
+    "tinker_result_subject", "trajectories_subject", "weights_subject",
 ]

@@ -178,6 +178,11 @@ def _streams(lim: BusLimits) -> list[StreamSpec]:
             description="Jobs for the sandbox (request/reply through reply_subject).",
         ),
         StreamSpec(
+            "SESSIONS", (f"{p}.sessions.>",), bus_pb2.SandboxJob, api.RetentionPolicy.WORK_QUEUE,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Sandbox sessions to start (one process per episode; steps on its channel subject).",
+        ),
+        StreamSpec(
             "WEIGHTS", (f"{p}.weights.>",), bus_pb2.WeightsPublished, api.RetentionPolicy.LIMITS,
             max_msgs_per_subject=lim.weights_history, duplicate_window_s=lim.duplicate_window_s,
             description="WeightsPublished events; replicas read the last per model subject.",
@@ -244,6 +249,8 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
                  "The learner's cursor over scored trajectories."),
         consumer("SANDBOX", "sandbox", f"{p}.sandbox.>", lim.sandbox_ack_wait_s,
                  "Sandbox replicas share it."),
+        consumer("SESSIONS", "sandbox-sessions", f"{p}.sessions.>", lim.sandbox_ack_wait_s,
+                 "Sandbox replicas share it: each session runs on one."),
         consumer("DLQ", "gateway", f"{p}.dlq.>", lim.reward_ack_wait_s,
                  "Gateway replicas share it: each dead-lettered task counts in its run's progress."),
     ]
@@ -279,6 +286,10 @@ def trajectories_subject(environment: str) -> str:
 
 def sandbox_subject(kind: str) -> str:
     return f"{SUBJECT_PREFIX}.sandbox.{subject_token(kind)}"
+
+
+def session_subject(kind: str) -> str:
+    return f"{SUBJECT_PREFIX}.sessions.{subject_token(kind)}"
 
 
 def weights_subject(model: str) -> str:

@@ -20,7 +20,10 @@ def validate_task(task: bus_pb2.Task) -> None:
         raise InvalidMessage("task_id", "is empty")
     if not task.environment:
         raise InvalidMessage("environment", "is empty")
-    if not task.prompt_token_ids and not task.prompt_text:
+    if task.HasField("program") and (not task.program.entry or not task.program.files):
+        raise InvalidMessage("program", "names no entry (module:Class) or has no files")
+    # A program's prompt is what its reset answers.
+    if not task.prompt_token_ids and not task.prompt_text and not task.HasField("program"):
         raise InvalidMessage("prompt_token_ids", "and prompt_text are both empty")
     if task.group_size < 1:
         raise InvalidMessage("group_size", "must be at least 1")
@@ -106,9 +109,9 @@ def _validate_turns(traj: bus_pb2.Trajectory) -> None:
     for i, turn in enumerate(traj.turns):
         if turn.start != position or turn.end < turn.start or turn.end > len(traj.response_token_ids):
             raise InvalidMessage(f"turns[{i}]", f"[{turn.start}, {turn.end}) does not continue at {position}")
-        if turn.role == bus_pb2.Turn.ROLE_TOOL and any(traj.loss_mask[turn.start:turn.end]):
-            raise InvalidMessage(f"turns[{i}]", "a tool turn's tokens must have loss_mask false")
-        if turn.role not in (bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_TOOL):
+        if turn.role != bus_pb2.Turn.ROLE_MODEL and any(traj.loss_mask[turn.start:turn.end]):
+            raise InvalidMessage(f"turns[{i}]", "only the model's tokens may have loss_mask true")
+        if turn.role not in (bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_TOOL, bus_pb2.Turn.ROLE_ENVIRONMENT):
             raise InvalidMessage(f"turns[{i}].role", "is unspecified")
         position = turn.end
     if position != len(traj.response_token_ids):
@@ -123,9 +126,11 @@ def validate_scorer(scorer: bus_pb2.Scorer) -> None:
     unscorable, which the reward service dead-letters as such)."""
     kind = scorer.WhichOneof("kind")
     if kind is None:
-        raise InvalidMessage("scorer", "names no scorer (builtin, unit_tests or reward_code)")
+        raise InvalidMessage("scorer", "names no scorer (builtin, unit_tests, reward_code or environment_reward)")
     if kind == "builtin":
         _validate_verifier(scorer)
+        return
+    if kind == "environment_reward":
         return
     seconds = getattr(scorer, kind).timeout_seconds
     if not math.isfinite(seconds) or seconds < 0:
@@ -157,6 +162,16 @@ def _validate_verifier(scorer: bus_pb2.Scorer) -> None:
             float(scorer.answer)
         except ValueError:
             raise InvalidMessage("scorer.answer", f"{scorer.answer[:32]!r} is not a number") from None
+
+
+def validate_sandbox_session(job: bus_pb2.SandboxJob) -> None:
+    """A session is a job with a channel subject and a step limit (sandbox/session.py)."""
+    validate_sandbox_job(job)
+    if not job.session.channel_subject:
+        raise InvalidMessage("session.channel_subject", "is empty")
+    step = job.session.step_seconds
+    if not math.isfinite(step) or step < 0:
+        raise InvalidMessage("session.step_seconds", f"{step} is not a number of seconds (0: the default)")
 
 
 def validate_sandbox_job(job: bus_pb2.SandboxJob) -> None:

@@ -310,6 +310,8 @@ def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     """The limit that stopped the job (or that it ran into), most decisive first."""
     if ending.timed_out:
         return L.SANDBOX_LIMIT_WALL_TIME
+    if ending.watchdog == L.SANDBOX_LIMIT_STEP_TIME:
+        return L.SANDBOX_LIMIT_STEP_TIME
     if ending.watchdog == L.SANDBOX_LIMIT_OUTPUT:  # ended for its output: what it used meanwhile is moot
         return L.SANDBOX_LIMIT_OUTPUT
     # The kernel ends a process over its CPU rlimit (the backstop) with SIGXCPU, then SIGKILL.
@@ -584,11 +586,26 @@ def job_files(job: bus_pb2.SandboxJob) -> list[tuple[str, bytes]]:
 _JOB_NUMBERS = itertools.count()  # names the jobs' cgroups (below this process's own directory)
 
 
+class Conversation(Protocol):
+    """A session's exchange with its process (sandbox/session.py): lines to its stdin, answered by
+    lines of its stdout, until the caller closes it."""
+
+    async def run(self, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader) -> bus_pb2.SandboxLimit:
+        """Returns once the session is over: SANDBOX_LIMIT_NONE when the caller closed it (its
+        stdin is closed), or the limit that ends it (a step not answered in time, a line too long)."""
+        ...
+
+
+CLOSE_GRACE_S = 5.0  # a closed session's process has this long to exit on its own
+
+
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, *, instance: str = "", uids: JobUids = DEFAULT_UIDS,
-                  cgroups: JobCgroups | None = None) -> bus_pb2.SandboxResult:
+                  cgroups: JobCgroups | None = None, conversation: Conversation | None = None
+                  ) -> bus_pb2.SandboxResult:
     """Runs `job` under `limits`, in a cgroup of its own when `cgroups` is given, and returns its
     result. Never raises for anything the job does: a job that cannot be run is a result with
-    `error`. A job's files live in its own tmpfs, never on the host's disk."""
+    `error`. A job's files live in its own tmpfs, never on the host's disk. With `conversation`
+    the job is a session: its stdin and stdout are the conversation's, not the job's."""
     started = time.monotonic()
     cgroup: JobCgroup | None = None
     try:
@@ -596,7 +613,8 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, *, instance: str =
         if cgroups is not None:
             cgroup = cgroups.create(f"job-{next(_JOB_NUMBERS)}", memory_bytes=limits.memory_bytes,
                                     max_tasks=limits.max_processes + BWRAP_TASKS)
-        return await _run(job, files, limits, uids.next() if os.geteuid() == 0 else None, cgroup, instance)
+        return await _run(job, files, limits, uids.next() if os.geteuid() == 0 else None, cgroup, instance,
+                          conversation)
     except BadJob as exc:
         return _failed(job, instance, str(exc))
     except Exception as exc:  # the sandbox's own trouble (no memory file, no cgroup): the job still gets a result
@@ -708,7 +726,7 @@ def _job_fds(files: list[tuple[str, bytes]]) -> tuple[JobFds, int, int]:
 
 
 async def _run(job: bus_pb2.SandboxJob, files: list[tuple[str, bytes]], limits: JobLimits, drop_to: int | None,
-               cgroup: JobCgroup | None, instance: str) -> bus_pb2.SandboxResult:
+               cgroup: JobCgroup | None, instance: str, conversation: Conversation | None) -> bus_pb2.SandboxResult:
     started = time.monotonic()
     fds, info_read, block_write = _job_fds(files)
     command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(limits, fds),
@@ -727,7 +745,7 @@ async def _run(job: bus_pb2.SandboxJob, files: list[tuple[str, bytes]], limits: 
     setup = asyncio.ensure_future(asyncio.to_thread(hold_job_filesystems, info_read, block_write,
                                                     started + limits.wall_seconds))
     try:
-        return await _supervise(job, job_process, setup, limits, cgroup, instance, started)
+        return await _supervise(job, job_process, setup, limits, cgroup, instance, started, conversation)
     finally:
         _release_when_done(setup)
 
@@ -744,21 +762,27 @@ def _release_when_done(setup: asyncio.Future[JobSetup]) -> None:
         setup.add_done_callback(release)
 
 
+async def _nothing() -> tuple[bytes, bool]:
+    return b"", False
+
+
 async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyncio.Future[JobSetup],
-                     limits: JobLimits, cgroup: JobCgroup | None, instance: str, started: float
-                     ) -> bus_pb2.SandboxResult:
-    """Waits for the job to end (its main process's exit, the wall clock or the watchdog) and
-    tells how it ended."""
+                     limits: JobLimits, cgroup: JobCgroup | None, instance: str, started: float,
+                     conversation: Conversation | None = None) -> bus_pb2.SandboxResult:
+    """Waits for the job to end (its main process's exit, the wall clock, the watchdog, or a
+    session's end) and tells how it ended."""
     process = job_process.process
     assert process.stdin and process.stdout and process.stderr
     refused = RefusedForkSigns()
     # Output past the cap ends the job (OUTPUT) in either mode: a job that floods its pipes would
     # otherwise run on to the wall clock with nothing more of it kept.
     overflow = asyncio.Event()
-    outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes, overflow=overflow),
+    outputs = asyncio.gather(_read_capped(process.stdout, limits.max_output_bytes, overflow=overflow)
+                             if conversation is None else _nothing(),
                              _read_capped(process.stderr, limits.max_output_bytes,
                                           refused.feed if cgroup is None else None, overflow))
-    feeding = asyncio.ensure_future(_feed(process.stdin, job.stdin))
+    feeding = asyncio.ensure_future(_feed(process.stdin, job.stdin) if conversation is None
+                                    else conversation.run(process.stdin, process.stdout))
     exited = asyncio.ensure_future(process.wait())
     flooded = asyncio.ensure_future(overflow.wait())
     watchdog = _watchdog(job_process, limits, cgroup, refused)
@@ -766,9 +790,18 @@ async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyn
     timed_out, stopped_by = False, L.SANDBOX_LIMIT_NONE
     try:
         waited = {exited, flooded} if watching is None else {exited, flooded, watching}
+        if conversation is not None:
+            waited.add(feeding)
         done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
+        if feeding in done and exited not in done and conversation is not None:
+            stopped_by = feeding.result()
+            if stopped_by == L.SANDBOX_LIMIT_NONE:  # closed: its stdin is closed, it may end on its own
+                left = limits.wall_seconds - (time.monotonic() - started)
+                done, _ = await asyncio.wait({exited}, timeout=max(0.0, min(CLOSE_GRACE_S, left)))
         if exited not in done:
-            if watching is not None and watching in done:
+            if stopped_by != L.SANDBOX_LIMIT_NONE:
+                pass
+            elif watching is not None and watching in done:
                 stopped_by = watching.result()
             elif flooded in done:
                 stopped_by = L.SANDBOX_LIMIT_OUTPUT

@@ -62,6 +62,12 @@ SANDBOX_JOBS = Counter(
     "file_size, output).",
     ["outcome"],
 )
+SANDBOX_SESSIONS = Counter(
+    "policyloop_sandbox_sessions_total",
+    "Sandbox sessions (one process per environment episode) by outcome, as for jobs, and step_time: a step "
+    "not answered within its limit.",
+    ["outcome"],
+)
 SANDBOX_JOB_SECONDS = Histogram(
     "policyloop_sandbox_job_seconds", "Wall time of a sandbox job, set-up included.", ["outcome"],
     buckets=(0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
@@ -115,6 +121,12 @@ EPISODE_MODEL_TURNS = Histogram(
 EPISODE_STEP_REWARD = Histogram(
     "policyloop_episode_step_reward", "Rewards environments gave for single steps of their episodes.",
     ["environment"], buckets=(-1.0, -0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 2.0),
+)
+ENVIRONMENT_FAILURES = Counter(
+    "policyloop_environment_failures_total",
+    "Episodes an environment failed (it raised, answered something malformed, ran past a limit, or no session "
+    "could be had), by environment: none is trained, and its task is retried.",
+    ["environment"],
 )
 LEARNER_TOKENS = Counter("policyloop_learner_tokens_total", "Response tokens the learner trained on.")
 LEARNER_STEP_SECONDS = Histogram(

@@ -24,6 +24,7 @@ class SandboxLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_LIMIT_PROCESSES: _ClassVar[SandboxLimit]
     SANDBOX_LIMIT_FILE_SIZE: _ClassVar[SandboxLimit]
     SANDBOX_LIMIT_OUTPUT: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_STEP_TIME: _ClassVar[SandboxLimit]
 
 class SandboxAccounting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -42,6 +43,7 @@ SANDBOX_LIMIT_MEMORY: SandboxLimit
 SANDBOX_LIMIT_PROCESSES: SandboxLimit
 SANDBOX_LIMIT_FILE_SIZE: SandboxLimit
 SANDBOX_LIMIT_OUTPUT: SandboxLimit
+SANDBOX_LIMIT_STEP_TIME: SandboxLimit
 SANDBOX_ACCOUNTING_UNSPECIFIED: SandboxAccounting
 SANDBOX_ACCOUNTING_CGROUP: SandboxAccounting
 SANDBOX_ACCOUNTING_RLIMIT: SandboxAccounting
@@ -102,20 +104,26 @@ class RewardCodeScorer(_message.Message):
     timeout_seconds: float
     def __init__(self, source: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
+class EnvironmentRewardScorer(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Scorer(_message.Message):
-    __slots__ = ("builtin", "unit_tests", "reward_code", "answer")
+    __slots__ = ("builtin", "unit_tests", "reward_code", "environment_reward", "answer")
     BUILTIN_FIELD_NUMBER: _ClassVar[int]
     UNIT_TESTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_REWARD_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     builtin: BuiltinVerifier
     unit_tests: UnitTestScorer
     reward_code: RewardCodeScorer
+    environment_reward: EnvironmentRewardScorer
     answer: str
-    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
+    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer")
+    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +143,7 @@ class Task(_message.Message):
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     SCORER_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     environment: str
@@ -147,7 +156,96 @@ class Task(_message.Message):
     max_turns: int
     tools: _containers.RepeatedScalarFieldContainer[str]
     scorer: Scorer
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ...) -> None: ...
+    program: EnvironmentProgram
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., program: _Optional[_Union[EnvironmentProgram, _Mapping]] = ...) -> None: ...
+
+class EnvironmentProgram(_message.Message):
+    __slots__ = ("files", "entry", "step_seconds", "episode_seconds", "memory_bytes")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    entry: str
+    step_seconds: float
+    episode_seconds: float
+    memory_bytes: int
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., entry: _Optional[str] = ..., step_seconds: _Optional[float] = ..., episode_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+
+class EnvRequest(_message.Message):
+    __slots__ = ("reset", "action")
+    RESET_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    reset: EnvReset
+    action: EnvAction
+    def __init__(self, reset: _Optional[_Union[EnvReset, _Mapping]] = ..., action: _Optional[_Union[EnvAction, _Mapping]] = ...) -> None: ...
+
+class EnvReset(_message.Message):
+    __slots__ = ("prompt_text", "answer", "metadata")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    prompt_text: str
+    answer: str
+    metadata: _containers.ScalarMap[str, str]
+    def __init__(self, prompt_text: _Optional[str] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class EnvAction(_message.Message):
+    __slots__ = ("text", "content", "tool_calls", "truncated")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    content: str
+    tool_calls: _containers.RepeatedCompositeFieldContainer[EnvToolCall]
+    truncated: bool
+    def __init__(self, text: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[EnvToolCall, _Mapping]]] = ..., truncated: _Optional[bool] = ...) -> None: ...
+
+class EnvToolCall(_message.Message):
+    __slots__ = ("name", "arguments_json")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    arguments_json: str
+    def __init__(self, name: _Optional[str] = ..., arguments_json: _Optional[str] = ...) -> None: ...
+
+class EnvMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class EnvReply(_message.Message):
+    __slots__ = ("messages", "reward", "done", "tools_json", "error")
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_JSON_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[EnvMessage]
+    reward: float
+    done: bool
+    tools_json: str
+    error: str
+    def __init__(self, messages: _Optional[_Iterable[_Union[EnvMessage, _Mapping]]] = ..., reward: _Optional[float] = ..., done: _Optional[bool] = ..., tools_json: _Optional[str] = ..., error: _Optional[str] = ...) -> None: ...
 
 class VersionSpan(_message.Message):
     __slots__ = ("version", "start", "end")
@@ -190,9 +288,11 @@ class Turn(_message.Message):
         ROLE_UNSPECIFIED: _ClassVar[Turn.Role]
         ROLE_MODEL: _ClassVar[Turn.Role]
         ROLE_TOOL: _ClassVar[Turn.Role]
+        ROLE_ENVIRONMENT: _ClassVar[Turn.Role]
     ROLE_UNSPECIFIED: Turn.Role
     ROLE_MODEL: Turn.Role
     ROLE_TOOL: Turn.Role
+    ROLE_ENVIRONMENT: Turn.Role
     ROLE_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     END_FIELD_NUMBER: _ClassVar[int]
@@ -390,7 +490,7 @@ class SandboxLimits(_message.Message):
     def __init__(self, wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_bytes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
 
 class SandboxJob(_message.Message):
-    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject", "expires_unix_ms")
+    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject", "expires_unix_ms", "session")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +506,7 @@ class SandboxJob(_message.Message):
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     REPLY_SUBJECT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     run_id: str
     files: _containers.ScalarMap[str, bytes]
@@ -414,7 +515,34 @@ class SandboxJob(_message.Message):
     limits: SandboxLimits
     reply_subject: str
     expires_unix_ms: int
-    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ...) -> None: ...
+    session: SandboxSession
+    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., session: _Optional[_Union[SandboxSession, _Mapping]] = ...) -> None: ...
+
+class SandboxSession(_message.Message):
+    __slots__ = ("channel_subject", "step_seconds")
+    CHANNEL_SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    channel_subject: str
+    step_seconds: float
+    def __init__(self, channel_subject: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+
+class SessionStep(_message.Message):
+    __slots__ = ("line", "close")
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    line: bytes
+    close: bool
+    def __init__(self, line: _Optional[bytes] = ..., close: _Optional[bool] = ...) -> None: ...
+
+class SessionStepReply(_message.Message):
+    __slots__ = ("line", "ended", "result")
+    LINE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    line: bytes
+    ended: bool
+    result: SandboxResult
+    def __init__(self, line: _Optional[bytes] = ..., ended: _Optional[bool] = ..., result: _Optional[_Union[SandboxResult, _Mapping]] = ...) -> None: ...
 
 class SandboxResult(_message.Message):
     __slots__ = ("job_id", "exit_code", "stdout", "stderr", "stdout_truncated", "stderr_truncated", "wall_seconds", "cpu_seconds", "limit_hit", "error", "sandbox_instance", "accounting", "peak_memory_bytes")

@@ -9,8 +9,16 @@ from policyloop.contracts.v1.bus_pb2 import SamplingParams as SamplingParams
 from policyloop.contracts.v1.bus_pb2 import BuiltinVerifier as BuiltinVerifier
 from policyloop.contracts.v1.bus_pb2 import UnitTestScorer as UnitTestScorer
 from policyloop.contracts.v1.bus_pb2 import RewardCodeScorer as RewardCodeScorer
+from policyloop.contracts.v1.bus_pb2 import EnvironmentRewardScorer as EnvironmentRewardScorer
 from policyloop.contracts.v1.bus_pb2 import Scorer as Scorer
 from policyloop.contracts.v1.bus_pb2 import Task as Task
+from policyloop.contracts.v1.bus_pb2 import EnvironmentProgram as EnvironmentProgram
+from policyloop.contracts.v1.bus_pb2 import EnvRequest as EnvRequest
+from policyloop.contracts.v1.bus_pb2 import EnvReset as EnvReset
+from policyloop.contracts.v1.bus_pb2 import EnvAction as EnvAction
+from policyloop.contracts.v1.bus_pb2 import EnvToolCall as EnvToolCall
+from policyloop.contracts.v1.bus_pb2 import EnvMessage as EnvMessage
+from policyloop.contracts.v1.bus_pb2 import EnvReply as EnvReply
 from policyloop.contracts.v1.bus_pb2 import VersionSpan as VersionSpan
 from policyloop.contracts.v1.bus_pb2 import Timings as Timings
 from policyloop.contracts.v1.bus_pb2 import RewardComponent as RewardComponent
@@ -22,6 +30,9 @@ from policyloop.contracts.v1.bus_pb2 import DeadLetter as DeadLetter
 from policyloop.contracts.v1.bus_pb2 import LedgerEvent as LedgerEvent
 from policyloop.contracts.v1.bus_pb2 import SandboxLimits as SandboxLimits
 from policyloop.contracts.v1.bus_pb2 import SandboxJob as SandboxJob
+from policyloop.contracts.v1.bus_pb2 import SandboxSession as SandboxSession
+from policyloop.contracts.v1.bus_pb2 import SessionStep as SessionStep
+from policyloop.contracts.v1.bus_pb2 import SessionStepReply as SessionStepReply
 from policyloop.contracts.v1.bus_pb2 import SandboxResult as SandboxResult
 from policyloop.contracts.v1.bus_pb2 import FinishReason as FinishReason
 from policyloop.contracts.v1.bus_pb2 import SandboxLimit as SandboxLimit
@@ -40,6 +51,7 @@ SANDBOX_LIMIT_MEMORY: _bus_pb2.SandboxLimit
 SANDBOX_LIMIT_PROCESSES: _bus_pb2.SandboxLimit
 SANDBOX_LIMIT_FILE_SIZE: _bus_pb2.SandboxLimit
 SANDBOX_LIMIT_OUTPUT: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_STEP_TIME: _bus_pb2.SandboxLimit
 SANDBOX_ACCOUNTING_UNSPECIFIED: _bus_pb2.SandboxAccounting
 SANDBOX_ACCOUNTING_CGROUP: _bus_pb2.SandboxAccounting
 SANDBOX_ACCOUNTING_RLIMIT: _bus_pb2.SandboxAccounting
@@ -85,32 +97,36 @@ class TaskSpec(_message.Message):
     def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., demonstration_token_ids: _Optional[_Iterable[int]] = ..., demonstration_text: _Optional[str] = ..., demonstration_loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Environment(_message.Message):
-    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised")
+    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "environment_reward", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised", "program")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
     BUILTIN_FIELD_NUMBER: _ClassVar[int]
     UNIT_TESTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
+    ENVIRONMENT_REWARD_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     EVAL_TASKS_FIELD_NUMBER: _ClassVar[int]
     SUPERVISED_FIELD_NUMBER: _ClassVar[int]
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
     builtin: _bus_pb2.BuiltinVerifier
     unit_tests: _bus_pb2.UnitTestScorer
     reward_code: _bus_pb2.RewardCodeScorer
+    environment_reward: _bus_pb2.EnvironmentRewardScorer
     group_size: int
     sampling: _bus_pb2.SamplingParams
     max_turns: int
     tools: _containers.RepeatedScalarFieldContainer[str]
     eval_tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
     supervised: bool
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ...) -> None: ...
+    program: _bus_pb2.EnvironmentProgram
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[_bus_pb2.EnvironmentRewardScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ..., program: _Optional[_Union[_bus_pb2.EnvironmentProgram, _Mapping]] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("environment",)

@@ -206,14 +206,16 @@ class RewardStatus(_message.Message):
     def __init__(self, rollouts_done: _Optional[int] = ...) -> None: ...
 
 class SandboxStatus(_message.Message):
-    __slots__ = ("accounting", "jobs_done", "jobs_expired")
+    __slots__ = ("accounting", "jobs_done", "jobs_expired", "sessions_done")
     ACCOUNTING_FIELD_NUMBER: _ClassVar[int]
     JOBS_DONE_FIELD_NUMBER: _ClassVar[int]
     JOBS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_DONE_FIELD_NUMBER: _ClassVar[int]
     accounting: str
     jobs_done: int
     jobs_expired: int
-    def __init__(self, accounting: _Optional[str] = ..., jobs_done: _Optional[int] = ..., jobs_expired: _Optional[int] = ...) -> None: ...
+    sessions_done: int
+    def __init__(self, accounting: _Optional[str] = ..., jobs_done: _Optional[int] = ..., jobs_expired: _Optional[int] = ..., sessions_done: _Optional[int] = ...) -> None: ...
 
 class ServiceHeartbeat(_message.Message):
     __slots__ = ("service", "instance", "healthy", "policy_version", "health_url", "checks", "pid", "host", "started_unix_ms", "beat_unix_ms", "grpc_endpoint", "learner", "rollout", "gateway", "sandbox", "reward", "evaluator")
