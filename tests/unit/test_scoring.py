@@ -75,7 +75,8 @@ def test_scorer_kinds_key_the_registry() -> None:
         raise AssertionError("the built-in verifiers run no sandbox job")
 
     registry = default_registry(never)
-    assert registry.kinds == ["exact_answer", "numeric_tolerance", "regex", "reward_code", "unit_tests"]
+    assert registry.kinds == ["environment_reward", "exact_answer", "numeric_tolerance", "regex", "reward_code",
+                              "unit_tests"]
     assert registry.scorer_for(traj("46", EXACT_46)) is not registry.scorer_for(
         traj("1", bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer())))
     with pytest.raises(UnscorableTrajectory, match="^scorer: the trajectory names none"):
@@ -84,6 +85,18 @@ def test_scorer_kinds_key_the_registry() -> None:
         registry.scorer_for(traj("1", builtin(7, "1")))
     with pytest.raises(UnscorableTrajectory, match="is not one this service runs"):
         ScorerRegistry().scorer_for(traj("46", EXACT_46))
+
+
+def test_an_environment_reward_is_the_sum_of_its_step_rewards_by_model_turn() -> None:
+    scored = bus_pb2.Trajectory(scorer=bus_pb2.Scorer(environment_reward=bus_pb2.EnvironmentRewardScorer()), turns=[
+        bus_pb2.Turn(role=bus_pb2.Turn.ROLE_MODEL, reward=0.2), bus_pb2.Turn(role=bus_pb2.Turn.ROLE_ENVIRONMENT),
+        bus_pb2.Turn(role=bus_pb2.Turn.ROLE_MODEL), bus_pb2.Turn(role=bus_pb2.Turn.ROLE_ENVIRONMENT),
+        bus_pb2.Turn(role=bus_pb2.Turn.ROLE_MODEL, reward=1.0)])
+    reward, parts = verify(scored)
+    assert reward == pytest.approx(1.2)
+    # Each component names the model turn it rewards (the second gave none).
+    assert [(p.name, p.value) for p in parts] == [("turn_0", 0.2), ("turn_2", 1.0)]
+    assert verify(bus_pb2.Trajectory(scorer=scored.scorer)) == (0.0, [])
 
 
 async def test_the_registry_scores_by_kind_and_code_scorers_go_to_the_sandbox() -> None:

@@ -90,7 +90,7 @@ def test_multi_turn_trajectories_are_checked_and_scored_on_the_last_model_turn()
     assert traj.response_text == "<python>1+2</python><output>3</output>3"
     reward, parts = verify(traj)
     assert reward == 1.0 + parts[0].weight and {p.name for p in parts} == {"format", "exact_answer"}
-    with pytest.raises(InvalidMessage, match=r"turns\[1\]: a tool turn's tokens must have loss_mask false"):
+    with pytest.raises(InvalidMessage, match=r"turns\[1\]: only the model's tokens may have loss_mask true"):
         validate_trajectory(episode(loss_mask=[True] * 10))
     with pytest.raises(InvalidMessage, match="turns: cover 8 of 10"):
         validate_trajectory(episode(turns=list(episode().turns)[:2]))

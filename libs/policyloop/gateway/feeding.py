@@ -94,4 +94,5 @@ def _task(run_id: str, environment: str, env: loop_pb2.Environment, spec: loop_p
         max_turns=env.max_turns,
         tools=env.tools,
         scorer=task_scorer(env, spec),
+        program=env.program if env.HasField("program") else None,
     )

@@ -48,6 +48,7 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
     _validate_tasks(env)
     validate_demonstrations(env)
     _validate_scorer(env)
+    _validate_program(env)
     if env.group_size > MAX_GROUP_SIZE:
         raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE} (0: the default, "
                                                      f"{DEFAULT_GROUP_SIZE}), got {env.group_size}")
@@ -87,7 +88,8 @@ def _validate_tasks(env: loop_pb2.Environment) -> None:
         if len(tasks) > MAX_TASKS_PER_ENVIRONMENT:
             raise InvalidField(f"environment.{name}", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
         for i, task in enumerate(tasks):
-            if not task.prompt_text and not task.prompt_token_ids:
+            # A program's prompt is what its reset answers: its task may be only metadata.
+            if not task.prompt_text and not task.prompt_token_ids and not env.program.entry:
                 raise InvalidField(f"environment.{name}[{i}].prompt_text", "the task has no prompt")
             if any(t < 0 for t in task.prompt_token_ids):
                 raise InvalidField(f"environment.{name}[{i}].prompt_token_ids", "token ids must not be negative")
@@ -98,7 +100,10 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
     if scorer is None and env.supervised and not env.eval_tasks:
         return  # demonstrations are imitated, never scored
     if scorer is None:
-        raise InvalidField("environment.scorer", "choose builtin, unit_tests or reward_code")
+        raise InvalidField("environment.scorer", "choose builtin, unit_tests, reward_code or environment_reward")
+    if (scorer == "environment_reward") != bool(env.program.entry):
+        raise InvalidField("environment.environment_reward", "the rewards an environment program gives score its "
+                                                            "episodes, and only those: give both or neither")
     if scorer == "builtin":
         _validate_verifier(env)
     elif scorer == "unit_tests":
@@ -107,6 +112,35 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
     elif scorer == "reward_code":
         check_reward_code(env.reward_code.source)
         _check_timeout("environment.reward_code.timeout_seconds", env.reward_code.timeout_seconds)
+
+
+MAX_PROGRAM_BYTES = 512 * 1024  # it travels on each Task
+_ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def _validate_program(env: loop_pb2.Environment) -> None:
+    if not env.HasField("program"):
+        return
+    program, field = env.program, "environment.program"
+    if not _ENTRY_RE.match(program.entry):
+        raise InvalidField(f"{field}.entry", f"{program.entry!r} is not 'module:Class'")
+    module = program.entry.partition(":")[0].replace(".", "/")
+    if f"{module}.py" not in program.files and f"{module}/__init__.py" not in program.files:
+        raise InvalidField(f"{field}.files", f"no {module}.py or {module}/__init__.py for entry {program.entry!r}")
+    for path in program.files:
+        parts = path.split("/")
+        if not path or path.startswith("/") or ".." in parts or "" in parts or "\0" in path:
+            raise InvalidField(f"{field}.files", f"{path!r} is not a relative path inside the package")
+    if sum(len(c) for c in program.files.values()) > MAX_PROGRAM_BYTES:
+        raise InvalidField(f"{field}.files", f"more than {MAX_PROGRAM_BYTES} bytes")
+    for name in ("step_seconds", "episode_seconds"):
+        _check_timeout(f"{field}.{name}", getattr(program, name))
+    if env.tools:
+        raise InvalidField("environment.tools", "a program declares its own tools (OpenAI function schemas)")
+    if env.supervised:
+        raise InvalidField("environment.supervised", "a program's episodes are sampled, not imitated")
+    if env.eval_tasks:
+        raise InvalidField("environment.eval_tasks", "the evaluator does not run environment programs yet")
 
 
 def _validate_verifier(env: loop_pb2.Environment) -> None:
@@ -134,7 +168,10 @@ def _validate_verifier(env: loop_pb2.Environment) -> None:
 def check_prompts_fit(env: loop_pb2.Environment, model: ModelContext) -> None:
     """Every task's prompt plus the environment's max_new_tokens must fit the model's context (the
     engine refuses what does not, sample by sample), and token ids must be in its vocabulary.
-    A task's token ids are what the rollout generates from when it has them, else its text."""
+    A task's token ids are what the rollout generates from when it has them, else its text. A
+    program's prompts are what its reset answers: known only when an episode starts."""
+    if env.program.entry:
+        return
     for name, tasks in task_lists(env):
         _check_tasks_fit(name, tasks, env, model)
 
@@ -186,7 +223,7 @@ def _validate_turns(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.tools", "lists a tool twice")
     if env.tools and env.max_turns < 2:
         raise InvalidField("environment.max_turns", "tools need at least 2 turns (a call and the answer after it)")
-    if env.max_turns > 1 and not env.tools:
+    if env.max_turns > 1 and not env.tools and not env.program.entry:
         raise InvalidField("environment.tools", f"max_turns {env.max_turns} needs a tool to run between turns")
     if env.tools and env.sampling.ignore_eos:
         raise InvalidField("environment.sampling.ignore_eos", "cannot be combined with tools: a tool call ends at "

@@ -28,6 +28,16 @@ from policyloop.engines.partial import Completion, generate_resumable, generate_
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.episode import EpisodeResult, SingleTurn, run_episodes
+from policyloop.envs.program import (
+    EnvironmentFailed,
+    NoChatTemplate,
+    ProgramClient,
+    ProgramEpisode,
+    chat_template,
+    is_program,
+    session_for,
+)
+from policyloop.envs.program import transcript as program_transcript
 from policyloop.envs.tool_episodes import ToolSetupError, from_hf, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
@@ -44,6 +54,7 @@ from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry import tracing
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
+    ENVIRONMENT_FAILURES,
     EPISODE_MODEL_TURNS,
     EPISODE_STEP_REWARD,
     GENERATED_TOKENS,
@@ -95,12 +106,14 @@ class RolloutReplica:
         if not await self._admit(task, delivery.delivery_count):
             return
         group = group_members(task, self.settings.instance_id)
-        prompt_ids = self._prompt_ids(task)
+        prompt_ids = [] if is_program(task) else self._prompt_ids(task)
         for traj in group:
             traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
         async with self._adapter(task.run_id) as adapter:
             lora_path = None if adapter is None else adapter.name
-            if task.max_turns <= 1:
+            if is_program(task):
+                await asyncio.gather(*(self.sample_program(task, traj, lora_path) for traj in group))
+            elif task.max_turns <= 1:
                 await self.sample_group(task, group, lora_path)
             else:
                 await asyncio.gather(*(self.sample_episode(task, traj, lora_path) for traj in group))
@@ -226,6 +239,36 @@ class RolloutReplica:
         record_response(traj, episode.result, transcript(episode.turns, formats), episode.loss_mask)
         traj.turns.extend(episode.turns)
         observe_episode(task.environment, episode)
+
+    async def sample_program(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, lora_path: str | None) -> None:
+        """One member of a program environment's group: its episode in a sandbox session of its
+        own. A failed episode fails the Task (retried, then dead-lettered with the reason): no
+        partial episode is trained."""
+        with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
+                                                tracing.ENVIRONMENT: task.environment}) as made:
+            try:
+                template = chat_template(self.tokenizer)
+            except NoChatTemplate as exc:
+                raise PermanentError(str(exc)) from exc
+            try:
+                async with session_for(self.ctx.bus, task, job_id=f"env:{traj.trajectory_id}",
+                                       open_timeout_s=self.settings.tool_reply_timeout_s) as session:
+                    episode = ProgramEpisode(ProgramClient(session), template)
+                    del traj.prompt_token_ids[:]
+                    traj.prompt_token_ids.extend(await episode.open(task))
+                    [result] = await run_episodes(
+                        [self._request(task, traj, lora_path)], [episode], generate_batch=self.counted_batch,
+                        decode=self.episode_tokenizer.decode, max_turns=max(1, task.max_turns))
+            except EnvironmentFailed as exc:
+                ENVIRONMENT_FAILURES.labels(task.environment).inc()
+                log.warning("environment_failed", environment=task.environment, trajectory=traj.trajectory_id,
+                            error=str(exc))
+                raise
+            record_response(traj, result.result, program_transcript(result.turns), result.loss_mask)
+            traj.turns.extend(result.turns)
+            traj.prompt_text = self.episode_tokenizer.decode(traj.prompt_token_ids)
+            observe_episode(task.environment, result)
+            made.set_attributes(self._sample_attributes(task, traj))
 
     def _count_tool_call(self, call: ToolCall, status: str) -> None:
         TOOL_CALLS.labels(call.tool.name, status).inc()

@@ -1,5 +1,6 @@
 """The built-in verifiers: exact answer, numeric tolerance and regex, run in the reward
-service's own process against the trajectory's typed scorer (its parameters and answer)."""
+service's own process against the trajectory's typed scorer (its parameters and answer), and the
+rewards an environment program gave its episode's steps."""
 
 from __future__ import annotations
 
@@ -67,10 +68,19 @@ def regex(traj: bus_pb2.Trajectory) -> Score:
     return sum(p.value * p.weight for p in parts), parts
 
 
+def environment_reward(traj: bus_pb2.Trajectory) -> Score:
+    """What an environment program gave: its step rewards, each with the model turn it rewards."""
+    model_turns = [turn for turn in traj.turns if turn.role == bus_pb2.Turn.ROLE_MODEL]
+    parts = [component(f"turn_{i}", turn.reward, 1.0, "the environment's reward for this step")
+             for i, turn in enumerate(model_turns) if turn.HasField("reward")]
+    return sum(p.value for p in parts), parts
+
+
 VERIFIERS: dict[str, Verifier] = {
     "exact_answer": exact_answer,
     "numeric_tolerance": numeric_tolerance,
     "regex": regex,
+    "environment_reward": environment_reward,
 }
 
 

@@ -1,0 +1,103 @@
+"""Environment programs through the real rollout, sandbox and reward services, with the chat model:
+each sample's episode runs the team's class (examples/environments/tally_desk.py) in a sandbox
+session of its own; its reset is the prompt (rendered by the chat template, tools included), its
+step rewards land on the model turns they reward, its answers are observation tokens the loss
+never sees, and the trajectory's reward is what it gave. A program that fails fails its task
+with the reason: retried, then dead-lettered, never trained."""
+
+from __future__ import annotations
+
+import urllib.request
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from policyloop.bus import Bus, tasks_subject
+from policyloop.contracts.v1 import bus_pb2
+from policyloop.contracts.validate import validate_trajectory
+from policyloop.models.chat_format import parse_assistant
+from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
+from tests.conftest import ServiceLauncher, prebuilt_model
+from tests.helpers import eventually, stored, stored_samples
+
+try:
+    check_isolation()
+except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
+    pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
+
+DESK = Path(__file__).parents[2] / "examples" / "environments" / "tally_desk.py"
+MODEL, ENVIRONMENT = bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_ENVIRONMENT
+BROKEN = b"class Broken:\n    def reset(self, task):\n        raise KeyError('orders.db')\n"
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(request: pytest.FixtureRequest) -> Path:
+    return prebuilt_model(request.config, "chat")
+
+
+def desk_task(task_id: str, seed: int, program: bus_pb2.EnvironmentProgram | None = None) -> bus_pb2.Task:
+    program = program or bus_pb2.EnvironmentProgram(files={"tally_desk.py": DESK.read_bytes()},
+                                                    entry="tally_desk:TallyDesk", step_seconds=10)
+    return bus_pb2.Task(
+        task_id=task_id, run_id="r", environment="desk@v1", group_size=4, metadata={"seed": str(seed)},
+        sampling=bus_pb2.SamplingParams(max_new_tokens=96, temperature=1.0, seed=seed), max_turns=3,
+        scorer=bus_pb2.Scorer(environment_reward=bus_pb2.EnvironmentRewardScorer()), program=program)
+
+
+@pytest.mark.timeout(300)
+async def test_a_program_environment_runs_each_episode_in_a_session(
+        bus: Bus, services: ServiceLauncher, chat_model_dir: Path) -> None:
+    sandbox, reward = services.start("sandbox"), services.start("reward")
+    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_MAX_LAG": "-1"})
+    await services.wait_healthy(sandbox, reward, rollout, timeout_s=120)
+    seeds = range(6)
+    for seed in seeds:
+        await bus.publish(tasks_subject("desk@v1"), desk_task(f"d{seed}", seed), f"d{seed}")
+    broken = desk_task("broken", 0, bus_pb2.EnvironmentProgram(files={"broken.py": BROKEN}, entry="broken:Broken"))
+    await bus.publish(tasks_subject("desk@v1"), broken, "broken")
+
+    async def all_scored() -> bool:
+        return len(await stored_samples(bus, "TRAJECTORIES")) == 4 * len(seeds)
+
+    await eventually(all_scored, timeout_s=240, what="every episode scored")
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    episodes = await stored_samples(bus, "TRAJECTORIES")
+    calls = 0
+    for traj in episodes:
+        validate_trajectory(traj)  # turns cover the response; only the model's tokens are trained on
+        prompt = tokenizer.decode(traj.prompt_token_ids)
+        # The reset's question, with the desk's calculator offered in the system turn.
+        assert "What is" in prompt and '"name": "calculator"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+        model_turns = [t for t in traj.turns if t.role == MODEL]
+        assert traj.turns[0].role == MODEL and traj.turns[-1].role == MODEL and 1 <= len(model_turns) <= 3
+        # Every step was rewarded by the desk, and the trajectory's reward is their sum.
+        assert all(t.HasField("reward") for t in model_turns)
+        assert traj.reward == pytest.approx(sum(t.reward for t in model_turns))
+        for turn in traj.turns:
+            ids = traj.response_token_ids[turn.start:turn.end]
+            if turn.role == ENVIRONMENT:
+                calls += 1
+                assert not any(traj.loss_mask[turn.start:turn.end])
+                # The tool's answer, in the template's user turn, and the next assistant header.
+                text = tokenizer.decode(ids)
+                assert text == turn.text and "<tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+            else:
+                assert all(traj.loss_mask[turn.start:turn.end])
+        before_env = [b for b, t in zip(traj.turns, traj.turns[1:], strict=False) if t.role == ENVIRONMENT]
+        assert all(parse_assistant(t.text).tool_calls for t in before_env)
+    assert calls >= 1, "the chat model called the desk's calculator in none of the episodes"
+    # The broken program: retried, then dead-lettered with its reason; none of its samples stored.
+    letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+
+    async def dead_lettered() -> bool:
+        nonlocal letters
+        letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+        return len(letters) == 1
+
+    await eventually(dead_lettered, timeout_s=120, what="the broken program's task dead-lettered")
+    assert "KeyError" in letters[0].reason and "orders.db" in letters[0].reason
+    assert all(t.task_id != "broken" for t in await stored_samples(bus, "ROLLOUTS"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'policyloop_environment_failures_total{environment="desk@v1"}' in metrics
