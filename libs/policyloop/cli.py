@@ -738,7 +738,8 @@ def env_submit(
                                                "--supervised: demonstration or demonstration_token_ids).")],
     name: Annotated[str, typer.Option(help="Environment name.")],
     version: Annotated[str, typer.Option(help="Environment version (name@version is its key).")] = "v1",
-    scorer: Annotated[str, typer.Option(help="exact_answer, numeric_tolerance, regex, unit_tests or reward_code.")]
+    scorer: Annotated[str, typer.Option(help="exact_answer, numeric_tolerance, regex, unit_tests or reward_code "
+                                             "(with --program: the rewards it gives, environment_reward).")]
     = "exact_answer",
     pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match.")] = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
@@ -757,16 +758,25 @@ def env_submit(
         help="Supervised (SFT): every task gives a demonstration (text, or demonstration_token_ids) that runs "
              "train on by cross-entropy; nothing is sampled or scored, the scorer judges only --eval-tasks.")]
     = False,
+    program: Annotated[Path | None, typer.Option(
+        help="An environment program (reset/step, see docs/environments.md): a module, a package directory or a "
+             "pure-Python wheel, run in a sandbox session per episode; its tasks are what reset is given.")] = None,
+    entry: Annotated[str, typer.Option(help="--program: its class, as module:Class.")] = "",
+    step_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of one reset or step (0: 10).")]
+    = 0.0,
+    episode_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of an episode (0: 60).")] = 0.0,
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
-    """Submit an environment: tasks from a JSONL file, the scorer from the flags."""
-    from policyloop.cluster.client import TaskFileError, build_environment, read_tasks
+    """Submit an environment: tasks from a JSONL file, the scorer from the flags (or a program's rewards)."""
+    from policyloop.cluster.client import TaskFileError, build_environment, read_program, read_tasks
 
     try:
+        env_program = None if program is None else read_program(program, entry, step_seconds=step_timeout_s,
+                                                                 episode_seconds=episode_timeout_s)
         env = build_environment(name, version, read_tasks(tasks), scorer, pattern=pattern, tolerance=tolerance,
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
-                                tools=tool, supervised=supervised)
+                                tools=tool, supervised=supervised, program=env_program)
         if eval_tasks is not None:
             env.eval_tasks.extend(read_tasks(eval_tasks))
     except (TaskFileError, ValueError, OSError) as exc:

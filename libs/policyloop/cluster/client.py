@@ -4,6 +4,7 @@ talk to a gateway's LoopService (the same API any gRPC client uses)."""
 from __future__ import annotations
 
 import json
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +15,7 @@ from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
 BUILTIN_KINDS = {"exact_answer": loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER,
                  "numeric_tolerance": loop_pb2.BuiltinVerifier.KIND_NUMERIC_TOLERANCE,
                  "regex": loop_pb2.BuiltinVerifier.KIND_REGEX}
-SCORERS = (*BUILTIN_KINDS, "unit_tests", "reward_code")
+SCORERS = (*BUILTIN_KINDS, "unit_tests", "reward_code", "environment_reward")
 
 
 class TaskFileError(ValueError):
@@ -58,17 +59,44 @@ def read_tasks(path: Path) -> list[loop_pb2.TaskSpec]:
     return tasks
 
 
+def read_program(path: Path, entry: str, *, step_seconds: float = 0.0, episode_seconds: float = 0.0
+                 ) -> bus_pb2.EnvironmentProgram:
+    """An environment program from a module (`desk.py`), a package directory (its files, under the
+    package's name) or a pure-Python wheel (its files, less its .dist-info)."""
+    path = Path(path)
+    files: dict[str, bytes] = {}
+    if path.suffix == ".whl":
+        try:
+            with zipfile.ZipFile(path) as wheel:
+                files = {n: wheel.read(n) for n in wheel.namelist()
+                         if not n.endswith("/") and ".dist-info/" not in n and ".data/" not in n}
+        except zipfile.BadZipFile as exc:
+            raise ValueError(f"--program {path}: not a wheel ({exc})") from exc
+    elif path.is_dir():
+        files = {str(f.relative_to(path.parent)): f.read_bytes() for f in sorted(path.rglob("*"))
+                 if f.is_file() and "__pycache__" not in f.parts}
+    else:
+        files = {path.name: path.read_bytes()}
+    return bus_pb2.EnvironmentProgram(files=files, entry=entry, step_seconds=step_seconds,
+                                      episode_seconds=episode_seconds)
+
+
 def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], scorer: str, *,
                       pattern: str = "", tolerance: float = 0.0, code: str = "", timeout_s: float = 10.0,
                       group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
-                      max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False
-                      ) -> loop_pb2.Environment:
-    """An Environment; the gateway validates it (and names what is wrong)."""
+                      max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False,
+                      program: bus_pb2.EnvironmentProgram | None = None) -> loop_pb2.Environment:
+    """An Environment; the gateway validates it (and names what is wrong). With `program` the
+    scorer is the rewards it gives (environment_reward)."""
     env = loop_pb2.Environment(name=name, version=version, tasks=tasks, group_size=group_size, supervised=supervised,
                                sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens,
                                                                temperature=temperature),
-                               max_turns=max_turns, tools=tools or [])
-    if scorer in BUILTIN_KINDS:
+                               max_turns=max_turns, tools=tools or [], program=program)
+    if program is not None:
+        scorer = "environment_reward"
+    if scorer == "environment_reward":
+        env.environment_reward.CopyFrom(loop_pb2.EnvironmentRewardScorer())
+    elif scorer in BUILTIN_KINDS:
         env.builtin.CopyFrom(loop_pb2.BuiltinVerifier(kind=BUILTIN_KINDS[scorer], pattern=pattern,
                                                       tolerance=tolerance))
     elif scorer == "unit_tests":

@@ -1,0 +1,130 @@
+"""Environment programs before they run: the gateway refuses a malformed one naming the field; the
+CLI packs a module, a package directory or a pure-Python wheel; the worker that runs one in its
+session answers typed requests and names what a program got wrong."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from google.protobuf import json_format
+
+from policyloop.cluster.client import build_environment, read_program
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.envs import program_worker
+from policyloop.gateway.errors import InvalidField
+from policyloop.gateway.validation import validate_environment
+
+DESK = Path(__file__).parents[2] / "examples" / "environments" / "tally_desk.py"
+
+
+def desk_environment(**changes: object) -> loop_pb2.Environment:
+    env = build_environment("desk", "v1", [loop_pb2.TaskSpec(metadata={"seed": "1"})], "exact_answer",
+                            max_turns=3, program=read_program(DESK, "tally_desk:TallyDesk"))
+    for name, value in changes.items():
+        target, _, attr = name.rpartition("__")
+        holder = getattr(env, target) if target else env
+        if isinstance(value, list):
+            del getattr(holder, attr)[:]
+            getattr(holder, attr).extend(value)
+        else:
+            setattr(holder, attr, value)
+    return env
+
+
+def test_a_program_is_scored_by_its_own_rewards_and_needs_no_prompt() -> None:
+    env = desk_environment()
+    assert env.WhichOneof("scorer") == "environment_reward" and set(env.program.files) == {"tally_desk.py"}
+    validate_environment(env)
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"program__entry": "tally_desk"}, "environment.program.entry"),
+    ({"program__entry": "orders:Desk"}, "environment.program.files"),
+    ({"program__step_seconds": -1.0}, "environment.program.step_seconds"),
+    ({"tools": ["python"]}, "environment.tools"),
+    ({"eval_tasks": [loop_pb2.TaskSpec(metadata={"seed": "2"})]}, "environment.eval_tasks"),
+])
+def test_a_malformed_program_is_refused_naming_its_field(changes: dict, field: str) -> None:
+    with pytest.raises(InvalidField) as refused:
+        validate_environment(desk_environment(**changes))
+    assert refused.value.field == field
+
+
+def test_program_files_must_stay_inside_the_package() -> None:
+    env = desk_environment()
+    env.program.files["../etc/passwd"] = b"x"
+    with pytest.raises(InvalidField, match="not a relative path"):
+        validate_environment(env)
+    # A program's rewards score only a program, and a program only by its rewards.
+    plain = build_environment("plain", "v1", [loop_pb2.TaskSpec(prompt_text="1+1=", answer="2")], "environment_reward")
+    with pytest.raises(InvalidField, match="give both or neither"):
+        validate_environment(plain)
+
+
+def test_a_package_directory_and_a_wheel_are_packed_with_their_paths(tmp_path: Path) -> None:
+    package = tmp_path / "desk"
+    (package / "__pycache__").mkdir(parents=True)
+    (package / "__init__.py").write_text("from desk.core import Desk\n")
+    (package / "core.py").write_text("class Desk: ...\n")
+    (package / "__pycache__" / "core.cpython-311.pyc").write_bytes(b"\0")
+    assert set(read_program(package, "desk:Desk").files) == {"desk/__init__.py", "desk/core.py"}
+    wheel = tmp_path / "desk-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("desk/__init__.py", "class Desk: ...\n")
+        zf.writestr("desk-1.0.dist-info/METADATA", "Name: desk\n")
+    assert set(read_program(wheel, "desk:Desk").files) == {"desk/__init__.py"}
+    (tmp_path / "bad.whl").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a wheel"):
+        read_program(tmp_path / "bad.whl", "desk:Desk")
+
+
+def worker(tmp_path: Path, source: str, requests: list[bus_pb2.EnvRequest]) -> list[bus_pb2.EnvReply]:
+    """Runs the session's worker (standard library only, as in the sandbox) on `requests`."""
+    (tmp_path / "env").mkdir(exist_ok=True)
+    (tmp_path / "env" / "prog.py").write_text(source)
+    lines = "".join(json_format.MessageToJson(r, preserving_proto_field_name=True, indent=None) + "\n"
+                    for r in requests)
+    done = subprocess.run([sys.executable, "-I", program_worker.__file__, "prog:Env"], input=lines, text=True,
+                          capture_output=True, cwd=tmp_path, timeout=60)
+    return [json_format.Parse(line, bus_pb2.EnvReply()) for line in done.stdout.splitlines()]
+
+
+RESET = bus_pb2.EnvRequest(reset=bus_pb2.EnvReset(metadata={"seed": "3"}))
+
+
+def step(content: str = "", *calls: tuple[str, dict]) -> bus_pb2.EnvRequest:
+    return bus_pb2.EnvRequest(action=bus_pb2.EnvAction(text=content, content=content, tool_calls=[
+        bus_pb2.EnvToolCall(name=n, arguments_json=json.dumps(a)) for n, a in calls]))
+
+
+def test_the_worker_runs_the_desk_and_keeps_its_ledger(tmp_path: Path) -> None:
+    source = DESK.read_text().replace("class TallyDesk", "class Env")
+    opened, *steps = worker(tmp_path, source, [
+        RESET, step("", ("calculator", {"expression": "1 + 1"})), step("", ("calculator", {"expression": "1 + 1"})),
+        step("The answer is 7.")])
+    question = opened.messages[0].content
+    assert opened.messages[0].role == "user" and question.startswith("What is")
+    assert json.loads(opened.tools_json)[0]["function"]["name"] == "calculator"
+    first, again, reply = steps
+    assert [m.role for m in first.messages] == ["tool"] and first.messages[0].content == "2" and not first.done
+    assert again.reward == pytest.approx(-0.5)  # the same calculation booked twice
+    a, op, b = question.removeprefix("What is ").removesuffix("?").split()
+    right = int(a) + int(b) if op == "+" else int(a) - int(b)
+    assert reply.done and reply.reward == (1.0 if right == 7 else 0.0)
+
+
+@pytest.mark.parametrize(("body", "error"), [
+    ("def step(self, action):\n        return 'hi', 'high', False", "a reward is a number or None"),
+    ("def step(self, action):\n        return 'hi', 1.0", "step returns (observation, reward, done)"),
+    ("def step(self, action):\n        return [{'role': 'wizard', 'content': 'x'}], 1.0, False", "a message is"),
+    ("def step(self, action):\n        print('forged'); raise RuntimeError('ledger locked')", "ledger locked"),
+])
+def test_the_worker_names_what_a_program_got_wrong(tmp_path: Path, body: str, error: str) -> None:
+    source = f"class Env:\n    def reset(self, task):\n        return 'hello'\n    {body}\n"
+    opened, failed = worker(tmp_path, source, [RESET, step("hi")])
+    assert opened.messages[0].content == "hello" and error in failed.error  # prints never reach the channel
