@@ -15,8 +15,10 @@ from google.protobuf import json_format
 
 from policyloop.cluster.client import build_environment, read_program
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.contracts.validate import validate_task
 from policyloop.envs import program_worker
 from policyloop.gateway.errors import InvalidField
+from policyloop.gateway.feeding import nth_task
 from policyloop.gateway.validation import validate_environment
 
 DESK = Path(__file__).parents[2] / "examples" / "environments" / "tally_desk.py"
@@ -40,6 +42,12 @@ def test_a_program_is_scored_by_its_own_rewards_and_needs_no_prompt() -> None:
     env = desk_environment()
     assert env.WhichOneof("scorer") == "environment_reward" and set(env.program.files) == {"tally_desk.py"}
     validate_environment(env)
+    # Each Task of a run carries the program, its task's data and the scorer of its rewards.
+    run = loop_pb2.StartRunRequest(run_id="r", environments=[loop_pb2.EnvironmentMix(environment="desk@v1", weight=1)])
+    task = nth_task("r", run, {"desk@v1": env}, 0)
+    assert task.program == env.program and task.metadata["seed"] == "1" and task.max_turns == 3
+    assert task.scorer.WhichOneof("kind") == "environment_reward"
+    validate_task(task)
 
 
 @pytest.mark.parametrize(("changes", "field"), [

@@ -14,6 +14,7 @@ from policyloop.bus.topology import (
     dlq_subject,
     rollouts_subject,
     sandbox_subject,
+    session_subject,
     subject_token,
     tasks_subject,
     trajectories_subject,
@@ -45,6 +46,7 @@ def test_consumers_read_existing_streams_within_their_subjects() -> None:
     (rollouts_subject("code env"), "ROLLOUTS"),
     (trajectories_subject("a.b"), "TRAJECTORIES"),
     (sandbox_subject("python"), "SANDBOX"),
+    (session_subject("program"), "SESSIONS"),
     (weights_subject("qwen2.5"), "WEIGHTS"),
     (dlq_subject("TASKS"), "DLQ"),
 ])
