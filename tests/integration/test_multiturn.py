@@ -168,6 +168,7 @@ async def test_the_evaluator_scores_a_multi_turn_split_through_the_same_episodes
     """score_version (the evaluator's) drives an eval split with tools through the episode loop:
     the model's calls run in the sandbox and it is judged on its answer after the tool's result.
     The same items as single completions (no tools) pass less: the model was taught to call."""
+    import contextlib
     import dataclasses
 
     from transformers import AutoTokenizer
@@ -194,9 +195,10 @@ async def test_the_evaluator_scores_a_multi_turn_split_through_the_same_episodes
     statuses: list[str] = []
 
     def open_episode(item: EvalItem, rid: str):  # type: ignore[no-untyped-def]
-        return ToolSettings().episode(bus, job_id=f"tool:{rid}", run_id="eval", tokenizer=from_hf(tokenizer),
-                                      formats=tool_formats(list(item.tools)),
-                                      on_result=lambda call, status: statuses.append(status))
+        return contextlib.nullcontext((ToolSettings().episode(
+            bus, job_id=f"tool:{rid}", run_id="eval", tokenizer=from_hf(tokenizer),
+            formats=tool_formats(list(item.tools)), on_result=lambda call, status: statuses.append(status)),
+            list(item.template.prompt_token_ids)))
 
     async def no_jobs(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
         raise AssertionError("the exact-answer verifier runs in process")

@@ -101,3 +101,51 @@ async def test_a_program_environment_runs_each_episode_in_a_session(
     with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
         metrics = r.read().decode()
     assert 'policyloop_environment_failures_total{environment="desk@v1"}' in metrics
+
+
+@pytest.mark.timeout(300)
+async def test_the_evaluator_scores_a_program_split_episode_by_episode(
+        bus: Bus, services: ServiceLauncher, chat_model_dir: Path) -> None:
+    """Eval items of a program environment are episodes in sessions, greedy, judged by the rewards
+    the program gave: the same seam and the same scorer as training."""
+    import contextlib
+
+    from policyloop.cluster.client import build_environment, read_program
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.engines.embedded import start_engine
+    from policyloop.engines.sglang_client import SGLangClient
+    from policyloop.envs.program import chat_template, program_episode, task_reset
+    from policyloop.evaluation.scoring import eval_items, score_version
+    from policyloop.scorers.registry import default_registry
+
+    sandbox = services.start("sandbox")
+    await services.wait_healthy(sandbox, timeout_s=90)
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    env = build_environment("desk", "v1", [loop_pb2.TaskSpec(metadata={"seed": "0"})], "environment_reward",
+                            max_turns=3, max_new_tokens=96, program=read_program(DESK, "tally_desk:TallyDesk"))
+    env.eval_tasks.extend(loop_pb2.TaskSpec(metadata={"seed": str(100 + i)}) for i in range(6))
+    items = eval_items({"desk@v1": env}, tokenizer.encode, [tokenizer.eos_token_id], max_tasks=0)
+    assert all(item.episodic and not item.template.prompt_token_ids for item in items)
+    prompts: list[str] = []
+
+    @contextlib.asynccontextmanager
+    async def open_episode(item, rid):  # type: ignore[no-untyped-def]
+        async with program_episode(bus, item.program, task_reset(item.template), template=chat_template(tokenizer),
+                                   job_id=f"env:{rid}", run_id="eval", open_timeout_s=60) as (episode, ids):
+            prompts.append(tokenizer.decode(ids))
+            yield episode, ids
+
+    async def no_jobs(job: bus_pb2.SandboxJob) -> bus_pb2.SandboxResult:
+        raise AssertionError("the environment's rewards are read in process")
+
+    engine = await start_engine(chat_model_dir, threads=1, weight_version="3")
+    client = SGLangClient(engine.base_url, timeout_s=120)
+    try:
+        [score] = await score_version(client, items, default_registry(no_jobs), version=3, decode=tokenizer.decode,
+                                      concurrency=3, rid_prefix="desk", open_episode=open_episode)
+    finally:
+        await client.close()
+        await engine.stop()
+    # Each item's prompt is its own reset (seeded by its metadata), and the split is scored whole.
+    assert len(set(prompts)) == len(items) == score.tasks == 6 and all("What is" in p for p in prompts)
+    assert 0.0 <= score.pass_rate <= 1.0 and score.pass_rate_low <= score.pass_rate <= score.pass_rate_high

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from policyloop.contracts.v1 import loop_pb2
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.evaluation.scoring import Outcome, environment_score, passed, version_eval, wilson_interval
 from policyloop.releases.verdict import judge, promotable, rule_promotes
 from policyloop.scorers.score import component
@@ -56,9 +56,14 @@ def test_promotion_by_rule_takes_passing_versions_on_its_cadence() -> None:
 
 
 def test_a_task_passes_when_every_component_of_its_score_passed() -> None:
-    assert passed([component("format", 1.0, 0.1, ""), component("exact_answer", 1.0, 1.0, "")])
-    assert not passed([component("format", 1.0, 0.1, ""), component("exact_answer", 0.0, 1.0, "")])
-    assert not passed([])
+    exact = bus_pb2.Trajectory(scorer=bus_pb2.Scorer(builtin=bus_pb2.BuiltinVerifier(kind=1), answer="2"))
+    assert passed(exact, 1.1, [component("format", 1.0, 0.1, ""), component("exact_answer", 1.0, 1.0, "")])
+    assert not passed(exact, 0.1, [component("format", 1.0, 0.1, ""), component("exact_answer", 0.0, 1.0, "")])
+    assert not passed(exact, 0.0, [])
+    # An environment program's episode passes when the rewards it gave sum to 1 or more.
+    program = bus_pb2.Trajectory(scorer=bus_pb2.Scorer(environment_reward=bus_pb2.EnvironmentRewardScorer()))
+    assert passed(program, 1.2, [component("turn_0", 0.2, 1.0, ""), component("turn_1", 1.0, 1.0, "")])
+    assert not passed(program, 0.2, [component("turn_0", 0.2, 1.0, ""), component("turn_1", 0.0, 1.0, "")])
 
 
 def test_a_versions_pass_rate_is_over_all_its_environments_tasks() -> None:

@@ -55,7 +55,6 @@ def test_a_program_is_scored_by_its_own_rewards_and_needs_no_prompt() -> None:
     ({"program__entry": "orders:Desk"}, "environment.program.files"),
     ({"program__step_seconds": -1.0}, "environment.program.step_seconds"),
     ({"tools": ["python"]}, "environment.tools"),
-    ({"eval_tasks": [loop_pb2.TaskSpec(metadata={"seed": "2"})]}, "environment.eval_tasks"),
 ])
 def test_a_malformed_program_is_refused_naming_its_field(changes: dict, field: str) -> None:
     with pytest.raises(InvalidField) as refused:

@@ -15,7 +15,8 @@ model wrote, with the text the template puts there.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from importlib import resources
 from typing import TYPE_CHECKING, Any
@@ -140,10 +141,9 @@ class ProgramEpisode:
         self.conversation: list[dict[str, Any]] = []
         self.tools: list[dict[str, Any]] = []
 
-    async def open(self, task: bus_pb2.Task) -> list[int]:
+    async def open(self, reset: bus_pb2.EnvReset) -> list[int]:
         """Resets the environment with the task; the prompt's token ids."""
-        reply = await self.client.ask(bus_pb2.EnvRequest(reset=bus_pb2.EnvReset(
-            prompt_text=task.prompt_text, answer=task.scorer.answer, metadata=dict(task.metadata))))
+        reply = await self.client.ask(bus_pb2.EnvRequest(reset=reset))
         self.conversation, self.tools = as_messages(reply), read_tools(reply.tools_json)
         if not self.conversation:
             raise EnvironmentFailed("reset gave no messages: the model has nothing to answer")
@@ -193,8 +193,19 @@ def is_program(task: bus_pb2.Task) -> bool:
     return bool(task.program.entry)
 
 
-def session_for(bus: Bus, task: bus_pb2.Task, *, job_id: str, open_timeout_s: float) -> Session:
-    """The sandbox session one episode of `task` runs in (entered with `async with`)."""
-    job = program_job(task.program, job_id=job_id, run_id=task.run_id)
-    return Session(bus, job, kind=SESSION_KIND, step_seconds=task.program.step_seconds or DEFAULT_STEP_SECONDS,
-                   open_timeout_s=open_timeout_s)
+def task_reset(task: bus_pb2.Task | bus_pb2.Trajectory) -> bus_pb2.EnvReset:
+    """What reset is given of a task (a rollout's Task, or an eval item's trajectory template)."""
+    return bus_pb2.EnvReset(prompt_text=task.prompt_text, answer=task.scorer.answer, metadata=dict(task.metadata))
+
+
+@asynccontextmanager
+async def program_episode(bus: Bus, program: bus_pb2.EnvironmentProgram, reset: bus_pb2.EnvReset, *,
+                          template: ChatTemplate, job_id: str, run_id: str, open_timeout_s: float
+                          ) -> AsyncIterator[tuple[ProgramEpisode, list[int]]]:
+    """An episode of `program` in a sandbox session of its own, reset with `reset`: the episode and
+    its prompt's token ids. The session is closed on exit, however the episode ended."""
+    job = program_job(program, job_id=job_id, run_id=run_id)
+    async with Session(bus, job, kind=SESSION_KIND, step_seconds=program.step_seconds or DEFAULT_STEP_SECONDS,
+                       open_timeout_s=open_timeout_s) as session:
+        episode = ProgramEpisode(ProgramClient(session), template)
+        yield episode, await episode.open(reset)

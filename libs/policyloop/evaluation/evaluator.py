@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -20,7 +21,9 @@ from policyloop.bus.newest import NewestPerSubject
 from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.envs.tool_episodes import ToolEpisode, from_hf
+from policyloop.envs.episode import Episode
+from policyloop.envs.program import EnvironmentFailed, NoChatTemplate, chat_template, program_episode, task_reset
+from policyloop.envs.tool_episodes import from_hf
 from policyloop.envs.tools import tool_formats
 from policyloop.evaluation.scoring import EvalItem, EvaluationError, eval_items, score_version, version_eval
 from policyloop.evaluation.settings import EvaluatorSettings
@@ -323,9 +326,20 @@ class Evaluator:
             label = self.engine.held.version if self.engine.held is not None else 0
         items = eval_items(environments, self.encode, self.stop_ids, self.settings.max_eval_tasks)
 
-        def open_episode(item: EvalItem, rid: str) -> ToolEpisode:
-            return self.settings.episode(self.bus, job_id=f"tool:{rid}", run_id=run_id,
-                                         tokenizer=from_hf(self.tokenizer), formats=tool_formats(list(item.tools)))
+        @asynccontextmanager
+        async def open_episode(item: EvalItem, rid: str) -> AsyncIterator[tuple[Episode, list[int]]]:
+            if item.program is None:
+                tools = self.settings.episode(self.bus, job_id=f"tool:{rid}", run_id=run_id,
+                                              tokenizer=from_hf(self.tokenizer), formats=tool_formats(list(item.tools)))
+                yield tools, list(item.template.prompt_token_ids)
+                return
+            try:
+                async with program_episode(self.bus, item.program, task_reset(item.template),
+                                           template=chat_template(self.tokenizer), job_id=f"env:{rid}", run_id=run_id,
+                                           open_timeout_s=self.settings.tool_reply_timeout_s) as (episode, prompt):
+                    yield episode, prompt
+            except (EnvironmentFailed, NoChatTemplate) as exc:
+                raise EvaluationError(f"{item.environment} eval task {item.index}: {exc}") from exc
 
         scores = await score_version(self.engine.client, items, self.registry, version=label, lora_path=adapter,
                                      decode=self.decode, concurrency=self.settings.concurrency,

@@ -1,14 +1,15 @@
 """Scoring one version on a run's eval splits: greedy, one sample per task, judged by the
 environment's own scorer (the reward service's registry), on an engine that serves exactly
 that version. Each sample is an episode of the one loop (envs/episode.py), as the rollout
-replicas sample them: a single completion, or a multi-turn episode with tools, scored on its
-whole transcript."""
+replicas sample them: a single completion, a multi-turn episode with tools, or an environment
+program's episode in a sandbox session, scored on its whole transcript."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 
 from policyloop.common.clock import now_ms
@@ -17,6 +18,7 @@ from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs.episode import Episode, SingleTurn, run_episodes
+from policyloop.envs.program import transcript as program_transcript
 from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS, task_scorer
 from policyloop.envs.tool_episodes import transcript
 from policyloop.envs.tools import tool_formats
@@ -54,6 +56,17 @@ class EvalItem:
     stop_token_ids: tuple[int, ...]
     tools: tuple[str, ...] = ()      # the environment's tools: a multi-turn episode
     max_turns: int = 1
+    program: bus_pb2.EnvironmentProgram | None = None  # an environment program: its reset gives the prompt
+
+    @property
+    def episodic(self) -> bool:
+        """Sampled as an episode of its environment (tools or a program), not one completion."""
+        return bool(self.tools) or self.program is not None
+
+
+# Opens an episodic item's episode (given its request id): the episode, and the prompt's token ids
+# (the item's own, or what a program's reset gave). Closed (a program's session ended) once scored.
+EpisodeOpener = Callable[[EvalItem, str], AbstractAsyncContextManager[tuple[Episode, list[int]]]]
 
 
 def eval_items(environments: Mapping[str, loop_pb2.Environment], encode: Callable[[str], list[int]],
@@ -65,14 +78,15 @@ def eval_items(environments: Mapping[str, loop_pb2.Environment], encode: Callabl
         tasks = env.eval_tasks[:max_tasks] if max_tasks else env.eval_tasks
         stops = tuple(env.sampling.stop_token_ids or default_stop_ids)
         for i, spec in enumerate(tasks):
-            prompt = list(spec.prompt_token_ids) or encode(spec.prompt_text)
+            prompt = list(spec.prompt_token_ids) or (encode(spec.prompt_text) if spec.prompt_text else [])
             template = bus_pb2.Trajectory(
                 trajectory_id=f"eval:{key}:{i}", environment=key, prompt_token_ids=prompt,
                 prompt_text=spec.prompt_text, metadata=spec.metadata, scorer=task_scorer(env, spec),
                 group_size=1,
             )
             items.append(EvalItem(key, i, template, env.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stops,
-                                  tuple(env.tools), max(1, env.max_turns)))
+                                  tuple(env.tools), max(1, env.max_turns),
+                                  env.program if env.HasField("program") else None))
     return items
 
 
@@ -83,34 +97,37 @@ class Outcome:
     passed: bool
 
 
-def passed(breakdown: Sequence[bus_pb2.RewardComponent]) -> bool:
-    """A task passes when every component of its score passed (arithmetic: well formed and exact)."""
+def passed(traj: bus_pb2.Trajectory, reward: float, breakdown: Sequence[bus_pb2.RewardComponent]) -> bool:
+    """A task passes when every component of its score passed (arithmetic: well formed and exact);
+    an environment program's episode, when the rewards it gave sum to 1 or more."""
+    if traj.scorer.WhichOneof("kind") == "environment_reward":
+        return reward >= 1.0
     return bool(breakdown) and all(part.value >= 1.0 for part in breakdown)
 
 
 async def score_version(engine: SGLangClient, items: Sequence[EvalItem], registry: ScorerRegistry, *, version: int,
                         decode: Callable[[Sequence[int]], str], concurrency: int, rid_prefix: str,
                         lora_path: str | None = None,
-                        open_episode: Callable[[EvalItem, str], Episode] | None = None
-                        ) -> list[loop_pb2.EnvironmentScore]:
+                        open_episode: EpisodeOpener | None = None) -> list[loop_pb2.EnvironmentScore]:
     """Samples every item greedily and scores it; raises EvaluationError when an answer came from
-    another version than `version` (the engine must be pinned to it). `open_episode(item, rid)`
-    opens a multi-turn item's episode (items with tools need it); the rest are single completions."""
+    another version than `version` (the engine must be pinned to it). `open_episode` opens an
+    episodic item's episode (items with tools or a program need it); the rest are single completions."""
     gate = asyncio.Semaphore(max(1, concurrency))
 
     async def generate_batch(requests: list[GenerateRequest]) -> list[Completion]:
         return [await generate_resumable(engine, request) for request in requests]
 
     async def one(item: EvalItem) -> Outcome:
-        request = GenerateRequest(
-            input_ids=list(item.template.prompt_token_ids), rid=f"{rid_prefix}-{item.environment}-{item.index}",
-            return_logprob=False, lora_path=lora_path,
-            sampling_params=SamplingParams(max_new_tokens=item.max_new_tokens, temperature=0.0,
-                                           stop_token_ids=item.stop_token_ids))
-        if item.tools and open_episode is None:
+        rid = f"{rid_prefix}-{item.environment}-{item.index}"
+        if item.episodic and open_episode is None:
             raise EvaluationError(f"{item.environment} eval task {item.index}: a multi-turn item needs open_episode")
-        episode = open_episode(item, request.rid or "") if item.tools and open_episode is not None else SingleTurn()
-        async with gate:
+        opened = open_episode(item, rid) if item.episodic and open_episode is not None \
+            else nullcontext((SingleTurn(), list(item.template.prompt_token_ids)))
+        async with gate, opened as (episode, prompt):
+            request = GenerateRequest(
+                input_ids=prompt, rid=rid, return_logprob=False, lora_path=lora_path,
+                sampling_params=SamplingParams(max_new_tokens=item.max_new_tokens, temperature=0.0,
+                                               stop_token_ids=item.stop_token_ids))
             [done] = await run_episodes([request], [episode], generate_batch=generate_batch, decode=decode,
                                         max_turns=item.max_turns)
         result = done.result
@@ -120,19 +137,22 @@ async def score_version(engine: SGLangClient, items: Sequence[EvalItem], registr
                                   f"it must serve only the version under evaluation")
         traj = bus_pb2.Trajectory()
         traj.CopyFrom(item.template)
+        del traj.prompt_token_ids[:]
+        traj.prompt_token_ids.extend(prompt)
         traj.response_token_ids.extend(result.output_ids)
         traj.finish_reason = _FINISH.get(result.finish_reason, bus_pb2.FINISH_REASON_ERROR)
-        if item.tools:  # scored as the rollout's trajectories are: the turns say which tokens are whose
+        if item.episodic:  # scored as the rollout's trajectories are: the turns say which tokens are whose
             traj.loss_mask.extend(done.loss_mask)
             traj.turns.extend(done.turns)
-            traj.response_text = transcript(done.turns, tool_formats(list(item.tools)))
+            traj.response_text = transcript(done.turns, tool_formats(list(item.tools))) if item.tools \
+                else program_transcript(done.turns)
         else:
             traj.response_text = done.turns[0].text
         try:
             reward, breakdown = await registry.score(traj)
         except ValueError as exc:  # UnscorableTrajectory: the environment's scorer cannot score it
             raise EvaluationError(f"{item.environment} eval task {item.index}: {exc}") from exc
-        return Outcome(item.environment, reward, passed(breakdown))
+        return Outcome(item.environment, reward, passed(traj, reward, breakdown))
 
     outcomes = await asyncio.gather(*(one(item) for item in items))
     by_env: dict[str, list[Outcome]] = {}

@@ -139,8 +139,6 @@ def _validate_program(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.tools", "a program declares its own tools (OpenAI function schemas)")
     if env.supervised:
         raise InvalidField("environment.supervised", "a program's episodes are sampled, not imitated")
-    if env.eval_tasks:
-        raise InvalidField("environment.eval_tasks", "the evaluator does not run environment programs yet")
 
 
 def _validate_verifier(env: loop_pb2.Environment) -> None:

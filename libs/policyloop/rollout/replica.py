@@ -31,11 +31,10 @@ from policyloop.envs.episode import EpisodeResult, SingleTurn, run_episodes
 from policyloop.envs.program import (
     EnvironmentFailed,
     NoChatTemplate,
-    ProgramClient,
-    ProgramEpisode,
     chat_template,
     is_program,
-    session_for,
+    program_episode,
+    task_reset,
 )
 from policyloop.envs.program import transcript as program_transcript
 from policyloop.envs.tool_episodes import ToolSetupError, from_hf, transcript
@@ -251,11 +250,11 @@ class RolloutReplica:
             except NoChatTemplate as exc:
                 raise PermanentError(str(exc)) from exc
             try:
-                async with session_for(self.ctx.bus, task, job_id=f"env:{traj.trajectory_id}",
-                                       open_timeout_s=self.settings.tool_reply_timeout_s) as session:
-                    episode = ProgramEpisode(ProgramClient(session), template)
+                async with program_episode(self.ctx.bus, task.program, task_reset(task), template=template,
+                                           job_id=f"env:{traj.trajectory_id}", run_id=task.run_id,
+                                           open_timeout_s=self.settings.tool_reply_timeout_s) as (episode, prompt):
                     del traj.prompt_token_ids[:]
-                    traj.prompt_token_ids.extend(await episode.open(task))
+                    traj.prompt_token_ids.extend(prompt)
                     [result] = await run_episodes(
                         [self._request(task, traj, lora_path)], [episode], generate_batch=self.counted_batch,
                         decode=self.episode_tokenizer.decode, max_turns=max(1, task.max_turns))
