@@ -114,7 +114,8 @@ async def test_the_evaluator_scores_a_program_split_episode_by_episode(
     from policyloop.contracts.v1 import loop_pb2
     from policyloop.engines.embedded import start_engine
     from policyloop.engines.sglang_client import SGLangClient
-    from policyloop.envs.program import chat_template, program_episode, task_reset
+    from policyloop.envs.chat_env import chat_template, task_reset
+    from policyloop.envs.program import program_episode
     from policyloop.evaluation.scoring import eval_items, score_version
     from policyloop.scorers.registry import default_registry
 

@@ -21,8 +21,9 @@ from policyloop.bus.newest import NewestPerSubject
 from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.envs.chat_env import EnvironmentFailed, NoChatTemplate, chat_template, task_reset
 from policyloop.envs.episode import Episode
-from policyloop.envs.program import EnvironmentFailed, NoChatTemplate, chat_template, program_episode, task_reset
+from policyloop.envs.program import program_episode
 from policyloop.envs.tool_episodes import from_hf
 from policyloop.envs.tools import tool_formats
 from policyloop.evaluation.scoring import EvalItem, EvaluationError, eval_items, score_version, version_eval

@@ -17,8 +17,8 @@ from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.envs.chat_env import transcript as environment_transcript
 from policyloop.envs.episode import Episode, SingleTurn, run_episodes
-from policyloop.envs.program import transcript as program_transcript
 from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS, task_scorer
 from policyloop.envs.tool_episodes import transcript
 from policyloop.envs.tools import tool_formats
@@ -145,7 +145,7 @@ async def score_version(engine: SGLangClient, items: Sequence[EvalItem], registr
             traj.loss_mask.extend(done.loss_mask)
             traj.turns.extend(done.turns)
             traj.response_text = transcript(done.turns, tool_formats(list(item.tools))) if item.tools \
-                else program_transcript(done.turns)
+                else environment_transcript(done.turns)
         else:
             traj.response_text = done.turns[0].text
         try:

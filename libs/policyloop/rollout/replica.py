@@ -27,16 +27,10 @@ from policyloop.engines.adapters import AdapterLease
 from policyloop.engines.partial import Completion, generate_resumable, generate_resumable_batch
 from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
+from policyloop.envs.chat_env import EnvironmentFailed, NoChatTemplate, chat_template, task_reset
+from policyloop.envs.chat_env import transcript as environment_transcript
 from policyloop.envs.episode import EpisodeResult, SingleTurn, run_episodes
-from policyloop.envs.program import (
-    EnvironmentFailed,
-    NoChatTemplate,
-    chat_template,
-    is_program,
-    program_episode,
-    task_reset,
-)
-from policyloop.envs.program import transcript as program_transcript
+from policyloop.envs.program import is_program, program_episode
 from policyloop.envs.tool_episodes import ToolSetupError, from_hf, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
@@ -263,7 +257,7 @@ class RolloutReplica:
                 log.warning("environment_failed", environment=task.environment, trajectory=traj.trajectory_id,
                             error=str(exc))
                 raise
-            record_response(traj, result.result, program_transcript(result.turns), result.loss_mask)
+            record_response(traj, result.result, environment_transcript(result.turns), result.loss_mask)
             traj.turns.extend(result.turns)
             traj.prompt_text = self.episode_tokenizer.decode(traj.prompt_token_ids)
             observe_episode(task.environment, result)
