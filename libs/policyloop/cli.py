@@ -765,10 +765,17 @@ def env_submit(
     step_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of one reset or step (0: 10).")]
     = 0.0,
     episode_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of an episode (0: 60).")] = 0.0,
+    openenv: Annotated[str, typer.Option(help="An OpenEnv environment server's URL: each episode a session of its "
+                                              "own, scored by the rewards it gives.")] = "",
+    action_field: Annotated[str, typer.Option(help="--openenv: the action's text field (default: message).")] = "",
+    observation_field: Annotated[str, typer.Option(
+        help="--openenv: the observation's field the model is shown (default: all of it, as JSON).")] = "",
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
-    """Submit an environment: tasks from a JSONL file, the scorer from the flags (or a program's rewards)."""
+    """Submit an environment: tasks from a JSONL file, the scorer from the flags (or the rewards of the
+    program or OpenEnv server that drives its episodes)."""
     from policyloop.cluster.client import TaskFileError, build_environment, read_program, read_tasks
+    from policyloop.contracts.v1 import bus_pb2
 
     try:
         env_program = None if program is None else read_program(program, entry, step_seconds=step_timeout_s,
@@ -776,7 +783,10 @@ def env_submit(
         env = build_environment(name, version, read_tasks(tasks), scorer, pattern=pattern, tolerance=tolerance,
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
-                                tools=tool, supervised=supervised, program=env_program)
+                                tools=tool, supervised=supervised, program=env_program,
+                                openenv=bus_pb2.OpenEnvServer(base_url=openenv, action_field=action_field,
+                                                              observation_field=observation_field)
+                                if openenv else None)
         if eval_tasks is not None:
             env.eval_tasks.extend(read_tasks(eval_tasks))
     except (TaskFileError, ValueError, OSError) as exc:

@@ -135,3 +135,22 @@ def test_the_worker_names_what_a_program_got_wrong(tmp_path: Path, body: str, er
     source = f"class Env:\n    def reset(self, task):\n        return 'hello'\n    {body}\n"
     opened, failed = worker(tmp_path, source, [RESET, step("hi")])
     assert opened.messages[0].content == "hello" and error in failed.error  # prints never reach the channel
+
+
+def test_an_openenv_environment_names_a_server_and_is_scored_by_its_rewards() -> None:
+    server = bus_pb2.OpenEnvServer(base_url="http://echo-env:8000", action_field="message")
+    env = build_environment("echo", "v1", [loop_pb2.TaskSpec()], "exact_answer", max_turns=2, openenv=server)
+    assert env.WhichOneof("scorer") == "environment_reward"
+    validate_environment(env)
+    task = nth_task("r", loop_pb2.StartRunRequest(
+        run_id="r", environments=[loop_pb2.EnvironmentMix(environment="echo@v1", weight=1)]), {"echo@v1": env}, 0)
+    assert task.openenv == server and not task.HasField("program")
+    validate_task(task)
+    for url in ("echo-env:8000", "ftp://echo-env", "http://"):
+        env.openenv.base_url = url
+        with pytest.raises(InvalidField, match="environment.openenv.base_url"):
+            validate_environment(env)
+    both = desk_environment()
+    both.openenv.CopyFrom(server)
+    with pytest.raises(InvalidField, match="driven by one of program, openenv"):
+        validate_environment(both)

@@ -85,14 +85,15 @@ def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], s
                       pattern: str = "", tolerance: float = 0.0, code: str = "", timeout_s: float = 10.0,
                       group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
                       max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False,
-                      program: bus_pb2.EnvironmentProgram | None = None) -> loop_pb2.Environment:
-    """An Environment; the gateway validates it (and names what is wrong). With `program` the
-    scorer is the rewards it gives (environment_reward)."""
+                      program: bus_pb2.EnvironmentProgram | None = None,
+                      openenv: bus_pb2.OpenEnvServer | None = None) -> loop_pb2.Environment:
+    """An Environment; the gateway validates it (and names what is wrong). With `program` or
+    `openenv` the scorer is the rewards that environment gives (environment_reward)."""
     env = loop_pb2.Environment(name=name, version=version, tasks=tasks, group_size=group_size, supervised=supervised,
                                sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens,
                                                                temperature=temperature),
-                               max_turns=max_turns, tools=tools or [], program=program)
-    if program is not None:
+                               max_turns=max_turns, tools=tools or [], program=program, openenv=openenv)
+    if program is not None or openenv is not None:
         scorer = "environment_reward"
     if scorer == "environment_reward":
         env.environment_reward.CopyFrom(loop_pb2.EnvironmentRewardScorer())

@@ -22,8 +22,8 @@ from policyloop.bus.topology import SUBJECT_PREFIX
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs.chat_env import EnvironmentFailed, NoChatTemplate, chat_template, task_reset
+from policyloop.envs.driven import open_environment
 from policyloop.envs.episode import Episode
-from policyloop.envs.program import program_episode
 from policyloop.envs.tool_episodes import from_hf
 from policyloop.envs.tools import tool_formats
 from policyloop.evaluation.scoring import EvalItem, EvaluationError, eval_items, score_version, version_eval
@@ -329,15 +329,15 @@ class Evaluator:
 
         @asynccontextmanager
         async def open_episode(item: EvalItem, rid: str) -> AsyncIterator[tuple[Episode, list[int]]]:
-            if item.program is None:
+            if item.driver is None:
                 tools = self.settings.episode(self.bus, job_id=f"tool:{rid}", run_id=run_id,
                                               tokenizer=from_hf(self.tokenizer), formats=tool_formats(list(item.tools)))
                 yield tools, list(item.template.prompt_token_ids)
                 return
             try:
-                async with program_episode(self.bus, item.program, task_reset(item.template),
-                                           template=chat_template(self.tokenizer), job_id=f"env:{rid}", run_id=run_id,
-                                           open_timeout_s=self.settings.tool_reply_timeout_s) as (episode, prompt):
+                async with open_environment(self.bus, item.driver, task_reset(item.template),
+                                            template=chat_template(self.tokenizer), job_id=f"env:{rid}", run_id=run_id,
+                                            open_timeout_s=self.settings.tool_reply_timeout_s) as (episode, prompt):
                     yield episode, prompt
             except (EnvironmentFailed, NoChatTemplate) as exc:
                 raise EvaluationError(f"{item.environment} eval task {item.index}: {exc}") from exc

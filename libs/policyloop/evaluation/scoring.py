@@ -18,6 +18,7 @@ from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs.chat_env import transcript as environment_transcript
+from policyloop.envs.driven import Driver, driver_of
 from policyloop.envs.episode import Episode, SingleTurn, run_episodes
 from policyloop.envs.spec import DEFAULT_MAX_NEW_TOKENS, task_scorer
 from policyloop.envs.tool_episodes import transcript
@@ -56,12 +57,12 @@ class EvalItem:
     stop_token_ids: tuple[int, ...]
     tools: tuple[str, ...] = ()      # the environment's tools: a multi-turn episode
     max_turns: int = 1
-    program: bus_pb2.EnvironmentProgram | None = None  # an environment program: its reset gives the prompt
+    driver: Driver | None = None     # an environment that drives its episodes: its reset gives the prompt
 
     @property
     def episodic(self) -> bool:
-        """Sampled as an episode of its environment (tools or a program), not one completion."""
-        return bool(self.tools) or self.program is not None
+        """Sampled as an episode of its environment (tools, or an environment driving it), not one completion."""
+        return bool(self.tools) or self.driver is not None
 
 
 # Opens an episodic item's episode (given its request id): the episode, and the prompt's token ids
@@ -85,8 +86,7 @@ def eval_items(environments: Mapping[str, loop_pb2.Environment], encode: Callabl
                 group_size=1,
             )
             items.append(EvalItem(key, i, template, env.sampling.max_new_tokens or DEFAULT_MAX_NEW_TOKENS, stops,
-                                  tuple(env.tools), max(1, env.max_turns),
-                                  env.program if env.HasField("program") else None))
+                                  tuple(env.tools), max(1, env.max_turns), driver_of(env)))
     return items
 
 

@@ -95,4 +95,5 @@ def _task(run_id: str, environment: str, env: loop_pb2.Environment, spec: loop_p
         tools=env.tools,
         scorer=task_scorer(env, spec),
         program=env.program if env.HasField("program") else None,
+        openenv=env.openenv if env.HasField("openenv") else None,
     )

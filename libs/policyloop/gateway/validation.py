@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import math
 import re
+import urllib.parse
 from collections.abc import Mapping, Sequence
 
 from pydantic import ValidationError
 
 from policyloop.contracts.v1 import loop_pb2, status_pb2
+from policyloop.envs.driven import DRIVER_FIELDS, driver_of
 from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
@@ -48,7 +50,7 @@ def validate_environment(env: loop_pb2.Environment, model: ModelContext | None =
     _validate_tasks(env)
     validate_demonstrations(env)
     _validate_scorer(env)
-    _validate_program(env)
+    _validate_driver(env)
     if env.group_size > MAX_GROUP_SIZE:
         raise InvalidField("environment.group_size", f"at most {MAX_GROUP_SIZE} (0: the default, "
                                                      f"{DEFAULT_GROUP_SIZE}), got {env.group_size}")
@@ -89,7 +91,7 @@ def _validate_tasks(env: loop_pb2.Environment) -> None:
             raise InvalidField(f"environment.{name}", f"at most {MAX_TASKS_PER_ENVIRONMENT} tasks")
         for i, task in enumerate(tasks):
             # A program's prompt is what its reset answers: its task may be only metadata.
-            if not task.prompt_text and not task.prompt_token_ids and not env.program.entry:
+            if not task.prompt_text and not task.prompt_token_ids and driver_of(env) is None:
                 raise InvalidField(f"environment.{name}[{i}].prompt_text", "the task has no prompt")
             if any(t < 0 for t in task.prompt_token_ids):
                 raise InvalidField(f"environment.{name}[{i}].prompt_token_ids", "token ids must not be negative")
@@ -101,9 +103,10 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
         return  # demonstrations are imitated, never scored
     if scorer is None:
         raise InvalidField("environment.scorer", "choose builtin, unit_tests, reward_code or environment_reward")
-    if (scorer == "environment_reward") != bool(env.program.entry):
-        raise InvalidField("environment.environment_reward", "the rewards an environment program gives score its "
-                                                            "episodes, and only those: give both or neither")
+    if (scorer == "environment_reward") != (driver_of(env) is not None):
+        raise InvalidField("environment.environment_reward", "the rewards an environment that drives its episodes "
+                                                            "(program, openenv) gives score them, and only those: "
+                                                            "give both or neither")
     if scorer == "builtin":
         _validate_verifier(env)
     elif scorer == "unit_tests":
@@ -118,10 +121,32 @@ MAX_PROGRAM_BYTES = 512 * 1024  # it travels on each Task
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
-def _validate_program(env: loop_pb2.Environment) -> None:
-    if not env.HasField("program"):
+def _validate_driver(env: loop_pb2.Environment) -> None:
+    """An environment that drives its episodes: one kind, well formed; it declares its own tools."""
+    named = [f for f in DRIVER_FIELDS if env.HasField(f)]
+    if not named:
         return
-    program, field = env.program, "environment.program"
+    if len(named) > 1:
+        raise InvalidField(f"environment.{named[1]}", f"an environment is driven by one of {', '.join(named)}")
+    if env.tools:
+        raise InvalidField("environment.tools", "an environment that drives its episodes declares its own tools")
+    if env.supervised:
+        raise InvalidField("environment.supervised", "its episodes are sampled, not imitated")
+    if env.HasField("program"):
+        _validate_program(env.program)
+    else:
+        _validate_openenv(env.openenv)
+
+
+def _validate_openenv(server: loop_pb2.OpenEnvServer) -> None:
+    url = urllib.parse.urlsplit(server.base_url)
+    if url.scheme not in ("http", "https", "ws", "wss") or not url.hostname:
+        raise InvalidField("environment.openenv.base_url", f"{server.base_url!r} is not an http(s) or ws(s) URL")
+    _check_timeout("environment.openenv.step_seconds", server.step_seconds)
+
+
+def _validate_program(program: loop_pb2.EnvironmentProgram) -> None:
+    field = "environment.program"
     if not _ENTRY_RE.match(program.entry):
         raise InvalidField(f"{field}.entry", f"{program.entry!r} is not 'module:Class'")
     module = program.entry.partition(":")[0].replace(".", "/")
@@ -135,10 +160,6 @@ def _validate_program(env: loop_pb2.Environment) -> None:
         raise InvalidField(f"{field}.files", f"more than {MAX_PROGRAM_BYTES} bytes")
     for name in ("step_seconds", "episode_seconds"):
         _check_timeout(f"{field}.{name}", getattr(program, name))
-    if env.tools:
-        raise InvalidField("environment.tools", "a program declares its own tools (OpenAI function schemas)")
-    if env.supervised:
-        raise InvalidField("environment.supervised", "a program's episodes are sampled, not imitated")
 
 
 def _validate_verifier(env: loop_pb2.Environment) -> None:
@@ -168,7 +189,7 @@ def check_prompts_fit(env: loop_pb2.Environment, model: ModelContext) -> None:
     engine refuses what does not, sample by sample), and token ids must be in its vocabulary.
     A task's token ids are what the rollout generates from when it has them, else its text. A
     program's prompts are what its reset answers: known only when an episode starts."""
-    if env.program.entry:
+    if driver_of(env) is not None:
         return
     for name, tasks in task_lists(env):
         _check_tasks_fit(name, tasks, env, model)
@@ -221,7 +242,7 @@ def _validate_turns(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.tools", "lists a tool twice")
     if env.tools and env.max_turns < 2:
         raise InvalidField("environment.max_turns", "tools need at least 2 turns (a call and the answer after it)")
-    if env.max_turns > 1 and not env.tools and not env.program.entry:
+    if env.max_turns > 1 and not env.tools and driver_of(env) is None:
         raise InvalidField("environment.tools", f"max_turns {env.max_turns} needs a tool to run between turns")
     if env.tools and env.sampling.ignore_eos:
         raise InvalidField("environment.sampling.ignore_eos", "cannot be combined with tools: a tool call ends at "

@@ -29,8 +29,8 @@ from policyloop.engines.protocol import GenerateRequest
 from policyloop.engines.sglang_client import EngineError, EngineUnavailable, SGLangClient
 from policyloop.envs.chat_env import EnvironmentFailed, NoChatTemplate, chat_template, task_reset
 from policyloop.envs.chat_env import transcript as environment_transcript
+from policyloop.envs.driven import Driver, driver_of, open_environment
 from policyloop.envs.episode import EpisodeResult, SingleTurn, run_episodes
-from policyloop.envs.program import is_program, program_episode
 from policyloop.envs.tool_episodes import ToolSetupError, from_hf, transcript
 from policyloop.envs.tools import ToolCall, UnknownTool, tool_formats
 from policyloop.ledger import record_generated
@@ -99,13 +99,14 @@ class RolloutReplica:
         if not await self._admit(task, delivery.delivery_count):
             return
         group = group_members(task, self.settings.instance_id)
-        prompt_ids = [] if is_program(task) else self._prompt_ids(task)
+        driver = driver_of(task)
+        prompt_ids = [] if driver is not None else self._prompt_ids(task)
         for traj in group:
             traj.prompt_token_ids.extend([] if traj.prompt_token_ids else prompt_ids)
         async with self._adapter(task.run_id) as adapter:
             lora_path = None if adapter is None else adapter.name
-            if is_program(task):
-                await asyncio.gather(*(self.sample_program(task, traj, lora_path) for traj in group))
+            if driver is not None:
+                await asyncio.gather(*(self.sample_environment(task, driver, traj, lora_path) for traj in group))
             elif task.max_turns <= 1:
                 await self.sample_group(task, group, lora_path)
             else:
@@ -233,10 +234,12 @@ class RolloutReplica:
         traj.turns.extend(episode.turns)
         observe_episode(task.environment, episode)
 
-    async def sample_program(self, task: bus_pb2.Task, traj: bus_pb2.Trajectory, lora_path: str | None) -> None:
-        """One member of a program environment's group: its episode in a sandbox session of its
-        own. A failed episode fails the Task (retried, then dead-lettered with the reason): no
-        partial episode is trained."""
+    async def sample_environment(self, task: bus_pb2.Task, driver: Driver, traj: bus_pb2.Trajectory,
+                                 lora_path: str | None) -> None:
+        """One member of the group of an environment that drives its episodes (a program in a
+        sandbox session, an OpenEnv server's session): its episode, in a session of its own. A
+        failed episode fails the Task (retried, then dead-lettered with the reason): no partial
+        episode is trained."""
         with tracing.span("sample", attributes={tracing.TRAJECTORY_ID: traj.trajectory_id,
                                                 tracing.ENVIRONMENT: task.environment}) as made:
             try:
@@ -244,9 +247,9 @@ class RolloutReplica:
             except NoChatTemplate as exc:
                 raise PermanentError(str(exc)) from exc
             try:
-                async with program_episode(self.ctx.bus, task.program, task_reset(task), template=template,
-                                           job_id=f"env:{traj.trajectory_id}", run_id=task.run_id,
-                                           open_timeout_s=self.settings.tool_reply_timeout_s) as (episode, prompt):
+                async with open_environment(self.ctx.bus, driver, task_reset(task), template=template,
+                                            job_id=f"env:{traj.trajectory_id}", run_id=task.run_id,
+                                            open_timeout_s=self.settings.tool_reply_timeout_s) as (episode, prompt):
                     del traj.prompt_token_ids[:]
                     traj.prompt_token_ids.extend(prompt)
                     [result] = await run_episodes(

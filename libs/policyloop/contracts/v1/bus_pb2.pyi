@@ -123,7 +123,7 @@ class Scorer(_message.Message):
     def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program")
+    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program", "openenv")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Task(_message.Message):
     TOOLS_FIELD_NUMBER: _ClassVar[int]
     SCORER_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    OPENENV_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     environment: str
@@ -157,7 +158,20 @@ class Task(_message.Message):
     tools: _containers.RepeatedScalarFieldContainer[str]
     scorer: Scorer
     program: EnvironmentProgram
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., program: _Optional[_Union[EnvironmentProgram, _Mapping]] = ...) -> None: ...
+    openenv: OpenEnvServer
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., program: _Optional[_Union[EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[OpenEnvServer, _Mapping]] = ...) -> None: ...
+
+class OpenEnvServer(_message.Message):
+    __slots__ = ("base_url", "action_field", "observation_field", "step_seconds")
+    BASE_URL_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_FIELD_NUMBER: _ClassVar[int]
+    OBSERVATION_FIELD_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    base_url: str
+    action_field: str
+    observation_field: str
+    step_seconds: float
+    def __init__(self, base_url: _Optional[str] = ..., action_field: _Optional[str] = ..., observation_field: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class EnvironmentProgram(_message.Message):
     __slots__ = ("files", "entry", "step_seconds", "episode_seconds", "memory_bytes")

@@ -1,0 +1,36 @@
+"""Environments that drive their episodes (a team's program, an OpenEnv server): one way in for
+the rollout replicas and the evaluator, whichever kind a task names."""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
+
+from policyloop.contracts.v1 import bus_pb2, loop_pb2
+from policyloop.envs.chat_env import ChatTemplate, EnvironmentEpisode
+from policyloop.envs.openenv_env import openenv_episode
+from policyloop.envs.program import program_episode
+
+if TYPE_CHECKING:
+    from policyloop.bus import Bus
+
+Driver = bus_pb2.EnvironmentProgram | bus_pb2.OpenEnvServer
+DRIVER_FIELDS = ("program", "openenv")  # the Task / Environment fields that name one
+
+
+def driver_of(holder: bus_pb2.Task | loop_pb2.Environment) -> Driver | None:
+    """The environment that drives `holder`'s episodes, or None (the replica drives them)."""
+    for field in DRIVER_FIELDS:
+        if holder.HasField(field):
+            return getattr(holder, field)  # type: ignore[no-any-return]
+    return None
+
+
+def open_environment(bus: Bus, driver: Driver, reset: bus_pb2.EnvReset, *, template: ChatTemplate, job_id: str,
+                     run_id: str, open_timeout_s: float
+                     ) -> AbstractAsyncContextManager[tuple[EnvironmentEpisode, list[int]]]:
+    """An episode of `driver`'s environment, reset with `reset`: the episode and its prompt's ids."""
+    if isinstance(driver, bus_pb2.EnvironmentProgram):
+        return program_episode(bus, driver, reset, template=template, job_id=job_id, run_id=run_id,
+                               open_timeout_s=open_timeout_s)
+    return openenv_episode(driver, reset, template=template)
