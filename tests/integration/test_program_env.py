@@ -131,7 +131,7 @@ async def test_the_evaluator_scores_a_program_split_episode_by_episode(
 
     @contextlib.asynccontextmanager
     async def open_episode(item, rid):  # type: ignore[no-untyped-def]
-        async with program_episode(bus, item.program, task_reset(item.template), template=chat_template(tokenizer),
+        async with program_episode(bus, item.driver, task_reset(item.template), template=chat_template(tokenizer),
                                    job_id=f"env:{rid}", run_id="eval", open_timeout_s=60) as (episode, ids):
             prompts.append(tokenizer.decode(ids))
             yield episode, ids
@@ -150,3 +150,60 @@ async def test_the_evaluator_scores_a_program_split_episode_by_episode(
     # Each item's prompt is its own reset (seeded by its metadata), and the split is scored whole.
     assert len(set(prompts)) == len(items) == score.tasks == 6 and all("What is" in p for p in prompts)
     assert 0.0 <= score.pass_rate <= 1.0 and score.pass_rate_low <= score.pass_rate <= score.pass_rate_high
+
+
+STEPS, GROUPS_PER_STEP = 3, 2
+
+
+@pytest.mark.timeout(420)
+async def test_a_program_environment_trains_on_the_cluster(
+        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, redis_client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Submitted with the CLI, run through the gateway: the learner trains on the desk's episodes,
+    each sampled once, each trained once, with the rewards the desk gave."""
+    import asyncio
+    import json
+    import subprocess
+    import sys
+
+    import grpc
+
+    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+    from policyloop.ledger import audit_bus
+    from policyloop.state import VersionRegistry
+
+    model = {"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(GROUPS_PER_STEP)}
+    publisher = services.start("publisher", env=model)
+    await services.wait_healthy(publisher)
+    learner = services.start("learner", env={**model,
+                                             "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
+    started = [services.start(name, env=model) for name in ("gateway", "rollout", "reward", "sandbox")]
+    await services.wait_healthy(learner, *started, timeout_s=120)
+    gateway = started[0]
+    tasks = tmp_path / "desk.jsonl"
+    tasks.write_text("\n".join(json.dumps({"metadata": {"seed": str(seed)}}) for seed in range(20)))
+    submitted = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "policyloop", "env", "submit", str(tasks), "--name", "desk", "--program", str(DESK),
+        "--entry", "tally_desk:TallyDesk", "--max-turns", "3", "--max-new-tokens", "96", "--group-size", "4",
+        "--gateway", f"127.0.0.1:{gateway.ports['grpc']}"], capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert json.loads(submitted.stdout) == {"environment": "desk@v1", "tasks": 20, "group_size": 4, "created": True}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
+        await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
+            run_id="desk-run", num_tasks=STEPS * GROUPS_PER_STEP,
+            environments=[loop_pb2.EnvironmentMix(environment="desk@v1", weight=1)]))
+    versions = VersionRegistry(redis_client, "default")
+
+    async def trained() -> bool:
+        return (await versions.get("policy") or 0) >= STEPS
+
+    await eventually(trained, timeout_s=300, what=f"{STEPS} learner steps on the desk's episodes")
+    audited = await audit_bus(bus, "desk-run")
+    assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (
+        STEPS * GROUPS_PER_STEP * 4, STEPS * GROUPS_PER_STEP * 4, 0, 0)
+    episodes = await stored_samples(bus, "TRAJECTORIES")
+    assert len(episodes) == STEPS * GROUPS_PER_STEP * 4
+    for traj in episodes:
+        model_turns = [t for t in traj.turns if t.role == MODEL]
+        assert traj.scored and traj.reward == pytest.approx(sum(t.reward for t in model_turns))
+    steps = [e for e in learner.log_events() if e["event"] == "step"]
+    assert len(steps) >= STEPS
