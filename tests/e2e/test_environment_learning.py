@@ -1,0 +1,46 @@
+"""A team's stateful environment raises its reward: examples/environments/train_tally_desk.py, run
+as a user runs it against a cluster of the real services with the chat model, trains on the
+tally desk (its code in a sandbox session per episode) and the desk's mean reward over the last
+quarter of the run beats the first quarter's. Minutes: in the slow set (make test-all); the
+default run trains a few steps of the same path (tests/integration/test_program_env.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ServiceLauncher, prebuilt_model
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "environments" / "train_tally_desk.py"
+GROUPS_PER_STEP = 16
+TASKS = 40 * GROUPS_PER_STEP
+MIN_GAIN = 0.05
+
+
+@pytest.fixture(scope="module")
+def chat_model_dir(request: pytest.FixtureRequest) -> Path:
+    return prebuilt_model(request.config, "chat")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+async def test_the_tally_desk_raises_its_reward(services: ServiceLauncher, chat_model_dir: Path) -> None:
+    model = {"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(GROUPS_PER_STEP)}
+    publisher = services.start("publisher", env=model)
+    await services.wait_healthy(publisher)
+    learner = services.start("learner", env={**model,
+                                             "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
+    started = [services.start(name, env=model) for name in ("gateway", "rollout", "reward", "sandbox")]
+    await services.wait_healthy(learner, *started, timeout_s=180)
+    done = await asyncio.to_thread(subprocess.run, [
+        sys.executable, str(EXAMPLE), "--gateway", f"127.0.0.1:{started[0].ports['grpc']}", "--tasks", str(TASKS)],
+        capture_output=True, text=True, timeout=1700)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    assert summary["state"] == "RUN_STATE_FINISHED" and summary["steps"] >= 10, summary
+    assert summary["reward_last_quarter"] > summary["reward_first_quarter"] + MIN_GAIN, summary
