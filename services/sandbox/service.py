@@ -13,6 +13,8 @@ each job a cgroup of its own (policyloop.sandbox.cgroups).
 from __future__ import annotations
 
 import asyncio
+import tempfile
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field
@@ -23,6 +25,8 @@ from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_sandbox_job, validate_sandbox_session
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
 from policyloop.sandbox.cgroups import job_cgroups
+from policyloop.sandbox.deps import MOUNT as DEPENDENCIES_MOUNT
+from policyloop.sandbox.deps import DependenciesFailed, DependencyInstaller
 from policyloop.sandbox.runner import (
     JobLimits,
     JobUids,
@@ -69,6 +73,15 @@ class SandboxSettings(ServiceSettings):
         16, ge=0, description="Sessions (one process per episode of an environment program, mostly waiting for the "
                               "model) this replica runs at once, besides its jobs. 0: it runs no sessions.")
     default_step_seconds: float = Field(10.0, gt=0, description="A session step's limit when the session sets none.")
+    dependencies_dir: Path = Field(
+        Path(tempfile.gettempdir()) / "policyloop-sandbox-deps",
+        description="Where jobs' Python dependencies are installed, a directory per distinct set, mounted read-only "
+                    "at /deps in the jobs that name it. Every path above it must be readable by the jobs' users.")
+    package_index_url: str = Field(
+        "", description="The package index requirements are resolved against (empty: pip's configuration; 'none': "
+                        "only the wheels uploaded with them).")
+    dependency_install_timeout_s: float = Field(600.0, gt=0,
+                                                description="Most seconds one dependency set's install takes.")
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -86,6 +99,19 @@ async def body(ctx: ServiceContext) -> None:
     quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
         if settings.per_run_concurrency > 0 else None
     slots = RunningSlots(settings.concurrency, quota, settings.quota_poll_s)
+    installer = DependencyInstaller(settings.dependencies_dir, index_url=settings.package_index_url,
+                                    timeout_s=settings.dependency_install_timeout_s)
+
+    async def mounted(job: bus_pb2.SandboxJob) -> list[tuple[Path, str]] | bus_pb2.SandboxResult:
+        """The job's read-only mounts (its dependencies, installed on first use), or the result of a
+        job whose dependencies cannot be had."""
+        if not job.HasField("dependencies"):
+            return []
+        try:
+            return [(await installer.directory(job.dependencies), DEPENDENCIES_MOUNT)]
+        except DependenciesFailed as exc:
+            return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, sandbox_instance=settings.instance_id,
+                                         error=f"dependencies: {exc}")
 
     def expired(job: bus_pb2.SandboxJob) -> bool:
         """Its caller gave up waiting (and asks again under a new job id if it still wants it)."""
@@ -105,7 +131,9 @@ async def body(ctx: ServiceContext) -> None:
         async with slots.slot(job.run_id, f"{settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
             if expired(job):  # it may have waited for its slot
                 return
-            result = await run_job(job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups)
+            mounts = await mounted(job)
+            result = mounts if isinstance(mounts, bus_pb2.SandboxResult) else await run_job(
+                job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups, read_only=mounts)
         if job.reply_subject:
             await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
             await ctx.bus.nc.flush(timeout=5)
@@ -129,8 +157,10 @@ async def body(ctx: ServiceContext) -> None:
         channel = SessionChannel(job.session.step_seconds or settings.default_step_seconds)
         sub = await ctx.bus.nc.subscribe(job.session.channel_subject, cb=channel.on_step)
         try:
-            result = await run_job(job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups,
-                                   conversation=channel)
+            mounts = await mounted(job)
+            result = mounts if isinstance(mounts, bus_pb2.SandboxResult) else await run_job(
+                job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups, conversation=channel,
+                read_only=mounts)
             await channel.finish(result)
         finally:
             await sub.unsubscribe()

@@ -82,3 +82,63 @@ async def test_a_step_past_its_limit_ends_the_session(bus: Bus, services: Servic
     async with Session(bus, counter_job(), kind="test", step_seconds=5, open_timeout_s=60) as session:
         with pytest.raises(SessionEnded, match="exit code 3"):
             await session.step(b"exit")
+
+
+def wheel(name: str, version: str, modules: dict[str, str]) -> tuple[str, bytes]:
+    """A pure-Python wheel, as a build backend would make it (what a team uploads)."""
+    import base64
+    import hashlib
+    import io
+    import zipfile
+
+    info = f"{name}-{version}.dist-info"
+    files = {**{f"{name}/{m}": body for m, body in modules.items()},
+             f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = []
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as zf:
+        for path, body in files.items():
+            zf.writestr(path, body)
+            digest = base64.urlsafe_b64encode(hashlib.sha256(body.encode()).digest()).rstrip(b"=").decode()
+            record.append(f"{path},sha256={digest},{len(body.encode())}")
+        zf.writestr(f"{info}/RECORD", "\n".join([*record, f"{info}/RECORD,,"]) + "\n")
+    return f"{name}-{version}-py3-none-any.whl", buffer.getvalue()
+
+
+async def test_a_session_imports_its_dependencies_installed_once_read_only(bus: Bus, services: ServiceLauncher) -> None:
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    deps_dir = Path(tempfile.mkdtemp(prefix="policyloop-deps-"))  # below /tmp: the jobs' users can reach it
+    deps_dir.chmod(0o755)
+    try:
+        sandbox = services.start("sandbox", env={"POLICYLOOP_DEPENDENCIES_DIR": str(deps_dir),
+                                                 "POLICYLOOP_PACKAGE_INDEX_URL": "none"})
+        await services.wait_healthy(sandbox, timeout_s=60)
+        name, content = wheel("ledgerlib", "1.0", {"__init__.py": "def balance(entries):\n    return sum(entries)\n"})
+        uses = b"import sys\nsys.path.insert(0, '/deps')\nimport ledgerlib\nfor line in sys.stdin:\n" \
+               b"    try:\n        open('/deps/ledgerlib/x', 'w')\n        print('wrote', flush=True)\n" \
+               b"    except OSError:\n        print(ledgerlib.balance(map(int, line.split())), flush=True)\n"
+        job = bus_pb2.SandboxJob(job_id="deps", run_id="run-1", files={"uses.py": uses},
+                                 command=["python3", "-I", "uses.py"],
+                                 limits=bus_pb2.SandboxLimits(wall_seconds=60, cpu_seconds=60),
+                                 dependencies=bus_pb2.SandboxDependencies(requirements=["ledgerlib==1.0"],
+                                                                          wheels={name: content}))
+        for _ in range(2):  # the second session finds the set installed
+            async with Session(bus, job, kind="test", step_seconds=10, open_timeout_s=120) as session:
+                assert await session.step(b"3 4 5") == b"12"  # imported, and not writable
+        assert len([d for d in deps_dir.iterdir() if not d.name.startswith(".")]) == 1
+        # A requirement nothing provides (no index here) ends the session with pip's reason.
+        missing = bus_pb2.SandboxJob()
+        missing.CopyFrom(job)
+        missing.dependencies.requirements.append("no-such-package==9.9")
+        async with Session(bus, missing, kind="test", step_seconds=10, open_timeout_s=120) as session:
+            with pytest.raises(SessionEnded, match="dependencies: pip could not install"):
+                await session.step(b"1")
+    finally:
+        for path in [deps_dir, *deps_dir.rglob("*")]:  # read-only once installed
+            if path.is_dir() and not path.is_symlink():
+                path.chmod(0o755)
+        shutil.rmtree(deps_dir, ignore_errors=True)

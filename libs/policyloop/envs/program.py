@@ -32,10 +32,14 @@ def program_job(program: bus_pb2.EnvironmentProgram, *, job_id: str, run_id: str
     episode_s = program.episode_seconds or DEFAULT_EPISODE_SECONDS
     files = {WORKER: resources.files("policyloop.envs").joinpath(WORKER).read_bytes()}
     files |= {f"{PACKAGE_DIR}/{path}": content for path, content in program.files.items()}
-    return bus_pb2.SandboxJob(
+    job = bus_pb2.SandboxJob(
         job_id=job_id, run_id=run_id, files=files, command=["python3", "-I", WORKER, program.entry],
         limits=bus_pb2.SandboxLimits(wall_seconds=episode_s, cpu_seconds=episode_s,
                                      memory_bytes=program.memory_bytes, max_output_bytes=1024 * 1024))
+    if program.requirements or program.wheels:
+        job.dependencies.CopyFrom(bus_pb2.SandboxDependencies(requirements=program.requirements,
+                                                              wheels=program.wheels))
+    return job
 
 
 class ProgramClient:

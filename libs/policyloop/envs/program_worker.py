@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from importlib import import_module
 
 PACKAGE_DIR = "env"      # the program's files, below the session's scratch directory
+DEPENDENCIES = "/deps"   # its dependencies, installed by the sandbox (read-only), when it has any
 ROLES = ("system", "user", "tool")
 
 
@@ -93,7 +94,7 @@ def answer_step(env, request):
 def main(entry):
     channel = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # the program's prints go to stderr: only this worker writes answers
-    sys.path.insert(0, os.path.join(os.getcwd(), PACKAGE_DIR))
+    sys.path[:0] = [os.path.join(os.getcwd(), PACKAGE_DIR), *([DEPENDENCIES] if os.path.isdir(DEPENDENCIES) else [])]
     env = None
     for line in sys.stdin:
         try:

@@ -58,7 +58,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path, PurePosixPath
 from typing import Protocol
@@ -112,10 +112,13 @@ class JobFds:
             os.close(fd)
 
 
-def isolation_command(limits: JobLimits, fds: JobFds) -> list[str]:
-    """bwrap's arguments for a job (see the module docstring)."""
+def isolation_command(limits: JobLimits, fds: JobFds, read_only: Sequence[tuple[Path, str]] = ()) -> list[str]:
+    """bwrap's arguments for a job (see the module docstring); `read_only` host directories are
+    bound read-only where the job sees them (its dependencies)."""
     command = ["bwrap", "--unshare-all", "--unshare-user", "--disable-userns", "--as-pid-1", "--die-with-parent",
                "--new-session", "--ro-bind", "/usr", "/usr"]
+    for host, seen_at in read_only:
+        command += ["--ro-bind", str(host), seen_at]
     for link in ("bin", "lib", "lib64", "sbin"):  # merged /usr: the top-level names are links
         target = Path("/") / link
         if target.is_symlink():
@@ -600,8 +603,8 @@ CLOSE_GRACE_S = 5.0  # a closed session's process has this long to exit on its o
 
 
 async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, *, instance: str = "", uids: JobUids = DEFAULT_UIDS,
-                  cgroups: JobCgroups | None = None, conversation: Conversation | None = None
-                  ) -> bus_pb2.SandboxResult:
+                  cgroups: JobCgroups | None = None, conversation: Conversation | None = None,
+                  read_only: Sequence[tuple[Path, str]] = ()) -> bus_pb2.SandboxResult:
     """Runs `job` under `limits`, in a cgroup of its own when `cgroups` is given, and returns its
     result. Never raises for anything the job does: a job that cannot be run is a result with
     `error`. A job's files live in its own tmpfs, never on the host's disk. With `conversation`
@@ -614,7 +617,7 @@ async def run_job(job: bus_pb2.SandboxJob, limits: JobLimits, *, instance: str =
             cgroup = cgroups.create(f"job-{next(_JOB_NUMBERS)}", memory_bytes=limits.memory_bytes,
                                     max_tasks=limits.max_processes + BWRAP_TASKS)
         return await _run(job, files, limits, uids.next() if os.geteuid() == 0 else None, cgroup, instance,
-                          conversation)
+                          conversation, read_only)
     except BadJob as exc:
         return _failed(job, instance, str(exc))
     except Exception as exc:  # the sandbox's own trouble (no memory file, no cgroup): the job still gets a result
@@ -726,10 +729,11 @@ def _job_fds(files: list[tuple[str, bytes]]) -> tuple[JobFds, int, int]:
 
 
 async def _run(job: bus_pb2.SandboxJob, files: list[tuple[str, bytes]], limits: JobLimits, drop_to: int | None,
-               cgroup: JobCgroup | None, instance: str, conversation: Conversation | None) -> bus_pb2.SandboxResult:
+               cgroup: JobCgroup | None, instance: str, conversation: Conversation | None,
+               read_only: Sequence[tuple[Path, str]]) -> bus_pb2.SandboxResult:
     started = time.monotonic()
     fds, info_read, block_write = _job_fds(files)
-    command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(limits, fds),
+    command = [*([] if drop_to is None else _drop_privileges(drop_to)), *isolation_command(limits, fds, read_only),
                *job.command]
     try:
         job_process = await _start(command, limits, cgroup, fds.passed())

@@ -174,8 +174,15 @@ class OpenEnvServer(_message.Message):
     def __init__(self, base_url: _Optional[str] = ..., action_field: _Optional[str] = ..., observation_field: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
 
 class EnvironmentProgram(_message.Message):
-    __slots__ = ("files", "entry", "step_seconds", "episode_seconds", "memory_bytes")
+    __slots__ = ("files", "entry", "step_seconds", "episode_seconds", "memory_bytes", "requirements", "wheels")
     class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class WheelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -187,12 +194,16 @@ class EnvironmentProgram(_message.Message):
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     EPISODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
+    WHEELS_FIELD_NUMBER: _ClassVar[int]
     files: _containers.ScalarMap[str, bytes]
     entry: str
     step_seconds: float
     episode_seconds: float
     memory_bytes: int
-    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., entry: _Optional[str] = ..., step_seconds: _Optional[float] = ..., episode_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ...) -> None: ...
+    requirements: _containers.RepeatedScalarFieldContainer[str]
+    wheels: _containers.ScalarMap[str, bytes]
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., entry: _Optional[str] = ..., step_seconds: _Optional[float] = ..., episode_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requirements: _Optional[_Iterable[str]] = ..., wheels: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class EnvRequest(_message.Message):
     __slots__ = ("reset", "action")
@@ -504,7 +515,7 @@ class SandboxLimits(_message.Message):
     def __init__(self, wall_seconds: _Optional[float] = ..., cpu_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., max_processes: _Optional[int] = ..., max_file_bytes: _Optional[int] = ..., max_open_files: _Optional[int] = ..., max_output_bytes: _Optional[int] = ...) -> None: ...
 
 class SandboxJob(_message.Message):
-    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject", "expires_unix_ms", "session")
+    __slots__ = ("job_id", "run_id", "files", "command", "stdin", "limits", "reply_subject", "expires_unix_ms", "session", "dependencies")
     class FilesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -521,6 +532,7 @@ class SandboxJob(_message.Message):
     REPLY_SUBJECT_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    DEPENDENCIES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     run_id: str
     files: _containers.ScalarMap[str, bytes]
@@ -530,7 +542,23 @@ class SandboxJob(_message.Message):
     reply_subject: str
     expires_unix_ms: int
     session: SandboxSession
-    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., session: _Optional[_Union[SandboxSession, _Mapping]] = ...) -> None: ...
+    dependencies: SandboxDependencies
+    def __init__(self, job_id: _Optional[str] = ..., run_id: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., command: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., reply_subject: _Optional[str] = ..., expires_unix_ms: _Optional[int] = ..., session: _Optional[_Union[SandboxSession, _Mapping]] = ..., dependencies: _Optional[_Union[SandboxDependencies, _Mapping]] = ...) -> None: ...
+
+class SandboxDependencies(_message.Message):
+    __slots__ = ("requirements", "wheels")
+    class WheelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
+    WHEELS_FIELD_NUMBER: _ClassVar[int]
+    requirements: _containers.RepeatedScalarFieldContainer[str]
+    wheels: _containers.ScalarMap[str, bytes]
+    def __init__(self, requirements: _Optional[_Iterable[str]] = ..., wheels: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class SandboxSession(_message.Message):
     __slots__ = ("channel_subject", "step_seconds")

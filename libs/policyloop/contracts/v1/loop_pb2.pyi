@@ -31,6 +31,7 @@ from policyloop.contracts.v1.bus_pb2 import DeadLetter as DeadLetter
 from policyloop.contracts.v1.bus_pb2 import LedgerEvent as LedgerEvent
 from policyloop.contracts.v1.bus_pb2 import SandboxLimits as SandboxLimits
 from policyloop.contracts.v1.bus_pb2 import SandboxJob as SandboxJob
+from policyloop.contracts.v1.bus_pb2 import SandboxDependencies as SandboxDependencies
 from policyloop.contracts.v1.bus_pb2 import SandboxSession as SandboxSession
 from policyloop.contracts.v1.bus_pb2 import SessionStep as SessionStep
 from policyloop.contracts.v1.bus_pb2 import SessionStepReply as SessionStepReply
