@@ -765,6 +765,11 @@ def env_submit(
     step_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of one reset or step (0: 10).")]
     = 0.0,
     episode_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of an episode (0: 60).")] = 0.0,
+    requirement: Annotated[list[str] | None, typer.Option(
+        help="--program: a dependency, as a pip requirement (e.g. sortedcontainers==2.4.0), once per requirement; "
+             "the sandbox installs wheels only.")] = None,
+    wheel: Annotated[list[Path] | None, typer.Option(help="--program: a wheel file it depends on, once per wheel.")]
+    = None,
     openenv: Annotated[str, typer.Option(help="An OpenEnv environment server's URL: each episode a session of its "
                                               "own, scored by the rewards it gives.")] = "",
     action_field: Annotated[str, typer.Option(help="--openenv: the action's text field (default: message).")] = "",
@@ -778,8 +783,9 @@ def env_submit(
     from policyloop.contracts.v1 import bus_pb2
 
     try:
-        env_program = None if program is None else read_program(program, entry, step_seconds=step_timeout_s,
-                                                                 episode_seconds=episode_timeout_s)
+        env_program = None if program is None else read_program(
+            program, entry, step_seconds=step_timeout_s, episode_seconds=episode_timeout_s, requirements=requirement,
+            wheels=wheel)
         env = build_environment(name, version, read_tasks(tasks), scorer, pattern=pattern, tolerance=tolerance,
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,

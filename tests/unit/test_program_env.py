@@ -17,6 +17,7 @@ from policyloop.cluster.client import build_environment, read_program
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.contracts.validate import validate_task
 from policyloop.envs import program_worker
+from policyloop.envs.program import program_job
 from policyloop.gateway.errors import InvalidField
 from policyloop.gateway.feeding import nth_task
 from policyloop.gateway.validation import validate_environment
@@ -154,3 +155,23 @@ def test_an_openenv_environment_names_a_server_and_is_scored_by_its_rewards() ->
     both.openenv.CopyFrom(server)
     with pytest.raises(InvalidField, match="driven by one of program, openenv"):
         validate_environment(both)
+
+
+def test_a_programs_dependencies_are_specifiers_and_wheels(tmp_path: Path) -> None:
+    wheel = tmp_path / "ledgerlib-1.0-py3-none-any.whl"
+    wheel.write_bytes(b"PK")
+    program = read_program(DESK, "tally_desk:TallyDesk", requirements=["sortedcontainers==2.4.0"], wheels=[wheel])
+    assert list(program.requirements) == ["sortedcontainers==2.4.0"] and set(program.wheels) == {wheel.name}
+    env = desk_environment()
+    env.program.CopyFrom(program)
+    validate_environment(env)
+    assert program_job(program, job_id="j", run_id="r").dependencies == bus_pb2.SandboxDependencies(
+        requirements=["sortedcontainers==2.4.0"], wheels={wheel.name: b"PK"})
+    for bad in ("--index-url=http://evil", "-r reqs.txt", " "):
+        env.program.requirements[:] = [bad]
+        with pytest.raises(InvalidField, match=r"environment.program.requirements\[0\]"):
+            validate_environment(env)
+    env.program.requirements[:] = []
+    env.program.wheels["../x.whl"] = b"PK"
+    with pytest.raises(InvalidField, match="not a wheel's file name"):
+        validate_environment(env)

@@ -59,10 +59,12 @@ def read_tasks(path: Path) -> list[loop_pb2.TaskSpec]:
     return tasks
 
 
-def read_program(path: Path, entry: str, *, step_seconds: float = 0.0, episode_seconds: float = 0.0
+def read_program(path: Path, entry: str, *, step_seconds: float = 0.0, episode_seconds: float = 0.0,
+                 requirements: list[str] | None = None, wheels: list[Path] | None = None
                  ) -> bus_pb2.EnvironmentProgram:
     """An environment program from a module (`desk.py`), a package directory (its files, under the
-    package's name) or a pure-Python wheel (its files, less its .dist-info)."""
+    package's name) or a pure-Python wheel (its files, less its .dist-info); its dependencies as
+    requirement specifiers and wheel files, which the sandbox installs."""
     path = Path(path)
     files: dict[str, bytes] = {}
     if path.suffix == ".whl":
@@ -78,7 +80,8 @@ def read_program(path: Path, entry: str, *, step_seconds: float = 0.0, episode_s
     else:
         files = {path.name: path.read_bytes()}
     return bus_pb2.EnvironmentProgram(files=files, entry=entry, step_seconds=step_seconds,
-                                      episode_seconds=episode_seconds)
+                                      episode_seconds=episode_seconds, requirements=requirements or [],
+                                      wheels={Path(w).name: Path(w).read_bytes() for w in wheels or []})
 
 
 def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], scorer: str, *,

@@ -156,8 +156,16 @@ def _validate_program(program: loop_pb2.EnvironmentProgram) -> None:
         parts = path.split("/")
         if not path or path.startswith("/") or ".." in parts or "" in parts or "\0" in path:
             raise InvalidField(f"{field}.files", f"{path!r} is not a relative path inside the package")
-    if sum(len(c) for c in program.files.values()) > MAX_PROGRAM_BYTES:
-        raise InvalidField(f"{field}.files", f"more than {MAX_PROGRAM_BYTES} bytes")
+    if sum(len(c) for c in [*program.files.values(), *program.wheels.values()]) > MAX_PROGRAM_BYTES:
+        raise InvalidField(f"{field}.files", f"more than {MAX_PROGRAM_BYTES} bytes with its wheels")
+    for i, requirement in enumerate(program.requirements):
+        # A specifier only: pip options (an index, a file to read) are the sandbox's to set.
+        if not requirement.strip() or requirement.lstrip().startswith("-") or "\n" in requirement:
+            raise InvalidField(f"{field}.requirements[{i}]", f"{requirement!r} is not a requirement specifier")
+    for name in program.wheels:
+        if "/" in name or not name.endswith(".whl") or name.count("-") < 4:
+            raise InvalidField(f"{field}.wheels", f"{name!r} is not a wheel's file name "
+                                                  "(name-version-python-abi-platform.whl)")
     for name in ("step_seconds", "episode_seconds"):
         _check_timeout(f"{field}.{name}", getattr(program, name))
 
