@@ -1,5 +1,5 @@
-"""Train the chat model on the tally desk (tally_desk.py), a stateful environment written as a team
-would write one, on a running cluster:
+"""Train the chat model on the tally desk (policyloop/envs/programs/tally_desk.py), a stateful
+environment written as a team would write one, on a running cluster:
 
     policyloop bootstrap --chat
     policyloop up --model-path ~/.cache/policyloop/models/chat-qwen2-small-<hash> &
@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import grpc
 
 from policyloop.cluster.client import build_environment, read_program
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
-
-DESK = Path(__file__).with_name("tally_desk.py")
+from policyloop.envs.programs import TALLY_DESK, TALLY_DESK_ENTRY
 
 
 def main() -> None:
@@ -33,7 +31,7 @@ def main() -> None:
     tasks = [loop_pb2.TaskSpec(metadata={"seed": str(seed)}) for seed in range(1000)]
     env = build_environment("tally-desk", args.version, tasks, "environment_reward", group_size=8,
                             max_new_tokens=96, temperature=1.0, max_turns=3,
-                            program=read_program(DESK, "tally_desk:TallyDesk"))
+                            program=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
     with grpc.insecure_channel(args.gateway) as channel:
         loop = loop_pb2_grpc.LoopServiceStub(channel)
         submitted = loop.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env))

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer
 from policyloop.bus import Bus, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
+from policyloop.envs.programs import TALLY_DESK as DESK
 from policyloop.models.chat_format import parse_assistant
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
@@ -26,7 +27,6 @@ try:
 except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
 
-DESK = Path(__file__).parents[2] / "examples" / "environments" / "tally_desk.py"
 MODEL, ENVIRONMENT = bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_ENVIRONMENT
 BROKEN = b"class Broken:\n    def reset(self, task):\n        raise KeyError('orders.db')\n"
 

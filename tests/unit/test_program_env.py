@@ -18,11 +18,10 @@ from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.contracts.validate import validate_task
 from policyloop.envs import program_worker
 from policyloop.envs.program import program_job
+from policyloop.envs.programs import TALLY_DESK as DESK
 from policyloop.gateway.errors import InvalidField
 from policyloop.gateway.feeding import nth_task
 from policyloop.gateway.validation import validate_environment
-
-DESK = Path(__file__).parents[2] / "examples" / "environments" / "tally_desk.py"
 
 
 def desk_environment(**changes: object) -> loop_pb2.Environment:
