@@ -281,6 +281,7 @@ MODULE_MODELS: dict[str, tuple[str, ...]] = {
     "e2e/test_production_demo.py": ("arithmetic",),
     "e2e/test_agent_demo.py": ("chat",),
     "e2e/test_environment_learning.py": ("chat",),
+    "e2e/test_agent_env_demo.py": ("chat",),
 }
 
 

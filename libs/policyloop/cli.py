@@ -486,6 +486,10 @@ def demo(
                         "rewarded sessions, the promoted version measured again (docs/serving.md).")] = False,
     sessions_per_step: Annotated[int | None, typer.Option(
         help="--agent: rewarded sessions per SFT step, for --groups-per-step (default: the demo's own).")] = None,
+    agent_env: Annotated[bool, typer.Option(
+        "--agent-env", help="The chat model trained by RL on a stateful environment program (the tally desk, in a "
+                            "sandbox session per episode), its held-out episodes scored by the evaluator "
+                            "(docs/environments.md); --steps sets the run's length (default 30).")] = False,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy
@@ -504,23 +508,26 @@ def demo(
                         max_lag=max_lag, weight_update_mode=weight_update_mode, tools=tools,
                         prometheus=prometheus, tracker=tracker, runs=runs, lora_rank=lora_rank)
     signal.signal(signal.SIGTERM, _interrupt)  # a demo told to stop stops its cluster on the way out, as on Ctrl-C
-    sys.exit(_chosen_demo(config, production=production, agent=agent, traffic=traffic,
+    sys.exit(_chosen_demo(config, production=production, agent=agent, agent_env=agent_env, traffic=traffic,
                           traces_budget_s=traces_budget_s, every_versions=every_versions,
                           sessions_per_step=sessions_per_step))
 
 
-def _chosen_demo(config, *, production: bool, agent: bool, traffic: int | None,  # type: ignore[no-untyped-def]
-                 traces_budget_s: float, every_versions: int, sessions_per_step: int | None) -> int:
-    """The demo the flags name: the RL run, --production or --agent (one of them)."""
+def _chosen_demo(config, *, production: bool, agent: bool, agent_env: bool,  # type: ignore[no-untyped-def]
+                 traffic: int | None, traces_budget_s: float, every_versions: int, sessions_per_step: int | None
+                 ) -> int:
+    """The demo the flags name: the RL run, --production, --agent or --agent-env (one of them)."""
     from policyloop.cluster.demo import run_demo
 
-    if production and agent:
-        console.print("[red]--production and --agent are two demos: choose one[/red]")
+    if production + agent + agent_env > 1:
+        console.print("[red]--production, --agent and --agent-env are demos of their own: choose one[/red]")
         raise typer.Exit(2)
     if production:
         return _production_demo(config, traffic, traces_budget_s, every_versions)
     if agent:
         return _agent_demo(config, traffic, sessions_per_step)
+    if agent_env:
+        return _env_demo(config)
     return run_demo(config, console=console, print_status=_print_status)
 
 
@@ -581,6 +588,22 @@ def _agent_demo(config, traffic: int | None, sessions_per_step: int | None) -> i
     if config.run_dir == Path("runs/demo"):
         config.run_dir = Path("runs/demo-agent")
     return run_agent_demo(agent, console=console)
+
+
+def _env_demo(config) -> int:  # type: ignore[no-untyped-def]
+    """`demo --agent-env`: the demo's own loop settings; the flags give the model, the run directory,
+    the output, Prometheus and the run's length."""
+    from policyloop.cluster.demo_env import EnvDemoConfig, run_env_demo
+
+    demo = EnvDemoConfig()
+    if config.lora_rank or config.tools or config.tracker != "none":
+        console.print("[red]--agent-env trains the full model, without --tools or --tracker[/red]")
+        raise typer.Exit(2)
+    demo.loop.model_path, demo.loop.out, demo.loop.prometheus = config.model_path, config.out, config.prometheus
+    if config.run_dir != Path("runs/demo"):
+        demo.loop.run_dir = config.run_dir
+    demo.loop.max_steps = config.max_steps or demo.loop.max_steps
+    return run_env_demo(demo, console=console)
 
 
 @app.command()

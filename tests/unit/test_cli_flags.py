@@ -14,7 +14,9 @@ import pytest
     (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
     (["--weight-update-mode", "sideways"], "--weight-update-mode must be one of"),
     (["--tracker", "neptune"], "--tracker must be one of none, tensorboard, wandb, mlflow"),
-    (["--agent", "--production"], "--production and --agent are two demos: choose one"),
+    (["--agent", "--production"], "--production, --agent and --agent-env are demos of their own: choose one"),
+    (["--agent-env", "--agent"], "--production, --agent and --agent-env are demos of their own: choose one"),
+    (["--agent-env", "--tools"], "--agent-env trains the full model, without --tools or --tracker"),
     (["--agent", "--tools"], "--agent trains the full model, without --tools or --tracker, on --traffic >= 1"),
     (["--agent", "--traffic", "0"], "--agent trains the full model, without --tools or --tracker, on --traffic >= 1"),
 ])

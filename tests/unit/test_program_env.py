@@ -174,3 +174,16 @@ def test_a_programs_dependencies_are_specifiers_and_wheels(tmp_path: Path) -> No
     env.program.wheels["../x.whl"] = b"PK"
     with pytest.raises(InvalidField, match="not a wheel's file name"):
         validate_environment(env)
+
+
+def test_the_agent_env_demo_trains_on_seeds_it_never_evaluates() -> None:
+    from policyloop.cluster.demo_env import EnvDemoConfig, EnvDemoResult, desk_environment
+
+    env = desk_environment(EnvDemoConfig())
+    validate_environment(env)
+    train = {t.metadata["seed"] for t in env.tasks}
+    held_out = {t.metadata["seed"] for t in env.eval_tasks}
+    assert len(held_out) == EnvDemoConfig().loop.eval_problems and not train & held_out
+    result = EnvDemoResult(rewards=[(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.5), (6, 0.6), (7, 0.7), (8, 0.8)])
+    assert result.reward_quarters() == pytest.approx((0.15, 0.75))
+    assert EnvDemoResult().reward_quarters() == (0.0, 0.0)
