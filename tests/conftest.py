@@ -247,6 +247,20 @@ class ServiceLauncher:
         finally:
             await client.aclose()
 
+    async def start_loop(self, model_dir: Path, groups_per_step: int, timeout_s: float = 120,
+                         names: tuple[str, ...] = ("gateway", "rollout", "reward", "sandbox")
+                         ) -> dict[str, ServiceProcess]:
+        """The whole loop on `model_dir`: the publisher, the learner pushing to it, and `names`,
+        all healthy; by service name."""
+        model = {"POLICYLOOP_MODEL_PATH": str(model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(groups_per_step)}
+        publisher = self.start("publisher", env=model)
+        await self.wait_healthy(publisher)
+        learner = self.start("learner", env={**model,
+                                             "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
+        started = {name: self.start(name, env=model) for name in names}
+        await self.wait_healthy(learner, *started.values(), timeout_s=timeout_s)
+        return {"publisher": publisher, "learner": learner, **started}
+
     def stop_all(self) -> None:
         for service in self.started:
             if service.proc.poll() is None:

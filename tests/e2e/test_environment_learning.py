@@ -30,15 +30,9 @@ def chat_model_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 async def test_the_tally_desk_raises_its_reward(services: ServiceLauncher, chat_model_dir: Path) -> None:
-    model = {"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(GROUPS_PER_STEP)}
-    publisher = services.start("publisher", env=model)
-    await services.wait_healthy(publisher)
-    learner = services.start("learner", env={**model,
-                                             "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
-    started = [services.start(name, env=model) for name in ("gateway", "rollout", "reward", "sandbox")]
-    await services.wait_healthy(learner, *started, timeout_s=180)
+    loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP, timeout_s=180)
     done = await asyncio.to_thread(subprocess.run, [
-        sys.executable, str(EXAMPLE), "--gateway", f"127.0.0.1:{started[0].ports['grpc']}", "--tasks", str(TASKS)],
+        sys.executable, str(EXAMPLE), "--gateway", f"127.0.0.1:{loop['gateway'].ports['grpc']}", "--tasks", str(TASKS)],
         capture_output=True, text=True, timeout=1700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])

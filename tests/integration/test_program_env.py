@@ -171,14 +171,8 @@ async def test_a_program_environment_trains_on_the_cluster(
     from policyloop.ledger import audit_bus
     from policyloop.state import VersionRegistry
 
-    model = {"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(GROUPS_PER_STEP)}
-    publisher = services.start("publisher", env=model)
-    await services.wait_healthy(publisher)
-    learner = services.start("learner", env={**model,
-                                             "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
-    started = [services.start(name, env=model) for name in ("gateway", "rollout", "reward", "sandbox")]
-    await services.wait_healthy(learner, *started, timeout_s=120)
-    gateway = started[0]
+    loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP)
+    gateway, learner = loop["gateway"], loop["learner"]
     tasks = tmp_path / "desk.jsonl"
     tasks.write_text("\n".join(json.dumps({"metadata": {"seed": str(seed)}}) for seed in range(20)))
     submitted = await asyncio.to_thread(subprocess.run, [
