@@ -248,11 +248,12 @@ class ServiceLauncher:
             await client.aclose()
 
     async def start_loop(self, model_dir: Path, groups_per_step: int, timeout_s: float = 120,
-                         names: tuple[str, ...] = ("gateway", "rollout", "reward", "sandbox")
-                         ) -> dict[str, ServiceProcess]:
+                         names: tuple[str, ...] = ("gateway", "rollout", "reward", "sandbox"),
+                         env: dict[str, str] | None = None) -> dict[str, ServiceProcess]:
         """The whole loop on `model_dir`: the publisher, the learner pushing to it, and `names`,
-        all healthy; by service name."""
-        model = {"POLICYLOOP_MODEL_PATH": str(model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(groups_per_step)}
+        all healthy, with `env` besides; by service name."""
+        model = {"POLICYLOOP_MODEL_PATH": str(model_dir), "POLICYLOOP_GROUPS_PER_STEP": str(groups_per_step),
+                 **(env or {})}
         publisher = self.start("publisher", env=model)
         await self.wait_healthy(publisher)
         learner = self.start("learner", env={**model,
