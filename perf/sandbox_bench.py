@@ -1,7 +1,9 @@
 """Sandbox cost on this machine: wall time per job and jobs per second for a trivial job
 (`python3 -c pass`), one at a time and two side by side, with a cgroup per job and on rlimits
-alone; and the wall time of scoring one completion with the unit-test harness (two
-interpreters, four tests). Runs the runner directly (no bus). Prints JSON with medians.
+alone; the wall time of scoring one completion with the unit-test harness (two interpreters,
+four tests); and a session's (sandbox/session.py) time to its first answer and per step, on a
+process that keeps a running total. Runs the runner directly (no bus: a session step on the
+cluster adds one NATS request/reply). Prints JSON with medians.
 
     .venv/bin/python perf/sandbox_bench.py --jobs 40
 """
@@ -51,6 +53,43 @@ async def scoring(cgroups: JobCgroups | None, jobs: int) -> dict:
             "score_cpu_ms_median": round(1000 * statistics.median(cpus), 1)}
 
 
+SESSION = b"import sys\ntotal = 0\nfor line in sys.stdin:\n    total += int(line)\n    print(total, flush=True)\n"
+
+
+class TimedSteps:
+    """A session's conversation: `steps` lines, each answer timed."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps, self.times = steps, []  # type: ignore[var-annotated]
+
+    async def run(self, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader) -> int:
+        for i in range(self.steps):
+            sent = time.perf_counter()
+            stdin.write(b"%d\n" % i)
+            await stdin.drain()
+            assert int(await stdout.readline()) == i * (i + 1) // 2
+            self.times.append(time.perf_counter() - sent)
+        stdin.close()
+        return bus_pb2.SANDBOX_LIMIT_NONE
+
+
+async def sessions(cgroups: JobCgroups | None, count: int, steps: int) -> dict:
+    job = bus_pb2.SandboxJob(job_id="session", files={"total.py": SESSION}, command=["python3", "-I", "total.py"])
+    first, later, walls = [], [], []
+    for _ in range(count):
+        talk = TimedSteps(steps)
+        result = await run_job(job, JobLimits(), cgroups=cgroups, conversation=talk)
+        assert result.exit_code == 0 and not result.error, result
+        first.append(talk.times[0])
+        later += talk.times[1:]
+        walls.append(result.wall_seconds)
+    later.sort()
+    return {"first_answer_ms_median": round(1000 * statistics.median(first), 1),
+            "step_ms_median": round(1000 * statistics.median(later), 3),
+            "step_ms_p99": round(1000 * later[int(0.99 * (len(later) - 1))], 3),
+            "session_wall_ms_median": round(1000 * statistics.median(walls), 1), "steps_per_session": steps}
+
+
 async def main(jobs: int) -> dict:
     check_isolation()
     cgroups = job_cgroups("auto")
@@ -64,6 +103,7 @@ async def main(jobs: int) -> dict:
                 "one_at_a_time": await trivial_jobs(mode, jobs, 1),
                 "two_side_by_side": await trivial_jobs(mode, jobs, 2),
                 "unit_test_scoring": await scoring(mode, max(4, jobs // 4)),
+                "sessions": await sessions(mode, max(4, jobs // 4), 50),
             }
     finally:
         if cgroups is not None:

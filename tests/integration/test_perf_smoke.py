@@ -116,6 +116,9 @@ def test_sandbox_bench_runs_jobs_and_scores(tmp_path: Path) -> None:
         for side_by_side in ("one_at_a_time", "two_side_by_side"):
             assert mode[side_by_side]["job_wall_ms_median"] > 0 and mode[side_by_side]["jobs_per_s"] > 0
         assert mode["unit_test_scoring"]["score_wall_ms_median"] > 0
+        sessions = mode["sessions"]
+        assert sessions["steps_per_session"] == 50 and 0 < sessions["step_ms_median"] <= sessions["step_ms_p99"]
+        assert sessions["first_answer_ms_median"] > 0 and sessions["session_wall_ms_median"] > 0
 
 
 # Slow (a whole cluster): the default run checks its figures from two scrapes
