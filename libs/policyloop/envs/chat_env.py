@@ -63,13 +63,6 @@ class EnvironmentClient(Protocol):
         ...
 
 
-@dataclass
-class Opened:
-    """What reset gave: the conversation so far and the tools offered."""
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]]
-
-
 def read_tools(tools_json: str) -> list[dict[str, Any]]:
     try:
         tools = json.loads(tools_json or "[]")
