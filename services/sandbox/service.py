@@ -99,6 +99,7 @@ async def body(ctx: ServiceContext) -> None:
     quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
         if settings.per_run_concurrency > 0 else None
     slots = RunningSlots(settings.concurrency, quota, settings.quota_poll_s)
+    SANDBOX_SESSIONS.labels("ok")  # exported at zero from the start: no sessions reads as 0, not as no data
     installer = DependencyInstaller(settings.dependencies_dir, index_url=settings.package_index_url,
                                     timeout_s=settings.dependency_install_timeout_s)
 

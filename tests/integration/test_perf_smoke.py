@@ -58,6 +58,9 @@ def test_version_lag_runs_one_configuration_on_the_local_cluster(tmp_path: Path,
     assert (out / "version_lag.png").stat().st_size > 1000
 
 
+# Slow (a whole cluster, killed twice): the default run covers kills, restarts and the ledger's
+# audit in tests/integration/test_recovery.py, service by service.
+@pytest.mark.slow
 @pytest.mark.timeout(CLUSTER_TIMEOUT_S + 30)
 def test_chaos_kills_restarts_and_audits_the_ledger(tmp_path: Path, tiny_model_dir: Path) -> None:
     out = tmp_path / "out"

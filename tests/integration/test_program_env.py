@@ -51,7 +51,7 @@ async def test_a_program_environment_runs_each_episode_in_a_session(
     sandbox, reward = services.start("sandbox"), services.start("reward")
     rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_MAX_LAG": "-1"})
     await services.wait_healthy(sandbox, reward, rollout, timeout_s=120)
-    seeds = range(6)
+    seeds = range(4)
     for seed in seeds:
         await bus.publish(tasks_subject("desk@v1"), desk_task(f"d{seed}", seed), f"d{seed}")
     broken = desk_task("broken", 0, bus_pb2.EnvironmentProgram(files={"broken.py": BROKEN}, entry="broken:Broken"))

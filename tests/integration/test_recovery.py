@@ -31,6 +31,10 @@ async def clean_audit(bus: Bus) -> Audit:
     return report
 
 
+# Slow (a learner started twice, seven steps): the default run covers the same resume — checkpoint,
+# bit-exact replay from the ledger, the next step — in
+# test_a_killed_learner_replays_only_the_steps_since_its_checkpoint_cadence.
+@pytest.mark.slow
 async def test_learner_killed_between_steps_resumes_from_checkpoint_and_ledger(
         bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
     """Checkpoints every 2 steps; killed at version 5, the next learner loads checkpoint 4,

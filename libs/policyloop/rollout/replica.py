@@ -308,8 +308,12 @@ class RolloutReplica:
 
 
 def observe_episode(environment: str, episode: EpisodeResult) -> None:
-    """Its model turns, and each step reward its environment gave."""
+    """Its model turns, and each step reward its environment gave. An environment's step rewards
+    and failures are exported from its first episode on, at zero until it has any, so that "none"
+    reads as 0 rather than as no data."""
     EPISODE_MODEL_TURNS.labels(environment).observe(
         sum(t.role == bus_pb2.Turn.ROLE_MODEL for t in episode.turns))
+    step_rewards = EPISODE_STEP_REWARD.labels(environment)
     for reward in episode.step_rewards:
-        EPISODE_STEP_REWARD.labels(environment).observe(reward)
+        step_rewards.observe(reward)
+    ENVIRONMENT_FAILURES.labels(environment)
