@@ -150,10 +150,10 @@ def test_an_openenv_environment_names_a_server_and_is_scored_by_its_rewards() ->
         env.openenv.base_url = url
         with pytest.raises(InvalidField, match="environment.openenv.base_url"):
             validate_environment(env)
+    # One environment drives a task's episodes: naming a server replaces the program.
     both = desk_environment()
     both.openenv.CopyFrom(server)
-    with pytest.raises(InvalidField, match="driven by one of program, openenv"):
-        validate_environment(both)
+    assert both.WhichOneof("driver") == "openenv" and not both.HasField("program")
 
 
 def test_a_programs_dependencies_are_specifiers_and_wheels(tmp_path: Path) -> None:

@@ -25,8 +25,7 @@ def validate_task(task: bus_pb2.Task) -> None:
     if task.HasField("openenv") and not task.openenv.base_url:
         raise InvalidMessage("openenv.base_url", "is empty")
     # The prompt of an environment that drives its episodes is what its reset answers.
-    driven = task.HasField("program") or task.HasField("openenv")
-    if not task.prompt_token_ids and not task.prompt_text and not driven:
+    if not task.prompt_token_ids and not task.prompt_text and task.WhichOneof("driver") is None:
         raise InvalidMessage("prompt_token_ids", "and prompt_text are both empty")
     if task.group_size < 1:
         raise InvalidMessage("group_size", "must be at least 1")

@@ -15,15 +15,13 @@ if TYPE_CHECKING:
     from policyloop.bus import Bus
 
 Driver = bus_pb2.EnvironmentProgram | bus_pb2.OpenEnvServer
-DRIVER_FIELDS = ("program", "openenv")  # the Task / Environment fields that name one
 
 
 def driver_of(holder: bus_pb2.Task | loop_pb2.Environment) -> Driver | None:
-    """The environment that drives `holder`'s episodes, or None (the replica drives them)."""
-    for field in DRIVER_FIELDS:
-        if holder.HasField(field):
-            return getattr(holder, field)  # type: ignore[no-any-return]
-    return None
+    """The environment that drives `holder`'s episodes (its `driver` oneof), or None (the replica
+    drives them)."""
+    kind = holder.WhichOneof("driver")
+    return None if kind is None else getattr(holder, kind)  # type: ignore[no-any-return]
 
 
 def open_environment(bus: Bus, driver: Driver, reset: bus_pb2.EnvReset, *, template: ChatTemplate, job_id: str,

@@ -67,10 +67,6 @@ class ProgramClient:
         return reply
 
 
-def is_program(task: bus_pb2.Task) -> bool:
-    return bool(task.program.entry)
-
-
 @asynccontextmanager
 async def program_episode(bus: Bus, program: bus_pb2.EnvironmentProgram, reset: bus_pb2.EnvReset, *,
                           template: ChatTemplate, job_id: str, run_id: str, open_timeout_s: float

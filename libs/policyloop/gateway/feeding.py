@@ -81,7 +81,7 @@ def _task(run_id: str, environment: str, env: loop_pb2.Environment, spec: loop_p
         sampling.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     if not sampling.HasField("seed"):
         sampling.seed = rng.getrandbits(48)
-    return bus_pb2.Task(
+    task = bus_pb2.Task(
         task_id=task_id(run_id, index),
         run_id=run_id,
         environment=environment,
@@ -94,6 +94,8 @@ def _task(run_id: str, environment: str, env: loop_pb2.Environment, spec: loop_p
         max_turns=env.max_turns,
         tools=env.tools,
         scorer=task_scorer(env, spec),
-        program=env.program if env.HasField("program") else None,
-        openenv=env.openenv if env.HasField("openenv") else None,
     )
+    driver = env.WhichOneof("driver")
+    if driver is not None:  # the environment that drives the task's episodes goes with it
+        getattr(task, driver).CopyFrom(getattr(env, driver))
+    return task

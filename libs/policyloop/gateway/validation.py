@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pydantic import ValidationError
 
 from policyloop.contracts.v1 import loop_pb2, status_pb2
-from policyloop.envs.driven import DRIVER_FIELDS, driver_of
+from policyloop.envs.driven import driver_of
 from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
@@ -123,19 +123,17 @@ _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Z
 
 def _validate_driver(env: loop_pb2.Environment) -> None:
     """An environment that drives its episodes: one kind, well formed; it declares its own tools."""
-    named = [f for f in DRIVER_FIELDS if env.HasField(f)]
-    if not named:
+    driver = driver_of(env)
+    if driver is None:
         return
-    if len(named) > 1:
-        raise InvalidField(f"environment.{named[1]}", f"an environment is driven by one of {', '.join(named)}")
     if env.tools:
         raise InvalidField("environment.tools", "an environment that drives its episodes declares its own tools")
     if env.supervised:
         raise InvalidField("environment.supervised", "its episodes are sampled, not imitated")
-    if env.HasField("program"):
-        _validate_program(env.program)
+    if isinstance(driver, loop_pb2.EnvironmentProgram):
+        _validate_program(driver)
     else:
-        _validate_openenv(env.openenv)
+        _validate_openenv(driver)
 
 
 def _validate_openenv(server: loop_pb2.OpenEnvServer) -> None:
