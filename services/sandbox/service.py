@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -24,10 +25,11 @@ from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.validate import validate_sandbox_job, validate_sandbox_session
 from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pull_workers
-from policyloop.sandbox.cgroups import job_cgroups
+from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.deps import MOUNT as DEPENDENCIES_MOUNT
 from policyloop.sandbox.deps import DependenciesFailed, DependencyInstaller
 from policyloop.sandbox.runner import (
+    Conversation,
     JobLimits,
     JobUids,
     check_isolation,
@@ -84,62 +86,61 @@ class SandboxSettings(ServiceSettings):
                                                 description="Most seconds one dependency set's install takes.")
 
 
-async def body(ctx: ServiceContext) -> None:
-    settings: SandboxSettings = ctx.settings  # type: ignore[assignment]
-    await asyncio.to_thread(check_isolation)
-    cgroups = job_cgroups(settings.cgroups)
-    status = status_pb2.SandboxStatus(accounting="cgroup" if cgroups is not None else "rlimit")
-    ctx.status = lambda: status
-    defaults = JobLimits(wall_seconds=settings.default_wall_seconds, cpu_seconds=settings.default_cpu_seconds,
-                         memory_bytes=settings.default_memory_bytes)
-    ceiling = JobLimits(wall_seconds=settings.max_wall_seconds, cpu_seconds=settings.max_cpu_seconds,
-                        memory_bytes=settings.max_memory_bytes, max_processes=256,
-                        max_file_bytes=256 * 1024**2, max_open_files=1024, max_output_bytes=4 * 1024**2)
-    uids = JobUids(settings.job_uid_base, settings.job_uid_count)
-    quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
-        if settings.per_run_concurrency > 0 else None
-    slots = RunningSlots(settings.concurrency, quota, settings.quota_poll_s)
-    SANDBOX_SESSIONS.labels("ok")  # exported at zero from the start: no sessions reads as 0, not as no data
-    installer = DependencyInstaller(settings.dependencies_dir, index_url=settings.package_index_url,
-                                    timeout_s=settings.dependency_install_timeout_s)
+@dataclass
+class SandboxReplica:
+    """What one sandbox replica holds while it runs jobs and sessions."""
+    ctx: ServiceContext
+    settings: SandboxSettings
+    cgroups: JobCgroups | None
+    status: status_pb2.SandboxStatus
+    slots: RunningSlots
+    installer: DependencyInstaller
+    uids: JobUids
+    defaults: JobLimits
+    ceiling: JobLimits
 
-    async def mounted(job: bus_pb2.SandboxJob) -> list[tuple[Path, str]] | bus_pb2.SandboxResult:
-        """The job's read-only mounts (its dependencies, installed on first use), or the result of a
-        job whose dependencies cannot be had."""
-        if not job.HasField("dependencies"):
-            return []
-        try:
-            return [(await installer.directory(job.dependencies), DEPENDENCIES_MOUNT)]
-        except DependenciesFailed as exc:
-            return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, sandbox_instance=settings.instance_id,
-                                         error=f"dependencies: {exc}")
-
-    def expired(job: bus_pb2.SandboxJob) -> bool:
+    def expired(self, job: bus_pb2.SandboxJob) -> bool:
         """Its caller gave up waiting (and asks again under a new job id if it still wants it)."""
         if not job.expires_unix_ms or now_ms() <= job.expires_unix_ms:
             return False
-        status.jobs_expired += 1
+        self.status.jobs_expired += 1
         SANDBOX_JOBS.labels("expired").inc()
         log.info("job_expired", job=job.job_id)
         return True
 
-    async def handle(delivery: Delivery[bus_pb2.SandboxJob]) -> None:
-        job = delivery.message
-        if expired(job):
-            return
-        limits = effective_limits(job.limits, defaults, ceiling)
-        # The quota lease outlives the job's wall clock: it is given back when the job ends.
-        async with slots.slot(job.run_id, f"{settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
-            if expired(job):  # it may have waited for its slot
-                return
-            mounts = await mounted(job)
-            result = mounts if isinstance(mounts, bus_pb2.SandboxResult) else await run_job(
-                job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups, read_only=mounts)
+    async def run(self, job: bus_pb2.SandboxJob, limits: JobLimits, conversation: Conversation | None = None
+                  ) -> bus_pb2.SandboxResult:
+        """Runs the job (a session with `conversation`) with its dependencies mounted, installed on
+        first use; a job whose dependencies cannot be had gets the reason as its result."""
+        mounts: list[tuple[Path, str]] = []
+        if job.HasField("dependencies"):
+            try:
+                mounts = [(await self.installer.directory(job.dependencies), DEPENDENCIES_MOUNT)]
+            except DependenciesFailed as exc:
+                return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, error=f"dependencies: {exc}",
+                                             sandbox_instance=self.settings.instance_id)
+        return await run_job(job, limits, instance=self.settings.instance_id, uids=self.uids, cgroups=self.cgroups,
+                             conversation=conversation, read_only=mounts)
+
+    async def reply(self, job: bus_pb2.SandboxJob, result: bus_pb2.SandboxResult) -> str:
+        """The result to the job's caller; the one word its metrics and logs say of it."""
         if job.reply_subject:
-            await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
-            await ctx.bus.nc.flush(timeout=5)
-        status.jobs_done += 1
-        outcome = job_outcome(result)
+            await self.ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
+            await self.ctx.bus.nc.flush(timeout=5)
+        return job_outcome(result)
+
+    async def handle(self, delivery: Delivery[bus_pb2.SandboxJob]) -> None:
+        job = delivery.message
+        if self.expired(job):
+            return
+        limits = effective_limits(job.limits, self.defaults, self.ceiling)
+        # The quota lease outlives the job's wall clock: it is given back when the job ends.
+        async with self.slots.slot(job.run_id, f"{self.settings.instance_id}:{job.job_id}", limits.wall_seconds + 30):
+            if self.expired(job):  # it may have waited for its slot
+                return
+            result = await self.run(job, limits)
+        outcome = await self.reply(job, result)
+        self.status.jobs_done += 1
         tracing.annotate({"policyloop.job_id": job.job_id, "policyloop.job_outcome": outcome,
                           "policyloop.job_wall_seconds": result.wall_seconds})
         SANDBOX_JOBS.labels(outcome).inc()
@@ -148,40 +149,53 @@ async def body(ctx: ServiceContext) -> None:
                  limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
                  cpu_s=round(result.cpu_seconds, 3))
 
-    async def handle_session(delivery: Delivery[bus_pb2.SandboxJob]) -> None:
+    async def handle_session(self, delivery: Delivery[bus_pb2.SandboxJob]) -> None:
         """A session: the process answers steps on its channel until closed; its result goes to the
         step that closed it and to reply_subject, like a job's."""
         job = delivery.message
-        if expired(job):
+        if self.expired(job):
             return
-        limits = effective_limits(job.limits, defaults, ceiling)
-        channel = SessionChannel(job.session.step_seconds or settings.default_step_seconds)
-        sub = await ctx.bus.nc.subscribe(job.session.channel_subject, cb=channel.on_step)
+        channel = SessionChannel(job.session.step_seconds or self.settings.default_step_seconds)
+        sub = await self.ctx.bus.nc.subscribe(job.session.channel_subject, cb=channel.on_step)
         try:
-            mounts = await mounted(job)
-            result = mounts if isinstance(mounts, bus_pb2.SandboxResult) else await run_job(
-                job, limits, instance=settings.instance_id, uids=uids, cgroups=cgroups, conversation=channel,
-                read_only=mounts)
+            result = await self.run(job, effective_limits(job.limits, self.defaults, self.ceiling), channel)
             await channel.finish(result)
         finally:
             await sub.unsubscribe()
-        if job.reply_subject:
-            await ctx.bus.nc.publish(job.reply_subject, result.SerializeToString())
-        await ctx.bus.nc.flush(timeout=5)
-        status.sessions_done += 1
-        outcome = job_outcome(result)
+        outcome = await self.reply(job, result)
+        self.status.sessions_done += 1
         SANDBOX_SESSIONS.labels(outcome).inc()
         log.info("session_done", job=job.job_id, exit_code=result.exit_code,
                  limit=bus_pb2.SandboxLimit.Name(result.limit_hit), wall_s=round(result.wall_seconds, 3),
                  cpu_s=round(result.cpu_seconds, 3), peak_memory_bytes=result.peak_memory_bytes)
 
+
+async def body(ctx: ServiceContext) -> None:
+    settings: SandboxSettings = ctx.settings  # type: ignore[assignment]
+    await asyncio.to_thread(check_isolation)
+    cgroups = job_cgroups(settings.cgroups)
+    status = status_pb2.SandboxStatus(accounting="cgroup" if cgroups is not None else "rlimit")
+    ctx.status = lambda: status
+    quota = RunQuota(ctx.redis, settings.namespace, settings.per_run_concurrency) \
+        if settings.per_run_concurrency > 0 else None
+    SANDBOX_SESSIONS.labels("ok")  # exported at zero from the start: no sessions reads as 0, not as no data
+    replica = SandboxReplica(
+        ctx, settings, cgroups, status, RunningSlots(settings.concurrency, quota, settings.quota_poll_s),
+        DependencyInstaller(settings.dependencies_dir, index_url=settings.package_index_url,
+                            timeout_s=settings.dependency_install_timeout_s),
+        JobUids(settings.job_uid_base, settings.job_uid_count),
+        defaults=JobLimits(wall_seconds=settings.default_wall_seconds, cpu_seconds=settings.default_cpu_seconds,
+                           memory_bytes=settings.default_memory_bytes),
+        ceiling=JobLimits(wall_seconds=settings.max_wall_seconds, cpu_seconds=settings.max_cpu_seconds,
+                          memory_bytes=settings.max_memory_bytes, max_processes=256,
+                          max_file_bytes=256 * 1024**2, max_open_files=1024, max_output_bytes=4 * 1024**2))
     workers = [PullWorker(
-        ctx.bus, ctx.bus.topology.consumers["sandbox"], bus_pb2.SandboxJob, handle,
+        ctx.bus, ctx.bus.topology.consumers["sandbox"], bus_pb2.SandboxJob, replica.handle,
         service="sandbox", concurrency=settings.concurrency + settings.held_jobs, validator=validate_sandbox_job,
     )]
     if settings.session_concurrency:
         workers.append(PullWorker(
-            ctx.bus, ctx.bus.topology.consumers["sandbox-sessions"], bus_pb2.SandboxJob, handle_session,
+            ctx.bus, ctx.bus.topology.consumers["sandbox-sessions"], bus_pb2.SandboxJob, replica.handle_session,
             service="sandbox", concurrency=settings.session_concurrency, validator=validate_sandbox_session,
         ))
     try:

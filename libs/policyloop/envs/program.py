@@ -6,6 +6,7 @@ service. The episode itself is envs/chat_env.py's; this module gives it the sess
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from importlib import resources
@@ -27,10 +28,16 @@ DEFAULT_EPISODE_SECONDS = 60.0
 SESSION_KIND = "program"
 
 
+@functools.cache
+def worker_source() -> bytes:
+    """The worker every session runs (read once per process)."""
+    return resources.files("policyloop.envs").joinpath(WORKER).read_bytes()
+
+
 def program_job(program: bus_pb2.EnvironmentProgram, *, job_id: str, run_id: str) -> bus_pb2.SandboxJob:
     """The session's job: the worker and the program's files, under the program's limits."""
     episode_s = program.episode_seconds or DEFAULT_EPISODE_SECONDS
-    files = {WORKER: resources.files("policyloop.envs").joinpath(WORKER).read_bytes()}
+    files = {WORKER: worker_source()}
     files |= {f"{PACKAGE_DIR}/{path}": content for path, content in program.files.items()}
     job = bus_pb2.SandboxJob(
         job_id=job_id, run_id=run_id, files=files, command=["python3", "-I", WORKER, program.entry],

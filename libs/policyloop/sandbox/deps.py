@@ -55,8 +55,15 @@ class DependencyInstaller:
     def __init__(self, root: Path, *, index_url: str = "", timeout_s: float = 600.0,
                  python_version: str | None = None) -> None:
         self.root, self.index_url, self.timeout_s = Path(root), index_url, timeout_s
-        self.python_version = python_version or sandbox_python_version()
+        self._python_version = python_version
         self._locks: dict[str, asyncio.Lock] = {}
+
+    @property
+    def python_version(self) -> str:
+        """The jobs' Python version, asked of it at the first set (not when the sandbox starts)."""
+        if self._python_version is None:
+            self._python_version = sandbox_python_version()
+        return self._python_version
 
     async def directory(self, deps: bus_pb2.SandboxDependencies) -> Path:
         """The set's directory, installed first if this replica has not yet."""

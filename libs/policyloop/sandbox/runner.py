@@ -793,24 +793,9 @@ async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyn
     watching = asyncio.ensure_future(watchdog.run()) if watchdog is not None else None
     timed_out, stopped_by = False, L.SANDBOX_LIMIT_NONE
     try:
-        waited = {exited, flooded} if watching is None else {exited, flooded, watching}
-        if conversation is not None:
-            waited.add(feeding)
-        done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
-        if feeding in done and exited not in done and conversation is not None:
-            stopped_by = feeding.result()
-            if stopped_by == L.SANDBOX_LIMIT_NONE:  # closed: its stdin is closed, it may end on its own
-                left = limits.wall_seconds - (time.monotonic() - started)
-                done, _ = await asyncio.wait({exited}, timeout=max(0.0, min(CLOSE_GRACE_S, left)))
-        if exited not in done:
-            if stopped_by != L.SANDBOX_LIMIT_NONE:
-                pass
-            elif watching is not None and watching in done:
-                stopped_by = watching.result()
-            elif flooded in done:
-                stopped_by = L.SANDBOX_LIMIT_OUTPUT
-            else:
-                timed_out = True
+        kill, timed_out, stopped_by = await _until_ending(
+            exited, flooded, watching, feeding if conversation is not None else None, limits, started)
+        if kill:
             job_process.kill()
         await exited
         (stdout, out_trunc), (stderr, err_trunc) = await outputs
@@ -855,6 +840,31 @@ async def _supervise(job: bus_pb2.SandboxJob, job_process: _Started, setup: asyn
         accounting=bus_pb2.SANDBOX_ACCOUNTING_RLIMIT if usage is None else bus_pb2.SANDBOX_ACCOUNTING_CGROUP,
         peak_memory_bytes=0 if usage is None else usage.peak_memory_bytes,
     )
+
+
+async def _until_ending(exited: asyncio.Future[int], flooded: asyncio.Future[bool],
+                        watching: asyncio.Future[bus_pb2.SandboxLimit] | None,
+                        talking: asyncio.Future[bus_pb2.SandboxLimit] | None, limits: JobLimits, started: float
+                        ) -> tuple[bool, bool, bus_pb2.SandboxLimit]:
+    """Waits for what ends the job first — its exit, its output past the cap, the watchdog, a
+    session's end, the wall clock — and says (whether to kill it, whether the wall clock ended
+    it, the limit that ended it). A session closed by its caller has a moment to exit on its own."""
+    waited = {f for f in (exited, flooded, watching, talking) if f is not None}
+    done, _ = await asyncio.wait(waited, timeout=limits.wall_seconds, return_when=asyncio.FIRST_COMPLETED)
+    if exited in done:
+        return False, False, L.SANDBOX_LIMIT_NONE
+    if talking is not None and talking in done:
+        ended = talking.result()
+        if ended != L.SANDBOX_LIMIT_NONE:
+            return True, False, ended
+        left = limits.wall_seconds - (time.monotonic() - started)
+        closed, _ = await asyncio.wait({exited}, timeout=max(0.0, min(CLOSE_GRACE_S, left)))
+        return (False, False, L.SANDBOX_LIMIT_NONE) if exited in closed else (True, True, L.SANDBOX_LIMIT_NONE)
+    if watching is not None and watching in done:
+        return True, False, watching.result()
+    if flooded in done:
+        return True, False, L.SANDBOX_LIMIT_OUTPUT
+    return True, True, L.SANDBOX_LIMIT_NONE
 
 
 def _watchdog(job_process: _Started, limits: JobLimits, cgroup: JobCgroup | None, refused: RefusedForkSigns
