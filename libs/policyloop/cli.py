@@ -486,10 +486,8 @@ def demo(
                         "rewarded sessions, the promoted version measured again (docs/serving.md).")] = False,
     sessions_per_step: Annotated[int | None, typer.Option(
         help="--agent: rewarded sessions per SFT step, for --groups-per-step (default: the demo's own).")] = None,
-    agent_env: Annotated[bool, typer.Option(
-        "--agent-env", help="The chat model trained by RL on a stateful environment program (the tally desk, in a "
-                            "sandbox session per episode), its held-out episodes scored by the evaluator "
-                            "(docs/environments.md); --steps sets the run's length (default 30).")] = False,
+    agent_env: Annotated[bool, typer.Option("--agent-env", help="The chat model trained by RL on the tally desk, a "
+                                            "stateful environment program (docs/environments.md).")] = False,
 ) -> None:
     """A real RL run: bootstrap the base model if needed, start the local cluster, train on the
     arithmetic environment for a fixed budget with live progress, and report held-out accuracy

@@ -62,6 +62,21 @@ async def test_submit_start_watch_and_stop_through_the_cli(services: ServiceLaun
     missing = await asyncio.to_thread(cli, "run", "watch", "no-such-run", *address)
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stdout
 
+    # Environments that drive their episodes: the flags reach the gateway, which names what is wrong.
+    from policyloop.envs.programs import TALLY_DESK, TALLY_DESK_ENTRY
+
+    seeds = tmp_path / "seeds.jsonl"
+    seeds.write_text('{"metadata": {"seed": "1"}}\n')
+    program = ["--program", str(TALLY_DESK), "--entry", TALLY_DESK_ENTRY, "--max-turns", "3"]
+    desk = await asyncio.to_thread(cli, "env", "submit", str(seeds), "--name", "desk", *program, *address)
+    assert desk.returncode == 0 and json.loads(desk.stdout)["created"], desk.stdout + desk.stderr
+    flagged = await asyncio.to_thread(cli, "env", "submit", str(seeds), "--name", "desk2", *program,
+                                      "--requirement", "--index-url=http://elsewhere", *address)
+    assert flagged.returncode == 1 and "environment.program.requirements[0]" in flagged.stdout
+    echo = await asyncio.to_thread(cli, "env", "submit", str(seeds), "--name", "echo", "--openenv",
+                                   "ftp://echo-env", "--max-turns", "2", *address)
+    assert echo.returncode == 1 and "environment.openenv.base_url" in echo.stdout
+
 
 def test_a_bad_task_file_names_the_line_and_field(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"

@@ -8,6 +8,7 @@ with the reason: retried, then dead-lettered, never trained."""
 from __future__ import annotations
 
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from policyloop.models.chat_format import parse_assistant
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
 from tests.helpers import eventually, stored, stored_samples
+from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 try:
     check_isolation()
@@ -36,6 +38,12 @@ def chat_model_dir(request: pytest.FixtureRequest) -> Path:
     return prebuilt_model(request.config, "chat")
 
 
+@pytest.fixture
+def receiver() -> Iterator[OtlpReceiver]:
+    with OtlpReceiver() as received:
+        yield received
+
+
 def desk_task(task_id: str, seed: int, program: bus_pb2.EnvironmentProgram | None = None) -> bus_pb2.Task:
     program = program or bus_pb2.EnvironmentProgram(files={"tally_desk.py": DESK.read_bytes()},
                                                     entry="tally_desk:TallyDesk", step_seconds=10)
@@ -47,9 +55,11 @@ def desk_task(task_id: str, seed: int, program: bus_pb2.EnvironmentProgram | Non
 
 @pytest.mark.timeout(300)
 async def test_a_program_environment_runs_each_episode_in_a_session(
-        bus: Bus, services: ServiceLauncher, chat_model_dir: Path) -> None:
+        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, receiver: OtlpReceiver) -> None:
+    traced = {"POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.2"}
     sandbox, reward = services.start("sandbox"), services.start("reward")
-    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_MAX_LAG": "-1"})
+    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_MAX_LAG": "-1",
+                                             **traced})
     await services.wait_healthy(sandbox, reward, rollout, timeout_s=120)
     seeds = range(4)
     for seed in seeds:
@@ -101,6 +111,19 @@ async def test_a_program_environment_runs_each_episode_in_a_session(
     with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
         metrics = r.read().decode()
     assert 'policyloop_environment_failures_total{environment="desk@v1"}' in metrics
+    # Each reset and step is a span under its sample's: one reset, then one per model turn.
+    sampled = episodes[0]
+
+    def steps_of(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        sample = next((x for x in spans if x.name == "sample"
+                       and x.attributes.get("policyloop.trajectory_id") == sampled.trajectory_id), None)
+        return [] if sample is None else [x for x in spans if x.name == "environment step"
+                                          and x.parent_span_id == sample.span_id]
+
+    model_turns = sum(t.role == MODEL for t in sampled.turns)
+    receiver.wait_for(lambda spans: len(steps_of(spans)) == 1 + model_turns, "the episode's environment steps")
+    kinds = sorted(str(x.attributes["policyloop.env_request"]) for x in steps_of(receiver.snapshot()))
+    assert kinds == ["action"] * model_turns + ["reset"]
 
 
 @pytest.mark.timeout(300)

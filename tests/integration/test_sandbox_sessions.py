@@ -4,6 +4,8 @@ the caller closes it, and its result says what it used."""
 
 from __future__ import annotations
 
+import urllib.request
+
 import pytest
 
 from policyloop.bus import Bus
@@ -37,6 +39,8 @@ for line in sys.stdin:
             print("no network:", type(exc).__name__, flush=True)
     elif word == "exit":
         sys.exit(3)
+    elif word == "flood":
+        print("x" * 200000, flush=True)
 '''
 
 
@@ -82,6 +86,15 @@ async def test_a_step_past_its_limit_ends_the_session(bus: Bus, services: Servic
     async with Session(bus, counter_job(), kind="test", step_seconds=5, open_timeout_s=60) as session:
         with pytest.raises(SessionEnded, match="exit code 3"):
             await session.step(b"exit")
+    # An answer past the line limit ends it for its output.
+    async with Session(bus, counter_job(), kind="test", step_seconds=5, open_timeout_s=60) as session:
+        with pytest.raises(SessionEnded, match="OUTPUT"):
+            await session.step(b"flood")
+    # Each session is counted by how it ended.
+    with urllib.request.urlopen(f"http://127.0.0.1:{sandbox.ports['http']}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    for outcome in ("step_time", "wall_time", "failed", "output"):
+        assert f'policyloop_sandbox_sessions_total{{outcome="{outcome}"}} 1.0' in metrics, outcome
 
 
 def wheel(name: str, version: str, modules: dict[str, str]) -> tuple[str, bytes]:

@@ -187,3 +187,61 @@ def test_the_agent_env_demo_trains_on_seeds_it_never_evaluates() -> None:
     result = EnvDemoResult(rewards=[(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4), (5, 0.5), (6, 0.6), (7, 0.7), (8, 0.8)])
     assert result.reward_quarters() == pytest.approx((0.15, 0.75))
     assert EnvDemoResult().reward_quarters() == (0.0, 0.0)
+
+
+def test_a_task_or_session_that_names_nothing_to_run_is_refused() -> None:
+    from policyloop.contracts.validate import InvalidMessage, validate_sandbox_session
+
+    task = bus_pb2.Task(task_id="t", run_id="r", environment="desk@v1", group_size=1,
+                        program=bus_pb2.EnvironmentProgram(files={"desk.py": b""}))
+    with pytest.raises(InvalidMessage, match="program: names no entry"):
+        validate_task(task)
+    task.openenv.CopyFrom(bus_pb2.OpenEnvServer())
+    with pytest.raises(InvalidMessage, match="openenv.base_url: is empty"):
+        validate_task(task)
+    session = bus_pb2.SandboxJob(job_id="s", command=["python3"], session=bus_pb2.SandboxSession(step_seconds=1))
+    with pytest.raises(InvalidMessage, match="session.channel_subject: is empty"):
+        validate_sandbox_session(session)
+    session.session.channel_subject, session.session.step_seconds = "_INBOX.x", -1
+    with pytest.raises(InvalidMessage, match="session.step_seconds"):
+        validate_sandbox_session(session)
+
+
+async def test_what_an_environment_answers_wrong_fails_the_episode_with_the_reason() -> None:
+    from policyloop.envs.chat_env import EnvironmentFailed, NoChatTemplate, chat_template, read_tools
+    from policyloop.envs.openenv_env import observation_text
+    from policyloop.envs.program import ProgramClient
+    from policyloop.sandbox.session import SessionEnded
+
+    class Answers:  # a session that answers with fixed lines (the session itself is tested on the sandbox)
+        def __init__(self, line: bytes) -> None:
+            self.line = line
+
+        async def step(self, line: bytes) -> bytes:
+            return self.line
+
+    reset = bus_pb2.EnvRequest(reset=bus_pb2.EnvReset())
+    with pytest.raises(EnvironmentFailed, match="a malformed answer to reset"):
+        await ProgramClient(Answers(b'{"reward": "high"}')).ask(reset)  # type: ignore[arg-type]
+    with pytest.raises(EnvironmentFailed, match="failed on reset: KeyError"):
+        await ProgramClient(Answers(b'{"error": "KeyError: orders"}')).ask(reset)  # type: ignore[arg-type]
+
+    class Hangs:  # the sandbox ended the session: a step past its limit
+        async def step(self, line: bytes) -> bytes:
+            raise SessionEnded(bus_pb2.SandboxResult(limit_hit=bus_pb2.SANDBOX_LIMIT_STEP_TIME, stderr=b"in step\n"))
+
+    with pytest.raises(EnvironmentFailed, match="the session ended \\(limit SANDBOX_LIMIT_STEP_TIME\\): in step"):
+        await ProgramClient(Hangs()).ask(reset)  # type: ignore[arg-type]
+    for bad in ('{"name": "calculator"}', '["calculator"]', "not json"):
+        with pytest.raises(EnvironmentFailed, match="tools"):
+            read_tools(bad)
+    assert observation_text({"echoed_message": "hi"}, "echoed_message") == "hi"
+    assert observation_text({"a": 1}, "") == '{"a": 1}'
+    with pytest.raises(EnvironmentFailed, match="the observation has no field 'message'"):
+        observation_text({"echoed_message": "hi"}, "message")
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(NoChatTemplate, match="needs|need a chat model"):
+        chat_template(NoTemplate())
