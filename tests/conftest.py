@@ -291,6 +291,7 @@ MODULE_MODELS: dict[str, tuple[str, ...]] = {
     "integration/test_agents.py": ("chat",),
     "integration/test_program_env.py": ("chat",),
     "integration/test_openenv.py": ("chat",),
+    "integration/test_verifiers_env.py": ("chat",),
     "e2e/test_learning.py": ("arithmetic",),
     "e2e/test_local_cluster.py": ("arithmetic",),
     "e2e/test_production_demo.py": ("arithmetic",),

@@ -31,7 +31,7 @@ def main() -> None:
     tasks = [loop_pb2.TaskSpec(metadata={"seed": str(seed)}) for seed in range(1000)]
     env = build_environment("tally-desk", args.version, tasks, "environment_reward", group_size=8,
                             max_new_tokens=96, temperature=1.0, max_turns=3,
-                            program=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
+                            driver=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
     with grpc.insecure_channel(args.gateway) as channel:
         loop = loop_pb2_grpc.LoopServiceStub(channel)
         submitted = loop.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env))

@@ -754,13 +754,15 @@ def _with_gateway(gateway: str | None, run_dir: Path, token: str, call):  # type
 
 @env_app.command("submit")
 def env_submit(
-    tasks: Annotated[Path, typer.Argument(help="JSONL, one task per line: {prompt, answer?, prompt_token_ids?, "
-                                               "metadata?} (unit tests: metadata.tests, metadata.solution_prefix; "
-                                               "--supervised: demonstration or demonstration_token_ids).")],
     name: Annotated[str, typer.Option(help="Environment name.")],
+    tasks: Annotated[Path | None, typer.Argument(
+        help="JSONL, one task per line: {prompt, answer?, prompt_token_ids?, metadata?} (unit tests: metadata.tests, "
+             "metadata.solution_prefix; --supervised: demonstration or demonstration_token_ids). With --verifiers: "
+             "omit it, the environment's dataset is the tasks.")] = None,
     version: Annotated[str, typer.Option(help="Environment version (name@version is its key).")] = "v1",
     scorer: Annotated[str, typer.Option(help="exact_answer, numeric_tolerance, regex, unit_tests or reward_code "
-                                             "(with --program: the rewards it gives, environment_reward).")]
+                                             "(with --program, --openenv or --verifiers: the rewards it gives, "
+                                             "environment_reward).")]
     = "exact_answer",
     pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match.")] = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
@@ -783,14 +785,26 @@ def env_submit(
         help="An environment program (reset/step, see docs/environments.md): a module, a package directory or a "
              "pure-Python wheel, run in a sandbox session per episode; its tasks are what reset is given.")] = None,
     entry: Annotated[str, typer.Option(help="--program: its class, as module:Class.")] = "",
-    step_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of one reset or step (0: 10).")]
+    step_timeout_s: Annotated[float, typer.Option(
+        help="--program, --verifiers: most seconds of one exchange (0: 10; verifiers, its loading included: 60).")]
     = 0.0,
-    episode_timeout_s: Annotated[float, typer.Option(help="--program: most seconds of an episode (0: 60).")] = 0.0,
+    episode_timeout_s: Annotated[float, typer.Option(
+        help="--program, --verifiers: most seconds of an episode (0: 60; verifiers: 300).")] = 0.0,
     requirement: Annotated[list[str] | None, typer.Option(
-        help="--program: a dependency, as a pip requirement (e.g. sortedcontainers==2.4.0), once per requirement; "
-             "the sandbox installs wheels only.")] = None,
-    wheel: Annotated[list[Path] | None, typer.Option(help="--program: a wheel file it depends on, once per wheel.")]
-    = None,
+        help="--program, --verifiers: a dependency, as a pip requirement (e.g. sortedcontainers==2.4.0), once per "
+             "requirement; the sandbox installs wheels only.")] = None,
+    wheel: Annotated[list[Path] | None, typer.Option(
+        help="--program, --verifiers: a wheel file it depends on, once per wheel.")] = None,
+    verifiers: Annotated[str, typer.Option(
+        help="A verifiers environment's id (vf.load_environment), run unchanged in a sandbox session per episode "
+             "and scored by its rubric; installed here too, its dataset and eval dataset are the tasks.")] = "",
+    env_source: Annotated[Path | None, typer.Option(
+        help="--verifiers: the environment's module, package directory or wheel, when no --wheel or "
+             "--requirement installs it.")] = None,
+    env_args: Annotated[str, typer.Option(help="--verifiers: load_environment's keyword arguments, a JSON object.")]
+    = "",
+    task_count: Annotated[int, typer.Option(help="--verifiers: the first N dataset rows (0: all).")] = 0,
+    eval_count: Annotated[int, typer.Option(help="--verifiers: the first N eval dataset rows (0: all).")] = 0,
     openenv: Annotated[str, typer.Option(help="An OpenEnv environment server's URL: each episode a session of its "
                                               "own, scored by the rewards it gives.")] = "",
     action_field: Annotated[str, typer.Option(help="--openenv: the action's text field (default: message).")] = "",
@@ -798,30 +812,58 @@ def env_submit(
         help="--openenv: the observation's field the model is shown (default: all of it, as JSON).")] = "",
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
-    """Submit an environment: tasks from a JSONL file, the scorer from the flags (or the rewards of the
-    program or OpenEnv server that drives its episodes)."""
-    from policyloop.cluster.client import TaskFileError, build_environment, read_program, read_tasks
+    """Submit an environment: tasks from a JSONL file (or a verifiers environment's datasets), the
+    scorer from the flags (or the rewards of the program, OpenEnv server or verifiers environment
+    that drives its episodes)."""
+    from policyloop.cluster.client import TaskFileError, build_environment, read_program, read_verifiers
     from policyloop.contracts.v1 import bus_pb2
 
     try:
-        env_program = None if program is None else read_program(
-            program, entry, step_seconds=step_timeout_s, episode_seconds=episode_timeout_s, requirements=requirement,
-            wheels=wheel)
-        env = build_environment(name, version, read_tasks(tasks), scorer, pattern=pattern, tolerance=tolerance,
+        driver: Any = None
+        if program is not None:
+            driver = read_program(program, entry, step_seconds=step_timeout_s, episode_seconds=episode_timeout_s,
+                                  requirements=requirement, wheels=wheel)
+        elif openenv:
+            driver = bus_pb2.OpenEnvServer(base_url=openenv, action_field=action_field,
+                                           observation_field=observation_field)
+        elif verifiers:
+            driver = read_verifiers(verifiers, env_source, arguments_json=env_args, step_seconds=step_timeout_s,
+                                    episode_seconds=episode_timeout_s, requirements=requirement, wheels=wheel)
+        task_specs, held_out = _environment_tasks(tasks, eval_tasks, verifiers, env_source, env_args,
+                                                  task_count, eval_count)
+        env = build_environment(name, version, task_specs, scorer, pattern=pattern, tolerance=tolerance,
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
-                                tools=tool, supervised=supervised, program=env_program,
-                                openenv=bus_pb2.OpenEnvServer(base_url=openenv, action_field=action_field,
-                                                              observation_field=observation_field)
-                                if openenv else None)
-        if eval_tasks is not None:
-            env.eval_tasks.extend(read_tasks(eval_tasks))
+                                tools=tool, supervised=supervised, driver=driver)
+        env.eval_tasks.extend(held_out)
     except (TaskFileError, ValueError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
         raise typer.Exit(2) from exc
     reply = _with_gateway(gateway, run_dir, token, lambda client: client.submit(env))
     print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "group_size": reply.group_size,
                       "created": reply.created}))
+
+
+def _environment_tasks(tasks: Path | None, eval_tasks: Path | None, verifiers: str, env_source: Path | None,
+                       env_args: str, task_count: int, eval_count: int) -> tuple[list[Any], list[Any]]:
+    """The tasks and held-out tasks `env submit` sends: the files', or a verifiers environment's
+    datasets (read here, through verifiers, with the environment's source on the path)."""
+    from policyloop.cluster.client import read_tasks
+
+    if tasks is not None or not verifiers:
+        if tasks is None:
+            raise ValueError("TASKS: a JSONL file of tasks (only --verifiers reads them from its environment)")
+        return read_tasks(tasks), read_tasks(eval_tasks) if eval_tasks is not None else []
+    from policyloop.envs.verifiers_env import dataset_tasks
+
+    if env_source is not None:
+        sys.path.insert(0, str(Path(env_source).parent if Path(env_source).suffix != ".whl" else env_source))
+    try:
+        arguments = json.loads(env_args or "{}")
+    except ValueError as exc:
+        raise ValueError(f"--env-args: not JSON ({exc})") from exc
+    train, held_out = dataset_tasks(verifiers, arguments, count=task_count or -1, eval_count=eval_count or -1)
+    return train, held_out if eval_tasks is None else read_tasks(eval_tasks)
 
 
 def _served_exchanges(model: str, nats_url: str | None, run_dir: Path):  # type: ignore[no-untyped-def]

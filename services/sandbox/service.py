@@ -78,7 +78,8 @@ class SandboxSettings(ServiceSettings):
     dependencies_dir: Path = Field(
         Path(tempfile.gettempdir()) / "policyloop-sandbox-deps",
         description="Where jobs' Python dependencies are installed, a directory per distinct set, mounted read-only "
-                    "at /deps in the jobs that name it. Every path above it must be readable by the jobs' users.")
+                    "at /deps/site-packages in the jobs that name it. Every path above it must be readable by the "
+                    "jobs' users.")
     package_index_url: str = Field(
         "", description="The package index requirements are resolved against (empty: pip's configuration; 'none': "
                         "only the wheels uploaded with them).")

@@ -146,7 +146,7 @@ async def test_the_evaluator_scores_a_program_split_episode_by_episode(
     await services.wait_healthy(sandbox, timeout_s=90)
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     env = build_environment("desk", "v1", [loop_pb2.TaskSpec(metadata={"seed": "0"})], "environment_reward",
-                            max_turns=3, max_new_tokens=96, program=read_program(DESK, "tally_desk:TallyDesk"))
+                            max_turns=3, max_new_tokens=96, driver=read_program(DESK, "tally_desk:TallyDesk"))
     env.eval_tasks.extend(loop_pb2.TaskSpec(metadata={"seed": str(100 + i)}) for i in range(6))
     items = eval_items({"desk@v1": env}, tokenizer.encode, [tokenizer.eos_token_id], max_tasks=0)
     assert all(item.episodic and not item.template.prompt_token_ids for item in items)

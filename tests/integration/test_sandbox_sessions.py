@@ -131,8 +131,8 @@ async def test_a_session_imports_its_dependencies_installed_once_read_only(bus: 
                                                  "POLICYLOOP_PACKAGE_INDEX_URL": "none"})
         await services.wait_healthy(sandbox, timeout_s=60)
         name, content = wheel("ledgerlib", "1.0", {"__init__.py": "def balance(entries):\n    return sum(entries)\n"})
-        uses = b"import sys\nsys.path.insert(0, '/deps')\nimport ledgerlib\nfor line in sys.stdin:\n" \
-               b"    try:\n        open('/deps/ledgerlib/x', 'w')\n        print('wrote', flush=True)\n" \
+        uses = b"import sys\nsys.path.insert(0, '/deps/site-packages')\nimport ledgerlib\nfor line in sys.stdin:\n" \
+               b"    try:\n        open('/deps/site-packages/ledgerlib/x', 'w')\n        print('wrote', flush=True)\n" \
                b"    except OSError:\n        print(ledgerlib.balance(map(int, line.split())), flush=True)\n"
         job = bus_pb2.SandboxJob(job_id="deps", run_id="run-1", files={"uses.py": uses},
                                  command=["python3", "-I", "uses.py"],

@@ -26,7 +26,7 @@ from policyloop.gateway.validation import validate_environment
 
 def desk_environment(**changes: object) -> loop_pb2.Environment:
     env = build_environment("desk", "v1", [loop_pb2.TaskSpec(metadata={"seed": "1"})], "exact_answer",
-                            max_turns=3, program=read_program(DESK, "tally_desk:TallyDesk"))
+                            max_turns=3, driver=read_program(DESK, "tally_desk:TallyDesk"))
     for name, value in changes.items():
         target, _, attr = name.rpartition("__")
         holder = getattr(env, target) if target else env
@@ -139,7 +139,7 @@ def test_the_worker_names_what_a_program_got_wrong(tmp_path: Path, body: str, er
 
 def test_an_openenv_environment_names_a_server_and_is_scored_by_its_rewards() -> None:
     server = bus_pb2.OpenEnvServer(base_url="http://echo-env:8000", action_field="message")
-    env = build_environment("echo", "v1", [loop_pb2.TaskSpec()], "exact_answer", max_turns=2, openenv=server)
+    env = build_environment("echo", "v1", [loop_pb2.TaskSpec()], "exact_answer", max_turns=2, driver=server)
     assert env.WhichOneof("scorer") == "environment_reward"
     validate_environment(env)
     task = nth_task("r", loop_pb2.StartRunRequest(

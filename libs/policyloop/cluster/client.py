@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
+from policyloop.envs.driven import Driver, set_driver
 
 BUILTIN_KINDS = {"exact_answer": loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER,
                  "numeric_tolerance": loop_pb2.BuiltinVerifier.KIND_NUMERIC_TOLERANCE,
@@ -65,6 +66,26 @@ def read_program(path: Path, entry: str, *, step_seconds: float = 0.0, episode_s
     """An environment program from a module (`desk.py`), a package directory (its files, under the
     package's name) or a pure-Python wheel (its files, less its .dist-info); its dependencies as
     requirement specifiers and wheel files, which the sandbox installs."""
+    return bus_pb2.EnvironmentProgram(files=read_package(path, "--program"), entry=entry, step_seconds=step_seconds,
+                                      episode_seconds=episode_seconds, requirements=requirements or [],
+                                      wheels={Path(w).name: Path(w).read_bytes() for w in wheels or []})
+
+
+def read_verifiers(environment_id: str, source: Path | None = None, *, arguments_json: str = "",
+                   step_seconds: float = 0.0, episode_seconds: float = 0.0, requirements: list[str] | None = None,
+                   wheels: list[Path] | None = None) -> bus_pb2.VerifiersEnvironment:
+    """A verifiers environment: its id, its source when it is not installed from a wheel or a
+    requirement (a module, a package directory or a pure-Python wheel, as for programs)."""
+    return bus_pb2.VerifiersEnvironment(
+        environment_id=environment_id, arguments_json=arguments_json,
+        files=read_package(source, "--env-source") if source is not None else {}, step_seconds=step_seconds,
+        episode_seconds=episode_seconds, requirements=requirements or [],
+        wheels={Path(w).name: Path(w).read_bytes() for w in wheels or []})
+
+
+def read_package(path: Path, flag: str) -> dict[str, bytes]:
+    """A package's files by path: a module's, a directory's (under its name), or a pure-Python
+    wheel's (less its .dist-info)."""
     path = Path(path)
     files: dict[str, bytes] = {}
     if path.suffix == ".whl":
@@ -73,30 +94,29 @@ def read_program(path: Path, entry: str, *, step_seconds: float = 0.0, episode_s
                 files = {n: wheel.read(n) for n in wheel.namelist()
                          if not n.endswith("/") and ".dist-info/" not in n and ".data/" not in n}
         except zipfile.BadZipFile as exc:
-            raise ValueError(f"--program {path}: not a wheel ({exc})") from exc
+            raise ValueError(f"{flag} {path}: not a wheel ({exc})") from exc
     elif path.is_dir():
         files = {str(f.relative_to(path.parent)): f.read_bytes() for f in sorted(path.rglob("*"))
                  if f.is_file() and "__pycache__" not in f.parts}
     else:
         files = {path.name: path.read_bytes()}
-    return bus_pb2.EnvironmentProgram(files=files, entry=entry, step_seconds=step_seconds,
-                                      episode_seconds=episode_seconds, requirements=requirements or [],
-                                      wheels={Path(w).name: Path(w).read_bytes() for w in wheels or []})
+    return files
 
 
 def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], scorer: str, *,
                       pattern: str = "", tolerance: float = 0.0, code: str = "", timeout_s: float = 10.0,
                       group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
                       max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False,
-                      program: bus_pb2.EnvironmentProgram | None = None,
-                      openenv: bus_pb2.OpenEnvServer | None = None) -> loop_pb2.Environment:
-    """An Environment; the gateway validates it (and names what is wrong). With `program` or
-    `openenv` the scorer is the rewards that environment gives (environment_reward)."""
+                      driver: Driver | None = None) -> loop_pb2.Environment:
+    """An Environment; the gateway validates it (and names what is wrong). With a `driver` (a
+    program, an OpenEnv server, a verifiers environment) the scorer is the rewards it gives
+    (environment_reward)."""
     env = loop_pb2.Environment(name=name, version=version, tasks=tasks, group_size=group_size, supervised=supervised,
                                sampling=bus_pb2.SamplingParams(max_new_tokens=max_new_tokens,
                                                                temperature=temperature),
-                               max_turns=max_turns, tools=tools or [], program=program, openenv=openenv)
-    if program is not None or openenv is not None:
+                               max_turns=max_turns, tools=tools or [])
+    if driver is not None:
+        set_driver(env, driver)
         scorer = "environment_reward"
     if scorer == "environment_reward":
         env.environment_reward.CopyFrom(loop_pb2.EnvironmentRewardScorer())

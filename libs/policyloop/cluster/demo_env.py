@@ -75,7 +75,7 @@ def desk_environment(config: EnvDemoConfig) -> loop_pb2.Environment:
     env = build_environment(
         "tally-desk", "v1", [loop_pb2.TaskSpec(metadata={"seed": str(s)}) for s in range(TRAIN_SEEDS)],
         "environment_reward", group_size=loop.group_size, max_new_tokens=loop.max_new_tokens,
-        temperature=loop.temperature, max_turns=config.max_turns, program=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
+        temperature=loop.temperature, max_turns=config.max_turns, driver=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
     env.eval_tasks.extend(loop_pb2.TaskSpec(metadata={"seed": str(HELDOUT_SEEDS + i)})
                           for i in range(loop.eval_problems))
     return env

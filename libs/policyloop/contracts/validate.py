@@ -24,6 +24,8 @@ def validate_task(task: bus_pb2.Task) -> None:
         raise InvalidMessage("program", "names no entry (module:Class) or has no files")
     if task.HasField("openenv") and not task.openenv.base_url:
         raise InvalidMessage("openenv.base_url", "is empty")
+    if task.HasField("verifiers") and not task.verifiers.environment_id:
+        raise InvalidMessage("verifiers.environment_id", "is empty")
     # The prompt of an environment that drives its episodes is what its reset answers.
     if not task.prompt_token_ids and not task.prompt_text and task.WhichOneof("driver") is None:
         raise InvalidMessage("prompt_token_ids", "and prompt_text are both empty")

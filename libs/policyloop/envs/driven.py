@@ -1,5 +1,5 @@
-"""Environments that drive their episodes (a team's program, an OpenEnv server): one way in for
-the rollout replicas and the evaluator, whichever kind a task names."""
+"""Environments that drive their episodes (a team's program, an OpenEnv server, a verifiers
+environment): one way in for the rollout replicas and the evaluator, whichever kind a task names."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.envs.chat_env import ChatTemplate, EnvironmentEpisode
 from policyloop.envs.openenv_env import openenv_episode
 from policyloop.envs.program import program_episode
+from policyloop.envs.verifiers_env import verifiers_episode
 
 if TYPE_CHECKING:
     from policyloop.bus import Bus
 
-Driver = bus_pb2.EnvironmentProgram | bus_pb2.OpenEnvServer
+Driver = bus_pb2.EnvironmentProgram | bus_pb2.OpenEnvServer | bus_pb2.VerifiersEnvironment
 
 
 def driver_of(holder: bus_pb2.Task | loop_pb2.Environment) -> Driver | None:
@@ -24,6 +25,15 @@ def driver_of(holder: bus_pb2.Task | loop_pb2.Environment) -> Driver | None:
     return None if kind is None else getattr(holder, kind)  # type: ignore[no-any-return]
 
 
+def set_driver(holder: bus_pb2.Task | loop_pb2.Environment, driver: Driver) -> None:
+    """Names `driver` as what drives `holder`'s episodes (the `driver` field of its type)."""
+    for field in holder.DESCRIPTOR.oneofs_by_name["driver"].fields:
+        if field.message_type is driver.DESCRIPTOR:
+            getattr(holder, field.name).CopyFrom(driver)
+            return
+    raise TypeError(f"{type(driver).__name__} does not drive episodes")
+
+
 def open_environment(bus: Bus, driver: Driver, reset: bus_pb2.EnvReset, *, template: ChatTemplate, job_id: str,
                      run_id: str, open_timeout_s: float
                      ) -> AbstractAsyncContextManager[tuple[EnvironmentEpisode, list[int]]]:
@@ -31,4 +41,7 @@ def open_environment(bus: Bus, driver: Driver, reset: bus_pb2.EnvReset, *, templ
     if isinstance(driver, bus_pb2.EnvironmentProgram):
         return program_episode(bus, driver, reset, template=template, job_id=job_id, run_id=run_id,
                                open_timeout_s=open_timeout_s)
+    if isinstance(driver, bus_pb2.VerifiersEnvironment):
+        return verifiers_episode(bus, driver, reset, template=template, job_id=job_id, run_id=run_id,
+                                 open_timeout_s=open_timeout_s)
     return openenv_episode(driver, reset, template=template)

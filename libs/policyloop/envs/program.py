@@ -7,10 +7,10 @@ service. The episode itself is envs/chat_env.py's; this module gives it the sess
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from google.protobuf import json_format
 
@@ -29,24 +29,40 @@ SESSION_KIND = "program"
 
 
 @functools.cache
-def worker_source() -> bytes:
-    """The worker every session runs (read once per process)."""
-    return resources.files("policyloop.envs").joinpath(WORKER).read_bytes()
+def worker_source(name: str = WORKER) -> bytes:
+    """A worker sessions run (read once per process)."""
+    return resources.files("policyloop.envs").joinpath(name).read_bytes()
+
+
+class Package(Protocol):
+    """What a session runs besides its worker (EnvironmentProgram, VerifiersEnvironment)."""
+    files: Mapping[str, bytes]
+    episode_seconds: float
+    memory_bytes: int
+    requirements: Sequence[str]
+    wheels: Mapping[str, bytes]
+
+
+def package_job(package: Package, *, worker: str, arguments: Sequence[str], job_id: str, run_id: str,
+                default_episode_s: float = DEFAULT_EPISODE_SECONDS, default_memory_bytes: int = 0,
+                requirements: Sequence[str] = ()) -> bus_pb2.SandboxJob:
+    """A session's job: `worker` with `arguments`, the package's files under env/, its limits and
+    dependencies (with `requirements` added)."""
+    episode_s = package.episode_seconds or default_episode_s
+    files = {worker: worker_source(worker)} | {f"{PACKAGE_DIR}/{path}": c for path, c in package.files.items()}
+    job = bus_pb2.SandboxJob(
+        job_id=job_id, run_id=run_id, files=files, command=["python3", "-I", worker, *arguments],
+        limits=bus_pb2.SandboxLimits(wall_seconds=episode_s, cpu_seconds=episode_s, max_output_bytes=1024 * 1024,
+                                     memory_bytes=package.memory_bytes or default_memory_bytes))
+    needed = [*requirements, *package.requirements]
+    if needed or package.wheels:
+        job.dependencies.CopyFrom(bus_pb2.SandboxDependencies(requirements=needed, wheels=package.wheels))
+    return job
 
 
 def program_job(program: bus_pb2.EnvironmentProgram, *, job_id: str, run_id: str) -> bus_pb2.SandboxJob:
     """The session's job: the worker and the program's files, under the program's limits."""
-    episode_s = program.episode_seconds or DEFAULT_EPISODE_SECONDS
-    files = {WORKER: worker_source()}
-    files |= {f"{PACKAGE_DIR}/{path}": content for path, content in program.files.items()}
-    job = bus_pb2.SandboxJob(
-        job_id=job_id, run_id=run_id, files=files, command=["python3", "-I", WORKER, program.entry],
-        limits=bus_pb2.SandboxLimits(wall_seconds=episode_s, cpu_seconds=episode_s,
-                                     memory_bytes=program.memory_bytes, max_output_bytes=1024 * 1024))
-    if program.requirements or program.wheels:
-        job.dependencies.CopyFrom(bus_pb2.SandboxDependencies(requirements=program.requirements,
-                                                              wheels=program.wheels))
-    return job
+    return package_job(program, worker=WORKER, arguments=[program.entry], job_id=job_id, run_id=run_id)
 
 
 class ProgramClient:
@@ -75,13 +91,22 @@ class ProgramClient:
 
 
 @asynccontextmanager
-async def program_episode(bus: Bus, program: bus_pb2.EnvironmentProgram, reset: bus_pb2.EnvReset, *,
-                          template: ChatTemplate, job_id: str, run_id: str, open_timeout_s: float
+async def session_episode(bus: Bus, job: bus_pb2.SandboxJob, reset: bus_pb2.EnvReset, *, step_seconds: float,
+                          template: ChatTemplate, open_timeout_s: float
                           ) -> AsyncIterator[tuple[EnvironmentEpisode, list[int]]]:
-    """An episode of `program` in a sandbox session of its own, reset with `reset`: the episode and
-    its prompt's token ids. The session is closed on exit, however the episode ended."""
-    job = program_job(program, job_id=job_id, run_id=run_id)
-    async with Session(bus, job, kind=SESSION_KIND, step_seconds=program.step_seconds or DEFAULT_STEP_SECONDS,
+    """An episode of the environment `job` runs, in a sandbox session of its own, reset with
+    `reset`: the episode and its prompt's token ids. The session is closed on exit, however the
+    episode ended."""
+    async with Session(bus, job, kind=SESSION_KIND, step_seconds=step_seconds,
                        open_timeout_s=open_timeout_s) as session:
         episode = EnvironmentEpisode(ProgramClient(session), template)
         yield episode, await episode.open(reset)
+
+
+def program_episode(bus: Bus, program: bus_pb2.EnvironmentProgram, reset: bus_pb2.EnvReset, *,
+                    template: ChatTemplate, job_id: str, run_id: str, open_timeout_s: float
+                    ) -> AbstractAsyncContextManager[tuple[EnvironmentEpisode, list[int]]]:
+    """An episode of a team's program (see session_episode)."""
+    return session_episode(bus, program_job(program, job_id=job_id, run_id=run_id), reset,
+                           step_seconds=program.step_seconds or DEFAULT_STEP_SECONDS, template=template,
+                           open_timeout_s=open_timeout_s)

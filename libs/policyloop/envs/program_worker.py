@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from importlib import import_module
 
 PACKAGE_DIR = "env"      # the program's files, below the session's scratch directory
-DEPENDENCIES = "/deps"   # its dependencies, installed by the sandbox (read-only), when it has any
+DEPENDENCIES = "/deps/site-packages"  # its dependencies, installed by the sandbox (read-only), when it has any
 ROLES = ("system", "user", "tool")
 
 

@@ -3,6 +3,7 @@ FailedPrecondition), so the gateway can answer with a message a user can act on.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import urllib.parse
@@ -105,8 +106,8 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.scorer", "choose builtin, unit_tests, reward_code or environment_reward")
     if (scorer == "environment_reward") != (driver_of(env) is not None):
         raise InvalidField("environment.environment_reward", "the rewards an environment that drives its episodes "
-                                                            "(program, openenv) gives score them, and only those: "
-                                                            "give both or neither")
+                                                            "(program, openenv, verifiers) gives score them, and only "
+                                                            "those: give both or neither")
     if scorer == "builtin":
         _validate_verifier(env)
     elif scorer == "unit_tests":
@@ -118,6 +119,7 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
 
 
 MAX_PROGRAM_BYTES = 512 * 1024  # it travels on each Task
+_MODULE_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
 _ENTRY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -132,6 +134,8 @@ def _validate_driver(env: loop_pb2.Environment) -> None:
         raise InvalidField("environment.supervised", "its episodes are sampled, not imitated")
     if isinstance(driver, loop_pb2.EnvironmentProgram):
         _validate_program(driver)
+    elif isinstance(driver, loop_pb2.VerifiersEnvironment):
+        _validate_verifiers(env, driver)
     else:
         _validate_openenv(driver)
 
@@ -150,22 +154,50 @@ def _validate_program(program: loop_pb2.EnvironmentProgram) -> None:
     module = program.entry.partition(":")[0].replace(".", "/")
     if f"{module}.py" not in program.files and f"{module}/__init__.py" not in program.files:
         raise InvalidField(f"{field}.files", f"no {module}.py or {module}/__init__.py for entry {program.entry!r}")
-    for path in program.files:
+    _validate_package(field, program)
+    _check_timeout(f"{field}.step_seconds", program.step_seconds)
+
+
+def _validate_verifiers(env: loop_pb2.Environment, environment: loop_pb2.VerifiersEnvironment) -> None:
+    field = "environment.verifiers"
+    if not _MODULE_RE.match(environment.environment_id.replace("-", "_")):
+        raise InvalidField(f"{field}.environment_id", f"{environment.environment_id!r} is not a module's name")
+    try:
+        arguments = json.loads(environment.arguments_json or "{}")
+    except ValueError as exc:
+        raise InvalidField(f"{field}.arguments_json", f"not JSON: {exc}") from exc
+    if not isinstance(arguments, dict):
+        raise InvalidField(f"{field}.arguments_json", "load_environment's keyword arguments: a JSON object")
+    _validate_package(field, environment)
+    _check_timeout(f"{field}.step_seconds", environment.step_seconds)
+    for name, tasks in (("tasks", env.tasks), ("eval_tasks", env.eval_tasks)):
+        for i, task in enumerate(tasks):
+            try:
+                row = json.loads(task.prompt_text)
+            except ValueError:
+                row = None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), list):
+                raise InvalidField(f"environment.{name}[{i}].prompt_text", "a verifiers task is its dataset row: "
+                                                                         "a JSON object with a 'prompt' list")
+
+
+def _validate_package(field: str, package: loop_pb2.EnvironmentProgram | loop_pb2.VerifiersEnvironment) -> None:
+    """The files, dependencies and limits a session is given (a program's, a verifiers environment's)."""
+    for path in package.files:
         parts = path.split("/")
         if not path or path.startswith("/") or ".." in parts or "" in parts or "\0" in path:
             raise InvalidField(f"{field}.files", f"{path!r} is not a relative path inside the package")
-    if sum(len(c) for c in [*program.files.values(), *program.wheels.values()]) > MAX_PROGRAM_BYTES:
+    if sum(len(c) for c in [*package.files.values(), *package.wheels.values()]) > MAX_PROGRAM_BYTES:
         raise InvalidField(f"{field}.files", f"more than {MAX_PROGRAM_BYTES} bytes with its wheels")
-    for i, requirement in enumerate(program.requirements):
+    for i, requirement in enumerate(package.requirements):
         # A specifier only: pip options (an index, a file to read) are the sandbox's to set.
         if not requirement.strip() or requirement.lstrip().startswith("-") or "\n" in requirement:
             raise InvalidField(f"{field}.requirements[{i}]", f"{requirement!r} is not a requirement specifier")
-    for name in program.wheels:
+    for name in package.wheels:
         if "/" in name or not name.endswith(".whl") or name.count("-") < 4:
             raise InvalidField(f"{field}.wheels", f"{name!r} is not a wheel's file name "
                                                   "(name-version-python-abi-platform.whl)")
-    for name in ("step_seconds", "episode_seconds"):
-        _check_timeout(f"{field}.{name}", getattr(program, name))
+    _check_timeout(f"{field}.episode_seconds", package.episode_seconds)
 
 
 def _validate_verifier(env: loop_pb2.Environment) -> None:

@@ -123,7 +123,7 @@ class Scorer(_message.Message):
     def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
-    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program", "openenv")
+    __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program", "openenv", "verifiers")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +145,7 @@ class Task(_message.Message):
     SCORER_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     OPENENV_FIELD_NUMBER: _ClassVar[int]
+    VERIFIERS_FIELD_NUMBER: _ClassVar[int]
     task_id: str
     run_id: str
     environment: str
@@ -159,7 +160,8 @@ class Task(_message.Message):
     scorer: Scorer
     program: EnvironmentProgram
     openenv: OpenEnvServer
-    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., program: _Optional[_Union[EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[OpenEnvServer, _Mapping]] = ...) -> None: ...
+    verifiers: VerifiersEnvironment
+    def __init__(self, task_id: _Optional[str] = ..., run_id: _Optional[str] = ..., environment: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., prompt_text: _Optional[str] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., metadata: _Optional[_Mapping[str, str]] = ..., created_unix_ms: _Optional[int] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., scorer: _Optional[_Union[Scorer, _Mapping]] = ..., program: _Optional[_Union[EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[OpenEnvServer, _Mapping]] = ..., verifiers: _Optional[_Union[VerifiersEnvironment, _Mapping]] = ...) -> None: ...
 
 class OpenEnvServer(_message.Message):
     __slots__ = ("base_url", "action_field", "observation_field", "step_seconds")
@@ -204,6 +206,40 @@ class EnvironmentProgram(_message.Message):
     requirements: _containers.RepeatedScalarFieldContainer[str]
     wheels: _containers.ScalarMap[str, bytes]
     def __init__(self, files: _Optional[_Mapping[str, bytes]] = ..., entry: _Optional[str] = ..., step_seconds: _Optional[float] = ..., episode_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requirements: _Optional[_Iterable[str]] = ..., wheels: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
+
+class VerifiersEnvironment(_message.Message):
+    __slots__ = ("environment_id", "arguments_json", "files", "step_seconds", "episode_seconds", "memory_bytes", "requirements", "wheels")
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    class WheelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    ENVIRONMENT_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    EPISODE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REQUIREMENTS_FIELD_NUMBER: _ClassVar[int]
+    WHEELS_FIELD_NUMBER: _ClassVar[int]
+    environment_id: str
+    arguments_json: str
+    files: _containers.ScalarMap[str, bytes]
+    step_seconds: float
+    episode_seconds: float
+    memory_bytes: int
+    requirements: _containers.RepeatedScalarFieldContainer[str]
+    wheels: _containers.ScalarMap[str, bytes]
+    def __init__(self, environment_id: _Optional[str] = ..., arguments_json: _Optional[str] = ..., files: _Optional[_Mapping[str, bytes]] = ..., step_seconds: _Optional[float] = ..., episode_seconds: _Optional[float] = ..., memory_bytes: _Optional[int] = ..., requirements: _Optional[_Iterable[str]] = ..., wheels: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class EnvRequest(_message.Message):
     __slots__ = ("reset", "action")

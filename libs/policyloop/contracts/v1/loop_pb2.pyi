@@ -14,6 +14,7 @@ from policyloop.contracts.v1.bus_pb2 import Scorer as Scorer
 from policyloop.contracts.v1.bus_pb2 import Task as Task
 from policyloop.contracts.v1.bus_pb2 import OpenEnvServer as OpenEnvServer
 from policyloop.contracts.v1.bus_pb2 import EnvironmentProgram as EnvironmentProgram
+from policyloop.contracts.v1.bus_pb2 import VerifiersEnvironment as VerifiersEnvironment
 from policyloop.contracts.v1.bus_pb2 import EnvRequest as EnvRequest
 from policyloop.contracts.v1.bus_pb2 import EnvReset as EnvReset
 from policyloop.contracts.v1.bus_pb2 import EnvAction as EnvAction
@@ -99,7 +100,7 @@ class TaskSpec(_message.Message):
     def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., demonstration_token_ids: _Optional[_Iterable[int]] = ..., demonstration_text: _Optional[str] = ..., demonstration_loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Environment(_message.Message):
-    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "environment_reward", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised", "program", "openenv")
+    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "environment_reward", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised", "program", "openenv", "verifiers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +116,7 @@ class Environment(_message.Message):
     SUPERVISED_FIELD_NUMBER: _ClassVar[int]
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     OPENENV_FIELD_NUMBER: _ClassVar[int]
+    VERIFIERS_FIELD_NUMBER: _ClassVar[int]
     name: str
     version: str
     tasks: _containers.RepeatedCompositeFieldContainer[TaskSpec]
@@ -130,7 +132,8 @@ class Environment(_message.Message):
     supervised: bool
     program: _bus_pb2.EnvironmentProgram
     openenv: _bus_pb2.OpenEnvServer
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[_bus_pb2.EnvironmentRewardScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ..., program: _Optional[_Union[_bus_pb2.EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[_bus_pb2.OpenEnvServer, _Mapping]] = ...) -> None: ...
+    verifiers: _bus_pb2.VerifiersEnvironment
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[_bus_pb2.EnvironmentRewardScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ..., program: _Optional[_Union[_bus_pb2.EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[_bus_pb2.OpenEnvServer, _Mapping]] = ..., verifiers: _Optional[_Union[_bus_pb2.VerifiersEnvironment, _Mapping]] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("environment",)
