@@ -6,7 +6,7 @@ environment written as a team would write one, on a running cluster:
     python examples/environments/train_tally_desk.py --gateway 127.0.0.1:<gateway grpc port>
 
 It submits the desk (its code runs in a sandbox session per episode), starts a run and prints the
-desk's mean reward as the learner trains: the first and the last quarter of the run's steps.
+desk's mean reward as the learner trains, then the first and the last quarter of the run's steps.
 """
 
 from __future__ import annotations
@@ -14,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
-import grpc
-
-from policyloop.cluster.client import build_environment, read_program
-from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+from policyloop.cluster.client import LoopClient, build_environment, read_program, train_and_report
+from policyloop.contracts.v1 import loop_pb2
 from policyloop.envs.programs import TALLY_DESK, TALLY_DESK_ENTRY
 
 
@@ -32,25 +30,13 @@ def main() -> None:
     env = build_environment("tally-desk", args.version, tasks, "environment_reward", group_size=8,
                             max_new_tokens=96, temperature=1.0, max_turns=3,
                             driver=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
-    with grpc.insecure_channel(args.gateway) as channel:
-        loop = loop_pb2_grpc.LoopServiceStub(channel)
-        submitted = loop.SubmitEnvironment(loop_pb2.SubmitEnvironmentRequest(environment=env))
-        run = loop.StartRun(loop_pb2.StartRunRequest(
-            num_tasks=args.tasks, environments=[loop_pb2.EnvironmentMix(environment=submitted.environment, weight=1)]))
-        print(f"run {run.run_id} on {submitted.environment}: {args.tasks} groups of 8 episodes")
-        rewards: dict[int, float] = {}  # learner step -> the desk's mean reward over that step's samples
-        for update in loop.WatchRun(loop_pb2.WatchRunRequest(run_id=run.run_id)):
-            step = update.progress.learner_step
-            progress = update.progress.environments.get(submitted.environment)
-            if progress is not None and step and step not in rewards:
-                rewards[step] = progress.last_step_reward
-                print(f"step {step:4d}  reward {rewards[step]:+.3f}", flush=True)
-    steps = sorted(rewards)
-    quarter = max(1, len(steps) // 4)
-    first = sum(rewards[s] for s in steps[:quarter]) / quarter
-    last = sum(rewards[s] for s in steps[-quarter:]) / quarter
-    print(json.dumps({"run": run.run_id, "state": loop_pb2.RunState.Name(update.state), "steps": len(steps),
-                      "reward_first_quarter": round(first, 4), "reward_last_quarter": round(last, 4)}))
+    client = LoopClient(args.gateway)
+    try:
+        summary = train_and_report(client, env, args.tasks,
+                                   lambda step, reward: print(f"step {step:4d}  reward {reward:+.3f}", flush=True))
+    finally:
+        client.close()
+    print(json.dumps(summary))
 
 
 if __name__ == "__main__":

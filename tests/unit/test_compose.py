@@ -380,3 +380,13 @@ def test_the_gpu_override_trains_on_a_gpu_with_the_cuda_image() -> None:
         assert learner["environment"]["POLICYLOOP_DEVICE"] == "cuda", name
         [device] = learner["deploy"]["resources"]["reservations"]["devices"]
         assert "gpu" in device["capabilities"], name
+
+
+def test_the_openenv_profile_starts_an_openenv_server_beside_the_cluster(config: dict[str, Any]) -> None:
+    """`--profile openenv`: the image OPENENV_IMAGE names (an environment's `openenv build`),
+    checked on OpenEnv's /health, reachable from the rollout replicas as http://openenv:8000."""
+    server = config["services"]["openenv"]
+    assert server["profiles"] == ["openenv"] and "${OPENENV_IMAGE:-" in COMPOSE_FILE.read_text()
+    assert "127.0.0.1:8000/health" in " ".join(server["healthcheck"]["test"])
+    assert not server.get("ports")  # the cluster's network only
+    assert "--openenv http://openenv:8000" in COMPOSE_FILE.read_text()

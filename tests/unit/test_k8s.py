@@ -965,3 +965,42 @@ def test_deployment_paths_run_the_same_services_alike(path: str, up_services: di
         assert command == ["policyloop", *process.command[3:]] == ["policyloop", *service_args(entry)], entry.name
         missing = _up_settings(process, entry) - set(env)
         assert not missing, f"{path}: {entry.name} lacks {sorted(missing)}, which `policyloop up` sets"
+
+
+# --- an OpenEnv environment server: a component an overlay may add --------------------------------------
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_openenv_component_runs_an_environment_server_beside_the_cluster(overlay: str, tmp_path: Path) -> None:
+    """A Deployment of the image the overlay names for `openenv-env`, probed on OpenEnv's /health,
+    behind the Service the submissions name (http://openenv.policyloop:8000); the rest of the
+    overlay is left as it was."""
+    import kubernetes_validate
+
+    def key(obj: dict[str, Any]) -> tuple[str, str]:
+        return obj["kind"], obj["metadata"]["name"]
+
+    image = {"name": "openenv-env", "newName": "registry.example.com/envs/echo-env", "newTag": "1.0"}
+    copy = tmp_path / "with-image"
+    plain = _render(overlay)
+    objects = _render_with_components(overlay, copy, ("openenv",))
+    added = [o for o in objects if key(o) not in {key(p) for p in plain}]
+    assert sorted(key(o) for o in added) == [("Deployment", "openenv"), ("Service", "openenv")]
+    assert [o for o in objects if o not in added] == list(plain)
+    for obj in added:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        assert obj["metadata"]["namespace"] == "policyloop", key(obj)
+    rendered = Rendered(overlay, objects)
+    [container] = rendered.get("Deployment", "openenv")["spec"]["template"]["spec"]["containers"]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/health"
+    assert {p["containerPort"] for p in container["ports"]} == {8000}
+    assert rendered.get("Service", "openenv")["spec"]["ports"][0]["port"] == 8000
+    assert container["resources"]["requests"] and container["resources"]["limits"]
+    # The overlay names the environment's image, as the component's comment says.
+    kustomization = copy / overlay / "kustomization.yaml"
+    written = yaml.safe_load(kustomization.read_text())
+    written["images"] = [*written.get("images", []), image]
+    kustomization.write_text(yaml.safe_dump(written))
+    result = subprocess.run([_kubectl(), "kustomize", str(copy / overlay)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    [deployment] = [o for o in yaml.safe_load_all(result.stdout) if o and key(o) == ("Deployment", "openenv")]
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/envs/echo-env:1.0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -254,3 +254,28 @@ def version_line(row: loop_pb2.RunVersion) -> str:
     marks = ("  SERVING" if row.serving else "") + (f"  promoted #{','.join(map(str, row.promotions))}"
                                                     if row.promotions else "")
     return f"v{row.version:<6} step {row.step:<6} {'kept' if row.kept else 'gone'}  {evaluated}{marks}"
+
+
+def train_and_report(client: LoopClient, env: loop_pb2.Environment, num_tasks: int,
+                     on_step: Callable[[int, float], None] | None = None) -> dict[str, object]:
+    """Submits `env`, trains a run of `num_tasks` groups on it until it ends, and reports the
+    environment's mean reward per learner step (to `on_step` as it comes) and a summary: its mean
+    over the first and the last quarter of the steps."""
+    submitted = client.submit(env)
+    run = client.start(loop_pb2.StartRunRequest(
+        num_tasks=num_tasks, environments=[loop_pb2.EnvironmentMix(environment=submitted.environment, weight=1)]))
+    rewards: dict[int, float] = {}  # learner step -> the environment's mean reward over its samples
+    state = run.state
+    for update in client.watch(run.run_id):
+        state, step = update.state, update.progress.learner_step
+        progress = update.progress.environments.get(submitted.environment)
+        if progress is not None and step and step not in rewards:
+            rewards[step] = progress.last_step_reward
+            if on_step is not None:
+                on_step(step, rewards[step])
+    steps = sorted(rewards)
+    quarter = max(1, len(steps) // 4)
+    return {"run": run.run_id, "environment": submitted.environment, "state": loop_pb2.RunState.Name(state),
+            "steps": len(steps),
+            "reward_first_quarter": round(sum(rewards[s] for s in steps[:quarter]) / quarter, 4) if steps else None,
+            "reward_last_quarter": round(sum(rewards[s] for s in steps[-quarter:]) / quarter, 4) if steps else None}
