@@ -17,9 +17,8 @@ prints the server's mean reward as the learner trains, then the first and the la
 from __future__ import annotations
 
 import argparse
-import json
 
-from policyloop.cluster.client import LoopClient, build_environment, train_and_report
+from policyloop.cluster.client import build_environment, train_and_print
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 
 
@@ -40,13 +39,7 @@ def main() -> None:
                                    observation_field=args.observation_field)
     env = build_environment("openenv", args.version, tasks, "environment_reward", group_size=8, max_new_tokens=48,
                             temperature=1.0, max_turns=args.max_turns, driver=server)
-    client = LoopClient(args.gateway)
-    try:
-        summary = train_and_report(client, env, args.tasks,
-                                   lambda step, reward: print(f"step {step:4d}  reward {reward:+.3f}", flush=True))
-    finally:
-        client.close()
-    print(json.dumps(summary))
+    train_and_print(args.gateway, env, args.tasks)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ desk's mean reward as the learner trains, then the first and the last quarter of
 from __future__ import annotations
 
 import argparse
-import json
 
-from policyloop.cluster.client import LoopClient, build_environment, read_program, train_and_report
+from policyloop.cluster.client import build_environment, read_program, train_and_print
 from policyloop.contracts.v1 import loop_pb2
 from policyloop.envs.programs import TALLY_DESK, TALLY_DESK_ENTRY
 
@@ -30,13 +29,7 @@ def main() -> None:
     env = build_environment("tally-desk", args.version, tasks, "environment_reward", group_size=8,
                             max_new_tokens=96, temperature=1.0, max_turns=3,
                             driver=read_program(TALLY_DESK, TALLY_DESK_ENTRY))
-    client = LoopClient(args.gateway)
-    try:
-        summary = train_and_report(client, env, args.tasks,
-                                   lambda step, reward: print(f"step {step:4d}  reward {reward:+.3f}", flush=True))
-    finally:
-        client.close()
-    print(json.dumps(summary))
+    train_and_print(args.gateway, env, args.tasks)
 
 
 if __name__ == "__main__":

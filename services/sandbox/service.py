@@ -75,6 +75,10 @@ class SandboxSettings(ServiceSettings):
         16, ge=0, description="Sessions (one process per episode of an environment program, mostly waiting for the "
                               "model) this replica runs at once, besides its jobs. 0: it runs no sessions.")
     default_step_seconds: float = Field(10.0, gt=0, description="A session step's limit when the session sets none.")
+    session_first_step_seconds: float = Field(
+        30.0, gt=0, description="A session whose caller asks no first step within this is abandoned (killed, "
+                                "SANDBOX_LIMIT_ABANDONED): its caller gave up, or it is a redelivery after the sandbox "
+                                "that ran it died. A live caller asks at once.")
     dependencies_dir: Path = Field(
         Path(tempfile.gettempdir()) / "policyloop-sandbox-deps",
         description="Where jobs' Python dependencies are installed, a directory per distinct set, mounted read-only "
@@ -156,7 +160,8 @@ class SandboxReplica:
         job = delivery.message
         if self.expired(job):
             return
-        channel = SessionChannel(job.session.step_seconds or self.settings.default_step_seconds)
+        channel = SessionChannel(job.session.step_seconds or self.settings.default_step_seconds,
+                                 first_step_s=self.settings.session_first_step_seconds)
         sub = await self.ctx.bus.nc.subscribe(job.session.channel_subject, cb=channel.on_step)
         try:
             result = await self.run(job, effective_limits(job.limits, self.defaults, self.ceiling), channel)

@@ -1,7 +1,7 @@
 """Environments raise their reward, run as a user runs the examples against a cluster of the real
 services with the chat model: examples/environments/train_tally_desk.py trains on the tally desk
 (a team's stateful environment, its code in a sandbox session per episode) and
-train_verifiers_sums.py on a verifiers environment (its own rollout and rubric in the sessions);
+train_verifiers.py on a verifiers environment (its own rollout and rubric in the sessions);
 each environment's mean reward over the last quarter of the run beats the first quarter's.
 Minutes: in the slow set (make test-all); the default run trains a few steps of the same paths
 (tests/integration/test_program_env.py, test_verifiers_env.py)."""
@@ -12,6 +12,7 @@ import asyncio
 import json
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,12 +20,25 @@ import pytest
 from tests.conftest import ServiceLauncher, prebuilt_model
 
 EXAMPLES = Path(__file__).parents[2] / "examples" / "environments"
-EXAMPLE = EXAMPLES / "train_tally_desk.py"
-# As `policyloop demo --agent-env` (30 steps of 16 groups at 3e-4: 0.088 -> 0.236, docs/measurements.md).
-GROUPS_PER_STEP = 16
-TASKS = 30 * GROUPS_PER_STEP
 LR = 3e-4
 MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class Job:
+    example: str
+    groups_per_step: int
+    steps: int
+    arguments: tuple[str, ...] = ()
+
+
+JOBS = {
+    # As `policyloop demo --agent-env` (30 steps of 16 groups at 3e-4: 0.088 -> 0.236, docs/measurements.md).
+    "tally-desk": Job("train_tally_desk.py", groups_per_step=16, steps=30),
+    # Each episode imports verifiers afresh in its session (~3 s of CPU): smaller groups than the desk's.
+    "verifiers-tools": Job("train_verifiers.py", groups_per_step=4, steps=20,
+                           arguments=("--group-size", "4", "--environment", "vf-adder-tools", "--max-turns", "3")),
+}
 
 
 @pytest.fixture(scope="module")
@@ -34,31 +48,17 @@ def chat_model_dir(request: pytest.FixtureRequest) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-async def test_the_tally_desk_raises_its_reward(services: ServiceLauncher, chat_model_dir: Path) -> None:
-    loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP, timeout_s=180,
+@pytest.mark.parametrize("name", sorted(JOBS))
+async def test_an_example_raises_its_environments_reward(name: str, services: ServiceLauncher,
+                                                         chat_model_dir: Path) -> None:
+    job = JOBS[name]
+    loop = await services.start_loop(chat_model_dir, job.groups_per_step, timeout_s=180,
                                      env={"POLICYLOOP_OPTIMIZER__LR": str(LR)})
     done = await asyncio.to_thread(subprocess.run, [
-        sys.executable, str(EXAMPLE), "--gateway", f"127.0.0.1:{loop['gateway'].ports['grpc']}", "--tasks", str(TASKS)],
-        capture_output=True, text=True, timeout=1700)
+        sys.executable, str(EXAMPLES / job.example), "--gateway", f"127.0.0.1:{loop['gateway'].ports['grpc']}",
+        "--tasks", str(job.steps * job.groups_per_step), *job.arguments], capture_output=True, text=True, timeout=1700)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary = json.loads(done.stdout.strip().splitlines()[-1])
-    assert summary["state"] == "RUN_STATE_FINISHED" and summary["steps"] >= 10, summary
-    assert summary["reward_last_quarter"] > summary["reward_first_quarter"] + MIN_GAIN, summary
-
-
-VERIFIERS_GROUPS_PER_STEP, VERIFIERS_STEPS = 8, 20
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-async def test_a_verifiers_environment_raises_its_reward(services: ServiceLauncher, chat_model_dir: Path) -> None:
-    loop = await services.start_loop(chat_model_dir, VERIFIERS_GROUPS_PER_STEP, timeout_s=180,
-                                     env={"POLICYLOOP_OPTIMIZER__LR": str(LR)})
-    done = await asyncio.to_thread(subprocess.run, [
-        sys.executable, str(EXAMPLES / "train_verifiers_sums.py"), "--gateway",
-        f"127.0.0.1:{loop['gateway'].ports['grpc']}", "--tasks", str(VERIFIERS_STEPS * VERIFIERS_GROUPS_PER_STEP)],
-        capture_output=True, text=True, timeout=1700)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(summary))  # the figures docs/measurements.md quotes (pytest -s)
     assert summary["state"] == "RUN_STATE_FINISHED" and summary["steps"] >= 10, summary
     assert summary["reward_last_quarter"] > summary["reward_first_quarter"] + MIN_GAIN, summary

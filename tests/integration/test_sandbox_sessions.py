@@ -13,6 +13,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from policyloop.sandbox.session import Session, SessionEnded
 from tests.conftest import ServiceLauncher
+from tests.helpers import eventually
 
 try:
     check_isolation()
@@ -68,8 +69,16 @@ async def test_a_session_keeps_its_state_and_ends_when_closed(bus: Bus, services
 
 
 async def test_a_step_past_its_limit_ends_the_session(bus: Bus, services: ServiceLauncher) -> None:
-    sandbox = services.start("sandbox")
+    sandbox = services.start("sandbox", env={"POLICYLOOP_SESSION_FIRST_STEP_SECONDS": "2"})
     await services.wait_healthy(sandbox, timeout_s=60)
+    # A session nobody talks to (its caller gave up, or a redelivery after a sandbox died) is
+    # abandoned: killed, its result saying so, rather than left holding a slot for its wall clock.
+    async with Session(bus, counter_job(), kind="test", step_seconds=5, open_timeout_s=60) as unspoken:
+        async def abandoned() -> bool:
+            return unspoken.result is not None
+
+        await eventually(abandoned, timeout_s=30, what="the unspoken session abandoned")
+    assert unspoken.result.limit_hit == bus_pb2.SANDBOX_LIMIT_ABANDONED
     async with Session(bus, counter_job(), kind="test", step_seconds=1, open_timeout_s=60) as session:
         assert await session.step(b"add 1") == b"1"
         with pytest.raises(SessionEnded, match="STEP_TIME"):
@@ -93,7 +102,7 @@ async def test_a_step_past_its_limit_ends_the_session(bus: Bus, services: Servic
     # Each session is counted by how it ended.
     with urllib.request.urlopen(f"http://127.0.0.1:{sandbox.ports['http']}/metrics", timeout=5) as r:
         metrics = r.read().decode()
-    for outcome in ("step_time", "wall_time", "failed", "output"):
+    for outcome in ("abandoned", "step_time", "wall_time", "failed", "output"):
         assert f'policyloop_sandbox_sessions_total{{outcome="{outcome}"}} 1.0' in metrics, outcome
 
 

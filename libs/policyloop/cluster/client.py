@@ -256,6 +256,18 @@ def version_line(row: loop_pb2.RunVersion) -> str:
     return f"v{row.version:<6} step {row.step:<6} {'kept' if row.kept else 'gone'}  {evaluated}{marks}"
 
 
+def train_and_print(gateway: str, env: loop_pb2.Environment, num_tasks: int) -> None:
+    """What the examples do: train_and_report against `gateway`, a line per learner step, then the
+    summary as one JSON line."""
+    client = LoopClient(gateway)
+    try:
+        summary = train_and_report(client, env, num_tasks,
+                                   lambda step, reward: print(f"step {step:4d}  reward {reward:+.3f}", flush=True))
+    finally:
+        client.close()
+    print(json.dumps(summary))
+
+
 def train_and_report(client: LoopClient, env: loop_pb2.Environment, num_tasks: int,
                      on_step: Callable[[int, float], None] | None = None) -> dict[str, object]:
     """Submits `env`, trains a run of `num_tasks` groups on it until it ends, and reports the

@@ -313,8 +313,8 @@ def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     """The limit that stopped the job (or that it ran into), most decisive first."""
     if ending.timed_out:
         return L.SANDBOX_LIMIT_WALL_TIME
-    if ending.watchdog == L.SANDBOX_LIMIT_STEP_TIME:
-        return L.SANDBOX_LIMIT_STEP_TIME
+    if ending.watchdog in (L.SANDBOX_LIMIT_STEP_TIME, L.SANDBOX_LIMIT_ABANDONED):
+        return ending.watchdog
     if ending.watchdog == L.SANDBOX_LIMIT_OUTPUT:  # ended for its output: what it used meanwhile is moot
         return L.SANDBOX_LIMIT_OUTPUT
     # The kernel ends a process over its CPU rlimit (the backstop) with SIGXCPU, then SIGKILL.

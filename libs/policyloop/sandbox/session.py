@@ -8,7 +8,9 @@ each step's line goes to the process's stdin and its next stdout line comes back
 answered within `step_seconds` ends the session (SANDBOX_LIMIT_STEP_TIME); the job's wall clock
 bounds the whole episode. The caller closes the session at the episode's end: its stdin closes,
 the process has a moment to exit, then it is killed; the close's reply (and the job's
-reply_subject) carries the SandboxResult with its CPU time and memory.
+reply_subject) carries the SandboxResult with its CPU time and memory. A session whose first step
+does not come within FIRST_STEP_S is abandoned (SANDBOX_LIMIT_ABANDONED): its caller gave up, or
+it is a redelivery after the sandbox that ran it died, and nobody will ever talk to it.
 
 `SessionChannel` is the sandbox's side, `Session` the caller's.
 """
@@ -31,13 +33,14 @@ from policyloop.sandbox.client import PUBLISH_MARGIN_S
 L = bus_pb2.SandboxLimit
 OPEN_POLL_S = 0.02            # how often a caller asks whether its queued session has started
 STEP_MARGIN_S = 10.0          # a step's wait beyond its limit: the sandbox's own kill and result
+FIRST_STEP_S = 30.0           # a live caller asks every OPEN_POLL_S until its session starts
 
 
 class SessionChannel:
     """The sandbox's side: steps in from NATS, through the process's stdin and stdout, back out."""
 
-    def __init__(self, step_seconds: float) -> None:
-        self.step_seconds = step_seconds
+    def __init__(self, step_seconds: float, first_step_s: float = FIRST_STEP_S) -> None:
+        self.step_seconds, self.first_step_s = step_seconds, first_step_s
         self._steps: asyncio.Queue[Any] = asyncio.Queue()
         self._pending: Any = None        # the request answered when the session ends
         self._result: bus_pb2.SandboxResult | None = None
@@ -50,8 +53,12 @@ class SessionChannel:
         await self._steps.put(msg)
 
     async def run(self, stdin: asyncio.StreamWriter, stdout: asyncio.StreamReader) -> bus_pb2.SandboxLimit:
+        try:  # no caller asking: nobody would ever talk to this process
+            msg = await asyncio.wait_for(self._steps.get(), self.first_step_s)
+        except TimeoutError:
+            stdin.close()
+            return L.SANDBOX_LIMIT_ABANDONED
         while True:
-            msg = await self._steps.get()
             self._pending = msg
             try:
                 step = bus_pb2.SessionStep.FromString(msg.data)
@@ -74,6 +81,7 @@ class SessionChannel:
                 return L.SANDBOX_LIMIT_NONE
             self._pending = None
             await msg.respond(bus_pb2.SessionStepReply(line=line[:-1]).SerializeToString())
+            msg = await self._steps.get()
 
     async def finish(self, result: bus_pb2.SandboxResult) -> None:
         """The session is over: the step in flight, and any that come later, get its result."""

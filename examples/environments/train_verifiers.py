@@ -4,7 +4,7 @@ rubric, written as verifiers' authors write one), unchanged, on a running cluste
     pip install 'policyloop[verifiers]'
     policyloop bootstrap --chat
     policyloop up --model-path ~/.cache/policyloop/models/chat-qwen2-small-<hash> &
-    python examples/environments/train_verifiers_sums.py --gateway 127.0.0.1:<gateway grpc port>
+    python examples/environments/train_verifiers.py --gateway 127.0.0.1:<gateway grpc port>
 
 The environment's dataset rows are the tasks; each episode runs the environment's own rollout and
 rubric in a sandbox session (`--environment vf-adder-tools --max-turns 3` for the tool one). It
@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from policyloop.cluster.client import LoopClient, build_environment, read_verifiers, train_and_report
+from policyloop.cluster.client import build_environment, read_verifiers, train_and_print
 from policyloop.envs.verifiers_env import dataset_tasks
 
 HERE = Path(__file__).resolve().parent / "verifiers"
@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--environment", default="vf-sums", help="vf-sums or vf-adder-tools (in verifiers/)")
     parser.add_argument("--max-turns", type=int, default=1, help="the environment's max_turns (tools: 3)")
     parser.add_argument("--tasks", type=int, default=160, help="episodes' groups to train on")
+    parser.add_argument("--group-size", type=int, default=8, help="episodes per task (a group)")
     parser.add_argument("--version", default="v1")
     args = parser.parse_args()
 
@@ -37,17 +38,11 @@ def main() -> None:
     arguments = {"count": 1000}
     tasks, held_out = dataset_tasks(args.environment, arguments)
     source = HERE / f"{args.environment.replace('-', '_')}.py"
-    env = build_environment(args.environment, args.version, tasks, "environment_reward", group_size=8,
+    env = build_environment(args.environment, args.version, tasks, "environment_reward", group_size=args.group_size,
                             max_new_tokens=64, temperature=1.0, max_turns=args.max_turns,
                             driver=read_verifiers(args.environment, source, arguments_json=json.dumps(arguments)))
     env.eval_tasks.extend(held_out)
-    client = LoopClient(args.gateway)
-    try:
-        summary = train_and_report(client, env, args.tasks,
-                                   lambda step, reward: print(f"step {step:4d}  reward {reward:+.3f}", flush=True))
-    finally:
-        client.close()
-    print(json.dumps(summary))
+    train_and_print(args.gateway, env, args.tasks)
 
 
 if __name__ == "__main__":
