@@ -36,6 +36,7 @@ JOBS = {
     # As `policyloop demo --agent-env` (30 steps of 16 groups at 3e-4: 0.088 -> 0.236, docs/measurements.md).
     "tally-desk": Job("train_tally_desk.py", groups_per_step=16, steps=30),
     # Each episode imports verifiers afresh in its session (~3 s of CPU): smaller groups than the desk's.
+    "verifiers-sums": Job("train_verifiers.py", groups_per_step=4, steps=20, arguments=("--group-size", "4")),
     "verifiers-tools": Job("train_verifiers.py", groups_per_step=4, steps=20,
                            arguments=("--group-size", "4", "--environment", "vf-adder-tools", "--max-turns", "3")),
 }

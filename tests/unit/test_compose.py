@@ -61,12 +61,14 @@ GPU_PROFILE = {"sglang", "rollout-sglang"}
 OBSERVABILITY_PROFILE = {"prometheus", "grafana"}
 TINKER_PROFILE = {"tinker-learner"}
 SERVING_PROFILE = {"serving"}
+OPENENV_PROFILE = {"openenv"}
 
 
 def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
     default = {name for name, service in config["services"].items() if not service.get("profiles")}
     assert default == {"nats", "redis", "models", *SERVICE_NAMES}
-    assert set(config["services"]) - default == GPU_PROFILE | OBSERVABILITY_PROFILE | TINKER_PROFILE | SERVING_PROFILE
+    assert set(config["services"]) - default == (GPU_PROFILE | OBSERVABILITY_PROFILE | TINKER_PROFILE | SERVING_PROFILE
+                                                 | OPENENV_PROFILE)
 
 
 def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(config: dict[str, Any]) -> None:
