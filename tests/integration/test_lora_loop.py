@@ -1,7 +1,11 @@
 """Two LoRA runs through the whole loop as processes (gateway, rollout with its embedded engine,
 reward, learner, publisher): each run's tasks are sampled with its own adapter, the newest its
 replica loaded, every token stamped with that adapter's version; each run's learner steps make
-its own version sequence, pushed as adapter deltas and followed by the replica."""
+its own version sequence, pushed as adapter deltas and followed by the replica.
+
+Slow set (make test-all): the default run covers each hop of it faster — the learner's LoRA runs
+through the gateway (test_lora_service.py), their deltas to a replica (test_adapter_sync.py,
+test_served_adapters.py) and the engine sampling with adapters (test_engine_lora.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from tests.helpers import addition_environment, eventually, stored_samples
 LORA = {"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_GROUPS_PER_STEP": "2"}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(420)
 async def test_two_lora_runs_sample_with_their_own_adapters_and_train_their_own_versions(
         bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]

@@ -54,79 +54,6 @@ def desk_task(task_id: str, seed: int, program: bus_pb2.EnvironmentProgram | Non
 
 
 @pytest.mark.timeout(300)
-async def test_a_program_environment_runs_each_episode_in_a_session(
-        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, receiver: OtlpReceiver) -> None:
-    traced = {"POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.2"}
-    sandbox, reward = services.start("sandbox"), services.start("reward")
-    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_MAX_LAG": "-1",
-                                             **traced})
-    await services.wait_healthy(sandbox, reward, rollout, timeout_s=120)
-    seeds = range(4)
-    for seed in seeds:
-        await bus.publish(tasks_subject("desk@v1"), desk_task(f"d{seed}", seed), f"d{seed}")
-    broken = desk_task("broken", 0, bus_pb2.EnvironmentProgram(files={"broken.py": BROKEN}, entry="broken:Broken"))
-    await bus.publish(tasks_subject("desk@v1"), broken, "broken")
-
-    async def all_scored() -> bool:
-        return len(await stored_samples(bus, "TRAJECTORIES")) == 4 * len(seeds)
-
-    await eventually(all_scored, timeout_s=240, what="every episode scored")
-    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
-    episodes = await stored_samples(bus, "TRAJECTORIES")
-    calls = 0
-    for traj in episodes:
-        validate_trajectory(traj)  # turns cover the response; only the model's tokens are trained on
-        prompt = tokenizer.decode(traj.prompt_token_ids)
-        # The reset's question, with the desk's calculator offered in the system turn.
-        assert "What is" in prompt and '"name": "calculator"' in prompt and prompt.endswith("<|im_start|>assistant\n")
-        model_turns = [t for t in traj.turns if t.role == MODEL]
-        assert traj.turns[0].role == MODEL and traj.turns[-1].role == MODEL and 1 <= len(model_turns) <= 3
-        # Every step was rewarded by the desk, and the trajectory's reward is their sum.
-        assert all(t.HasField("reward") for t in model_turns)
-        assert traj.reward == pytest.approx(sum(t.reward for t in model_turns))
-        for turn in traj.turns:
-            ids = traj.response_token_ids[turn.start:turn.end]
-            if turn.role == ENVIRONMENT:
-                calls += 1
-                assert not any(traj.loss_mask[turn.start:turn.end])
-                # The tool's answer, in the template's user turn, and the next assistant header.
-                text = tokenizer.decode(ids)
-                assert text == turn.text and "<tool_response>" in text and text.endswith("<|im_start|>assistant\n")
-            else:
-                assert all(traj.loss_mask[turn.start:turn.end])
-        before_env = [b for b, t in zip(traj.turns, traj.turns[1:], strict=False) if t.role == ENVIRONMENT]
-        assert all(parse_assistant(t.text).tool_calls for t in before_env)
-    assert calls >= 1, "the chat model called the desk's calculator in none of the episodes"
-    # The broken program: retried, then dead-lettered with its reason; none of its samples stored.
-    letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
-
-    async def dead_lettered() -> bool:
-        nonlocal letters
-        letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
-        return len(letters) == 1
-
-    await eventually(dead_lettered, timeout_s=120, what="the broken program's task dead-lettered")
-    assert "KeyError" in letters[0].reason and "orders.db" in letters[0].reason
-    assert all(t.task_id != "broken" for t in await stored_samples(bus, "ROLLOUTS"))
-    with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
-        metrics = r.read().decode()
-    assert 'policyloop_environment_failures_total{environment="desk@v1"}' in metrics
-    # Each reset and step is a span under its sample's: one reset, then one per model turn.
-    sampled = episodes[0]
-
-    def steps_of(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
-        sample = next((x for x in spans if x.name == "sample"
-                       and x.attributes.get("policyloop.trajectory_id") == sampled.trajectory_id), None)
-        return [] if sample is None else [x for x in spans if x.name == "environment step"
-                                          and x.parent_span_id == sample.span_id]
-
-    model_turns = sum(t.role == MODEL for t in sampled.turns)
-    receiver.wait_for(lambda spans: len(steps_of(spans)) == 1 + model_turns, "the episode's environment steps")
-    kinds = sorted(str(x.attributes["policyloop.env_request"]) for x in steps_of(receiver.snapshot()))
-    assert kinds == ["action"] * model_turns + ["reset"]
-
-
-@pytest.mark.timeout(300)
 async def test_the_evaluator_scores_a_program_split_episode_by_episode(
         bus: Bus, services: ServiceLauncher, chat_model_dir: Path) -> None:
     """Eval items of a program environment are episodes in sessions, greedy, judged by the rewards
@@ -180,9 +107,12 @@ STEPS, GROUPS_PER_STEP = 3, 2
 
 @pytest.mark.timeout(420)
 async def test_a_program_environment_trains_on_the_cluster(
-        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, redis_client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, redis_client, tmp_path: Path,  # type: ignore[no-untyped-def]
+        receiver: OtlpReceiver) -> None:
     """Submitted with the CLI, run through the gateway: the learner trains on the desk's episodes,
-    each sampled once, each trained once, with the rewards the desk gave."""
+    each sampled once in a sandbox session of its own, each trained once, with the rewards the
+    desk gave; each reset and step is a span of its sample's trace. A program that fails fails its
+    task with the reason: retried, then dead-lettered, never trained."""
     import asyncio
     import json
     import subprocess
@@ -194,8 +124,12 @@ async def test_a_program_environment_trains_on_the_cluster(
     from policyloop.ledger import audit_bus
     from policyloop.state import VersionRegistry
 
-    loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP)
-    gateway, learner = loop["gateway"], loop["learner"]
+    traced = {"POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.2"}
+    loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP, env=traced)
+    gateway, learner, rollout = loop["gateway"], loop["learner"], loop["rollout"]
+    broken = desk_task("broken", 0, bus_pb2.EnvironmentProgram(files={"broken.py": BROKEN}, entry="broken:Broken"))
+    broken.group_size, broken.environment, broken.run_id = 1, "broken@v1", "other"
+    await bus.publish(tasks_subject("broken@v1"), broken, "broken")
     tasks = tmp_path / "desk.jsonl"
     tasks.write_text("\n".join(json.dumps({"metadata": {"seed": str(seed)}}) for seed in range(20)))
     submitted = await asyncio.to_thread(subprocess.run, [
@@ -217,10 +151,59 @@ async def test_a_program_environment_trains_on_the_cluster(
     audited = await audit_bus(bus, "desk-run")
     assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (
         STEPS * GROUPS_PER_STEP * 4, STEPS * GROUPS_PER_STEP * 4, 0, 0)
-    episodes = await stored_samples(bus, "TRAJECTORIES")
+    episodes = [t for t in await stored_samples(bus, "TRAJECTORIES") if t.run_id == "desk-run"]
     assert len(episodes) == STEPS * GROUPS_PER_STEP * 4
-    for traj in episodes:
-        model_turns = [t for t in traj.turns if t.role == MODEL]
-        assert traj.scored and traj.reward == pytest.approx(sum(t.reward for t in model_turns))
     steps = [e for e in learner.log_events() if e["event"] == "step"]
     assert len(steps) >= STEPS
+    tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
+    calls = 0
+    for traj in episodes:
+        validate_trajectory(traj)  # turns cover the response; only the model's tokens are trained on
+        prompt = tokenizer.decode(traj.prompt_token_ids)
+        # The reset's question, with the desk's calculator offered in the system turn.
+        assert "What is" in prompt and '"name": "calculator"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+        model_turns = [t for t in traj.turns if t.role == MODEL]
+        assert traj.turns[0].role == MODEL and traj.turns[-1].role == MODEL and 1 <= len(model_turns) <= 3
+        # Every step was rewarded by the desk, and the trajectory's reward is their sum.
+        assert all(t.HasField("reward") for t in model_turns)
+        assert traj.scored and traj.reward == pytest.approx(sum(t.reward for t in model_turns))
+        for turn in traj.turns:
+            ids = traj.response_token_ids[turn.start:turn.end]
+            if turn.role == ENVIRONMENT:
+                calls += 1
+                assert not any(traj.loss_mask[turn.start:turn.end])
+                # The tool's answer, in the template's user turn, and the next assistant header.
+                text = tokenizer.decode(ids)
+                assert text == turn.text and "<tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+            else:
+                assert all(traj.loss_mask[turn.start:turn.end])
+        before_env = [b for b, t in zip(traj.turns, traj.turns[1:], strict=False) if t.role == ENVIRONMENT]
+        assert all(parse_assistant(t.text).tool_calls for t in before_env)
+    assert calls >= 1, "the chat model called the desk's calculator in none of the episodes"
+    # The broken program: retried, then dead-lettered with its reason; none of its samples stored.
+    letters: list[bus_pb2.DeadLetter] = []
+
+    async def dead_lettered() -> bool:
+        nonlocal letters
+        letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+        return len(letters) == 1
+
+    await eventually(dead_lettered, timeout_s=120, what="the broken program's task dead-lettered")
+    assert "KeyError" in letters[0].reason and "orders.db" in letters[0].reason
+    assert all(t.task_id != "broken" for t in await stored_samples(bus, "ROLLOUTS"))
+    with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert 'policyloop_environment_failures_total{environment="broken@v1"}' in metrics
+    # Each reset and step is a span under its sample's: one reset, then one per model turn.
+    sampled = episodes[0]
+
+    def steps_of(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
+        sample = next((x for x in spans if x.name == "sample"
+                       and x.attributes.get("policyloop.trajectory_id") == sampled.trajectory_id), None)
+        return [] if sample is None else [x for x in spans if x.name == "environment step"
+                                          and x.parent_span_id == sample.span_id]
+
+    model_turns = sum(t.role == MODEL for t in sampled.turns)
+    receiver.wait_for(lambda spans: len(steps_of(spans)) == 1 + model_turns, "the episode's environment steps")
+    kinds = sorted(str(x.attributes["policyloop.env_request"]) for x in steps_of(receiver.snapshot()))
+    assert kinds == ["action"] * model_turns + ["reset"]
