@@ -238,3 +238,23 @@ async def openai_endpoint(model_dir: Path, bus: Bus, served_model: str, *, weigh
         await engine.close()
         await running.stop()
 
+
+
+def checked_tool_turns(traj: bus_pb2.Trajectory, decode: Callable[[list[int]], str]) -> int:
+    """Checks a chat-templated episode's turns: the model's tokens trained on, each tool result an
+    observation the loss never sees (the template's <tool_response> user turn and the next
+    assistant header, exactly as the turn's text), each one after a model turn that called a tool.
+    Returns how many tool results it has."""
+    from policyloop.models.chat_format import parse_assistant
+
+    observed = bus_pb2.Turn.ROLE_ENVIRONMENT
+    for turn in traj.turns:
+        if turn.role == observed:
+            assert not any(traj.loss_mask[turn.start:turn.end])
+            text = decode(list(traj.response_token_ids[turn.start:turn.end]))
+            assert text == turn.text and "<tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+        else:
+            assert all(traj.loss_mask[turn.start:turn.end])
+    before = [b for b, t in zip(traj.turns, traj.turns[1:], strict=False) if t.role == observed]
+    assert all(parse_assistant(t.text).tool_calls for t in before)
+    return sum(t.role == observed for t in traj.turns)

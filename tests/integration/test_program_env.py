@@ -18,10 +18,9 @@ from policyloop.bus import Bus, tasks_subject
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.envs.programs import TALLY_DESK as DESK
-from policyloop.models.chat_format import parse_assistant
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import eventually, stored, stored_samples
+from tests.helpers import checked_tool_turns, eventually, stored, stored_samples
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 try:
@@ -29,7 +28,7 @@ try:
 except SandboxUnavailable as exc:  # pragma: no cover - depends on the machine
     pytest.skip(f"the sandbox cannot isolate jobs here: {exc}", allow_module_level=True)
 
-MODEL, ENVIRONMENT = bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_ENVIRONMENT
+MODEL = bus_pb2.Turn.ROLE_MODEL
 BROKEN = b"class Broken:\n    def reset(self, task):\n        raise KeyError('orders.db')\n"
 
 
@@ -167,18 +166,7 @@ async def test_a_program_environment_trains_on_the_cluster(
         # Every step was rewarded by the desk, and the trajectory's reward is their sum.
         assert all(t.HasField("reward") for t in model_turns)
         assert traj.scored and traj.reward == pytest.approx(sum(t.reward for t in model_turns))
-        for turn in traj.turns:
-            ids = traj.response_token_ids[turn.start:turn.end]
-            if turn.role == ENVIRONMENT:
-                calls += 1
-                assert not any(traj.loss_mask[turn.start:turn.end])
-                # The tool's answer, in the template's user turn, and the next assistant header.
-                text = tokenizer.decode(ids)
-                assert text == turn.text and "<tool_response>" in text and text.endswith("<|im_start|>assistant\n")
-            else:
-                assert all(traj.loss_mask[turn.start:turn.end])
-        before_env = [b for b, t in zip(traj.turns, traj.turns[1:], strict=False) if t.role == ENVIRONMENT]
-        assert all(parse_assistant(t.text).tool_calls for t in before_env)
+        calls += checked_tool_turns(traj, tokenizer.decode)  # the tool results: observations, never trained on
     assert calls >= 1, "the chat model called the desk's calculator in none of the episodes"
     # The broken program: retried, then dead-lettered with its reason; none of its samples stored.
     letters: list[bus_pb2.DeadLetter] = []
