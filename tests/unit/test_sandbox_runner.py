@@ -249,4 +249,5 @@ def test_a_job_outcome_is_one_bounded_word() -> None:
     assert job_outcome(bus_pb2.SandboxResult(exit_code=0, error="cannot fork")) == "error"
     names = {job_outcome(bus_pb2.SandboxResult(exit_code=-9, limit_hit=value))
              for value in bus_pb2.SandboxLimit.values() if value}
-    assert names == {"wall_time", "cpu_time", "memory", "processes", "file_size", "output", "step_time"}
+    assert names == {"wall_time", "cpu_time", "memory", "processes", "file_size", "output", "step_time",
+                     "abandoned"}
