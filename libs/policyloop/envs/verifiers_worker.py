@@ -30,7 +30,11 @@ MODEL = "policyloop"     # the model name the environment's client sends (the re
 
 
 class Malformed(ValueError):
-    pass
+    """A request, a row or a message that is not what the protocol says."""
+
+
+class RolloutFailed(RuntimeError):
+    """The environment's rollout ended in an error that is not the model's."""
 
 
 def text_of(content):
@@ -145,9 +149,9 @@ async def episode(channel, environment_id, arguments):
             state = running.result()
             error = state.get("error")
             if error is not None and not isinstance(error, vf.ModelError):
-                raise Malformed(f"the rollout failed: {type(error).__name__}: {error}")
+                raise RolloutFailed(f"{type(error).__name__}: {error}")
             if turn == 0:
-                raise Malformed("the rollout ended without asking the model anything")
+                raise RolloutFailed("the rollout ended without asking the model anything")
             channel.answer({"done": True, "reward": float(state.get("reward") or 0.0)})
             # Nothing is left to do: skip the interpreter's teardown of verifiers' imports, which
             # on a loaded machine outlasts the sandbox's grace after the close (then it is killed).
