@@ -258,3 +258,15 @@ def checked_tool_turns(traj: bus_pb2.Trajectory, decode: Callable[[list[int]], s
     before = [b for b, t in zip(traj.turns, traj.turns[1:], strict=False) if t.role == observed]
     assert all(parse_assistant(t.text).tool_calls for t in before)
     return sum(t.role == observed for t in traj.turns)
+
+
+async def the_one_dead_letter(bus: Bus, task_id: str, timeout_s: float) -> bus_pb2.DeadLetter:
+    """The DLQ's one letter, once it is there, after checking that nothing of task `task_id` was
+    stored as a rollout (a failed task is never trained)."""
+    async def dead_lettered() -> bool:
+        return len(await stored(bus, "DLQ", bus_pb2.DeadLetter)) == 1
+
+    await eventually(dead_lettered, timeout_s=timeout_s, what=f"task {task_id} dead-lettered")
+    assert all(t.task_id != task_id for t in await stored_samples(bus, "ROLLOUTS"))
+    [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+    return letter

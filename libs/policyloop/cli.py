@@ -815,20 +815,11 @@ def env_submit(
     """Submit an environment: tasks from a JSONL file (or a verifiers environment's datasets), the
     scorer from the flags (or the rewards of the program, OpenEnv server or verifiers environment
     that drives its episodes)."""
-    from policyloop.cluster.client import TaskFileError, build_environment, read_program, read_verifiers
-    from policyloop.contracts.v1 import bus_pb2
+    from policyloop.cluster.client import TaskFileError, build_environment
 
     try:
-        driver: Any = None
-        if program is not None:
-            driver = read_program(program, entry, step_seconds=step_timeout_s, episode_seconds=episode_timeout_s,
-                                  requirements=requirement, wheels=wheel)
-        elif openenv:
-            driver = bus_pb2.OpenEnvServer(base_url=openenv, action_field=action_field,
-                                           observation_field=observation_field)
-        elif verifiers:
-            driver = read_verifiers(verifiers, env_source, arguments_json=env_args, step_seconds=step_timeout_s,
-                                    episode_seconds=episode_timeout_s, requirements=requirement, wheels=wheel)
+        driver = _episode_driver(program, entry, openenv, action_field, observation_field, verifiers, env_source,
+                                 env_args, step_timeout_s, episode_timeout_s, requirement or [], wheel or [])
         task_specs, held_out = _environment_tasks(tasks, eval_tasks, verifiers, env_source, env_args,
                                                   task_count, eval_count)
         env = build_environment(name, version, task_specs, scorer, pattern=pattern, tolerance=tolerance,
@@ -842,6 +833,25 @@ def env_submit(
     reply = _with_gateway(gateway, run_dir, token, lambda client: client.submit(env))
     print(json.dumps({"environment": reply.environment, "tasks": reply.num_tasks, "group_size": reply.group_size,
                       "created": reply.created}))
+
+
+def _episode_driver(program: Path | None, entry: str, openenv: str, action_field: str, observation_field: str,
+                    verifiers: str, env_source: Path | None, env_args: str, step_s: float, episode_s: float,
+                    requirements: list[str], wheels: list[Path]) -> Any:
+    """The environment `env submit`'s flags name to drive the episodes (a program, an OpenEnv
+    server, a verifiers environment), or None: the replica drives them."""
+    from policyloop.cluster.client import read_program, read_verifiers
+    from policyloop.contracts.v1 import bus_pb2
+
+    if program is not None:
+        return read_program(program, entry, step_seconds=step_s, episode_seconds=episode_s,
+                            requirements=requirements, wheels=wheels)
+    if openenv:
+        return bus_pb2.OpenEnvServer(base_url=openenv, action_field=action_field, observation_field=observation_field)
+    if verifiers:
+        return read_verifiers(verifiers, env_source, arguments_json=env_args, step_seconds=step_s,
+                              episode_seconds=episode_s, requirements=requirements, wheels=wheels)
+    return None
 
 
 def _environment_tasks(tasks: Path | None, eval_tasks: Path | None, verifiers: str, env_source: Path | None,

@@ -20,7 +20,7 @@ from policyloop.contracts.validate import validate_trajectory
 from policyloop.envs.programs import TALLY_DESK as DESK
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import checked_tool_turns, eventually, stored, stored_samples
+from tests.helpers import checked_tool_turns, eventually, stored_samples, the_one_dead_letter
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 try:
@@ -64,7 +64,7 @@ async def test_the_evaluator_scores_a_program_split_episode_by_episode(
     from policyloop.engines.embedded import start_engine
     from policyloop.engines.sglang_client import SGLangClient
     from policyloop.envs.chat_env import chat_template, task_reset
-    from policyloop.envs.program import program_episode
+    from policyloop.envs.program import program_job, session_episode
     from policyloop.evaluation.scoring import eval_items, score_version
     from policyloop.scorers.registry import default_registry
 
@@ -80,8 +80,9 @@ async def test_the_evaluator_scores_a_program_split_episode_by_episode(
 
     @contextlib.asynccontextmanager
     async def open_episode(item, rid):  # type: ignore[no-untyped-def]
-        async with program_episode(bus, item.driver, task_reset(item.template), template=chat_template(tokenizer),
-                                   job_id=f"env:{rid}", run_id="eval", open_timeout_s=60) as (episode, ids):
+        async with session_episode(bus, program_job(item.driver, job_id=f"env:{rid}", run_id="eval"),
+                                   task_reset(item.template), template=chat_template(tokenizer),
+                                   open_timeout_s=60) as (episode, ids):
             prompts.append(tokenizer.decode(ids))
             yield episode, ids
 
@@ -169,22 +170,17 @@ async def test_a_program_environment_trains_on_the_cluster(
         calls += checked_tool_turns(traj, tokenizer.decode)  # the tool results: observations, never trained on
     assert calls >= 1, "the chat model called the desk's calculator in none of the episodes"
     # The broken program: retried, then dead-lettered with its reason; none of its samples stored.
-    letters: list[bus_pb2.DeadLetter] = []
-
-    async def dead_lettered() -> bool:
-        nonlocal letters
-        letters = await stored(bus, "DLQ", bus_pb2.DeadLetter)
-        return len(letters) == 1
-
-    await eventually(dead_lettered, timeout_s=120, what="the broken program's task dead-lettered")
-    assert "KeyError" in letters[0].reason and "orders.db" in letters[0].reason
-    assert all(t.task_id != "broken" for t in await stored_samples(bus, "ROLLOUTS"))
+    letter = await the_one_dead_letter(bus, "broken", timeout_s=120)
+    assert "KeyError" in letter.reason and "orders.db" in letter.reason
     with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
         metrics = r.read().decode()
     assert 'policyloop_environment_failures_total{environment="broken@v1"}' in metrics
-    # Each reset and step is a span under its sample's: one reset, then one per model turn.
-    sampled = episodes[0]
+    check_step_spans(receiver, episodes[0])
 
+
+def check_step_spans(receiver: OtlpReceiver, sampled: bus_pb2.Trajectory) -> None:
+    """Each reset and step of the episode is a span under its sample's: one reset, then one per
+    model turn."""
     def steps_of(spans: list[ReceivedSpan]) -> list[ReceivedSpan]:
         sample = next((x for x in spans if x.name == "sample"
                        and x.attributes.get("policyloop.trajectory_id") == sampled.trajectory_id), None)

@@ -14,6 +14,7 @@ from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.contracts.validate import validate_task
 from policyloop.envs.verifiers_env import (
     DEFAULT_MEMORY_BYTES,
+    DEFAULT_STEP_SECONDS,
     VERIFIERS_REQUIREMENT,
     dataset_tasks,
     row_task,
@@ -80,6 +81,7 @@ def test_the_session_installs_the_pinned_verifiers_beside_the_environment() -> N
     assert set(job.files) == {"verifiers_worker.py", "env/vf_sums.py"}
     assert list(job.dependencies.requirements) == [VERIFIERS_REQUIREMENT]
     assert job.limits.memory_bytes == DEFAULT_MEMORY_BYTES
+    assert job.session.step_seconds == DEFAULT_STEP_SECONDS  # the first exchange loads the environment
     # An environment that names its own verifiers release gets that one, not a second.
     environment.requirements.append("verifiers==0.3.0")
     assert list(verifiers_job(environment, job_id="j", run_id="r").dependencies.requirements) == ["verifiers==0.3.0"]
@@ -90,3 +92,18 @@ def test_a_task_naming_no_verifiers_environment_is_refused() -> None:
                         verifiers=bus_pb2.VerifiersEnvironment())
     with pytest.raises(ValueError, match="verifiers.environment_id"):
         validate_task(task)
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    ([], "TASKS: a JSONL file of tasks"),
+    (["--verifiers", "vf-sums", "--env-source", str(ENVIRONMENTS / "vf_sums.py"), "--env-args", "{count: 4"],
+     "--env-args: not JSON"),
+])
+def test_env_submit_refuses_what_names_no_tasks(flags: list[str], said: str) -> None:
+    """Refused before any gateway is asked, with what is wrong (exit 2)."""
+    from typer.testing import CliRunner
+
+    from policyloop.cli import app
+
+    result = CliRunner().invoke(app, ["env", "submit", "--name", "sums", *flags, "--gateway", "127.0.0.1:9"])
+    assert result.exit_code == 2 and said in " ".join(result.output.split()), result.output

@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.envs.chat_env import ChatTemplate, EnvironmentEpisode
 from policyloop.envs.openenv_env import openenv_episode
-from policyloop.envs.program import program_episode
-from policyloop.envs.verifiers_env import verifiers_episode
+from policyloop.envs.program import program_job, session_episode
+from policyloop.envs.verifiers_env import verifiers_job
 
 if TYPE_CHECKING:
     from policyloop.bus import Bus
@@ -38,10 +38,8 @@ def open_environment(bus: Bus, driver: Driver, reset: bus_pb2.EnvReset, *, templ
                      run_id: str, open_timeout_s: float
                      ) -> AbstractAsyncContextManager[tuple[EnvironmentEpisode, list[int]]]:
     """An episode of `driver`'s environment, reset with `reset`: the episode and its prompt's ids."""
-    if isinstance(driver, bus_pb2.EnvironmentProgram):
-        return program_episode(bus, driver, reset, template=template, job_id=job_id, run_id=run_id,
-                               open_timeout_s=open_timeout_s)
-    if isinstance(driver, bus_pb2.VerifiersEnvironment):
-        return verifiers_episode(bus, driver, reset, template=template, job_id=job_id, run_id=run_id,
-                                 open_timeout_s=open_timeout_s)
-    return openenv_episode(driver, reset, template=template)
+    if isinstance(driver, bus_pb2.OpenEnvServer):
+        return openenv_episode(driver, reset, template=template)
+    make_job = program_job if isinstance(driver, bus_pb2.EnvironmentProgram) else verifiers_job
+    return session_episode(bus, make_job(driver, job_id=job_id, run_id=run_id), reset,  # type: ignore[arg-type]
+                           template=template, open_timeout_s=open_timeout_s)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from contextlib import asynccontextmanager
 from importlib import resources
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,16 +44,17 @@ class Package(Protocol):
 
 
 def package_job(package: Package, *, worker: str, arguments: Sequence[str], job_id: str, run_id: str,
-                default_episode_s: float = DEFAULT_EPISODE_SECONDS, default_memory_bytes: int = 0,
-                requirements: Sequence[str] = ()) -> bus_pb2.SandboxJob:
-    """A session's job: `worker` with `arguments`, the package's files under env/, its limits and
-    dependencies (with `requirements` added)."""
+                step_seconds: float, default_episode_s: float = DEFAULT_EPISODE_SECONDS,
+                default_memory_bytes: int = 0, requirements: Sequence[str] = ()) -> bus_pb2.SandboxJob:
+    """A session's job: `worker` with `arguments`, the package's files under env/, its limits (a
+    step's among them) and dependencies (with `requirements` added)."""
     episode_s = package.episode_seconds or default_episode_s
     files = {worker: worker_source(worker)} | {f"{PACKAGE_DIR}/{path}": c for path, c in package.files.items()}
     job = bus_pb2.SandboxJob(
         job_id=job_id, run_id=run_id, files=files, command=["python3", "-I", worker, *arguments],
         limits=bus_pb2.SandboxLimits(wall_seconds=episode_s, cpu_seconds=episode_s, max_output_bytes=1024 * 1024,
-                                     memory_bytes=package.memory_bytes or default_memory_bytes))
+                                     memory_bytes=package.memory_bytes or default_memory_bytes),
+        session=bus_pb2.SandboxSession(step_seconds=step_seconds))
     needed = [*requirements, *package.requirements]
     if needed or package.wheels:
         job.dependencies.CopyFrom(bus_pb2.SandboxDependencies(requirements=needed, wheels=package.wheels))
@@ -62,7 +63,8 @@ def package_job(package: Package, *, worker: str, arguments: Sequence[str], job_
 
 def program_job(program: bus_pb2.EnvironmentProgram, *, job_id: str, run_id: str) -> bus_pb2.SandboxJob:
     """The session's job: the worker and the program's files, under the program's limits."""
-    return package_job(program, worker=WORKER, arguments=[program.entry], job_id=job_id, run_id=run_id)
+    return package_job(program, worker=WORKER, arguments=[program.entry], job_id=job_id, run_id=run_id,
+                       step_seconds=program.step_seconds or DEFAULT_STEP_SECONDS)
 
 
 class ProgramClient:
@@ -91,22 +93,12 @@ class ProgramClient:
 
 
 @asynccontextmanager
-async def session_episode(bus: Bus, job: bus_pb2.SandboxJob, reset: bus_pb2.EnvReset, *, step_seconds: float,
-                          template: ChatTemplate, open_timeout_s: float
-                          ) -> AsyncIterator[tuple[EnvironmentEpisode, list[int]]]:
-    """An episode of the environment `job` runs, in a sandbox session of its own, reset with
-    `reset`: the episode and its prompt's token ids. The session is closed on exit, however the
-    episode ended."""
-    async with Session(bus, job, kind=SESSION_KIND, step_seconds=step_seconds,
+async def session_episode(bus: Bus, job: bus_pb2.SandboxJob, reset: bus_pb2.EnvReset, *, template: ChatTemplate,
+                          open_timeout_s: float) -> AsyncIterator[tuple[EnvironmentEpisode, list[int]]]:
+    """An episode of the environment `job` runs (program_job, verifiers_job), in a sandbox session
+    of its own under the job's step limit, reset with `reset`: the episode and its prompt's token
+    ids. The session is closed on exit, however the episode ended."""
+    async with Session(bus, job, kind=SESSION_KIND, step_seconds=job.session.step_seconds,
                        open_timeout_s=open_timeout_s) as session:
         episode = EnvironmentEpisode(ProgramClient(session), template)
         yield episode, await episode.open(reset)
-
-
-def program_episode(bus: Bus, program: bus_pb2.EnvironmentProgram, reset: bus_pb2.EnvReset, *,
-                    template: ChatTemplate, job_id: str, run_id: str, open_timeout_s: float
-                    ) -> AbstractAsyncContextManager[tuple[EnvironmentEpisode, list[int]]]:
-    """An episode of a team's program (see session_episode)."""
-    return session_episode(bus, program_job(program, job_id=job_id, run_id=run_id), reset,
-                           step_seconds=program.step_seconds or DEFAULT_STEP_SECONDS, template=template,
-                           open_timeout_s=open_timeout_s)

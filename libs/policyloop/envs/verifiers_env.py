@@ -12,16 +12,11 @@ installed (the CLI's machine), one TaskSpec per row with the row as its prompt_t
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
-from contextlib import AbstractAsyncContextManager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
-from policyloop.envs.chat_env import ChatTemplate, EnvironmentEpisode
-from policyloop.envs.program import package_job, session_episode
-
-if TYPE_CHECKING:
-    from policyloop.bus import Bus
+from policyloop.envs.program import package_job
 
 VERIFIERS_REQUIREMENT = "verifiers==0.3.1"
 """The release the worker speaks to (its classic API): installed in the sessions beside the
@@ -37,18 +32,10 @@ def verifiers_job(environment: bus_pb2.VerifiersEnvironment, *, job_id: str, run
     names_verifiers = any(r.strip().lower().startswith("verifiers") for r in environment.requirements)
     return package_job(environment, worker=WORKER,
                        arguments=[environment.environment_id, environment.arguments_json or "{}"],
-                       job_id=job_id, run_id=run_id, default_episode_s=DEFAULT_EPISODE_SECONDS,
+                       job_id=job_id, run_id=run_id, step_seconds=environment.step_seconds or DEFAULT_STEP_SECONDS,
+                       default_episode_s=DEFAULT_EPISODE_SECONDS,
                        default_memory_bytes=DEFAULT_MEMORY_BYTES,
                        requirements=[] if names_verifiers else [VERIFIERS_REQUIREMENT])
-
-
-def verifiers_episode(bus: Bus, environment: bus_pb2.VerifiersEnvironment, reset: bus_pb2.EnvReset, *,
-                      template: ChatTemplate, job_id: str, run_id: str, open_timeout_s: float
-                      ) -> AbstractAsyncContextManager[tuple[EnvironmentEpisode, list[int]]]:
-    """An episode of a verifiers environment (see program.session_episode)."""
-    return session_episode(bus, verifiers_job(environment, job_id=job_id, run_id=run_id), reset,
-                           step_seconds=environment.step_seconds or DEFAULT_STEP_SECONDS, template=template,
-                           open_timeout_s=open_timeout_s)
 
 
 def row_task(row: Mapping[str, Any]) -> loop_pb2.TaskSpec:
@@ -65,10 +52,6 @@ def dataset_tasks(environment_id: str, arguments: Mapping[str, Any], *, count: i
     import verifiers as vf  # the official library, here only to read the environment's datasets
 
     env = vf.load_environment(environment_id, **arguments)
-    train = _rows(env.get_dataset(n=count)) if env.build_dataset() is not None else []
-    held_out = _rows(env.get_eval_dataset(n=eval_count)) if env.build_eval_dataset() is not None else []
+    train = env.get_dataset(n=count) if env.build_dataset() is not None else []
+    held_out = env.get_eval_dataset(n=eval_count) if env.build_eval_dataset() is not None else []
     return [row_task(r) for r in train], [row_task(r) for r in held_out]
-
-
-def _rows(dataset: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    return list(dataset)
