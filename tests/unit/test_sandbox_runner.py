@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -250,4 +251,22 @@ def test_a_job_outcome_is_one_bounded_word() -> None:
     names = {job_outcome(bus_pb2.SandboxResult(exit_code=-9, limit_hit=value))
              for value in bus_pb2.SandboxLimit.values() if value}
     assert names == {"wall_time", "cpu_time", "memory", "processes", "file_size", "output", "step_time",
-                     "abandoned"}
+                     "abandoned", "close_grace"}
+
+
+async def test_a_closed_session_that_lingers_is_killed_for_the_grace_not_the_wall_clock(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.sandbox import runner
+
+    monkeypatch.setattr(runner, "CLOSE_GRACE_S", 0.05)
+    loop = asyncio.get_running_loop()
+    closed = loop.create_future()
+    closed.set_result(bus_pb2.SANDBOX_LIMIT_NONE)  # the caller closed it
+    never, flooded = loop.create_future(), loop.create_future()  # the process does not exit
+    limits = runner.JobLimits(wall_seconds=60)
+    ending = await runner._until_ending(never, flooded, None, closed, limits, time.monotonic())
+    assert ending == (True, False, bus_pb2.SANDBOX_LIMIT_CLOSE_GRACE)
+    assert runner.classify(runner.JobEnding(returncode=-9, cpu_seconds=0.1, watchdog=ending[2]), limits) \
+        == bus_pb2.SANDBOX_LIMIT_CLOSE_GRACE
+    # Closed with less wall time left than the grace: the wall clock is what ended it.
+    ending = await runner._until_ending(never, flooded, None, closed, limits, time.monotonic() - 59.99)
+    assert ending == (True, True, bus_pb2.SANDBOX_LIMIT_NONE)

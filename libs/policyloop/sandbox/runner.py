@@ -313,7 +313,7 @@ def classify(ending: JobEnding, limits: JobLimits) -> bus_pb2.SandboxLimit:
     """The limit that stopped the job (or that it ran into), most decisive first."""
     if ending.timed_out:
         return L.SANDBOX_LIMIT_WALL_TIME
-    if ending.watchdog in (L.SANDBOX_LIMIT_STEP_TIME, L.SANDBOX_LIMIT_ABANDONED):
+    if ending.watchdog in (L.SANDBOX_LIMIT_STEP_TIME, L.SANDBOX_LIMIT_ABANDONED, L.SANDBOX_LIMIT_CLOSE_GRACE):
         return ending.watchdog
     if ending.watchdog == L.SANDBOX_LIMIT_OUTPUT:  # ended for its output: what it used meanwhile is moot
         return L.SANDBOX_LIMIT_OUTPUT
@@ -859,7 +859,9 @@ async def _until_ending(exited: asyncio.Future[int], flooded: asyncio.Future[boo
             return True, False, ended
         left = limits.wall_seconds - (time.monotonic() - started)
         closed, _ = await asyncio.wait({exited}, timeout=max(0.0, min(CLOSE_GRACE_S, left)))
-        return (False, False, L.SANDBOX_LIMIT_NONE) if exited in closed else (True, True, L.SANDBOX_LIMIT_NONE)
+        if exited in closed:
+            return False, False, L.SANDBOX_LIMIT_NONE
+        return (True, True, L.SANDBOX_LIMIT_NONE) if left <= CLOSE_GRACE_S else (True, False, L.SANDBOX_LIMIT_CLOSE_GRACE)
     if watching is not None and watching in done:
         return True, False, watching.result()
     if flooded in done:

@@ -26,6 +26,7 @@ class SandboxLimit(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SANDBOX_LIMIT_OUTPUT: _ClassVar[SandboxLimit]
     SANDBOX_LIMIT_STEP_TIME: _ClassVar[SandboxLimit]
     SANDBOX_LIMIT_ABANDONED: _ClassVar[SandboxLimit]
+    SANDBOX_LIMIT_CLOSE_GRACE: _ClassVar[SandboxLimit]
 
 class SandboxAccounting(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -46,6 +47,7 @@ SANDBOX_LIMIT_FILE_SIZE: SandboxLimit
 SANDBOX_LIMIT_OUTPUT: SandboxLimit
 SANDBOX_LIMIT_STEP_TIME: SandboxLimit
 SANDBOX_LIMIT_ABANDONED: SandboxLimit
+SANDBOX_LIMIT_CLOSE_GRACE: SandboxLimit
 SANDBOX_ACCOUNTING_UNSPECIFIED: SandboxAccounting
 SANDBOX_ACCOUNTING_CGROUP: SandboxAccounting
 SANDBOX_ACCOUNTING_RLIMIT: SandboxAccounting

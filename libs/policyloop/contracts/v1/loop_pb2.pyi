@@ -56,6 +56,7 @@ SANDBOX_LIMIT_FILE_SIZE: _bus_pb2.SandboxLimit
 SANDBOX_LIMIT_OUTPUT: _bus_pb2.SandboxLimit
 SANDBOX_LIMIT_STEP_TIME: _bus_pb2.SandboxLimit
 SANDBOX_LIMIT_ABANDONED: _bus_pb2.SandboxLimit
+SANDBOX_LIMIT_CLOSE_GRACE: _bus_pb2.SandboxLimit
 SANDBOX_ACCOUNTING_UNSPECIFIED: _bus_pb2.SandboxAccounting
 SANDBOX_ACCOUNTING_CGROUP: _bus_pb2.SandboxAccounting
 SANDBOX_ACCOUNTING_RLIMIT: _bus_pb2.SandboxAccounting
