@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+import urllib.request
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -13,6 +16,7 @@ from aiohttp import web
 from google.protobuf.message import Message
 
 from policyloop.bus import Bus
+from policyloop.common.ports import free_port
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 
 M = TypeVar("M", bound=Message)
@@ -270,3 +274,28 @@ async def the_one_dead_letter(bus: Bus, task_id: str, timeout_s: float) -> bus_p
     assert all(t.task_id != task_id for t in await stored_samples(bus, "ROLLOUTS"))
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     return letter
+
+
+@contextmanager
+def openenv_server(directory: Path, app: str, log_dir: Path) -> Iterator[str]:
+    """An OpenEnv environment's ASGI `app` ("module:attribute" in `directory`) served by uvicorn
+    on a free loopback port, as its authors serve one: its URL, once /health answers."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log_dir / f"openenv-{port}.log", "wb") as log:
+        server = subprocess.Popen([sys.executable, "-m", "uvicorn", app, "--host", "127.0.0.1", "--port", str(port)],
+                                  cwd=directory, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    raise AssertionError(f"the OpenEnv server {app} did not come up (exit {server.poll()})") from None
+                time.sleep(0.2)
+        yield url
+    finally:
+        server.kill()
+        server.wait(timeout=10)

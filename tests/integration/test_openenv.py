@@ -1,12 +1,17 @@
-"""OpenEnv environments through the real rollout and reward services, with the chat model: a real
-OpenEnv server (the echo environment the pinned `openenv` library generates with `openenv init`,
-served by its own `create_app` under uvicorn, no Docker) driven by the official client, a session
-per episode. Its reset is the prompt, the model's prose is the action, the echo comes back as the
-observation, and the rewards it gives (0.1 a character, at most 1) land on the model's turns. A server
-that cannot be reached fails the task with the reason: retried, then dead-lettered."""
+"""OpenEnv environments trained on the cluster with the chat model: a real OpenEnv server (the
+example's sums quiz, examples/environments/openenv/sums_quiz.py, written with the pinned `openenv`
+library's Environment and served by its own `create_app` under uvicorn, no Docker) driven by the
+official client, a session per episode. It is submitted with the CLI and the learner trains on its
+episodes: the reset's question is the prompt, the model's prose is the action, the verdicts come
+back as observations the loss never sees, and the rewards the server gives land on the model's
+turns. A server that cannot be reached fails its task with the reason: retried, then
+dead-lettered, never trained."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import re
 import subprocess
 import sys
 import urllib.request
@@ -22,16 +27,13 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.models.chat_format import parse_assistant
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import eventually, stored, stored_samples
+from tests.helpers import eventually, openenv_server, stored_samples, the_one_dead_letter
 
 pytest.importorskip("openenv.core", reason="the openenv extra (pip install policyloop[openenv])")
 
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "environments" / "openenv"
 MODEL, ENVIRONMENT = bus_pb2.Turn.ROLE_MODEL, bus_pb2.Turn.ROLE_ENVIRONMENT
-ECHO_APP = """from openenv.core.env_server import create_app
-from echo_env.models import EchoAction, EchoObservation
-from echo_env.server.echo_env_environment import EchoEnvironment
-app = create_app(EchoEnvironment, EchoAction, EchoObservation, env_name="echo_env", max_concurrent_envs=16)
-"""
+STEPS, GROUPS_PER_STEP, GROUP_SIZE = 2, 2, 4
 
 
 @pytest.fixture(scope="module")
@@ -40,82 +42,78 @@ def chat_model_dir(request: pytest.FixtureRequest) -> Path:
 
 
 @pytest.fixture
-def echo_server(tmp_path: Path) -> Iterator[str]:
-    """The echo environment as `openenv init` makes it, served on a free port."""
-    subprocess.run([sys.executable, "-m", "openenv.cli", "init", "echo_env", "-o", str(tmp_path)], check=True,
-                   capture_output=True, timeout=120)
-    (tmp_path / "echo_app.py").write_text(ECHO_APP)
-    port = free_port()
-    with open(tmp_path / "echo.log", "wb") as log:
-        server = subprocess.Popen([sys.executable, "-m", "uvicorn", "echo_app:app", "--host", "127.0.0.1",
-                                   "--port", str(port)], cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, server)
+def quiz_server(tmp_path: Path) -> Iterator[str]:
+    with openenv_server(EXAMPLE, "sums_quiz:app", tmp_path) as url:
         yield url
-    finally:
-        server.kill()
-        server.wait(timeout=10)
 
 
-def _wait_healthy(url: str, server: subprocess.Popen) -> None:  # type: ignore[type-arg]
-    import time
-
-    deadline = time.monotonic() + 120
-    while server.poll() is None and time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError(f"the echo server did not come up (exit {server.poll()})")
+def last_number(text: str) -> int | None:
+    numbers = re.findall(r"-?\d+", text)
+    return int(numbers[-1]) if numbers else None
 
 
-def echo_task(task_id: str, base_url: str, seed: int) -> bus_pb2.Task:
-    return bus_pb2.Task(
-        task_id=task_id, run_id="r", environment="echo@v1", group_size=4, max_turns=2,
-        prompt_text="Say something; it is echoed back to you.",
-        sampling=bus_pb2.SamplingParams(max_new_tokens=64, temperature=1.0, seed=seed),
+@pytest.mark.timeout(420)
+async def test_an_openenv_environment_trains_on_the_cluster(
+        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, quiz_server: str, redis_client,  # type: ignore[no-untyped-def]
+        tmp_path: Path) -> None:
+    import grpc
+
+    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+    from policyloop.ledger import audit_bus
+    from policyloop.state import VersionRegistry
+
+    loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP)
+    gateway, rollout = loop["gateway"], loop["rollout"]
+    tasks = tmp_path / "quiz.jsonl"
+    tasks.write_text("\n".join(json.dumps({"metadata": {"seed": str(seed)}}) for seed in range(12)))
+    submitted = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "policyloop", "env", "submit", str(tasks), "--name", "quiz", "--openenv", quiz_server,
+        "--action-field", "answer", "--observation-field", "message", "--max-turns", "2", "--max-new-tokens", "48",
+        "--group-size", str(GROUP_SIZE), "--gateway", f"127.0.0.1:{gateway.ports['grpc']}"],
+        capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert json.loads(submitted.stdout) == {"environment": "quiz@v1", "tasks": 12, "group_size": GROUP_SIZE,
+                                            "created": True}
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
+        await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
+            run_id="quiz-run", num_tasks=STEPS * GROUPS_PER_STEP,
+            environments=[loop_pb2.EnvironmentMix(environment="quiz@v1", weight=1)]))
+    # Beside the run, a task of a server nobody runs.
+    gone = bus_pb2.Task(
+        task_id="gone", run_id="other", environment="gone@v1", group_size=1, max_turns=2,
+        sampling=bus_pb2.SamplingParams(max_new_tokens=16), metadata={"seed": "1"},
         scorer=bus_pb2.Scorer(environment_reward=bus_pb2.EnvironmentRewardScorer()),
-        openenv=bus_pb2.OpenEnvServer(base_url=base_url, action_field="message", observation_field="echoed_message",
-                                      step_seconds=20))
+        openenv=bus_pb2.OpenEnvServer(base_url=f"http://127.0.0.1:{free_port()}", action_field="answer",
+                                      step_seconds=10))
+    await bus.publish(tasks_subject("gone@v1"), gone, "gone")
+    versions = VersionRegistry(redis_client, "default")
 
+    async def trained() -> bool:
+        return (await versions.get("policy") or 0) >= STEPS
 
-@pytest.mark.timeout(300)
-async def test_an_openenv_server_drives_each_episode_in_a_session_of_its_own(
-        bus: Bus, services: ServiceLauncher, chat_model_dir: Path, echo_server: str) -> None:
-    reward = services.start("reward")
-    rollout = services.start("rollout", env={"POLICYLOOP_MODEL_PATH": str(chat_model_dir), "POLICYLOOP_MAX_LAG": "-1"})
-    await services.wait_healthy(reward, rollout, timeout_s=120)
-    for seed in range(2):
-        await bus.publish(tasks_subject("echo@v1"), echo_task(f"e{seed}", echo_server, seed), f"e{seed}")
-    await bus.publish(tasks_subject("echo@v1"), echo_task("gone", f"http://127.0.0.1:{free_port()}", 9), "gone")
-
-    async def all_scored() -> bool:
-        return len(await stored_samples(bus, "TRAJECTORIES")) == 4 * 2
-
-    await eventually(all_scored, timeout_s=240, what="every episode scored")
+    await eventually(trained, timeout_s=300, what=f"{STEPS} learner steps on the quiz's episodes")
+    audited = await audit_bus(bus, "quiz-run")
+    episodes = STEPS * GROUPS_PER_STEP * GROUP_SIZE
+    assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (episodes, episodes, 0, 0)
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
-    for traj in await stored_samples(bus, "TRAJECTORIES"):
-        validate_trajectory(traj)
-        prompt = tokenizer.decode(traj.prompt_token_ids)
-        # The task's instructions as the system turn, the reset's observation as the user's.
-        assert "Say something" in prompt and "Echo Env environment ready!" in prompt
+    for traj in [t for t in await stored_samples(bus, "TRAJECTORIES") if t.run_id == "quiz-run"]:
+        validate_trajectory(traj)  # turns cover the response; only the model's tokens are trained on
+        # The reset's observation, the question, is the user's turn.
+        a, op, b = re.search(r"What is (\d) ([+-]) (\d)\?", tokenizer.decode(traj.prompt_token_ids)).groups()
+        result = int(a) + int(b) if op == "+" else int(a) - int(b)
         model_turns = [t for t in traj.turns if t.role == MODEL]
-        assert [t.role for t in traj.turns] == [MODEL, ENVIRONMENT, MODEL]  # echo is never done: max_turns ends it
-        for turn in model_turns:
-            said = parse_assistant(turn.text).content or turn.text
-            assert turn.reward == pytest.approx(min(0.1 * len(said), 1.0))  # the echo's reward
-        observed = traj.turns[1]
-        assert not any(traj.loss_mask[observed.start:observed.end])
-        assert (parse_assistant(model_turns[0].text).content or model_turns[0].text) in observed.text
+        answers = [last_number(parse_assistant(t.text).content or t.text) for t in model_turns]
+        # The server's rule, recomputed: right at the first try 1 (done), at the second 0.5.
+        assert [t.reward for t in model_turns] == [1.0 if n == result else 0.0 for n in answers[:1]] + [
+            0.5 if n == result else 0.0 for n in answers[1:]]
+        assert len(model_turns) == (1 if answers[0] == result else 2)
         assert traj.reward == pytest.approx(sum(t.reward for t in model_turns))
+        if len(model_turns) == 2:  # the verdict: an observation, never trained on
+            verdict = traj.turns[1]
+            assert verdict.role == ENVIRONMENT and f"No. Try again: What is {a} {op} {b}?" in verdict.text
+            assert not any(traj.loss_mask[verdict.start:verdict.end])
 
-    async def dead_lettered() -> bool:
-        return len(await stored(bus, "DLQ", bus_pb2.DeadLetter)) == 1
-
-    await eventually(dead_lettered, timeout_s=120, what="the unreachable server's task dead-lettered")
-    [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+    letter = await the_one_dead_letter(bus, "gone", timeout_s=120)
     assert "OpenEnv server" in letter.reason and "no session" in letter.reason
     with urllib.request.urlopen(f"http://127.0.0.1:{rollout.ports['http']}/metrics", timeout=5) as r:
-        assert 'policyloop_environment_failures_total{environment="echo@v1"}' in r.read().decode()
+        assert 'policyloop_environment_failures_total{environment="gone@v1"}' in r.read().decode()
