@@ -861,7 +861,9 @@ async def _until_ending(exited: asyncio.Future[int], flooded: asyncio.Future[boo
         closed, _ = await asyncio.wait({exited}, timeout=max(0.0, min(CLOSE_GRACE_S, left)))
         if exited in closed:
             return False, False, L.SANDBOX_LIMIT_NONE
-        return (True, True, L.SANDBOX_LIMIT_NONE) if left <= CLOSE_GRACE_S else (True, False, L.SANDBOX_LIMIT_CLOSE_GRACE)
+        if left <= CLOSE_GRACE_S:
+            return True, True, L.SANDBOX_LIMIT_NONE
+        return True, False, L.SANDBOX_LIMIT_CLOSE_GRACE
     if watching is not None and watching in done:
         return True, False, watching.result()
     if flooded in done:
