@@ -28,6 +28,7 @@ from policyloop.runtime import ServiceContext, ServiceSettings, run_main, run_pu
 from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.deps import MOUNT as DEPENDENCIES_MOUNT
 from policyloop.sandbox.deps import DependenciesFailed, DependencyInstaller
+from policyloop.sandbox.forked import ForkedSessions
 from policyloop.sandbox.runner import (
     Conversation,
     JobLimits,
@@ -89,6 +90,19 @@ class SandboxSettings(ServiceSettings):
                         "only the wheels uploaded with them).")
     dependency_install_timeout_s: float = Field(600.0, gt=0,
                                                 description="Most seconds one dependency set's install takes.")
+    forked_sessions: bool = Field(
+        True, description="Sessions that ask for it (their script defines prepare(), as the verifiers worker does) "
+                          "fork from one process per environment version that prepared once: seconds of imports "
+                          "paid once, not per episode. Such sessions share that process's sandbox (filesystems, pid "
+                          "namespace); each is still a process with its own cgroup, limits and result. Off: each "
+                          "session is a sandbox of its own.")
+    prepared_process_seconds: float = Field(
+        900.0, gt=0, description="How long one prepared process serves sessions (it takes none that would outlive "
+                                 "it; the next session prepares a new one).")
+    prepared_process_idle_seconds: float = Field(
+        120.0, gt=0, description="A prepared process with no session for this long ends.")
+    prepared_processes: int = Field(4, ge=1, description="Most idle prepared processes kept (the least recently "
+                                                        "used ends first).")
 
 
 @dataclass
@@ -103,6 +117,7 @@ class SandboxReplica:
     uids: JobUids
     defaults: JobLimits
     ceiling: JobLimits
+    forked: ForkedSessions | None = None
 
     def expired(self, job: bus_pb2.SandboxJob) -> bool:
         """Its caller gave up waiting (and asks again under a new job id if it still wants it)."""
@@ -124,6 +139,8 @@ class SandboxReplica:
             except DependenciesFailed as exc:
                 return bus_pb2.SandboxResult(job_id=job.job_id, exit_code=-1, error=f"dependencies: {exc}",
                                              sandbox_instance=self.settings.instance_id)
+        if conversation is not None and job.session.prepared and self.forked is not None:
+            return await self.forked.run(job, limits, conversation, mounts)
         return await run_job(job, limits, instance=self.settings.instance_id, uids=self.uids, cgroups=self.cgroups,
                              conversation=conversation, read_only=mounts)
 
@@ -204,9 +221,16 @@ async def body(ctx: ServiceContext) -> None:
             ctx.bus, ctx.bus.topology.consumers["sandbox-sessions"], bus_pb2.SandboxJob, replica.handle_session,
             service="sandbox", concurrency=settings.session_concurrency, validator=validate_sandbox_session,
         ))
+    if settings.forked_sessions:
+        replica.forked = ForkedSessions(
+            instance=settings.instance_id, uids=replica.uids, cgroups=cgroups,
+            lifetime_s=settings.prepared_process_seconds, idle_s=settings.prepared_process_idle_seconds,
+            max_parents=settings.prepared_processes)
     try:
         await run_pull_workers(ctx, *workers)
     finally:
+        if replica.forked is not None:
+            await replica.forked.close()
         if cgroups is not None:
             cgroups.remove_parents()
 

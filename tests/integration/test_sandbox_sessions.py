@@ -10,7 +10,7 @@ import pytest
 
 from policyloop.bus import Bus
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
+from policyloop.sandbox.runner import JobUids, SandboxUnavailable, check_isolation
 from policyloop.sandbox.session import Session, SessionEnded
 from tests.conftest import ServiceLauncher
 from tests.helpers import eventually
@@ -167,3 +167,113 @@ async def test_a_session_imports_its_dependencies_installed_once_read_only(bus: 
             if path.is_dir() and not path.is_symlink():
                 path.chmod(0o755)
         shutil.rmtree(deps_dir, ignore_errors=True)
+
+
+# A session that prepares once: prepare() runs in the prepared process, each episode in a fork of it.
+PREPARED = b'''
+import os, sys, time
+PREPARED_BY = None
+
+def prepare(tag):
+    global PREPARED_BY
+    if tag == "broken":
+        raise FileNotFoundError("orders.parquet")
+    PREPARED_BY = f"{tag}:{os.getpid()}:{time.time_ns()}"
+    def episode():
+        total = 0
+        for line in sys.stdin:
+            word, _, arg = line.strip().partition(" ")
+            if word == "who":
+                print(PREPARED_BY, os.getppid(), flush=True)
+            elif word == "add":
+                total += int(arg)
+                print(total, flush=True)
+            elif word == "spin":
+                while True:
+                    pass
+            elif word == "exit":
+                return 3
+        return 0
+    return episode
+'''
+
+
+def prepared_job(tag: str = "desk", cpu_seconds: float = 30.0) -> bus_pb2.SandboxJob:
+    return bus_pb2.SandboxJob(job_id=f"prepared-{tag}", run_id="run-1", files={"prepared.py": PREPARED},
+                              command=["python3", "-I", "prepared.py", tag],
+                              limits=bus_pb2.SandboxLimits(wall_seconds=30, cpu_seconds=cpu_seconds),
+                              session=bus_pb2.SandboxSession(prepared=True))
+
+
+async def test_prepared_sessions_fork_from_one_process_each_its_own(bus: Bus, services: ServiceLauncher) -> None:
+    sandbox = services.start("sandbox")
+    await services.wait_healthy(sandbox, timeout_s=60)
+    answers, results = [], []
+    for n in range(2):
+        async with Session(bus, prepared_job(), kind="test", step_seconds=10, open_timeout_s=60) as session:
+            answers.append((await session.step(b"who")).decode())
+            assert await session.step(f"add {n + 5}".encode()) == str(n + 5).encode()  # its own state
+            results.append(await session.close())
+    # Prepared once: both episodes see the same preparation, each in a process of its own.
+    assert answers[0].split()[0] == answers[1].split()[0] and answers[0].startswith("desk:")
+    for result in results:
+        assert result is not None and result.exit_code == 0 and not result.error, result
+        assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_NONE and result.cpu_seconds > 0
+        assert result.accounting != bus_pb2.SANDBOX_ACCOUNTING_UNSPECIFIED and result.peak_memory_bytes > 0
+    # Its own limits and exit code, as any session.
+    async with Session(bus, prepared_job(cpu_seconds=1), kind="test", step_seconds=30, open_timeout_s=60) as session:
+        with pytest.raises(SessionEnded, match="CPU_TIME"):
+            await session.step(b"spin")
+    async with Session(bus, prepared_job(), kind="test", step_seconds=10, open_timeout_s=60) as session:
+        with pytest.raises(SessionEnded, match="exit code 3"):
+            await session.step(b"exit")
+    async with Session(bus, prepared_job(), kind="test", step_seconds=1, open_timeout_s=60) as session:
+        assert await session.step(b"add 1") == b"1"
+        with pytest.raises(SessionEnded, match="STEP_TIME"):
+            await session.step(b"spin")
+    # A preparation that fails ends the session with its reason.
+    async with Session(bus, prepared_job("broken"), kind="test", step_seconds=10, open_timeout_s=60) as session:
+        with pytest.raises(SessionEnded, match="FileNotFoundError: orders.parquet"):
+            await session.step(b"who")
+
+
+class Steps:
+    """A session's exchange without the bus: lines in, the answers kept (sandbox/runner.Conversation)."""
+
+    def __init__(self, *lines: bytes) -> None:
+        self.lines, self.answers = lines, []
+
+    async def run(self, stdin, stdout) -> int:  # type: ignore[no-untyped-def]
+        for line in self.lines:
+            stdin.write(line + b"\n")
+            await stdin.drain()
+            self.answers.append(await stdout.readline())
+        stdin.close()
+        return bus_pb2.SANDBOX_LIMIT_NONE
+
+
+async def test_a_prepared_process_without_cgroups_and_its_end_when_idle() -> None:
+    """The runner's side alone, on rlimits: the session's CPU is what its parent reaped, its CPU
+    limit the kernel's; a prepared process with no session for `idle_s` ends, its job with it."""
+    from policyloop.sandbox.forked import ForkedSessions
+    from policyloop.sandbox.runner import JobLimits
+
+    forked = ForkedSessions(instance="t", uids=JobUids(), cgroups=None, idle_s=1.0)
+    limits = JobLimits(wall_seconds=30, cpu_seconds=1)
+    try:
+        steps = Steps(b"add 2", b"add 3")
+        result = await forked.run(prepared_job(), limits, steps)
+        assert steps.answers == [b"2\n", b"5\n"] and result.exit_code == 0 and not result.error, result
+        assert result.accounting == bus_pb2.SANDBOX_ACCOUNTING_RLIMIT and result.peak_memory_bytes > 0
+        result = await forked.run(prepared_job(), limits, Steps(b"spin"))
+        assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_CPU_TIME and result.cpu_seconds > 0.5, result
+        [parent] = forked.parents.values()
+        assert not parent.ended
+
+        async def ended() -> bool:
+            return not forked.parents and not forked._jobs
+
+        await eventually(ended, timeout_s=30, what="the idle prepared process ended")
+        assert not list(forked.directory.iterdir())  # its control socket's directory removed
+    finally:
+        await forked.close()

@@ -205,6 +205,14 @@ def test_a_task_or_session_that_names_nothing_to_run_is_refused() -> None:
     session.session.channel_subject, session.session.step_seconds = "_INBOX.x", -1
     with pytest.raises(InvalidMessage, match="session.step_seconds"):
         validate_sandbox_session(session)
+    session.session.step_seconds, session.session.prepared = 1, True  # a forkserver needs the script it imports
+    with pytest.raises(InvalidMessage, match="session.prepared: needs the command"):
+        validate_sandbox_session(session)
+    session.command[:] = ["python3", "-I", "worker.py"]
+    with pytest.raises(InvalidMessage, match="session.prepared"):
+        validate_sandbox_session(session)
+    session.files["worker.py"] = b"def prepare():\n    return lambda: 0\n"
+    validate_sandbox_session(session)
 
 
 async def test_what_an_environment_answers_wrong_fails_the_episode_with_the_reason() -> None:

@@ -82,6 +82,7 @@ def test_the_session_installs_the_pinned_verifiers_beside_the_environment() -> N
     assert list(job.dependencies.requirements) == [VERIFIERS_REQUIREMENT]
     assert job.limits.memory_bytes == DEFAULT_MEMORY_BYTES
     assert job.session.step_seconds == DEFAULT_STEP_SECONDS  # the first exchange loads the environment
+    assert job.session.prepared  # forked from a process that loaded it once
     # An environment that names its own verifiers release gets that one, not a second.
     environment.requirements.append("verifiers==0.3.0")
     assert list(verifiers_job(environment, job_id="j", run_id="r").dependencies.requirements) == ["verifiers==0.3.0"]

@@ -176,6 +176,10 @@ def validate_sandbox_session(job: bus_pb2.SandboxJob) -> None:
     step = job.session.step_seconds
     if not math.isfinite(step) or step < 0:
         raise InvalidMessage("session.step_seconds", f"{step} is not a number of seconds (0: the default)")
+    command = list(job.command)
+    if job.session.prepared and (len(command) < 3 or command[1] != "-I" or command[2] not in job.files):
+        raise InvalidMessage("session.prepared", "needs the command `PYTHON -I SCRIPT ARGS...`, SCRIPT one of the "
+                                                 "job's files (the forkserver imports it)")
 
 
 def validate_sandbox_job(job: bus_pb2.SandboxJob) -> None:

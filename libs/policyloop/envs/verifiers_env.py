@@ -30,12 +30,14 @@ DEFAULT_MEMORY_BYTES = 2 * 1024**3  # verifiers imports datasets, pyarrow, opena
 def verifiers_job(environment: bus_pb2.VerifiersEnvironment, *, job_id: str, run_id: str) -> bus_pb2.SandboxJob:
     """The session's job: the worker, the environment's files and its dependencies with verifiers."""
     names_verifiers = any(r.strip().lower().startswith("verifiers") for r in environment.requirements)
-    return package_job(environment, worker=WORKER,
-                       arguments=[environment.environment_id, environment.arguments_json or "{}"],
-                       job_id=job_id, run_id=run_id, step_seconds=environment.step_seconds or DEFAULT_STEP_SECONDS,
-                       default_episode_s=DEFAULT_EPISODE_SECONDS,
-                       default_memory_bytes=DEFAULT_MEMORY_BYTES,
-                       requirements=[] if names_verifiers else [VERIFIERS_REQUIREMENT])
+    job = package_job(environment, worker=WORKER,
+                      arguments=[environment.environment_id, environment.arguments_json or "{}"],
+                      job_id=job_id, run_id=run_id, step_seconds=environment.step_seconds or DEFAULT_STEP_SECONDS,
+                      default_episode_s=DEFAULT_EPISODE_SECONDS,
+                      default_memory_bytes=DEFAULT_MEMORY_BYTES,
+                      requirements=[] if names_verifiers else [VERIFIERS_REQUIREMENT])
+    job.session.prepared = True  # forked from a process that loaded the environment once (sandbox/forked.py)
+    return job
 
 
 def row_task(row: Mapping[str, Any]) -> loop_pb2.TaskSpec:

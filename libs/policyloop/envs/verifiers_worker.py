@@ -106,7 +106,15 @@ class Channel:
         self.out.write(json.dumps(answer) + "\n")
 
 
-async def episode(channel, environment_id, arguments):
+def load(environment_id, arguments_json):
+    """verifiers imported and the environment loaded: seconds of CPU, paid once per process."""
+    sys.path[:0] = [os.path.join(os.getcwd(), PACKAGE_DIR), *([DEPENDENCIES] if os.path.isdir(DEPENDENCIES) else [])]
+    import verifiers as vf
+
+    return vf.load_environment(environment_id, **json.loads(arguments_json))
+
+
+async def episode(channel, env):
     import httpx  # verifiers' own dependencies
     import verifiers as vf
     from openai import AsyncOpenAI
@@ -119,7 +127,6 @@ async def episode(channel, environment_id, arguments):
         raise Malformed("a verifiers task's prompt_text is its dataset row: a JSON object with 'prompt'")
     row.setdefault("answer", first["reset"].get("answer", ""))
     row.setdefault("example_id", 0)
-    env = vf.load_environment(environment_id, **arguments)
 
     asked = asyncio.Queue()
 
@@ -169,20 +176,38 @@ async def episode(channel, environment_id, arguments):
         turn += 1
 
 
-def main(environment_id, arguments_json):
+def failure(exc):
+    cause = exc.__cause__  # verifiers wraps what the environment raised
+    reason = f"{type(exc).__name__}: {exc}" + (f" (from {type(cause).__name__}: {cause})" if cause else "")
+    return reason[:2000]
+
+
+def run(load_environment):
+    """One episode on stdin/stdout: its exit code."""
     channel = Channel()
-    sys.path[:0] = [os.path.join(os.getcwd(), PACKAGE_DIR), *([DEPENDENCIES] if os.path.isdir(DEPENDENCIES) else [])]
     try:
-        asyncio.run(episode(channel, environment_id, json.loads(arguments_json)))
+        asyncio.run(episode(channel, load_environment()))
     except EOFError:
         return 0
     except Exception as exc:  # the environment's failure ends the episode, with its reason
         traceback.print_exc()
-        cause = exc.__cause__  # verifiers wraps what the environment raised
-        reason = f"{type(exc).__name__}: {exc}" + (f" (from {type(cause).__name__}: {cause})" if cause else "")
-        channel.answer({"error": reason[:2000]})
+        channel.answer({"error": failure(exc)})
         return 1
     return 0
+
+
+def prepare(environment_id, arguments_json="{}"):
+    """For the sandbox's forkserver (sandbox/forkserver.py): the environment loaded once, then an
+    episode per forked session."""
+    try:
+        env = load(environment_id, arguments_json)
+    except Exception as exc:
+        raise RuntimeError(failure(exc)) from None
+    return lambda: run(lambda: env)
+
+
+def main(environment_id, arguments_json):
+    return run(lambda: load(environment_id, arguments_json))
 
 
 if __name__ == "__main__":

@@ -601,12 +601,14 @@ class SandboxDependencies(_message.Message):
     def __init__(self, requirements: _Optional[_Iterable[str]] = ..., wheels: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
 
 class SandboxSession(_message.Message):
-    __slots__ = ("channel_subject", "step_seconds")
+    __slots__ = ("channel_subject", "step_seconds", "prepared")
     CHANNEL_SUBJECT_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
     channel_subject: str
     step_seconds: float
-    def __init__(self, channel_subject: _Optional[str] = ..., step_seconds: _Optional[float] = ...) -> None: ...
+    prepared: bool
+    def __init__(self, channel_subject: _Optional[str] = ..., step_seconds: _Optional[float] = ..., prepared: _Optional[bool] = ...) -> None: ...
 
 class SessionStep(_message.Message):
     __slots__ = ("line", "close")
