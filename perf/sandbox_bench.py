@@ -2,8 +2,10 @@
 (`python3 -c pass`), one at a time and two side by side, with a cgroup per job and on rlimits
 alone; the wall time of scoring one completion with the unit-test harness (two interpreters,
 four tests); and a session's (sandbox/session.py) time to its first answer and per step, on a
-process that keeps a running total. Runs the runner directly (no bus: a session step on the
-cluster adds one NATS request/reply). Prints JSON with medians.
+process that keeps a running total; and a session whose process spends `--prepare-s` of CPU
+getting ready (as a verifiers environment's imports do), run fresh and forked from a prepared
+process (sandbox/forked.py). Runs the runner directly (no bus: a session step on the cluster adds
+one NATS request/reply). Prints JSON with medians.
 
     .venv/bin/python perf/sandbox_bench.py --jobs 40
 """
@@ -18,7 +20,8 @@ import time
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
-from policyloop.sandbox.runner import JobLimits, check_isolation, run_job
+from policyloop.sandbox.forked import ForkedSessions
+from policyloop.sandbox.runner import DEFAULT_UIDS, JobLimits, check_isolation, run_job
 from policyloop.scorers.registry import sandbox_job, score_result
 
 TESTS = "".join(f"def test_{i}():\n    assert add({i}, 1) == {i + 1}\n" for i in range(4))
@@ -90,7 +93,49 @@ async def sessions(cgroups: JobCgroups | None, count: int, steps: int) -> dict:
             "session_wall_ms_median": round(1000 * statistics.median(walls), 1), "steps_per_session": steps}
 
 
-async def main(jobs: int) -> dict:
+PREPARED = b"""import sys, time
+def prepare(seconds):
+    ends = time.process_time() + float(seconds)  # getting ready: imports, loading
+    while time.process_time() < ends:
+        pass
+    def episode():
+        total = 0
+        for line in sys.stdin:
+            total += int(line)
+            print(total, flush=True)
+        return 0
+    return episode
+if __name__ == "__main__":
+    sys.exit(prepare(sys.argv[1])())
+"""
+
+
+async def prepared_sessions(cgroups: JobCgroups | None, count: int, prepare_s: float) -> dict:
+    """The same session run fresh (its process prepares every time) and forked from a prepared one."""
+    job = bus_pb2.SandboxJob(job_id="prepared", files={"prepared.py": PREPARED},
+                             command=["python3", "-I", "prepared.py", str(prepare_s)],
+                             session=bus_pb2.SandboxSession(prepared=True))
+    limits = JobLimits(wall_seconds=30, cpu_seconds=30)
+    forked = ForkedSessions(instance="bench", uids=DEFAULT_UIDS, cgroups=cgroups)
+    report = {}
+    try:
+        for name, run in (("fresh", lambda talk: run_job(job, limits, cgroups=cgroups, conversation=talk)),
+                          ("forked", lambda talk: forked.run(job, limits, talk))):
+            walls, cpus = [], []
+            for _ in range(count + (name == "forked")):  # the first forked one prepares: not counted
+                result = await run(TimedSteps(10))
+                assert result.exit_code == 0 and not result.error, result
+                walls.append(result.wall_seconds)
+                cpus.append(result.cpu_seconds)
+            walls, cpus = walls[-count:], cpus[-count:]
+            report[name] = {"session_wall_ms_median": round(1000 * statistics.median(walls), 1),
+                            "session_cpu_ms_median": round(1000 * statistics.median(cpus), 1)}
+    finally:
+        await forked.close()
+    return {"prepare_cpu_s": prepare_s, "steps_per_session": 10, **report}
+
+
+async def main(jobs: int, prepare_s: float) -> dict:
     check_isolation()
     cgroups = job_cgroups("auto")
     report: dict = {"jobs": jobs}
@@ -104,6 +149,7 @@ async def main(jobs: int) -> dict:
                 "two_side_by_side": await trivial_jobs(mode, jobs, 2),
                 "unit_test_scoring": await scoring(mode, max(4, jobs // 4)),
                 "sessions": await sessions(mode, max(4, jobs // 4), 50),
+                "prepared_sessions": await prepared_sessions(mode, max(4, jobs // 4), prepare_s),
             }
     finally:
         if cgroups is not None:
@@ -114,5 +160,7 @@ async def main(jobs: int) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--jobs", type=int, default=40, help="trivial jobs per configuration")
+    parser.add_argument("--prepare-s", type=float, default=1.0, help="CPU seconds a prepared session's process "
+                                                                     "spends getting ready")
     args = parser.parse_args()
-    print(json.dumps(asyncio.run(main(args.jobs)), indent=2))
+    print(json.dumps(asyncio.run(main(args.jobs, args.prepare_s)), indent=2))

@@ -299,3 +299,20 @@ def openenv_server(directory: Path, app: str, log_dir: Path) -> Iterator[str]:
     finally:
         server.kill()
         server.wait(timeout=10)
+
+
+async def trained_once(bus: Bus, redis_client, run_id: str, *, steps: int, samples: int,  # type: ignore[no-untyped-def]
+                       timeout_s: float) -> None:
+    """Waits for `steps` learner steps, then checks by the ledger that run `run_id`'s `samples`
+    were each generated and trained once, none lost."""
+    from policyloop.ledger import audit_bus
+    from policyloop.state import VersionRegistry
+
+    versions = VersionRegistry(redis_client, "default")
+
+    async def trained() -> bool:
+        return (await versions.get("policy") or 0) >= steps
+
+    await eventually(trained, timeout_s=timeout_s, what=f"{steps} learner steps of run {run_id}")
+    audited = await audit_bus(bus, run_id)
+    assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (samples, samples, 0, 0)

@@ -1,5 +1,5 @@
-"""Train the chat model on a verifiers environment (verifiers/vf_sums.py: a SingleTurnEnv and its
-rubric, written as verifiers' authors write one), unchanged, on a running cluster:
+"""Train the chat model on a verifiers environment (verifiers/vf_second_try.py: a MultiTurnEnv and
+its rubric, written as verifiers' authors write one), unchanged, on a running cluster:
 
     pip install 'policyloop[verifiers]'
     policyloop bootstrap --chat
@@ -7,8 +7,9 @@ rubric, written as verifiers' authors write one), unchanged, on a running cluste
     python examples/environments/train_verifiers.py --gateway 127.0.0.1:<gateway grpc port>
 
 The environment's dataset rows are the tasks; each episode runs the environment's own rollout and
-rubric in a sandbox session (`--environment vf-adder-tools --max-turns 3` for the tool one). It
-prints the rubric's mean reward as the learner trains, then the first and the last quarter.
+rubric in a sandbox session, a fork of one that loaded the environment once (`--environment vf-sums
+--max-turns 1` for the single-turn one, `vf-adder-tools --max-turns 3` for the tool one). It prints
+the rubric's mean reward as the learner trains, then the first and the last quarter.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ HERE = Path(__file__).resolve().parent / "verifiers"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gateway", required=True, help="host:port of the gateway's gRPC LoopService")
-    parser.add_argument("--environment", default="vf-sums", help="vf-sums or vf-adder-tools (in verifiers/)")
-    parser.add_argument("--max-turns", type=int, default=1, help="the environment's max_turns (tools: 3)")
+    parser.add_argument("--environment", default="vf-second-try",
+                        help="vf-second-try, vf-sums or vf-adder-tools (in verifiers/)")
+    parser.add_argument("--max-turns", type=int, default=2, help="the environment's max_turns (tools: 3)")
     parser.add_argument("--tasks", type=int, default=160, help="episodes' groups to train on")
     parser.add_argument("--group-size", type=int, default=8, help="episodes per task (a group)")
     parser.add_argument("--version", default="v1")

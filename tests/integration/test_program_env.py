@@ -20,7 +20,7 @@ from policyloop.contracts.validate import validate_trajectory
 from policyloop.envs.programs import TALLY_DESK as DESK
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import checked_tool_turns, eventually, stored_samples, the_one_dead_letter
+from tests.helpers import checked_tool_turns, stored_samples, the_one_dead_letter, trained_once
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 try:
@@ -121,8 +121,6 @@ async def test_a_program_environment_trains_on_the_cluster(
     import grpc
 
     from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
-    from policyloop.ledger import audit_bus
-    from policyloop.state import VersionRegistry
 
     traced = {"POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.2"}
     loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP, env=traced)
@@ -142,15 +140,8 @@ async def test_a_program_environment_trains_on_the_cluster(
         await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
             run_id="desk-run", num_tasks=STEPS * GROUPS_PER_STEP,
             environments=[loop_pb2.EnvironmentMix(environment="desk@v1", weight=1)]))
-    versions = VersionRegistry(redis_client, "default")
-
-    async def trained() -> bool:
-        return (await versions.get("policy") or 0) >= STEPS
-
-    await eventually(trained, timeout_s=300, what=f"{STEPS} learner steps on the desk's episodes")
-    audited = await audit_bus(bus, "desk-run")
-    assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (
-        STEPS * GROUPS_PER_STEP * 4, STEPS * GROUPS_PER_STEP * 4, 0, 0)
+    await trained_once(bus, redis_client, "desk-run", steps=STEPS, samples=STEPS * GROUPS_PER_STEP * 4,
+                       timeout_s=300)
     episodes = [t for t in await stored_samples(bus, "TRAJECTORIES") if t.run_id == "desk-run"]
     assert len(episodes) == STEPS * GROUPS_PER_STEP * 4
     steps = [e for e in learner.log_events() if e["event"] == "step"]

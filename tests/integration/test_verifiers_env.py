@@ -25,7 +25,7 @@ from policyloop.envs.verifiers_env import dataset_tasks
 from policyloop.models.chat_format import parse_assistant
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import checked_tool_turns, eventually, stored_samples, the_one_dead_letter
+from tests.helpers import checked_tool_turns, stored_samples, the_one_dead_letter, trained_once
 
 try:
     check_isolation()
@@ -55,8 +55,6 @@ async def test_a_verifiers_tool_environment_trains_on_the_cluster(
     import grpc
 
     from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
-    from policyloop.ledger import audit_bus
-    from policyloop.state import VersionRegistry
 
     loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP)
     gateway = loop["gateway"]
@@ -80,15 +78,8 @@ async def test_a_verifiers_tool_environment_trains_on_the_cluster(
         scorer=bus_pb2.Scorer(environment_reward=bus_pb2.EnvironmentRewardScorer()),
         verifiers=bus_pb2.VerifiersEnvironment(environment_id="vf_broken", files={"vf_broken.py": BROKEN}))
     await bus.publish(tasks_subject("broken@v1"), broken, "broken")
-    versions = VersionRegistry(redis_client, "default")
-
-    async def trained() -> bool:
-        return (await versions.get("policy") or 0) >= STEPS
-
-    await eventually(trained, timeout_s=360, what=f"{STEPS} learner steps on the environment's episodes")
-    audited = await audit_bus(bus, "adder-run")
     episodes = STEPS * GROUPS_PER_STEP * GROUP_SIZE
-    assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (episodes, episodes, 0, 0)
+    await trained_once(bus, redis_client, "adder-run", steps=STEPS, samples=episodes, timeout_s=360)
     tokenizer = AutoTokenizer.from_pretrained(chat_model_dir)
     calls = 0
     for traj in [t for t in await stored_samples(bus, "TRAJECTORIES") if t.run_id == "adder-run"]:

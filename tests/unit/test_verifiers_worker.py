@@ -19,12 +19,13 @@ ENVIRONMENTS = Path(__file__).resolve().parents[2] / "examples" / "environments"
 ROW = {"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5", "example_id": 0}
 
 
-def episode(tmp_path: Path, *actions: dict) -> list[dict]:
+def episode(tmp_path: Path, *actions: dict, environment: str = "vf-sums") -> list[dict]:
     """The worker's answers to a reset with ROW, then to each action."""
     (tmp_path / "env").mkdir()
-    (tmp_path / "env" / "vf_sums.py").write_bytes((ENVIRONMENTS / "vf_sums.py").read_bytes())
+    source = environment.replace("-", "_") + ".py"
+    (tmp_path / "env" / source).write_bytes((ENVIRONMENTS / source).read_bytes())
     lines = [{"reset": {"prompt_text": json.dumps(ROW), "answer": "5"}}, *({"action": a} for a in actions)]
-    done = subprocess.run([sys.executable, "-I", verifiers_worker.__file__, "vf-sums", '{"count": 2}'],
+    done = subprocess.run([sys.executable, "-I", verifiers_worker.__file__, environment, '{"count": 2}'],
                           input="".join(json.dumps(line) + "\n" for line in lines), capture_output=True, text=True,
                           cwd=tmp_path, timeout=120)
     return [json.loads(line) for line in done.stdout.splitlines()]
@@ -39,6 +40,22 @@ def test_the_rubric_scores_the_models_reply(tmp_path: Path, action: dict, reward
     opened, ended = episode(tmp_path, action)
     assert opened == {"messages": [{"role": "user", "content": "What is 2 + 3?"}], "tools_json": "[]"}
     assert ended == {"done": True, "reward": reward}
+
+
+def reply(text: str) -> dict:
+    return {"text": text, "content": text}
+
+
+@pytest.mark.parametrize(("replies", "reward"), [
+    (["2 + 3 = 6.", "2 + 3 = 5."], 0.5),
+    (["2 + 3 = 6.", "4"], 0.0),
+])
+def test_a_multi_turn_environment_answers_a_wrong_reply_and_scores_the_tries(
+        tmp_path: Path, replies: list[str], reward: float) -> None:
+    answers = episode(tmp_path, *map(reply, replies), environment="vf-second-try")
+    assert answers[1:-1] == [{"messages": [{"role": "user", "content": "No. Try again: What is 2 + 3?"}]}] * (
+        len(replies) - 1)
+    assert answers[-1] == {"done": True, "reward": reward}
 
 
 def test_a_conversation_may_only_grow() -> None:

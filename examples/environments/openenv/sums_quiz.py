@@ -1,8 +1,9 @@
 """An OpenEnv environment, written as OpenEnv's authors write one: a sums quiz with a second try.
 
-reset(seed) asks "What is a + b?" (or a - b); the reply's last number is the answer. Right at the
-first try: reward 1 and done. Wrong: "No. Try again: ..." and a second try worth 0.5; wrong again:
-0 and done. The attempts are the environment's state, one instance per session. Serve it with
+reset(seed) asks "What is a + b?" (or a - b); the reply's last number is the answer, and a reply
+that restates the expression shows its work. A try scores 0.75 for the right answer and 0.25 for
+the work shown; the first try counts fully, the second (after "No. Try again: ...") half. Right
+or out of tries: done. The attempts are the environment's state, one instance per session. Serve it with
 
     python -m uvicorn sums_quiz:app --port 8000      (from this directory)
 """
@@ -18,7 +19,8 @@ from openenv.core.env_server.types import Action, Observation, State
 from pydantic import Field
 
 NUMBER = re.compile(r"-?\d+")
-TRIES = (1.0, 0.5)  # the reward of a right answer at each try
+TRIES = (1.0, 0.5)  # what each try's score counts for
+SHOWN = 0.25        # of a try's score: the expression restated (the rest: the right answer)
 
 
 class QuizAction(Action):
@@ -34,13 +36,14 @@ class SumsQuiz(Environment):
 
     def __init__(self) -> None:
         self._state = State(episode_id=str(uuid4()), step_count=0)
-        self.question, self.result = "", 0
+        self.expression, self.question, self.result = "", "", 0
 
     def reset(self, seed: Optional[int] = None, episode_id: Optional[str] = None, **kwargs: Any) -> QuizObservation:
         rng = random.Random(seed)
         a, b, op = rng.randrange(10), rng.randrange(10), rng.choice("+-")
         a, b = (max(a, b), min(a, b)) if op == "-" else (a, b)
-        self.question, self.result = f"What is {a} {op} {b}?", a + b if op == "+" else a - b
+        self.expression, self.result = f"{a} {op} {b}", a + b if op == "+" else a - b
+        self.question = f"What is {self.expression}?"
         self._state = State(episode_id=episode_id or str(uuid4()), step_count=0)
         return QuizObservation(message=self.question, done=False, reward=0.0)
 
@@ -48,11 +51,13 @@ class SumsQuiz(Environment):
         attempt = self._state.step_count
         self._state.step_count += 1
         numbers = NUMBER.findall(action.answer)
-        if numbers and int(numbers[-1]) == self.result:
-            return QuizObservation(message="Right.", done=True, reward=TRIES[attempt])
+        right = bool(numbers) and int(numbers[-1]) == self.result
+        reward = TRIES[attempt] * ((1 - SHOWN) * right + SHOWN * (self.expression in action.answer))
+        if right:
+            return QuizObservation(message="Right.", done=True, reward=reward)
         if attempt + 1 < len(TRIES):
-            return QuizObservation(message=f"No. Try again: {self.question}", done=False, reward=0.0)
-        return QuizObservation(message=f"No, it is {self.result}.", done=True, reward=0.0)
+            return QuizObservation(message=f"No. Try again: {self.question}", done=False, reward=reward)
+        return QuizObservation(message=f"No, it is {self.result}.", done=True, reward=reward)
 
     @property
     def state(self) -> State:

@@ -120,15 +120,16 @@ class Parent:
         """The parent's lines: `forked PID` answers the fork in flight, `exited ...` ends a child."""
         try:
             while line := await self.reader.readline():
-                word, *rest = line.decode().split()
-                if word == "exited":
-                    pid, status, cpu, maxrss = rest
-                    report = ExitReport(int(status), float(cpu), int(maxrss) * 1024)
-                    waiter = self.exits.setdefault(int(pid), asyncio.get_running_loop().create_future())
-                    if not waiter.done():
-                        waiter.set_result(report)
-                else:
-                    await self.forked.put(line.decode().strip())
+                word, *rest = line.decode(errors="replace").split() or [""]
+                if word != "exited":
+                    await self.forked.put(line.decode(errors="replace").strip())
+                    continue
+                pid, status, cpu, maxrss = rest
+                waiter = self.exits.get(int(pid))  # orphans of the namespace it reaped are no session's
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(ExitReport(int(status), float(cpu), int(maxrss) * 1024))
+        except ValueError as exc:  # it runs the environment's code: a line out of protocol ends it
+            log.warning("prepared_process_out_of_protocol", key=self.key, error=repr(exc))
         finally:
             self.ended = True
             await self.forked.put("ended")
