@@ -36,7 +36,6 @@ M = TypeVar("M", bound=Message)
 DEFAULT_RETRY_DELAYS_S: tuple[float, ...] = (0.5, 2.0, 5.0, 15.0, 30.0)
 ENSURE_TIMEOUT_S = 3.0  # creating/updating the stream and consumer on (re)bind
 ENSURE_AGAIN_S = 2.0    # after binding to a consumer that could not be ensured
-TOP_UP_S = 0.005        # how long a fetch waits for more once one message is in hand
 
 
 class PermanentError(Exception):
@@ -181,7 +180,7 @@ class PullWorker(Generic[M]):
                                        timeout=self.fetch_timeout_s)
                     continue
                 try:
-                    msgs = await self._fetch(free)
+                    msgs = await self._sub.fetch(free, timeout=self.fetch_timeout_s)  # type: ignore[union-attr]
                 except (TimeoutError, nats.errors.TimeoutError):
                     # Nothing to take (nats-py raises either kind, depending on the batch size).
                     continue
@@ -201,19 +200,6 @@ class PullWorker(Generic[M]):
                 log.warning("consume_error", consumer=self.consumer.durable, error=repr(exc))
                 self._sub = None
                 await _sleep_or_stop(stop, 0.5)
-
-    async def _fetch(self, free: int) -> list[Msg]:
-        """Up to `free` messages, without holding the first back: nats-py's fetch of a batch, when
-        nothing is pending, keeps what arrives until the batch is full or its timeout (a second
-        here), so one message at a time waits for a trickle of others. The first is fetched alone
-        (it returns as soon as there is one), then what else is already pending tops it up."""
-        msgs = await self._sub.fetch(1, timeout=self.fetch_timeout_s)  # type: ignore[union-attr]
-        if free > 1:
-            try:
-                msgs += await self._sub.fetch(free - 1, timeout=TOP_UP_S)  # type: ignore[union-attr]
-            except (TimeoutError, nats.errors.TimeoutError):
-                pass
-        return msgs
 
     def _forget(self, task: asyncio.Task[None]) -> None:
         self.in_flight.pop(task, None)
