@@ -23,6 +23,7 @@ from policyloop.sandbox.cgroups import JobCgroups, job_cgroups
 from policyloop.sandbox.forked import ForkedSessions
 from policyloop.sandbox.runner import DEFAULT_UIDS, JobLimits, check_isolation, run_job
 from policyloop.scorers.registry import sandbox_job, score_result
+from policyloop.telemetry.logging import configure_logging
 
 TESTS = "".join(f"def test_{i}():\n    assert add({i}, 1) == {i + 1}\n" for i in range(4))
 
@@ -163,4 +164,5 @@ if __name__ == "__main__":
     parser.add_argument("--prepare-s", type=float, default=1.0, help="CPU seconds a prepared session's process "
                                                                      "spends getting ready")
     args = parser.parse_args()
+    configure_logging(service="perf", run_id="", instance="sandbox_bench", level="WARNING")  # stdout: JSON only
     print(json.dumps(asyncio.run(main(args.jobs, args.prepare_s)), indent=2))

@@ -112,7 +112,7 @@ def test_sandbox_bench_runs_jobs_and_scores(tmp_path: Path) -> None:
         check_isolation()
     except SandboxUnavailable as exc:
         pytest.skip(f"the sandbox cannot isolate jobs here: {exc}")
-    result = run_harness("sandbox_bench.py", "--jobs", "2", cwd=tmp_path)
+    result = run_harness("sandbox_bench.py", "--jobs", "2", "--prepare-s", "0.2", cwd=tmp_path)
     assert result["jobs"] == 2
     modes = [result["rlimit"]] + ([] if result["cgroup"] == "unavailable here" else [result["cgroup"]])
     for mode in modes:
@@ -122,6 +122,8 @@ def test_sandbox_bench_runs_jobs_and_scores(tmp_path: Path) -> None:
         sessions = mode["sessions"]
         assert sessions["steps_per_session"] == 50 and 0 < sessions["step_ms_median"] <= sessions["step_ms_p99"]
         assert sessions["first_answer_ms_median"] > 0 and sessions["session_wall_ms_median"] > 0
+        prepared = mode["prepared_sessions"]  # run fresh, then forked from a prepared process
+        assert prepared["fresh"]["session_cpu_ms_median"] > 0 and prepared["forked"]["session_wall_ms_median"] > 0
 
 
 # Slow (a whole cluster): the default run checks its figures from two scrapes

@@ -256,6 +256,7 @@ class ForkedSessions:
         # Its children are born in its cgroup and under its uid's process limit (then moved to their own).
         parent_limits = replace(limits, wall_seconds=wall, cpu_seconds=max(limits.cpu_seconds, PARENT_CPU_SECONDS),
                                 max_processes=limits.max_processes * SESSIONS_PER_PARENT + 64)
+        begun = time.monotonic()  # its wall clock runs from here, its preparation included
         running = asyncio.ensure_future(run_job(parent_job, parent_limits, instance=self.instance, uids=self.uids,
                                                 cgroups=self.cgroups, conversation=conversation,
                                                 read_only=[*read_only, (directory, CONTROL_DIR)]))
@@ -285,7 +286,7 @@ class ForkedSessions:
             raise
         finally:
             listener.close()
-        parent = Parent(key, directory, connection, reader, writer, time.monotonic(), wall, running)
+        parent = Parent(key, directory, connection, reader, writer, begun, wall, running)
         parent.reading = asyncio.ensure_future(parent.read_reports())
         self._conversations[directory.name] = conversation
         running.add_done_callback(functools.partial(self._parent_ended, parent))
