@@ -316,3 +316,27 @@ async def trained_once(bus: Bus, redis_client, run_id: str, *, steps: int, sampl
     await eventually(trained, timeout_s=timeout_s, what=f"{steps} learner steps of run {run_id}")
     audited = await audit_bus(bus, run_id)
     assert (audited.generated, audited.trained, audited.lost, audited.trained_twice) == (samples, samples, 0, 0)
+
+
+async def submit_and_start(gateway_port: int, name: str, submit_args: list[str], *, tasks: int, group_size: int,
+                           run_id: str, num_tasks: int) -> None:
+    """`policyloop env submit --name NAME SUBMIT_ARGS` against the gateway, as a user runs it (its
+    answer checked: `tasks` tasks of `group_size`, a new version), then a run of `num_tasks`
+    groups on the environment through LoopService."""
+    import json
+
+    import grpc
+
+    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+
+    gateway = f"127.0.0.1:{gateway_port}"
+    submitted = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "policyloop", "env", "submit", "--name", name, *submit_args,
+        "--group-size", str(group_size), "--gateway", gateway], capture_output=True, text=True, timeout=120)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    assert json.loads(submitted.stdout) == {"environment": f"{name}@v1", "tasks": tasks, "group_size": group_size,
+                                            "created": True}
+    async with grpc.aio.insecure_channel(gateway) as channel:
+        await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
+            run_id=run_id, num_tasks=num_tasks, environments=[loop_pb2.EnvironmentMix(environment=f"{name}@v1",
+                                                                                      weight=1)]))

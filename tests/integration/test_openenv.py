@@ -10,7 +10,6 @@ dead-lettered, never trained. Beside it, the echo environment the library itself
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import subprocess
@@ -28,7 +27,14 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.contracts.validate import validate_trajectory
 from policyloop.models.chat_format import parse_assistant
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import eventually, openenv_server, stored_samples, the_one_dead_letter, trained_once
+from tests.helpers import (
+    eventually,
+    openenv_server,
+    stored_samples,
+    submit_and_start,
+    the_one_dead_letter,
+    trained_once,
+)
 
 pytest.importorskip("openenv.core", reason="the openenv extra (pip install policyloop[openenv])")
 
@@ -74,26 +80,16 @@ def last_number(text: str) -> int | None:
 async def test_an_openenv_environment_trains_on_the_cluster(
         bus: Bus, services: ServiceLauncher, chat_model_dir: Path, quiz_server: str, echo_server: str,
         redis_client, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    import grpc
 
-    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 
     loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP)
     gateway, rollout = loop["gateway"], loop["rollout"]
     tasks = tmp_path / "quiz.jsonl"
     tasks.write_text("\n".join(json.dumps({"metadata": {"seed": str(seed)}}) for seed in range(12)))
-    submitted = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "policyloop", "env", "submit", str(tasks), "--name", "quiz", "--openenv", quiz_server,
-        "--action-field", "answer", "--observation-field", "message", "--max-turns", "2", "--max-new-tokens", "48",
-        "--group-size", str(GROUP_SIZE), "--gateway", f"127.0.0.1:{gateway.ports['grpc']}"],
-        capture_output=True, text=True, timeout=120)
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    assert json.loads(submitted.stdout) == {"environment": "quiz@v1", "tasks": 12, "group_size": GROUP_SIZE,
-                                            "created": True}
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
-        await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
-            run_id="quiz-run", num_tasks=STEPS * GROUPS_PER_STEP,
-            environments=[loop_pb2.EnvironmentMix(environment="quiz@v1", weight=1)]))
+    await submit_and_start(gateway.ports["grpc"], "quiz", [
+        str(tasks), "--openenv", quiz_server, "--action-field", "answer", "--observation-field", "message",
+        "--max-turns", "2", "--max-new-tokens", "48"], tasks=12, group_size=GROUP_SIZE, run_id="quiz-run",
+        num_tasks=STEPS * GROUPS_PER_STEP)
     # Beside the run, a task of a server nobody runs.
     gone = bus_pb2.Task(
         task_id="gone", run_id="other", environment="gone@v1", group_size=1, max_turns=2,
@@ -127,7 +123,8 @@ async def test_an_openenv_environment_trains_on_the_cluster(
         assert [t.reward for t in model_turns] == pytest.approx([
             weight * (0.75 * right + 0.25 * (f"{a} {op} {b}" in reply))
             for weight, right, reply in zip((1.0, 0.5), rights, replies, strict=False)])
-        assert len(model_turns) == (1 if rights[0] else 2)
+        # Right at the first try: done. Else a second try, unless the first used the token budget up.
+        assert len(model_turns) == 1 if rights[0] else 1 <= len(model_turns) <= 2
         assert traj.reward == pytest.approx(sum(t.reward for t in model_turns))
         if len(model_turns) == 2:  # the verdict: an observation, never trained on
             verdict = traj.turns[1]
@@ -142,11 +139,13 @@ async def test_an_openenv_environment_trains_on_the_cluster(
         validate_trajectory(traj)
         # The task's instructions as the system turn, the reset's observation as the user's.
         assert "Say something" in tokenizer.decode(traj.prompt_token_ids)
-        assert [t.role for t in traj.turns] == [MODEL, ENVIRONMENT, MODEL]  # never done: max_turns ends it
-        for turn in (traj.turns[0], traj.turns[2]):
+        # Never done: max_turns ends it (or the token budget, when the first turn used it up).
+        assert [t.role for t in traj.turns] in ([MODEL, ENVIRONMENT, MODEL], [MODEL])
+        for turn in traj.turns[::2]:
             said = parse_assistant(turn.text).content or turn.text
             assert turn.reward == pytest.approx(min(0.1 * len(said), 1.0))  # the echo's reward
-        assert (parse_assistant(traj.turns[0].text).content or traj.turns[0].text) in traj.turns[1].text
+        if len(traj.turns) == 3:
+            assert (parse_assistant(traj.turns[0].text).content or traj.turns[0].text) in traj.turns[1].text
 
     letter = await the_one_dead_letter(bus, "gone", timeout_s=120)
     assert "OpenEnv server" in letter.reason and "no session" in letter.reason

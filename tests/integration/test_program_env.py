@@ -20,7 +20,7 @@ from policyloop.contracts.validate import validate_trajectory
 from policyloop.envs.programs import TALLY_DESK as DESK
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import checked_tool_turns, stored_samples, the_one_dead_letter, trained_once
+from tests.helpers import checked_tool_turns, stored_samples, submit_and_start, the_one_dead_letter, trained_once
 from tests.otlp_receiver import OtlpReceiver, ReceivedSpan
 
 try:
@@ -113,14 +113,7 @@ async def test_a_program_environment_trains_on_the_cluster(
     each sampled once in a sandbox session of its own, each trained once, with the rewards the
     desk gave; each reset and step is a span of its sample's trace. A program that fails fails its
     task with the reason: retried, then dead-lettered, never trained."""
-    import asyncio
     import json
-    import subprocess
-    import sys
-
-    import grpc
-
-    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 
     traced = {"POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.2"}
     loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP, env=traced)
@@ -130,16 +123,9 @@ async def test_a_program_environment_trains_on_the_cluster(
     await bus.publish(tasks_subject("broken@v1"), broken, "broken")
     tasks = tmp_path / "desk.jsonl"
     tasks.write_text("\n".join(json.dumps({"metadata": {"seed": str(seed)}}) for seed in range(20)))
-    submitted = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "policyloop", "env", "submit", str(tasks), "--name", "desk", "--program", str(DESK),
-        "--entry", "tally_desk:TallyDesk", "--max-turns", "3", "--max-new-tokens", "96", "--group-size", "4",
-        "--gateway", f"127.0.0.1:{gateway.ports['grpc']}"], capture_output=True, text=True, timeout=120)
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    assert json.loads(submitted.stdout) == {"environment": "desk@v1", "tasks": 20, "group_size": 4, "created": True}
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
-        await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
-            run_id="desk-run", num_tasks=STEPS * GROUPS_PER_STEP,
-            environments=[loop_pb2.EnvironmentMix(environment="desk@v1", weight=1)]))
+    await submit_and_start(gateway.ports["grpc"], "desk", [
+        str(tasks), "--program", str(DESK), "--entry", "tally_desk:TallyDesk", "--max-turns", "3",
+        "--max-new-tokens", "96"], tasks=20, group_size=4, run_id="desk-run", num_tasks=STEPS * GROUPS_PER_STEP)
     await trained_once(bus, redis_client, "desk-run", steps=STEPS, samples=STEPS * GROUPS_PER_STEP * 4,
                        timeout_s=300)
     episodes = [t for t in await stored_samples(bus, "TRAJECTORIES") if t.run_id == "desk-run"]

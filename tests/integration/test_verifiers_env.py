@@ -8,10 +8,7 @@ with the reason: retried, dead-lettered, never trained."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +22,7 @@ from policyloop.envs.verifiers_env import dataset_tasks
 from policyloop.models.chat_format import parse_assistant
 from policyloop.sandbox.runner import SandboxUnavailable, check_isolation
 from tests.conftest import ServiceLauncher, prebuilt_model
-from tests.helpers import checked_tool_turns, stored_samples, the_one_dead_letter, trained_once
+from tests.helpers import checked_tool_turns, stored_samples, submit_and_start, the_one_dead_letter, trained_once
 
 try:
     check_isolation()
@@ -52,24 +49,14 @@ async def test_a_verifiers_tool_environment_trains_on_the_cluster(
     through the gateway: the learner trains on its episodes, each sampled and trained once, with
     the rubric's rewards; its tool results are observations the loss never sees. A broken
     environment's task is retried, then dead-lettered with the reason."""
-    import grpc
 
-    from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 
     loop = await services.start_loop(chat_model_dir, GROUPS_PER_STEP)
     gateway = loop["gateway"]
-    submitted = await asyncio.to_thread(subprocess.run, [
-        sys.executable, "-m", "policyloop", "env", "submit", "--name", "adder", "--verifiers", "vf-adder-tools",
-        "--env-source", str(ENVIRONMENTS / "vf_adder_tools.py"), "--env-args", '{"count": 12, "eval_count": 4}',
-        "--max-turns", "3", "--max-new-tokens", "64", "--group-size", str(GROUP_SIZE),
-        "--gateway", f"127.0.0.1:{gateway.ports['grpc']}"], capture_output=True, text=True, timeout=120)
-    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
-    assert json.loads(submitted.stdout) == {"environment": "adder@v1", "tasks": 12, "group_size": GROUP_SIZE,
-                                            "created": True}
-    async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
-        await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
-            run_id="adder-run", num_tasks=STEPS * GROUPS_PER_STEP,
-            environments=[loop_pb2.EnvironmentMix(environment="adder@v1", weight=1)]))
+    await submit_and_start(gateway.ports["grpc"], "adder", [
+        "--verifiers", "vf-adder-tools", "--env-source", str(ENVIRONMENTS / "vf_adder_tools.py"),
+        "--env-args", '{"count": 12, "eval_count": 4}', "--max-turns", "3", "--max-new-tokens", "64"],
+        tasks=12, group_size=GROUP_SIZE, run_id="adder-run", num_tasks=STEPS * GROUPS_PER_STEP)
     # Beside the run, a task of an environment that cannot load.
     [row], _ = dataset_tasks_on_path("vf-adder-tools", {"count": 1, "eval_count": 1})
     broken = bus_pb2.Task(
