@@ -67,8 +67,10 @@ def assert_same_figures(model: torch.nn.Module, prompts: list[list[int]], respon
     assert len(shared_grads) == len(plain_grads)
     for got, want in zip(shared_grads, plain_grads, strict=True):
         assert torch.isfinite(got).all()
-        # Float rounding differs between the two orders of summation: compare each tensor whole.
-        assert float((got - want).norm()) <= 1e-4 * float(want.norm()) + 1e-7
+        # Float rounding differs between the two orders of summation: compare each tensor whole. A
+        # tensor the loss does not reach (a gradient of exactly 0 one way) gets rounding noise the
+        # other way (~3e-6 seen): the absolute floor is the losses' own (1e-5).
+        assert float((got - want).norm()) <= 1e-4 * float(want.norm()) + 1e-5
 
 
 def test_groups_with_prompts_of_several_lengths_give_the_plain_figures(model: torch.nn.Module) -> None:
