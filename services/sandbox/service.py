@@ -225,7 +225,7 @@ async def body(ctx: ServiceContext) -> None:
         replica.forked = ForkedSessions(
             instance=settings.instance_id, uids=replica.uids, cgroups=cgroups,
             lifetime_s=settings.prepared_process_seconds, idle_s=settings.prepared_process_idle_seconds,
-            max_parents=settings.prepared_processes)
+            max_parents=settings.prepared_processes, sessions_at_once=settings.session_concurrency)
     try:
         await run_pull_workers(ctx, *workers)
     finally:

@@ -195,6 +195,9 @@ def prepare(tag):
                 return 3
         return 0
     return episode
+
+if __name__ == "__main__":  # run fresh, when the sandbox forks no sessions
+    sys.exit(prepare(sys.argv[1])())
 '''
 
 
@@ -237,6 +240,17 @@ async def test_prepared_sessions_fork_from_one_process_each_its_own(bus: Bus, se
             await session.step(b"who")
 
 
+async def test_without_forked_sessions_each_prepared_session_prepares_afresh(
+        bus: Bus, services: ServiceLauncher) -> None:
+    sandbox = services.start("sandbox", env={"POLICYLOOP_FORKED_SESSIONS": "false"})
+    await services.wait_healthy(sandbox, timeout_s=60)
+    preparations = []
+    for _ in range(2):
+        async with Session(bus, prepared_job(), kind="test", step_seconds=10, open_timeout_s=60) as session:
+            preparations.append((await session.step(b"who")).split()[0])
+    assert preparations[0] != preparations[1] and all(p.startswith(b"desk:") for p in preparations)
+
+
 class Steps:
     """A session's exchange without the bus: lines in, the answers kept (sandbox/runner.Conversation)."""
 
@@ -254,11 +268,12 @@ class Steps:
 
 async def test_a_prepared_process_without_cgroups_and_its_end_when_idle() -> None:
     """The runner's side alone, on rlimits: the session's CPU is what its parent reaped, its CPU
-    limit the kernel's; a prepared process with no session for `idle_s` ends, its job with it."""
+    limit the kernel's; past `max_parents` the least recently used idle parent ends; a prepared
+    process with no session for `idle_s` ends, its job with it."""
     from policyloop.sandbox.forked import ForkedSessions
     from policyloop.sandbox.runner import JobLimits
 
-    forked = ForkedSessions(instance="t", uids=JobUids(), cgroups=None, idle_s=1.0)
+    forked = ForkedSessions(instance="t", uids=JobUids(), cgroups=None, idle_s=1.0, max_parents=1)
     limits = JobLimits(wall_seconds=30, cpu_seconds=1)
     try:
         steps = Steps(b"add 2", b"add 3")
@@ -267,8 +282,14 @@ async def test_a_prepared_process_without_cgroups_and_its_end_when_idle() -> Non
         assert result.accounting == bus_pb2.SANDBOX_ACCOUNTING_RLIMIT and result.peak_memory_bytes > 0
         result = await forked.run(prepared_job(), limits, Steps(b"spin"))
         assert result.limit_hit == bus_pb2.SANDBOX_LIMIT_CPU_TIME and result.cpu_seconds > 0.5, result
+        [first] = forked.parents.values()
+        assert not first.ended
+        # Another environment's session: a second parent, and the first (idle, one too many) ends.
+        other = Steps(b"who")
+        assert (await forked.run(prepared_job("other"), limits, other)).exit_code == 0
+        assert other.answers[0].startswith(b"other:") and first.ended
         [parent] = forked.parents.values()
-        assert not parent.ended
+        assert parent is not first and not parent.ended
 
         async def ended() -> bool:
             return not forked.parents and not forked._jobs

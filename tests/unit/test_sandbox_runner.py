@@ -270,3 +270,29 @@ async def test_a_closed_session_that_lingers_is_killed_for_the_grace_not_the_wal
     # Closed with less wall time left than the grace: the wall clock is what ended it.
     ending = await runner._until_ending(never, flooded, None, closed, limits, time.monotonic() - 59.99)
     assert ending == (True, True, bus_pb2.SANDBOX_LIMIT_NONE)
+
+
+async def test_a_prepared_process_out_of_protocol_is_ended_and_fails_its_sessions(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """It runs the environment's code: a report it cannot parse ends it, and a session waiting for
+    its exit report learns that the prepared process ended, rather than wait for ever."""
+    import socket
+
+    from policyloop.sandbox.forked import ExitReport, Parent, ParentConversation, ParentFailed
+
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_unix_connection(sock=ours)
+    parent = Parent("k", tmp_path, ours, reader, writer, time.monotonic(), 60.0, ParentConversation())
+    loop = asyncio.get_running_loop()
+    waiting, done = loop.create_future(), loop.create_future()
+    parent.exits.update({7: waiting, 8: done})
+    reading = asyncio.ensure_future(parent.read_reports())
+    theirs.sendall(b"exited 8 0 0.25 2048\nexited 99 0 0.1 1\nexited seven\n")
+    await asyncio.wait_for(reading, 10)
+    assert done.result() == ExitReport(0, 0.25, 2048 * 1024)  # reported before the bad line
+    assert 99 not in parent.exits  # an orphan the namespace's init reaped: no session's
+    assert parent.ended and not parent.room_for(1.0)
+    with pytest.raises(ParentFailed, match="ended"):
+        waiting.result()
+    parent.close()
+    assert parent.conversation.done.is_set()
+    theirs.close()

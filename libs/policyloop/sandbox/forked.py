@@ -64,7 +64,6 @@ CONTROL_DIR = "/fork"                      # where the parent sees the sandbox's
 CREDENTIALS = struct.Struct("3i")
 GO = b"g"                                  # the child starts its episode on this (forkserver.GO)
 PARENT_CPU_SECONDS = 600.0                 # the parent's own CPU (its prepare; its children are counted apart)
-SESSIONS_PER_PARENT = 16                   # sessions at once whose processes its uid's process limit leaves room for
 _NUMBERS = itertools.count()
 
 
@@ -104,7 +103,7 @@ class Parent:
     writer: asyncio.StreamWriter
     started: float
     wall_seconds: float
-    job: asyncio.Future[bus_pb2.SandboxResult]
+    conversation: ParentConversation    # its job's: done ends it
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     forked: asyncio.Queue[str] = field(default_factory=asyncio.Queue)
     exits: dict[int, asyncio.Future[ExitReport]] = field(default_factory=dict)
@@ -166,8 +165,11 @@ class Parent:
         return ours, err_read, int(pid)
 
     def close(self) -> None:
+        """Ends it: its control socket closed (the forkserver exits, its namespace with it), its job's
+        conversation done (what is left of it is the runner's to end)."""
         self.ended = True
         self.writer.close()
+        self.conversation.done.set()
 
 
 class ParentConversation:
@@ -187,15 +189,15 @@ class ForkedSessions:
 
     def __init__(self, *, instance: str, uids: JobUids, cgroups: JobCgroups | None, lifetime_s: float = 900.0,
                  idle_s: float = 120.0, max_parents: int = 4, prepare_timeout_s: float = 120.0,
-                 directory: Path | None = None) -> None:
+                 sessions_at_once: int = 16, directory: Path | None = None) -> None:
         self.instance, self.uids, self.cgroups = instance, uids, cgroups
+        self.sessions_at_once = sessions_at_once  # the sandbox's: a parent's uid must have room for their processes
         self.lifetime_s, self.idle_s, self.max_parents = lifetime_s, idle_s, max_parents
         self.prepare_timeout_s = prepare_timeout_s
         self.directory = directory or Path(tempfile.gettempdir()) / f"policyloop-forks-{os.getpid()}"
         self.parents: dict[str, Parent] = {}
         self._jobs: set[asyncio.Future[bus_pb2.SandboxResult]] = set()  # every parent's job, until it ends
         self._starting: dict[str, asyncio.Lock] = {}
-        self._conversations: dict[str, ParentConversation] = {}
 
     async def run(self, job: bus_pb2.SandboxJob, limits: JobLimits, conversation: Conversation,
                   read_only: Sequence[tuple[Path, str]] = ()) -> bus_pb2.SandboxResult:
@@ -213,7 +215,7 @@ class ForkedSessions:
             parent.live -= 1
             parent.last_used = time.monotonic()
             if parent.ended and parent.live == 0:  # retired while this session ran
-                self._end(parent)
+                parent.close()
             self._retire_idle()
             if parent.live == 0:
                 asyncio.get_running_loop().call_later(self.idle_s + 0.1, self._retire_idle)
@@ -255,7 +257,7 @@ class ForkedSessions:
         conversation = ParentConversation()
         # Its children are born in its cgroup and under its uid's process limit (then moved to their own).
         parent_limits = replace(limits, wall_seconds=wall, cpu_seconds=max(limits.cpu_seconds, PARENT_CPU_SECONDS),
-                                max_processes=limits.max_processes * SESSIONS_PER_PARENT + 64)
+                                max_processes=limits.max_processes * self.sessions_at_once + 64)
         begun = time.monotonic()  # its wall clock runs from here, its preparation included
         running = asyncio.ensure_future(run_job(parent_job, parent_limits, instance=self.instance, uids=self.uids,
                                                 cgroups=self.cgroups, conversation=conversation,
@@ -286,9 +288,8 @@ class ForkedSessions:
             raise
         finally:
             listener.close()
-        parent = Parent(key, directory, connection, reader, writer, begun, wall, running)
+        parent = Parent(key, directory, connection, reader, writer, begun, wall, conversation)
         parent.reading = asyncio.ensure_future(parent.read_reports())
-        self._conversations[directory.name] = conversation
         running.add_done_callback(functools.partial(self._parent_ended, parent))
         log.info("prepared_process_ready", key=key, job=parent_job.job_id)
         return parent
@@ -306,7 +307,6 @@ class ForkedSessions:
         parent.close()
         if self.parents.get(parent.key) is parent:
             del self.parents[parent.key]
-        self._conversations.pop(parent.directory.name, None)
         shutil.rmtree(parent.directory, ignore_errors=True)
         if not running.cancelled() and running.exception() is None:
             result = running.result()
@@ -320,13 +320,7 @@ class ForkedSessions:
         if self.parents.get(parent.key) is parent:
             del self.parents[parent.key]
         if parent.live == 0:
-            self._end(parent)
-
-    def _end(self, parent: Parent) -> None:
-        parent.close()  # its control socket closed: the forkserver exits, its namespace with it
-        conversation = self._conversations.get(parent.directory.name)
-        if conversation is not None:
-            conversation.done.set()
+            parent.close()
 
     def _retire_idle(self) -> None:
         now = time.monotonic()
@@ -342,7 +336,7 @@ class ForkedSessions:
     async def close(self) -> None:
         """Ends every parent (the sandbox is stopping) and waits for their jobs."""
         for parent in list(self.parents.values()):
-            self._end(parent)
+            parent.close()
         self.parents.clear()
         if self._jobs:
             await asyncio.wait(set(self._jobs), timeout=30)
