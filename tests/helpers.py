@@ -97,7 +97,7 @@ def addition_environment(count: int, seed: int = 0, group_size: int = 4) -> loop
         tasks.append(loop_pb2.TaskSpec(prompt_text=f"{a}+{b}=", answer=str(a + b)))
     return loop_pb2.Environment(
         name="addition", version="demo", tasks=tasks,
-        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER, pattern=r"-?[0-9]+"),
         group_size=group_size,
         sampling=bus_pb2.SamplingParams(max_new_tokens=8, temperature=1.0),
     )

@@ -11,10 +11,10 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar, get_args, get_origin
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args, get_origin
 
 import typer
 from pydantic import BaseModel
@@ -23,8 +23,11 @@ from rich.table import Table
 
 from policyloop.cluster.catalogue import SERVICE_NAMES, service_main
 from policyloop.learner.settings import TRACKER_KINDS, TrackerSettings
-from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.rl.settings import OptimizerSettings
 from policyloop.runtime.settings import ServiceSettings
+
+if TYPE_CHECKING:
+    from policyloop.rl.losses import PolicyLoss
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="policyloop: an RL post-training loop of independent services.")
@@ -46,25 +49,36 @@ def field_default(model: type[BaseModel], name: str) -> Any:
     return model.model_fields[name].default
 
 
-def options_from(model: type[BaseModel], *, into: str, flags: Mapping[str, str] | None = None) -> Callable[[F], F]:
-    """Gives a command one option per field of `model` — its name (or `flags[field]`), default and
-    help taken from the field — and passes their values to the command as one dict `into`, for
-    the model to validate. A knob added to the model is a flag at once."""
-    flags = dict(flags or {})
+def loss_options(*, into: str) -> Callable[[F], F]:
+    """Gives a command one option per setting of the loss registry's kinds (`--loss` for the kind,
+    `--clip-low` ...: help and type from the first kind that has it) and passes those given to the
+    command as one dict `into`, for the kind to validate: a setting added to a kind is a flag at
+    once, and one left unset takes the chosen kind's default."""
+    from policyloop.rl.losses import DEFAULT_KIND, LOSS_KINDS, parameters
 
     def decorate(command: F) -> F:
         signature = inspect.signature(command)
         own = [p for p in signature.parameters.values() if p.name != into]
         added = []
-        for name, info in model.model_fields.items():
+        for name, model in parameters().items():
+            if name == "kind":
+                option = typer.Option(help=f"The loss kind. One of: {', '.join(LOSS_KINDS)}.")
+                added.append(inspect.Parameter("loss", inspect.Parameter.KEYWORD_ONLY, default=DEFAULT_KIND,
+                                               annotation=Annotated[str, option]))
+                continue
+            info = model.model_fields[name]
             annotation = str if get_origin(info.annotation) is Literal else info.annotation
-            option = typer.Option(help=field_help(model, name))
-            added.append(inspect.Parameter(flags.get(name, name), inspect.Parameter.KEYWORD_ONLY, default=info.default,
-                                           annotation=Annotated[annotation, option]))
+            first_kind = model.model_fields["kind"].default
+            option = typer.Option(help=f"{field_help(model, name)} (default: the kind's; {first_kind}: {info.default})")
+            added.append(inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                           annotation=Annotated[annotation | None, option]))
 
         @functools.wraps(command)
         def wrapper(**kwargs: Any) -> Any:
-            values = {name: kwargs.pop(flags.get(name, name)) for name in model.model_fields}
+            values = {"kind": kwargs.pop("loss")}
+            for name in parameters():
+                if name != "kind" and (value := kwargs.pop(name)) is not None:
+                    values[name] = value
             return command(**kwargs, **{into: values})
 
         wrapper.__signature__ = signature.replace(parameters=[*own, *added])  # type: ignore[attr-defined]
@@ -428,7 +442,7 @@ def top(
 
 
 @app.command()
-@options_from(LossConfig, into="objective", flags={"kind": "loss"})
+@loss_options(into="objective")
 def demo(
     objective: dict[str, Any],
     run_dir: Annotated[Path, typer.Option(help="Where the demo cluster keeps its data.")] = Path("runs/demo"),
@@ -530,7 +544,7 @@ def _chosen_demo(config, *, production: bool, agent: bool, agent_env: bool,  # t
 
 
 def _demo_objective(objective: dict[str, object], weight_update_mode: str, tracker: str, runs: int, lora_rank: int,
-                    tools: bool) -> LossConfig:
+                    tools: bool) -> PolicyLoss:
     """The demo's objective, once its flags are checked together (exit 2 naming what is wrong)."""
     from policyloop.engines.protocol import PAUSE_MODES
 
@@ -540,10 +554,16 @@ def _demo_objective(objective: dict[str, object], weight_update_mode: str, track
     if tracker not in TRACKER_KINDS:
         console.print(f"[red]--tracker must be one of {', '.join(TRACKER_KINDS)}[/red]")
         raise typer.Exit(2)
+    from pydantic import ValidationError
+
+    from policyloop.rl.losses import loss_settings
+
     try:
-        loss = LossConfig(**objective)
-    except ValueError as exc:
-        console.print(f"[red]{exc}[/red]")
+        loss = loss_settings(**objective)
+    except ValidationError as exc:
+        problems = "; ".join(f"--{'-'.join(str(p) for p in e['loc'][1:]).replace('_', '-') or 'loss'}: {e['msg']}"
+                             for e in exc.errors())
+        console.print(f"[red]{problems}[/red]")
         raise typer.Exit(2) from exc
     if runs < 1 or lora_rank < 0 or (runs > 1 and not lora_rank) or (lora_rank and (tools or tracker != "none")):
         console.print("[red]--runs N needs --lora-rank; LoRA runs go without --tools and --tracker[/red]")
@@ -764,7 +784,7 @@ def env_submit(
                                              "(with --program, --openenv or --verifiers: the rewards it gives, "
                                              "environment_reward).")]
     = "exact_answer",
-    pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match.")] = "",
+    pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match; exact_answer: the answer's format, a completion must match it whole to earn the format term.")] = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,

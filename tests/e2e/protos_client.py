@@ -97,13 +97,13 @@ def main(address: str) -> dict:
     # The cluster's learner runs PPO with max_lag unbounded (-1; the test starts it so): asking
     # for another objective or bound is refused, not ignored.
     report["invalid"]["other_loss"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
-        environments=mix, loss={"loss": "gspo"}), timeout=30))
+        environments=mix, loss=loop_pb2.LossSettings(kind="gspo")), timeout=30))
     report["invalid"]["other_max_lag"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
         environments=mix, max_lag=0), timeout=30))
-    report["invalid"]["unknown_loss_setting"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
-        environments=mix, loss={"temperature": "2"}), timeout=30))
-    run = stub.StartRun(loop_pb2.StartRunRequest(environments=mix, model="policy", loss={"loss": "ppo"}, seed=7),
-                        timeout=30)
+    report["invalid"]["setting_of_another_loss"] = status_of(lambda: stub.StartRun(loop_pb2.StartRunRequest(
+        environments=mix, loss=loop_pb2.LossSettings(kind="ppo", beta=0.5)), timeout=30))
+    run = stub.StartRun(loop_pb2.StartRunRequest(environments=mix, model="policy",
+                                                 loss=loop_pb2.LossSettings(kind="ppo"), seed=7), timeout=30)
     report["run_started"] = loop_pb2.RunState.Name(run.state)
     updates = 0
     deadline = time.monotonic() + 240

@@ -13,7 +13,7 @@ from policyloop.engines.embedded import start_engine
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rl.lora import AdapterTrainer, LoraSpec, adapter_model_name, save_adapter_directory
-from policyloop.rl.settings import LossConfig
+from policyloop.rl.losses import loss_settings
 from policyloop.rl.trainer import TrainerConfig
 from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
@@ -35,7 +35,7 @@ async def _announce(_: object) -> None:
 async def test_a_runs_adapter_versions_reach_an_engine_as_deltas_and_sample_as_trained(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     spec = LoraSpec(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "up_proj"))
-    trainer = AdapterTrainer(tiny_model_dir, TrainerConfig(lr=0.05, device="cpu", loss=LossConfig()))
+    trainer = AdapterTrainer(tiny_model_dir, TrainerConfig(lr=0.05, device="cpu", loss=loss_settings()))
     trainer.add_run("team/arith", spec)
     name = adapter_model_name("policy", "team/arith")
     assert name.startswith("policy.lora.team_arith-")

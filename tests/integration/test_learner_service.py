@@ -88,8 +88,8 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
     await eventually(settled, timeout_s=30)
     assert await versions.get("policy") == 1  # nothing was trained on them
     [beat] = await HeartbeatRegistry(redis_client, "default").alive("learner")
-    assert dict(beat.learner.lag_histogram) == {0: 2} and beat.learner.last_step.entropy > 0
-    assert beat.learner.last_step.is_weight_mean > 0
+    assert dict(beat.learner.lag_histogram) == {0: 2} and beat.learner.last_step.statistics["entropy"] > 0
+    assert beat.learner.last_step.statistics["is_weight_mean"] > 0
     run = tmp_path / "tracking" / "tensorboard" / "stale"
 
     async def logged() -> bool:  # the tracker writes on its own thread, soon after the step
@@ -98,9 +98,10 @@ async def test_samples_beyond_max_lag_are_dropped_as_stale_and_counted(
     await eventually(logged, timeout_s=30)
     events = await asyncio.to_thread(tensorboard_events, run)
     [loss] = events.Scalars("train/loss")
-    assert loss.step == 1 and loss.value == pytest.approx(beat.learner.last_step.loss, rel=1e-6)
+    assert loss.step == 1 and loss.value == pytest.approx(beat.learner.last_step.statistics["loss"], rel=1e-6)
     assert [(e.step, e.value) for e in events.Scalars("train/samples")] == [(1, 2)]
-    assert [e.value for e in events.Scalars("train/entropy")] == [pytest.approx(beat.learner.last_step.entropy)]
+    entropy = beat.learner.last_step.statistics["entropy"]
+    assert [e.value for e in events.Scalars("train/entropy")] == [pytest.approx(entropy)]
     [table] = events.Tensors("config/text_summary")
     assert {"| loss.kind | cispo |", "| max_lag | 0 |", "| groups_per_step | 1 |"} <= \
         set(table.tensor_proto.string_val[0].decode().splitlines())

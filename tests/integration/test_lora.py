@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from policyloop.rl.logprobs import pack, token_logprobs
 from policyloop.rl.lora import AdapterTrainer, LoraSpec, UnknownRun
-from policyloop.rl.settings import LossConfig
+from policyloop.rl.losses import loss_settings
 from policyloop.rl.trainer import LrSchedule, TrainerConfig, grpo_loss
 from tests.integration.test_trainer import group
 
@@ -35,7 +35,7 @@ def margin(model: torch.nn.Module) -> float:
 
 
 def config(**loss: object) -> TrainerConfig:
-    return TrainerConfig(lr=1e-2, weight_decay=0.01, device="cpu", loss=LossConfig(**loss))
+    return TrainerConfig(lr=1e-2, weight_decay=0.01, device="cpu", loss=loss_settings(**loss))
 
 
 def test_a_spec_is_checked_field_by_field(tiny_model_dir: Path) -> None:
@@ -83,7 +83,7 @@ def test_a_lora_step_is_the_step_peft_gives(tiny_model_dir: Path) -> None:
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        assert report.step == step + 1 and report.loss == pytest.approx(loss.stats.loss, abs=1e-7)
+        assert report.step == step + 1 and report.loss == pytest.approx(loss.statistics["loss"], abs=1e-7)
 
     ours, theirs = trainer.export_adapter("a"), get_peft_model_state_dict(reference, adapter_name="ref")
     assert sorted(ours) == sorted(theirs) and len(ours) == 2 * 3 * 2  # A and B, 3 modules, 2 layers
@@ -141,10 +141,10 @@ def test_the_kl_reference_of_a_run_is_the_base(tiny_model_dir: Path) -> None:
     trainer = AdapterTrainer(tiny_model_dir, config(kl_coef=0.1))
     trainer.add_run("a", LoraSpec(rank=4))
     first = trainer.step("a", batch_of(0))
-    assert first.kl_reference == pytest.approx(0.0, abs=1e-9)  # B = 0: the run starts at the base
+    assert first.statistics["kl_reference"] == pytest.approx(0.0, abs=1e-9)  # B = 0: the run starts at the base
     for step in range(1, 4):
         report = trainer.step("a", batch_of(step))
-    assert report.kl_reference > 0
+    assert report.statistics["kl_reference"] > 0
 
 
 def test_runs_resume_from_their_own_checkpoints_exactly(tiny_model_dir: Path, tmp_path: Path) -> None:

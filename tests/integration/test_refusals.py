@@ -152,13 +152,13 @@ async def test_every_rpc_refuses_bad_tokens_and_undecodable_strings_with_their_c
 async def test_a_loss_value_that_is_no_number_is_invalid_naming_the_setting(servers: Servers) -> None:
     """Not FAILED_PRECONDITION advising the learner be started with it."""
     request = loop_pb2.StartRunRequest(environments=[loop_pb2.EnvironmentMix(environment="a@v1", weight=1)],
-                                       loss={"clip_low": "abc"})
+                                       loss=loop_pb2.LossSettings(normalization="batch"))
     async with grpc.aio.insecure_channel(servers.targets["policyloop.v1.LoopService"]) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await loop_pb2_grpc.LoopServiceStub(channel).StartRun(
                 request, metadata=(("authorization", f"Bearer {TOKEN}"),), timeout=20)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert refused.value.details().startswith("loss[clip_low]: Input should be a valid number"), refused.value.details()
+    assert refused.value.details().startswith("loss.normalization: Input should be 'token'"), refused.value.details()
 
 
 async def test_a_replica_with_a_wrong_token_is_told_so_and_does_not_fall_back_to_a_keyframe(servers: Servers) -> None:

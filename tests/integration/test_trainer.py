@@ -12,7 +12,7 @@ import torch
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.logprobs import pack, token_logprobs
-from policyloop.rl.settings import LossConfig
+from policyloop.rl.losses import PolicyLoss, loss_settings
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
 
 
@@ -130,14 +130,14 @@ def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, t
 
 
 @pytest.mark.parametrize("loss", [
-    LossConfig(),                                                              # DAPO-style PPO-clip
-    LossConfig(normalization="sequence", clip_high=0.28),                      # GRPO + clip-higher
-    LossConfig(normalization="constant", advantages="group_no_std"),          # Dr.GRPO
-    LossConfig(kind="gspo", advantages="leave_one_out"),
-    LossConfig(kind="cispo", off_policy="tis", tis_cap=2.0),
-    LossConfig(off_policy="decoupled", kl_coef=0.1, kl_estimator="k3"),
+    loss_settings(),                                                              # DAPO-style PPO-clip
+    loss_settings(normalization="sequence", clip_high=0.28),                      # GRPO + clip-higher
+    loss_settings(normalization="constant", advantages="group_no_std"),          # Dr.GRPO
+    loss_settings(kind="gspo", advantages="leave_one_out"),
+    loss_settings(kind="cispo", off_policy="tis", tis_cap=2.0),
+    loss_settings(off_policy="decoupled", kl_coef=0.1, kl_estimator="k3"),
 ])
-def test_every_loss_variant_trains_towards_the_rewarded_response(model_dir: Path, loss: LossConfig) -> None:
+def test_every_loss_variant_trains_towards_the_rewarded_response(model_dir: Path, loss: PolicyLoss) -> None:
     trainer = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3, loss=loss), version=0)
     try:
         prompt, good, bad = [4, 5, 14, 6, 7, 16], [8, 1], [9, 1]
@@ -158,11 +158,11 @@ def test_every_loss_variant_trains_towards_the_rewarded_response(model_dir: Path
             behaviour = [[v - shift for v in token_logprobs_of(good)], [v + shift for v in token_logprobs_of(bad)]]
             report = trainer.step([group(f"t{step}", prompt, [good, bad], [1.0, 0.0], behaviour)] * 2)
         assert logprob_of(good) - logprob_of(bad) > before
-        assert report.entropy > 0 and report.trained_tokens == 8
+        assert report.statistics["entropy"] > 0 and report.trained_tokens == 8
         if loss.off_policy != "none":
-            assert report.is_weight_mean != 1.0  # the correction is at work
+            assert report.statistics["is_weight_mean"] != 1.0  # the correction is at work
         if loss.kl_coef:
-            assert report.kl_reference > 0  # moved away from the base weights
+            assert report.statistics["kl_reference"] > 0  # moved away from the base weights
     finally:
         trainer.close()
 
@@ -250,7 +250,7 @@ def test_tool_tokens_of_a_multi_turn_episode_are_not_trained_on(model_dir: Path)
 def test_a_trainer_on_cuda_trains_and_exports_cpu_tensors(model_dir: Path) -> None:
     """On a GPU the batch, behaviour logprobs, advantages and the KL reference follow the policy
     to its device; the exported weights come back on the CPU, as the publisher takes them."""
-    trainer = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3, device="cuda", loss=LossConfig(kl_coef=0.1)),
+    trainer = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3, device="cuda", loss=loss_settings(kl_coef=0.1)),
                             version=0)
     try:
         assert trainer.device.type == "cuda" and next(trainer.model.parameters()).device.type == "cuda"
@@ -266,7 +266,7 @@ def test_a_trainer_on_cuda_trains_and_exports_cpu_tensors(model_dir: Path) -> No
         for step in range(4):
             behaviour = [[logprob_of(good) / 2] * 2, [logprob_of(bad) / 2] * 2]
             report = trainer.step([group(f"t{step}", prompt, [good, bad], [1.0, 0.0], behaviour)] * 2)
-        assert logprob_of(good) - logprob_of(bad) > before and report.kl_reference > 0
+        assert logprob_of(good) - logprob_of(bad) > before and report.statistics["kl_reference"] > 0
         tensors = trainer.export_tensors()
         assert tensors and all(t.device.type == "cpu" for t in tensors.values())
     finally:

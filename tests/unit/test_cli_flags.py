@@ -9,9 +9,11 @@ import pytest
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--loss", "dpo"], "Input should be 'ppo', 'gspo' or 'cispo'"),
-    (["--off-policy", "sometimes"], "Input should be 'none', 'tis' or 'decoupled'"),
+    (["--loss", "dpo"], "--loss: kind must be one of ppo, cispo, cross_entropy, dro, gspo, importance_sampling"),
+    (["--off-policy", "sometimes"], "--off-policy: Input should be 'none', 'tis' or 'decoupled'"),
     (["--off-policy", "tis", "--tis-cap", "0"], "tis_cap"),
+    (["--loss", "dro"], "--beta: Field required"),
+    (["--beta", "0.5"], "--beta: Extra inputs are not permitted"),  # ppo has none
     (["--weight-update-mode", "sideways"], "--weight-update-mode must be one of"),
     (["--tracker", "neptune"], "--tracker must be one of none, tensorboard, wandb, mlflow"),
     (["--agent", "--production"], "--production, --agent and --agent-env are demos of their own: choose one"),
@@ -32,21 +34,26 @@ def test_demo_refuses_an_unknown_objective(flags: list[str], named: str, tmp_pat
 
 
 def test_demo_flags_are_the_settings_fields() -> None:
-    """Every objective knob, and the loop settings the demo sets, are flags with the field's own
-    default and description: a knob added to LossConfig is a demo flag without another line."""
+    """Every setting of every loss kind, and the loop settings the demo sets, are flags with the
+    field's own description (a setting left unset is the chosen kind's default), and --loss offers
+    the registry's kinds: a setting or a kind added to the registry is a demo flag without another line."""
     import inspect
     from typing import get_type_hints
 
     from policyloop.cli import demo, field_help
     from policyloop.learner.settings import TrackerSettings
-    from policyloop.rl.settings import LossConfig, OptimizerSettings
+    from policyloop.rl.losses import DEFAULT_KIND, LOSS_KINDS
+    from policyloop.rl.losses import parameters as loss_parameters
+    from policyloop.rl.settings import OptimizerSettings
     from policyloop.runtime.settings import ServiceSettings
 
     parameters = inspect.signature(demo).parameters
-    for name, info in LossConfig.model_fields.items():
-        flag = "loss" if name == "kind" else name
-        assert parameters[flag].default == info.default
-        assert parameters[flag].annotation.__metadata__[0].help == field_help(LossConfig, name)
+    assert parameters["loss"].default == DEFAULT_KIND
+    assert parameters["loss"].annotation.__metadata__[0].help.endswith(f"One of: {', '.join(LOSS_KINDS)}.")
+    for name, model in loss_parameters().items():
+        if name != "kind":
+            assert parameters[name].default is None
+            assert parameters[name].annotation.__metadata__[0].help.startswith(field_help(model, name))
     for model, name in ((ServiceSettings, "groups_per_step"), (ServiceSettings, "max_lag"), (OptimizerSettings, "lr")):
         assert parameters[name].default == model.model_fields[name].default
     assert parameters["tracker"].default == TrackerSettings.model_fields["kind"].default

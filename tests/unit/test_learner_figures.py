@@ -44,8 +44,8 @@ def test_a_steps_phases_add_up_to_its_wall_time() -> None:
         time.sleep(0.002)
         clock.lap(name)
     wall = time.perf_counter() - started
-    report = StepReport(step=1, samples=2, groups=1, mean_reward=0.0, loss=0.0, clip_fraction=0.0, approx_kl=0.0,
-                        grad_norm=0.0, trained_tokens=4, seconds=0.0,
+    report = StepReport(step=1, samples=2, groups=1, mean_reward=0.0, grad_norm=0.0, trained_tokens=4, seconds=0.0,
+                        statistics={"loss": 0.0, "clip_fraction": 0.0, "kl_behaviour": 0.0},
                         phases={"pack": 0.0005, "forward": 0.0005, "backward": 0.0005, "optimizer": 0.0001})
     pushed = PushReport(version=1, kind="delta", payload_bytes=1, raw_bytes=2, changed_fraction=0.5, encode_s=0.001,
                         push_s=0.001)

@@ -25,21 +25,23 @@ def test_group_advantages() -> None:
 
 
 def test_clipping_boundaries_and_the_clipped_loss_value() -> None:
-    from policyloop.rl.objective import BatchCounts, LossConfig, policy_objective
+    from policyloop.rl.losses import loss_settings
+    from policyloop.rl.objective import BatchCounts, objective
 
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[1.5, 1.5, 0.5, 0.5]])).requires_grad_()
     adv = torch.tensor([[1.0, -1.0, 1.0, -1.0]])
-    loss, stats = policy_objective(logp, old, adv, torch.ones(1, 4), LossConfig(clip_low=0.2, clip_high=0.3),
-                                   BatchCounts(tokens=4, sequences=1, width=4))
-    loss.backward()
+    result = objective(loss_settings(clip_low=0.2, clip_high=0.3), logp, adv, torch.ones(1, 4),
+                       BatchCounts(tokens=4, sequences=1, width=4), behaviour_logprobs=old)
+    result.loss.backward()
+    stats = result.statistics
     # ratio 1.5 > 1.3 with A>0 and ratio 0.5 < 0.8 with A<0 are clipped (no gradient);
     # the other two are not (the pessimistic min keeps the unclipped term).
     assert logp.grad[0, 0] == 0 and logp.grad[0, 3] == 0
     assert logp.grad[0, 1] != 0 and logp.grad[0, 2] != 0
-    assert stats.clip_fraction == 0.5
+    assert stats["clip_fraction"] == 0.5
     expected = -(1.3 * 1 + 1.5 * -1 + 0.5 * 1 + 0.8 * -1) / 4
-    assert math.isclose(stats.loss, expected, rel_tol=1e-5)
+    assert math.isclose(stats["loss"], expected, rel_tol=1e-5)
 
 
 def test_pack_places_responses_after_prompts() -> None:

@@ -30,14 +30,23 @@ def breakdown(t: bus_pb2.Trajectory) -> dict[str, float]:
     return {p.name: p.value for p in parts}
 
 
-EXACT_46 = builtin(KIND.KIND_EXACT_ANSWER, "46")
+EXACT_46 = builtin(KIND.KIND_EXACT_ANSWER, "46", pattern=r"-?[0-9]+")  # the arithmetic environment's format
 
 
-def test_exact_integer_answer_is_strict() -> None:
+def test_exact_answer_in_the_environments_format_is_strict() -> None:
     assert verify(traj("46", EXACT_46))[0] == pytest.approx(1.1)
     assert breakdown(traj("47", EXACT_46)) == {"format": 1.0, "exact_answer": 0.0}
     assert breakdown(traj("46 ", EXACT_46)) == {"format": 0.0, "exact_answer": 0.0}
+    assert breakdown(traj("forty-six", EXACT_46)) == {"format": 0.0, "exact_answer": 0.0}
     assert breakdown(traj("46", EXACT_46, LENGTH)) == {"format": 0.0, "exact_answer": 0.0}
+
+
+def test_exact_answer_without_a_format_knows_nothing_of_integers() -> None:
+    """A general verifier: no environment's format rule applies to an answer that looks numeric."""
+    plain = builtin(KIND.KIND_EXACT_ANSWER, "46")
+    assert breakdown(traj(" 46\n", plain)) == {"format": 1.0, "exact_answer": 1.0}
+    assert breakdown(traj("forty-six", plain)) == {"format": 1.0, "exact_answer": 0.0}
+    assert breakdown(traj("46", plain, LENGTH)) == {"format": 0.0, "exact_answer": 0.0}
 
 
 def test_other_verifiers() -> None:
@@ -146,28 +155,33 @@ def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
     from policyloop.contracts.v1 import loop_pb2, status_pb2
     from policyloop.gateway.errors import FailedPrecondition, InvalidField
     from policyloop.gateway.validation import check_run_against_learner
+    from policyloop.rl.losses import loss_settings, to_proto
 
     learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1),
-                                       loss=status_pb2.LossSettings(kind="ppo", tis_cap=2.0, kl_coef=0.0))
+                                       loss=to_proto(loss_settings(kind="ppo", tis_cap=2.0, kl_coef=0.0)))
 
     def run(**fields: object) -> loop_pb2.StartRunRequest:
         return loop_pb2.StartRunRequest(environments=[loop_pb2.EnvironmentMix(environment="a@v1", weight=1)],
                                         **fields)
 
     check_run_against_learner(run(), learner)  # nothing asked: the cluster's settings
-    check_run_against_learner(run(model="policy", max_lag=1, loss={"loss": "ppo", "tis_cap": "2"}), learner)
+    check_run_against_learner(run(model="policy", max_lag=1, loss=loop_pb2.LossSettings(kind="ppo", tis_cap=2)),
+                              learner)
     for request, field in [(run(max_lag=0), "max_lag"), (run(max_lag=-1), "max_lag"), (run(model="other"), "model"),
-                           (run(loss={"loss": "gspo"}), "loss[loss]"), (run(loss={"tis_cap": "3"}), "loss[tis_cap]")]:
+                           (run(loss=loop_pb2.LossSettings(kind="gspo")), "loss.kind"),
+                           (run(loss=loop_pb2.LossSettings(tis_cap=3)), "loss.tis_cap"),
+                           (run(loss=loop_pb2.LossSettings(beta=0.5)), "loss.beta")]:  # the learner's ppo has none
         with pytest.raises(FailedPrecondition, match=rf"^{re.escape(field)}:"):
             check_run_against_learner(request, learner)
-    with pytest.raises(InvalidField, match=r"^loss\[lr\]: not a learner loss setting"):
-        check_run_against_learner(run(loss={"lr": "1"}), None)  # names are checked with no learner up
-    check_run_against_learner(run(max_lag=5, loss={"loss": "gspo"}), None)
+    with pytest.raises(InvalidField, match=r"^loss.beta: not a setting of the ppo loss"):
+        check_run_against_learner(run(loss=loop_pb2.LossSettings(kind="ppo", beta=1)), None)  # without a learner
+    check_run_against_learner(run(max_lag=5, loss=loop_pb2.LossSettings(kind="gspo")), None)
 
 
 @pytest.mark.parametrize(("loss", "expected"), [
-    ({"clip_low": "abc"}, "valid number"), ({"kl_coef": "x"}, "valid number"), ({"tis_cap": "-1"}, ">= 0|equal to 0"),
-    ({"clip_high": "inf"}, "finite"), ({"loss_constant": "nan"}, "equal to 0|finite"), ({"loss": "adam"}, "'ppo'"),
+    ({"clip_low": -0.5}, "greater than or equal to 0"), ({"normalization": "batch"}, "'token'"),
+    ({"tis_cap": -1.0}, "equal to 0"), ({"clip_high": float("inf")}, "finite"), ({"constant": float("nan")}, "finite"),
+    ({"kind": "adam"}, "one of ppo"), ({"beta": 0.0}, "greater than 0"),
 ])
 def test_a_malformed_loss_value_is_invalid_naming_the_setting_whatever_the_learner_runs(loss: dict, expected: str
                                                                                           ) -> None:
@@ -176,12 +190,13 @@ def test_a_malformed_loss_value_is_invalid_naming_the_setting_whatever_the_learn
     from policyloop.gateway.errors import FailedPrecondition, InvalidField
     from policyloop.gateway.validation import check_run_against_learner
 
-    request = loop_pb2.StartRunRequest(loss=loss)
+    request = loop_pb2.StartRunRequest(loss=loop_pb2.LossSettings(**loss))
     learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1),
-                                       loss=status_pb2.LossSettings(kind="ppo", clip_low=0.2))
+                                       loss=loop_pb2.LossSettings(kind="ppo", clip_low=0.2))
     key = next(iter(loss))
     for running in (learner, None):
-        with pytest.raises(InvalidField, match=rf"^loss\[{key}\]: .*({expected}).*got {loss[key]!r}") as refused:
+        with pytest.raises(InvalidField, match=rf"^loss.{key}: .*({expected}).*got {re.escape(repr(loss[key]))}"
+                           ) as refused:
             check_run_against_learner(request, running)
         assert not isinstance(refused.value, FailedPrecondition)
 

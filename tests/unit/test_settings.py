@@ -86,15 +86,18 @@ def test_rollout_refuses_engine_settings_that_cannot_work() -> None:
         load_settings(RolloutSettings, ["--role", "serving"]).check_engine()
 
 
-def test_the_advertised_objective_carries_every_loss_knob() -> None:
-    """LossConfig (the settings) and status.proto's LossSettings (what the learner advertises)
-    name the same fields, so a new knob cannot be advertised half."""
-    from policyloop.contracts.v1 import status_pb2
-    from policyloop.rl.settings import RUN_LOSS_KEYS, LossConfig
+def test_the_loss_settings_message_carries_every_setting_of_every_kind() -> None:
+    """The loss registry's settings (of all kinds) and loop.proto's LossSettings (what the learner
+    advertises and a run names) are the same names, so a new setting cannot travel half; each
+    kind's settings make the round trip through the message exactly."""
+    from policyloop.contracts.v1 import loop_pb2
+    from policyloop.rl.losses import KINDS, loss_settings, named_in, parameters, to_proto
 
-    proto = [f.name for f in status_pb2.LossSettings.DESCRIPTOR.fields]
-    assert proto == list(LossConfig.model_fields)
-    assert set(RUN_LOSS_KEYS.values()) == set(LossConfig.model_fields)
+    assert {f.name for f in loop_pb2.LossSettings.DESCRIPTOR.fields} == set(parameters())
+    for kind, model in KINDS.items():
+        settings = loss_settings(kind=kind, **({"beta": 0.25} if kind == "dro" else {}))
+        assert isinstance(settings, model)
+        assert loss_settings(**named_in(to_proto(settings))) == settings
 
 
 def test_the_loop_settings_are_shared_and_checked() -> None:

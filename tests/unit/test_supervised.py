@@ -17,8 +17,8 @@ from policyloop.gateway.model_context import load_model_context
 from policyloop.gateway.validation import prepare_environment
 from policyloop.models.tokenizer import EOS_ID, VOCAB
 from policyloop.rl.logprobs import pack, token_logprobs
-from policyloop.rl.objective import BatchCounts, supervised_objective
-from policyloop.rl.settings import LossConfig
+from policyloop.rl.losses import loss_settings
+from policyloop.rl.objective import BatchCounts, objective
 from policyloop.rl.trainer import grpo_loss
 from tests.helpers import scored_group
 from tests.tiny_model import build_tiny_model
@@ -39,12 +39,14 @@ def test_supervised_objective_is_the_mean_negative_log_likelihood_of_trained_tok
     logprobs = torch.tensor([[-0.5, -1.0, -2.0], [-0.25, -4.0, 0.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     counts = BatchCounts(tokens=5.0, sequences=2, width=3)
-    loss, stats = supervised_objective(logprobs, mask, LossConfig(normalization="token"), counts)
+    result = objective(loss_settings(kind="cross_entropy", normalization="token"), logprobs, mask, mask, counts)
+    loss = result.loss
     assert loss.item() == pytest.approx((0.5 + 1.0 + 0.25 + 4.0 + 0.0) / 5)
-    assert stats.tokens == 5 and stats.ratio_mean == 1.0 and stats.clip_fraction == 0.0
+    assert set(result.statistics) == {"loss", "policy_loss"}  # no ratio, clip or weight to report
     loss.backward()
     assert torch.equal(logprobs.grad, -mask / 5)  # an untrained token gets no gradient
-    by_sequence, _ = supervised_objective(logprobs.detach(), mask, LossConfig(normalization="sequence"), counts)
+    by_sequence = objective(loss_settings(kind="cross_entropy", normalization="sequence"), logprobs.detach(), mask,
+                            mask, counts).loss
     assert by_sequence.item() == pytest.approx(((0.5 + 1.0) / 2 + (0.25 + 4.0) / 3) / 2)
 
 
@@ -55,7 +57,7 @@ def test_a_supervised_step_is_cross_entropy_on_the_demonstrations(model_dir: Pat
     demos = [[demonstration("r", "demos@v1", loop_pb2.TaskSpec(
         prompt_token_ids=[IDS[c] for c in prompt], demonstration_token_ids=[IDS[c] for c in answer] + [EOS_ID]), i)]
         for i, (prompt, answer) in enumerate([("1+2=", "3"), ("12+30=", "42")])]
-    step = grpo_loss(model, demos, LossConfig(), pad_id=0, device=torch.device("cpu"))
+    step = grpo_loss(model, demos, loss_settings(), pad_id=0, device=torch.device("cpu"))
     samples = [g[0] for g in demos]
     batch = pack([list(t.prompt_token_ids) for t in samples], [list(t.response_token_ids) for t in samples])
     with torch.no_grad():
@@ -63,7 +65,7 @@ def test_a_supervised_step_is_cross_entropy_on_the_demonstrations(model_dir: Pat
     assert step.loss.item() == pytest.approx(expected.item(), rel=1e-5)
     assert step.tokens == 2 + 3 and step.samples == 2
     with pytest.raises(ValueError, match="not both"):
-        grpo_loss(model, [demos[0], scored_group("x", size=1)], LossConfig(), pad_id=0, device=torch.device("cpu"))
+        grpo_loss(model, [demos[0], scored_group("x", size=1)], loss_settings(), pad_id=0, device=torch.device("cpu"))
 
 
 def test_a_demonstration_is_a_valid_trajectory_and_its_rules_are_enforced() -> None:

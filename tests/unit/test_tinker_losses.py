@@ -1,6 +1,7 @@
-"""The Tinker API's built-in losses: each one's value and its gradient with respect to the
-policy's token logprobs, against the formula written out by hand, and the refusals of inputs
-and config a loss cannot take."""
+"""The Tinker API's built-in losses (the loss registry's kinds under the SDK's names): each one's
+value and its gradient with respect to the policy's token logprobs, against the formula written
+out by hand, datums of different lengths in one padded batch, and the refusals of inputs and
+config a loss cannot take."""
 
 from __future__ import annotations
 
@@ -19,10 +20,10 @@ RL = {"target_tokens", "logprobs", "advantages"}
 
 def value_and_grad(spec: LossSpec, inputs: dict[str, torch.Tensor]) -> tuple[float, list[float]]:
     logprobs = LOGPROBS.clone().requires_grad_(True)
-    loss, per_token = spec.loss(logprobs, inputs)
-    assert float(per_token.sum()) == pytest.approx(float(loss))
-    loss.backward()
-    return float(loss), logprobs.grad.tolist()
+    result = spec.compute(logprobs[None, :], [len(LOGPROBS)], [inputs])
+    assert float(result.per_token.detach().sum()) == pytest.approx(float(result.loss.detach()))
+    result.loss.backward()
+    return float(result.loss.detach()), logprobs.grad.tolist()
 
 
 def rl_inputs() -> dict[str, torch.Tensor]:
@@ -62,6 +63,9 @@ def test_ppo_stops_the_gradient_where_the_clipped_term_is_the_smaller() -> None:
 
 def test_cispo_keeps_the_gradient_of_every_token_with_a_clipped_constant_weight() -> None:
     loss, grad = value_and_grad(LossSpec.parse("cispo", {}, RL), rl_inputs())
+    weight = torch.exp(LOGPROBS - SAMPLING).clamp(max=1.2)  # the paper's: no lower bound by default
+    assert grad == pytest.approx((-weight * ADVANTAGES).tolist())
+    loss, grad = value_and_grad(LossSpec.parse("cispo", {"clip_low_threshold": 0.8}, RL), rl_inputs())
     weight = torch.exp(LOGPROBS - SAMPLING).clamp(0.8, 1.2)
     assert grad == pytest.approx((-weight * ADVANTAGES).tolist())
     assert loss == pytest.approx(float(-(weight * ADVANTAGES * LOGPROBS).sum()))
@@ -97,3 +101,27 @@ def test_gspo_uses_one_ratio_per_sequence() -> None:
 def test_a_loss_refuses_what_it_cannot_take(name: str, config: dict, inputs: set[str], message: str) -> None:
     with pytest.raises(LossInputError, match=message):
         LossSpec.parse(name, config, inputs)
+
+
+def test_padded_datums_of_a_batch_keep_their_own_losses() -> None:
+    """Rows of a micro-batch: each datum's elementwise loss is what it has alone, padding adds nothing."""
+    spec = LossSpec.parse("ppo", {}, RL)
+    alone = [spec.compute(LOGPROBS[None, :n], [n], [{"logprobs": SAMPLING[:n], "advantages": ADVANTAGES[:n]}])
+             for n in (4, 2)]
+    padded = torch.stack([LOGPROBS, torch.cat([LOGPROBS[:2], torch.tensor([5.0, 5.0])])])
+    both = spec.compute(padded, [4, 2], [{"logprobs": SAMPLING, "advantages": ADVANTAGES},
+                                         {"logprobs": SAMPLING[:2], "advantages": ADVANTAGES[:2]}])
+    assert both.per_token[0].tolist() == pytest.approx(alone[0].per_token[0].tolist())
+    assert both.per_token[1, :2].tolist() == pytest.approx(alone[1].per_token[0].tolist())
+    assert both.per_token[1, 2:].tolist() == [0.0, 0.0]
+    assert float(both.loss) == pytest.approx(float(alone[0].loss) + float(alone[1].loss))
+
+
+def test_every_registry_kind_is_a_tinker_loss() -> None:
+    """One loss registry: a kind added to it is a Tinker loss_fn with the inputs its flags imply."""
+    from policyloop.rl.losses import KINDS
+    from policyloop.tinker.losses import config_keys, required_inputs
+
+    for name, model in KINDS.items():
+        config = {key: 0.5 for key, field in config_keys(model).items() if model.model_fields[field].is_required()}
+        assert LossSpec.parse(name, config, set(required_inputs(model))).loss.kind == name

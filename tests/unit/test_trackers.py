@@ -20,7 +20,6 @@ import pytest
 from structlog.testing import capture_logs
 
 from policyloop.contracts.v1 import status_pb2
-from policyloop.learner.figures import STEP_STATS
 from policyloop.learner.settings import LearnerSettings, TrackerSettings
 from policyloop.learner.tracking import (
     _MODULES,
@@ -33,15 +32,18 @@ from policyloop.learner.tracking import (
     step_statistics,
     tracker_run_name,
 )
-from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.rl.losses import loss_settings
+from policyloop.rl.settings import OptimizerSettings
 from policyloop.runtime import ServiceCannotStart
 from tests.helpers import scored_group
 
 SECRET = "s3cret-bearer"
+# What the learner exports of each step above: its reward and gradient norm, the loss's statistics.
+EXPORTED = ("mean_reward", "grad_norm", "loss", "clip_fraction", "kl_behaviour", "entropy")
 
 
 def learner_settings(tmp_path: Path, kind: str, **tracker: object) -> LearnerSettings:
-    return LearnerSettings(run_id="r7", publisher_token=SECRET, groups_per_step=4, loss=LossConfig(kind="gspo"),
+    return LearnerSettings(run_id="r7", publisher_token=SECRET, groups_per_step=4, loss=loss_settings(kind="gspo"),
                            optimizer=OptimizerSettings(lr=3e-5), device="cpu",
                            tracker=TrackerSettings(kind=kind, dir=tmp_path / "tracking", **tracker))  # type: ignore[arg-type]
 
@@ -57,9 +59,9 @@ def write_run(settings: LearnerSettings) -> None:
     evaluation.log_evaluation(0, {"heldout_accuracy": 0.25})
     for step in (1, 2, 3):
         status.trained_samples += 2
-        report = StepReport(step=step, samples=2, groups=1, mean_reward=0.25 * step, loss=1.0 / step,
-                            clip_fraction=0.1, approx_kl=0.01, grad_norm=0.5, trained_tokens=4, seconds=0.2,
-                            entropy=1.5)
+        report = StepReport(step=step, samples=2, groups=1, mean_reward=0.25 * step, grad_norm=0.5, trained_tokens=4,
+                            seconds=0.2, statistics={"loss": 1.0 / step, "clip_fraction": 0.1, "kl_behaviour": 0.01,
+                                                     "entropy": 1.5})
         samples = scored_group(f"t{step}", version=1 if step == 3 else step - 1)
         learner.log_step(step, step_statistics(report, 0.5, samples, step - 1, status))
     evaluation.log_evaluation(3, {"heldout_accuracy": 0.5})
@@ -99,7 +101,7 @@ def test_tensorboard_holds_the_steps_the_evaluations_and_the_configuration(tmp_p
     assert [e.value for e in events.Scalars("train/version")] == [1, 2, 3]
     assert [e.value for e in events.Scalars("train/lag_max")] == [0, 0, 1]
     assert [e.value for e in events.Scalars("train/trained_samples_total")] == [2, 4, 6]
-    assert {f"train/{name}" for name in STEP_STATS} <= set(events.Tags()["scalars"])
+    assert {f"train/{name}" for name in EXPORTED} <= set(events.Tags()["scalars"])
     content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
     hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
     assert hparams["loss.kind"].string_value == "gspo" and hparams["optimizer.lr"].number_value == 3e-5
@@ -173,7 +175,7 @@ def test_wandb_offline_holds_the_steps_the_evaluations_and_the_configuration(tmp
     steps = [row for row in rows if "train/step" in row]
     assert [(row["train/step"], row["train/loss"]) for row in steps] == [(1, 1.0), (2, 0.5), (3, pytest.approx(1 / 3))]
     assert [row["train/lag_max"] for row in steps] == [0, 0, 1]
-    assert all(f"train/{name}" in steps[0] for name in STEP_STATS)
+    assert all(f"train/{name}" in steps[0] for name in EXPORTED)
     run, _, rows = runs["evaluation"]
     assert (run.display_name, run.run_group) == ("r7-evaluation", "r7")  # beside the learner's, in its group
     assert [(row["eval/step"], row["eval/heldout_accuracy"]) for row in rows if "eval/step" in row] == \

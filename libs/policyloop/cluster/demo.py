@@ -46,7 +46,8 @@ from policyloop.envs.tool_episodes import ToolEpisode, from_hf, sandbox_tools
 from policyloop.envs.tools import PYTHON, TOOLS_PROMPT_TOKEN, tool_formats
 from policyloop.learner.settings import LearnerSettings, TrackerSettings
 from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, mlflow_tracking_uri, open_tracker
-from policyloop.rl.settings import LoraSpec, LossConfig
+from policyloop.rl.losses import KINDS, PolicyLoss
+from policyloop.rl.settings import LoraSpec
 from policyloop.state import Heartbeat, HeartbeatRegistry, VersionRegistry, connect_redis
 from policyloop.telemetry.dashboard import grafana_dir
 
@@ -69,7 +70,7 @@ class DemoConfig:
     seed: int = 0
     start_timeout_s: float = 180.0
     # The objective (the learner's loss settings) and the staleness bound.
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: PolicyLoss = field(default_factory=KINDS["ppo"])
     max_lag: int = 1
     weight_update_mode: str = "in_place"  # how versions reach requests in flight (rollout setting)
     tools: bool = False                  # the multi-turn environment (python tool in the sandbox)
@@ -135,7 +136,9 @@ def arithmetic_environment(group_size: int, max_new_tokens: int, temperature: fl
     env = loop_pb2.Environment(
         name="arithmetic-tools" if tools else "arithmetic", version="v1",
         tasks=[loop_pb2.TaskSpec(prompt_text=prefix + p.prompt, answer=p.answer) for p in problems],
-        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER),
+        # The answer's format is an integer: the format term rewards the form before the answer.
+        builtin=loop_pb2.BuiltinVerifier(kind=loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER,
+                                         pattern=arithmetic.ANSWER_RE.pattern, format_weight=arithmetic.FORMAT_WEIGHT),
         group_size=group_size,
         sampling=bus_pb2.SamplingParams(max_new_tokens=TOOL_MAX_NEW_TOKENS if tools else max_new_tokens,
                                         temperature=temperature),
@@ -190,10 +193,6 @@ async def evaluate(client: SGLangClient, tokenizer, problems: list[arithmetic.Pr
                                    [r.finish_reason == "stop" for r, _, _ in answered])
     return Evaluated(accuracy, min(int(r.weight_version) for r, _, _ in answered),
                      sum(ran for _, _, ran in answered) / len(problems))
-
-
-LEARNER_STATS = ("entropy", "approx_kl", "kl_reference", "clip_fraction", "is_weight_mean", "is_weight_max",
-                 "is_truncated_fraction")
 
 
 def weight_sync_summary(pushed: status_pb2.WeightPushTotals) -> dict[str, float]:
@@ -295,7 +294,7 @@ def record_final_figures(result: DemoResult, beats: dict[str, Heartbeat]) -> Non
     result.generated_tokens = rollout.generated_tokens
     result.resubmitted = rollout.resubmitted
     result.weight_sync = weight_sync_summary(learner.weights)
-    result.learner_stats = {k: round(getattr(learner.last_step, k), 6) for k in LEARNER_STATS}
+    result.learner_stats = {name: round(value, 6) for name, value in sorted(learner.last_step.statistics.items())}
     result.dropped = {f.name: v for f, v in learner.dropped.ListFields()}
 
 

@@ -7,7 +7,7 @@ import json
 import math
 import re
 import urllib.parse
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 from pydantic import ValidationError
 
@@ -23,7 +23,8 @@ from policyloop.gateway.demonstrations import (
 )
 from policyloop.gateway.errors import FailedPrecondition, InvalidField
 from policyloop.gateway.model_context import ModelContext
-from policyloop.rl.settings import RUN_LOSS_KEYS, LoraSpec, LossConfig
+from policyloop.rl.losses import named_in, setting_problem
+from policyloop.rl.settings import LoraSpec
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
@@ -323,10 +324,11 @@ def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status
     does (`learner`: the status it advertises; None: no learner is up yet, so only the names are
     checked). One learner serves the cluster: settings it would silently ignore are an error,
     not a wish."""
-    for key in sorted(request.loss):
-        if key not in RUN_LOSS_KEYS:
-            raise InvalidField(f"loss[{key}]", f"not a learner loss setting (one of {', '.join(RUN_LOSS_KEYS)})")
-    _check_loss_values(request.loss)
+    wanted = named_in(request.loss)
+    for name, value in sorted(wanted.items(), key=lambda item: item[0] != "kind"):
+        problem = setting_problem(name, value, wanted.get("kind"))
+        if problem:
+            raise InvalidField(f"loss.{name}", problem)
     if learner is None:
         return
     if request.HasField("lora") and not learner.lora_runs:
@@ -341,31 +343,17 @@ def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status
     if request.HasField("max_lag") and request.max_lag != learner.loop.max_lag:
         raise FailedPrecondition("max_lag", f"the cluster runs with max_lag {learner.loop.max_lag}, not "
                                             f"{request.max_lag} (start the learner and rollout with --max-lag)")
-    for key, wanted in sorted(request.loss.items()):
-        field = RUN_LOSS_KEYS[key]
-        running = getattr(learner.loss, field)
-        if not _same_setting(running, wanted):
-            raise FailedPrecondition(f"loss[{key}]", f"the cluster's learner runs {key}={running}, not {wanted} "
-                                                     f"(start it with --loss.{field.replace('_', '-')} {wanted})")
+    running = named_in(learner.loss)
+    for name, value in sorted(wanted.items()):
+        if name not in running:
+            raise FailedPrecondition(f"loss.{name}", f"the cluster's learner runs the {running.get('kind')} loss, "
+                                                     f"which has no {name}")
+        if not _same_setting(running[name], value):
+            raise FailedPrecondition(f"loss.{name}", f"the cluster's learner runs {name}={running[name]}, not {value} "
+                                                     f"(start it with --loss.{name.replace('_', '-')} {value})")
 
 
-def _check_loss_values(loss: Mapping[str, str]) -> None:
-    """Each value must be one the learner's setting could hold (a finite number >= 0, one of its
-    kinds): a malformed value is the request's fault, whatever the learner runs."""
-    for key, wanted in sorted(loss.items()):
-        field = RUN_LOSS_KEYS[key]
-        try:
-            value = getattr(LossConfig.model_validate({field: wanted}), field)
-        except ValidationError as exc:
-            raise InvalidField(f"loss[{key}]", f"{exc.errors()[0]['msg']}, got {wanted!r}") from None
-        if isinstance(value, float) and not math.isfinite(value):
-            raise InvalidField(f"loss[{key}]", f"a finite number expected, got {wanted!r}")
-
-
-def _same_setting(running: object, wanted: str) -> bool:
-    if isinstance(running, bool) or not isinstance(running, int | float):
-        return str(running) == wanted
-    try:
-        return math.isclose(float(wanted), float(running), rel_tol=1e-9, abs_tol=0.0)
-    except ValueError:
-        return False
+def _same_setting(running: object, wanted: object) -> bool:
+    if isinstance(running, float) and isinstance(wanted, float):
+        return math.isclose(wanted, running, rel_tol=1e-9, abs_tol=0.0)
+    return running == wanted

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 from policyloop.contracts.versions import sample_lag
+from policyloop.rl import losses
 from policyloop.telemetry.metrics import (
     LAG_AT_BOUND,
     LEARNER_DROPPED,
@@ -25,9 +26,12 @@ if TYPE_CHECKING:
     from policyloop.rl.trainer import StepReport
     from policyloop.weights.push import PushReport
 
-# StepReport fields that are also StepStats fields (the metric labels of LEARNER_STEP_STAT, and
-# what trackers log of a step).
-STEP_STATS = [f.name for f in status_pb2.StepStats.DESCRIPTOR.fields]
+
+
+def exported_statistics(report: StepReport) -> dict[str, float]:
+    """A step's statistics by name: its mean reward and gradient norm, and the loss's own — the
+    labels of LEARNER_STEP_STAT and what trackers log of a step."""
+    return {"mean_reward": report.mean_reward, "grad_norm": report.grad_norm, **report.statistics}
 
 
 # The phases of a learner step, in order (perf/step_profile.py stacks them so): waiting for a full
@@ -69,7 +73,7 @@ def advertised_status(settings: LearnerSettings) -> status_pb2.LearnerStatus:
     """What the learner advertises from its start: the loop's shared settings and its objective,
     which rollout replicas and the gateway check theirs and runs' against."""
     return status_pb2.LearnerStatus(loop=settings.loop_config(),
-                                    loss=status_pb2.LossSettings(**settings.loss.model_dump()),
+                                    loss=losses.to_proto(settings.loss),
                                     lora_runs=settings.lora_runs)
 
 
@@ -124,7 +128,7 @@ class LearnerFigures:
         status.last_step_at = time.time()
         status.trained_tokens += report.trained_tokens
         status.trained_samples += report.samples
-        status.last_step.CopyFrom(status_pb2.StepStats(**{name: getattr(report, name) for name in STEP_STATS}))
-        for name in STEP_STATS:
-            # The metric's label for the KL to the behaviour policy predates StepStats' name for it.
-            LEARNER_STEP_STAT.labels("kl_behaviour" if name == "approx_kl" else name).set(getattr(report, name))
+        status.last_step.CopyFrom(status_pb2.StepStats(mean_reward=report.mean_reward, grad_norm=report.grad_norm,
+                                                       statistics=report.statistics))
+        for name, value in exported_statistics(report).items():
+            LEARNER_STEP_STAT.labels(name).set(value)

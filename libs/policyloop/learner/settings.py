@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field
 
 from policyloop.models.resolve import REF_HELP, ModelRef
-from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.rl.losses import KINDS, LossSettings
+from policyloop.rl.settings import OptimizerSettings
 from policyloop.runtime.settings import ServiceSettings
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ class LearnerSettings(ServiceSettings):
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
     publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="AdamW and its schedule.")
-    loss: LossConfig = Field(default_factory=LossConfig, description="The objective.")
+    loss: LossSettings = Field(default_factory=KINDS["ppo"])
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints and resume.")
     colocated: ColocatedSettings = Field(
         default_factory=ColocatedSettings, description="Engines on this node fed by broadcast.")

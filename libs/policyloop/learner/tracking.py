@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 from policyloop.contracts.versions import sample_lag
-from policyloop.learner.figures import STEP_STATS
+from policyloop.learner.figures import exported_statistics
 from policyloop.runtime import ServiceCannotStart
 from policyloop.runtime.settings import ServiceSettings
 from policyloop.telemetry.logging import get_logger
@@ -383,10 +383,11 @@ def run_config(settings: LearnerSettings) -> dict[str, ConfigValue]:
 
 def step_statistics(report: StepReport, seconds: float, samples: Sequence[bus_pb2.Trajectory],
                     trained_version: int, status: status_pb2.LearnerStatus) -> dict[str, float]:
-    """What a tracker gets for one step (under train/; docs/trackers.md): the StepStats figures the
-    learner exports, the step's size and time, its samples' version lag, and the run's totals."""
+    """What a tracker gets for one step (under train/; docs/trackers.md): the statistics the
+    learner exports (mean reward, gradient norm, the loss's by name), the step's size and time,
+    its samples' version lag, and the run's totals."""
     lags = [sample_lag(t, trained_version) for t in samples]
-    stats = {name: float(getattr(report, name)) for name in STEP_STATS}
+    stats = exported_statistics(report)
     stats |= {
         "step_seconds": seconds,             # the whole step: train, record, push, advance
         "train_seconds": report.seconds,     # the optimizer step alone

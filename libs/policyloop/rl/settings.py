@@ -1,11 +1,11 @@
 """The learner's training knobs, each defined once with its default and description: the
-objective (LossConfig) and the optimizer (OptimizerSettings). Imported by the learner's settings
-and the CLI without torch."""
+optimizer (OptimizerSettings) and runs' LoRA adapters (LoraSpec); the objective's are the loss
+registry's (rl.losses). Imported by the learner's settings and the CLI without torch."""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -13,58 +13,6 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
     from policyloop.contracts.v1 import loop_pb2
-
-LossKind = Literal["ppo", "gspo", "cispo"]
-Normalization = Literal["token", "sequence", "constant"]
-AdvantageKind = Literal["group", "group_no_std", "leave_one_out", "none"]
-OffPolicy = Literal["none", "tis", "decoupled"]
-KLEstimator = Literal["k1", "k2", "k3"]
-
-LOSS_KINDS: tuple[str, ...] = get_args(LossKind)
-NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
-ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
-OFF_POLICY_KINDS: tuple[str, ...] = get_args(OffPolicy)
-
-
-class LossConfig(BaseModel):
-    """Which objective the learner optimises: the `loss` settings of the learner (flags
-    `--loss.<field>`, env `POLICYLOOP_LOSS__<FIELD>`), advertised in its status and named by
-    runs (StartRunRequest.loss, keys in RUN_LOSS_KEYS). Named presets: GRPO = ppo + sequence +
-    group; DAPO = ppo + token + clip_high > clip_low; Dr.GRPO = ppo + constant + group_no_std."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    kind: LossKind = Field(
-        "ppo", description="Policy loss: ppo (PPO-clip, GRPO/DAPO/Dr.GRPO by normalization and advantages), "
-                           "gspo (sequence-level ratio) or cispo (clipped, detached IS weight).")
-    normalization: Normalization = Field(
-        "token", description="Loss normalisation: token (DAPO), sequence (GRPO), constant (Dr.GRPO).")
-    constant: float = Field(0.0, ge=0, description="Normaliser of normalization=constant (0: the batch's width).")
-    clip_low: float = Field(0.2, ge=0, description="PPO clip range below 1 for the importance ratio.")
-    clip_high: float = Field(0.2, ge=0, description="PPO clip range above 1 (clip-higher when larger than "
-                                                    "clip_low); CISPO's upper bound on its IS weight.")
-    gspo_clip_low: float = Field(3e-4, ge=0, description="GSPO clip range below 1 of the sequence ratio.")
-    gspo_clip_high: float = Field(4e-4, ge=0, description="GSPO clip range above 1 of the sequence ratio.")
-    advantages: AdvantageKind = Field(
-        "group", description="Advantages: group mean/std (GRPO), group mean only (Dr.GRPO), leave-one-out, none.")
-    off_policy: OffPolicy = Field(
-        "none", description="Off-policy correction: none (ratio to behaviour), tis (truncated IS weight "
-                            "proximal/behaviour), decoupled (trust region at the proximal policy).")
-    tis_cap: float = Field(2.0, ge=0, description="Cap of the IS weight (tis; decoupled when > 0).")
-    kl_coef: float = Field(0.0, ge=0, description="Weight of the KL penalty to the base (reference) policy; 0: none.")
-    kl_estimator: KLEstimator = Field("k3", description="Estimator of the KL penalty.")
-
-    @model_validator(mode="after")
-    def _tis_needs_a_cap(self) -> LossConfig:
-        if self.off_policy == "tis" and self.tis_cap <= 0:
-            raise ValueError("off_policy=tis needs tis_cap > 0")
-        return self
-
-
-# What a run names in StartRunRequest.loss (the wire keys, kept from the learner's flat setting
-# names of earlier releases) -> the LossConfig field it means.
-RUN_LOSS_KEYS: dict[str, str] = {"loss": "kind", "loss_constant": "constant"} | {
-    name: name for name in LossConfig.model_fields if name not in ("kind", "constant")}
 
 
 class OptimizerSettings(BaseModel):

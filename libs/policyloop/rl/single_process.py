@@ -2,7 +2,7 @@
 
 Sample a group per problem from the current weights, score each completion with the arithmetic
 verifier the reward service runs, take one optimizer step with the learner's objective, repeat —
-no services, no bus, no weight sync. The model, tokenizer, loss (`policy_objective`, its
+no services, no bus, no weight sync. The model, tokenizer, loss (`rl.objective`, its
 advantages and normalisation), optimizer and schedule are the learner's; decoding is the
 embedded engine's (its left padding and `sample_rows`: temperature, full vocabulary, the stop
 token ends a row and is trained);
@@ -25,8 +25,9 @@ from policyloop.engines.embedded.sampling import request_generator, sample_rows
 from policyloop.engines.protocol import SamplingParams
 from policyloop.envs import arithmetic
 from policyloop.rl.logprobs import left_padded, pack, token_logprobs_and_entropy
-from policyloop.rl.objective import BatchCounts, compute_advantages, policy_objective
-from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.rl.losses import KINDS, LossSettings
+from policyloop.rl.objective import BatchCounts, compute_advantages, objective
+from policyloop.rl.settings import OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
 
 
@@ -38,7 +39,7 @@ class SingleProcessConfig:
     max_new_tokens: int = 8
     temperature: float = 1.0
     optimizer: OptimizerSettings = field(default_factory=OptimizerSettings)
-    loss: LossConfig = field(default_factory=LossConfig)
+    loss: LossSettings = field(default_factory=KINDS["ppo"])
     seed: int = 0
     threads: int = 2                     # the whole machine: nothing else runs
     # The plain forward over every prompt + response row, as a one-file script has it; True: the
@@ -167,17 +168,17 @@ class SingleProcessGRPO:
         logprobs, entropy = token_logprobs_and_entropy(self.model, batch, share_prompts=c.share_prompts)
         counts = BatchCounts(tokens=float(batch.response_mask.sum()), sequences=len(prompts),
                              width=max(len(r) for r in responses))
-        loss, stats = policy_objective(logprobs, logprobs.detach(), advantages[:, None].expand_as(batch.response_mask),
-                                       batch.response_mask, c.loss, counts, entropy=entropy)
+        result = objective(c.loss, logprobs, advantages[:, None].expand_as(batch.response_mask), batch.response_mask,
+                           counts, behaviour_logprobs=logprobs.detach(), entropy=entropy)
         clock.lap("forward")
-        loss.backward()
+        result.loss.backward()
         clock.lap("backward")
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), c.optimizer.max_grad_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         clock.lap("optimizer")
-        return stats.loss
+        return result.statistics["loss"]
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A copy of the weights now (evaluated later, off the training clock)."""

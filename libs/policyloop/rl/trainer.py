@@ -1,6 +1,6 @@
 """The learner's model side: a Hugging Face causal LM sharded with FSDP2 (`fully_shard`) over
 several ranks (a single rank trains it unsharded), one policy-gradient step per batch of
-complete groups (the objective chosen by LossConfig), and its weights exported as safetensors.
+complete groups (the objective of the loss registry's kinds, rl.losses), and its weights exported as safetensors.
 
 The trainer knows nothing of the bus: it takes groups of trajectories and returns figures.
 """
@@ -34,14 +34,10 @@ from policyloop.rl.logprobs import (
     token_logprobs,
     token_logprobs_and_entropy,
 )
-from policyloop.rl.objective import (
-    BatchCounts,
-    ObjectiveStats,
-    compute_advantages,
-    policy_objective,
-    supervised_objective,
-)
-from policyloop.rl.settings import LossConfig, OptimizerSettings
+from policyloop.rl.losses import KINDS, LossSettings
+from policyloop.rl.losses.cross_entropy import CrossEntropyLoss
+from policyloop.rl.objective import BatchCounts, LossStatistics, compute_advantages, objective
+from policyloop.rl.settings import OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
@@ -49,7 +45,7 @@ if TYPE_CHECKING:
 
 
 class TrainerConfig(OptimizerSettings):
-    loss: LossConfig = Field(default_factory=LossConfig)
+    loss: LossSettings = Field(default_factory=KINDS["ppo"])
     threads: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present
     share_prompts: bool = True  # each distinct prompt of a step computed once (rl.logprobs)
@@ -61,21 +57,17 @@ class StepReport:
     samples: int
     groups: int
     mean_reward: float
-    loss: float
-    clip_fraction: float
-    approx_kl: float          # KL(behaviour || current), k3, per token
     grad_norm: float
     trained_tokens: int
     seconds: float
-    entropy: float = 0.0
-    kl_reference: float = 0.0
-    ratio_mean: float = 1.0
-    is_weight_mean: float = 1.0
-    is_weight_max: float = 1.0
-    is_truncated_fraction: float = 0.0
+    statistics: LossStatistics          # the loss and its statistics by name (rl.objective)
     # Wall time of the step's phases: pack (the batch from the messages), forward (log-probs and
     # entropy, the reference's), backward, optimizer (clip, step, schedule).
     phases: dict[str, float] = field(default_factory=dict, compare=False)
+
+    @property
+    def loss(self) -> float:
+        return self.statistics["loss"]
 
 
 class DeviceUnavailable(RuntimeError):
@@ -174,7 +166,7 @@ class StepLoss:
     """One step's loss on this rank's share of the batch, before its backward."""
 
     loss: torch.Tensor
-    stats: ObjectiveStats
+    statistics: LossStatistics
     rewards: torch.Tensor    # [groups, group size]
     groups: int
     samples: int             # the whole batch's, every rank's share
@@ -183,17 +175,12 @@ class StepLoss:
     def report(self, step: int, grad_norm: torch.Tensor | float, seconds: float,
                phases: dict[str, float]) -> StepReport:
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        stats = self.stats
-        return StepReport(
-            step=step, samples=self.samples, groups=self.groups, mean_reward=float(self.rewards.mean()),
-            loss=stats.loss, clip_fraction=stats.clip_fraction, approx_kl=stats.kl_behaviour,
-            grad_norm=float(norm), trained_tokens=int(self.tokens), seconds=seconds, entropy=stats.entropy,
-            kl_reference=stats.kl_reference, ratio_mean=stats.ratio_mean, is_weight_mean=stats.is_weight_mean,
-            is_weight_max=stats.is_weight_max, is_truncated_fraction=stats.is_truncated_fraction, phases=phases,
-        )
+        return StepReport(step=step, samples=self.samples, groups=self.groups, mean_reward=float(self.rewards.mean()),
+                          grad_norm=float(norm), trained_tokens=int(self.tokens), seconds=seconds,
+                          statistics=self.statistics, phases=phases)
 
 
-def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajectory]], config: LossConfig, *,
+def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajectory]], config: LossSettings, *,
               pad_id: int, device: torch.device, rank: int = 0, world_size: int = 1,
               reference: Callable[[PackedBatch], torch.Tensor] | None = None,
               clock: PhaseClock | None = None, share_prompts: bool = False) -> StepLoss:
@@ -224,9 +211,11 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
     clock.lap("pack")
     logprobs, entropy = token_logprobs_and_entropy(model, batch, share_prompts=share_prompts)
     if supervised:
-        loss, stats = supervised_objective(logprobs, batch.response_mask, config, counts, entropy=entropy)
+        demonstrations = CrossEntropyLoss(normalization=config.normalization, constant=config.constant)
+        result = objective(demonstrations, logprobs, batch.response_mask.to(logprobs.dtype), batch.response_mask,
+                           counts, entropy=entropy)
         clock.lap("forward")
-        return StepLoss(loss, stats, rewards, len(groups), len(samples), total_tokens)
+        return StepLoss(result.loss, result.statistics, rewards, len(groups), len(samples), total_tokens)
     width = batch.input_ids.shape[1]
     behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width).to(device)
     advantages = compute_advantages(rewards, config.advantages).reshape(-1)
@@ -235,10 +224,10 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
     if reference is not None:
         with torch.no_grad():
             ref_logprobs = reference(batch)
-    loss, stats = policy_objective(logprobs, behaviour, token_adv, batch.response_mask, config, counts,
-                                   ref_logprobs=ref_logprobs, entropy=entropy)
+    result = objective(config, logprobs, token_adv, batch.response_mask, counts, behaviour_logprobs=behaviour,
+                       ref_logprobs=ref_logprobs, entropy=entropy)
     clock.lap("forward")
-    return StepLoss(loss, stats, rewards, len(groups), len(samples), total_tokens)
+    return StepLoss(result.loss, result.statistics, rewards, len(groups), len(samples), total_tokens)
 
 
 def is_supervised_step(groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> bool:

@@ -9,11 +9,11 @@ import re
 from collections.abc import Callable
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.envs import arithmetic
 from policyloop.scorers.answer import answer_text
 from policyloop.scorers.score import Score, UnscorableTrajectory, component, scorer_kind
 
 Verifier = Callable[[bus_pb2.Trajectory], Score]
+DEFAULT_FORMAT_WEIGHT = 0.1  # BuiltinVerifier.format_weight 0
 
 
 def _stopped(traj: bus_pb2.Trajectory) -> bool:
@@ -21,7 +21,7 @@ def _stopped(traj: bus_pb2.Trajectory) -> bool:
 
 
 def _format_weight(traj: bus_pb2.Trajectory) -> float:
-    return traj.scorer.builtin.format_weight or arithmetic.FORMAT_WEIGHT
+    return traj.scorer.builtin.format_weight or DEFAULT_FORMAT_WEIGHT
 
 
 def _answer(traj: bus_pb2.Trajectory) -> str:
@@ -31,14 +31,21 @@ def _answer(traj: bus_pb2.Trajectory) -> str:
 
 
 def exact_answer(traj: bus_pb2.Trajectory) -> Score:
+    """The format term for a completion ended by a stop token (and, with `pattern`, that matches
+    it whole: the environment's answer format), and the answer term for the answer itself — the
+    text as it stands with a pattern, else the text without surrounding blanks."""
     answer, text, stopped = _answer(traj), answer_text(traj), _stopped(traj)
-    if re.fullmatch(r"-?\d+", answer):
-        # Integer answers (the arithmetic environment): the strict integer format.
-        result = arithmetic.score(text, stopped, answer)
-        parts = [component(c.name, c.value, c.weight, c.detail) for c in result.breakdown]
+    pattern = traj.scorer.builtin.pattern
+    if pattern:
+        well_formed = stopped and re.fullmatch(pattern, text) is not None
+        detail = "ok" if well_formed else "stopped by the length limit" if not stopped else \
+            f"not in the format {pattern!r}: {text[:32]!r}"
+        correct = well_formed and text == answer
     else:
-        parts = [component("format", float(stopped), _format_weight(traj), "ended by a stop token"),
-                 component("exact_answer", float(stopped and text.strip() == answer), 1.0, f"expected {answer!r}")]
+        well_formed, detail = stopped, "ended by a stop token" if stopped else "stopped by the length limit"
+        correct = stopped and text.strip() == answer
+    parts = [component("format", float(well_formed), _format_weight(traj), detail),
+             component("exact_answer", float(correct), 1.0, f"expected {answer!r}, got {text[:32]!r}")]
     return sum(p.value * p.weight for p in parts), parts
 
 

@@ -187,8 +187,8 @@ WEIGHT_SYNC_FALLBACKS = Counter(
 )
 LEARNER_STEP_STAT = Gauge(
     "policyloop_learner_step_stat",
-    "The last step's statistics: mean_reward, loss, grad_norm, clip_fraction, kl_behaviour, entropy, "
-    "kl_reference, ratio_mean, is_weight_mean, is_weight_max, is_truncated_fraction.",
+    "The last step's statistics: mean_reward, grad_norm, and the loss's by name (loss, policy_loss, "
+    "kl_behaviour, entropy, clip_fraction, ...: StepStats.statistics).",
     ["stat"],
 )
 WEIGHTS_QUARANTINED = Counter(

@@ -1,46 +1,29 @@
-"""The Tinker API's built-in losses over one datum's token logprobs.
+"""The Tinker API's built-in losses: the loss registry's kinds (rl.losses) under the SDK's names
+for their inputs and config, computed by the one objective (rl.objective) as sums over tokens
+(Tinker reports `loss:sum`), with no off-policy correction or KL penalty.
 
-Every loss is a sum over tokens (and, in a request, over datums): Tinker reports it as
-`loss:sum`. `logprobs` are the current policy's log-probabilities of `target_tokens` (position i
-predicts target i); `sampling` are those of the policy that sampled them (loss_fn_inputs
-`logprobs`). Tokens whose advantage (or weight) is 0 contribute nothing.
-
-- cross_entropy: -Σ w·logp.
-- importance_sampling: -Σ r·A, r = exp(logp - sampling) (the REINFORCE gradient, off-policy corrected).
-- ppo: -Σ min(r·A, clip(r, low, high)·A); loss_fn_config clip_low_threshold (0.8), clip_high_threshold (1.2).
-- cispo: -Σ sg(clip(r, low, high))·A·logp (the clipped ratio as a constant weight; same thresholds).
-- dro: -Σ (A·logp - β/2·(logp - sampling)²); loss_fn_config beta (required).
-- gspo: one ratio per sequence, s = exp(mean over masked tokens of (logp - sampling)) (mask:
-  loss_fn_inputs sequence_ratio_mask, default tokens with a nonzero advantage); each token's
-  weight is s with the gradient of its own logp, -Σ min(w·A, clip(w, low, high)·A); thresholds
-  as ppo (defaults 1 - 3e-4, 1 + 4e-4, the GSPO paper's).
+- `loss_fn` is a registry kind: cross_entropy, importance_sampling, ppo, cispo, dro, gspo.
+- `loss_fn_inputs`: target_tokens, with logprobs (the sampling policy's) and advantages for a kind
+  that learns from samples, weights for cross_entropy; sequence_ratio_mask optionally for gspo
+  (default: the tokens with a nonzero advantage).
+- `loss_fn_config`: clip_low_threshold and clip_high_threshold are the clip bounds 1 − clip_low and
+  1 + clip_high of the kinds that clip (defaults the kind's: ppo 0.8/1.2, cispo 0/1.2, gspo
+  1 − 3e-4/1 + 4e-4); beta is dro's (required); other settings of a kind are the kind's defaults.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-RL_INPUTS = ("target_tokens", "logprobs", "advantages")
-REQUIRED_INPUTS: dict[str, tuple[str, ...]] = {
-    "cross_entropy": ("target_tokens", "weights"),
-    "importance_sampling": RL_INPUTS,
-    "ppo": RL_INPUTS,
-    "cispo": RL_INPUTS,
-    "dro": RL_INPUTS,
-    "gspo": RL_INPUTS,
-}
-OPTIONAL_INPUTS: dict[str, tuple[str, ...]] = {"gspo": ("sequence_ratio_mask",)}
-CONFIG_KEYS: dict[str, dict[str, float | None]] = {  # name -> default (None: required)
-    "cross_entropy": {},
-    "importance_sampling": {},
-    "ppo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "cispo": {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2},
-    "dro": {"beta": None},
-    "gspo": {"clip_low_threshold": 1 - 3e-4, "clip_high_threshold": 1 + 4e-4},
-}
+from policyloop.rl.losses import KINDS, PolicyLoss
+from policyloop.rl.objective import BatchCounts, Objective, objective
+
+# Tinker's config names for registry settings whose meaning it writes differently.
+THRESHOLDS = {"clip_low": "clip_low_threshold", "clip_high": "clip_high_threshold"}
+SHARED = set(PolicyLoss.model_fields)
 # Named by the SDK, refused here with the reason.
 UNSUPPORTED = {
     "stable_reinforce": "needs the stability information of samples recorded by the hosted service's sampler",
@@ -53,64 +36,90 @@ class LossInputError(ValueError):
     """A loss asked for with inputs or config it cannot take; the message names them."""
 
 
+def required_inputs(model: type[PolicyLoss]) -> tuple[str, ...]:
+    return ("target_tokens", "logprobs", "advantages") if model.uses_behaviour else ("target_tokens", "weights")
+
+
+def optional_inputs(model: type[PolicyLoss]) -> tuple[str, ...]:
+    return ("sequence_ratio_mask",) if model.sequence_level else ()
+
+
+def config_keys(model: type[PolicyLoss]) -> dict[str, str]:
+    """Tinker's loss_fn_config names of a kind's own settings → the settings."""
+    return {THRESHOLDS.get(name, name): name for name in model.model_fields if name not in SHARED}
+
+
 @dataclass(frozen=True)
 class LossSpec:
-    name: str
-    config: Mapping[str, float]
+    loss: PolicyLoss
 
     @classmethod
     def parse(cls, name: str, config: Mapping[str, float | str], inputs: set[str]) -> LossSpec:
         if name in UNSUPPORTED:
             raise LossInputError(f"loss_fn: {name!r} is not supported: {UNSUPPORTED[name]}")
-        if name not in REQUIRED_INPUTS:
-            raise LossInputError(f"loss_fn: unknown loss {name!r} (supported: {sorted(REQUIRED_INPUTS)})")
-        missing = [n for n in REQUIRED_INPUTS[name] if n not in inputs]
+        if name not in KINDS:
+            raise LossInputError(f"loss_fn: unknown loss {name!r} (supported: {sorted(KINDS)})")
+        model = KINDS[name]
+        needed = required_inputs(model)
+        missing = [n for n in needed if n not in inputs]
         if missing:
-            raise LossInputError(f"loss_fn_inputs: {name} needs {list(REQUIRED_INPUTS[name])}, missing {missing}")
-        known = set(REQUIRED_INPUTS[name]) | set(OPTIONAL_INPUTS.get(name, ()))
+            raise LossInputError(f"loss_fn_inputs: {name} needs {list(needed)}, missing {missing}")
+        known = set(needed) | set(optional_inputs(model))
         extra = sorted(inputs - known)
         if extra:
             raise LossInputError(f"loss_fn_inputs: {name} takes {sorted(known)}, not {extra}")
-        allowed = CONFIG_KEYS[name]
-        unknown = sorted(set(config) - set(allowed))
+        keys = config_keys(model)
+        unknown = sorted(set(config) - set(keys))
         if unknown:
-            raise LossInputError(f"loss_fn_config: {name} takes {sorted(allowed)}, not {unknown}")
-        values: dict[str, float] = {}
-        for key, default in allowed.items():
-            value = config.get(key, default)
-            if value is None:
-                raise LossInputError(f"loss_fn_config.{key}: required by {name}")
+            raise LossInputError(f"loss_fn_config: {name} takes {sorted(keys)}, not {unknown}")
+        settings: dict[str, float | str] = {"kind": name, "normalization": "sum"}
+        for key, field in keys.items():
+            if key not in config:
+                if model.model_fields[field].is_required():
+                    raise LossInputError(f"loss_fn_config.{key}: required by {name}")
+                continue
+            value = config[key]
             if not isinstance(value, int | float):
                 raise LossInputError(f"loss_fn_config.{key}: a number, got {value!r}")
-            values[key] = float(value)
-        if "clip_low_threshold" in values and not 0 <= values["clip_low_threshold"] <= 1 <= \
-                values["clip_high_threshold"]:
+            settings[field] = 1.0 - value if key == "clip_low_threshold" else \
+                value - 1.0 if key == "clip_high_threshold" else float(value)
+        if any(settings.get(field, 0.0) < 0 or (field == "clip_low" and settings[field] > 1)  # type: ignore[operator]
+               for field in THRESHOLDS if field in settings):
             raise LossInputError("loss_fn_config: need 0 <= clip_low_threshold <= 1 <= clip_high_threshold")
-        return cls(name, values)
+        try:
+            return cls(model.model_validate(settings))
+        except ValueError as exc:
+            raise LossInputError(f"loss_fn_config: {exc}") from None
 
-    def loss(self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the datum's loss, its per-token loss) for one datum's logprobs of its targets."""
-        if self.name == "cross_entropy":
-            per_token = -inputs["weights"] * logprobs
-            return per_token.sum(), per_token
-        advantages, sampling = inputs["advantages"], inputs["logprobs"]
-        ratio = torch.exp(logprobs - sampling)
-        if self.name == "importance_sampling":
-            per_token = -ratio * advantages
-        elif self.name == "ppo":
-            clipped = ratio.clamp(self.config["clip_low_threshold"], self.config["clip_high_threshold"])
-            per_token = -torch.minimum(ratio * advantages, clipped * advantages)
-        elif self.name == "cispo":
-            weight = ratio.clamp(self.config["clip_low_threshold"], self.config["clip_high_threshold"]).detach()
-            per_token = -weight * advantages * logprobs
-        elif self.name == "dro":
-            per_token = -(advantages * logprobs - 0.5 * self.config["beta"] * (logprobs - sampling) ** 2)
-        else:  # gspo
-            mask = inputs.get("sequence_ratio_mask")
-            mask = (advantages != 0).to(logprobs.dtype) if mask is None else mask
-            count = mask.sum().clamp(min=1.0)
-            sequence = torch.exp(((logprobs - sampling) * mask).sum() / count)
-            weight = sequence.detach() * torch.exp(logprobs - logprobs.detach())
-            clipped = weight.clamp(self.config["clip_low_threshold"], self.config["clip_high_threshold"])
-            per_token = -torch.minimum(weight * advantages, clipped * advantages) * mask
-        return per_token.sum(), per_token
+    def compute(self, logprobs: torch.Tensor, lengths: Sequence[int],
+                inputs: Sequence[Mapping[str, torch.Tensor]]) -> Objective:
+        """The loss of right-padded rows ([rows, width] logprobs of their targets; row i's first
+        lengths[i] count), each row's loss_fn_inputs other than target_tokens given per token.
+        Objective.per_token holds each datum's elementwise loss, its rows' sums the datums'."""
+        rows, width = logprobs.shape
+        valid = torch.zeros((rows, width), dtype=logprobs.dtype, device=logprobs.device)
+
+        def padded(name: str) -> torch.Tensor:
+            out = torch.zeros_like(valid)
+            for row, given in enumerate(inputs):
+                out[row, :lengths[row]] = given[name]
+            return out
+
+        for row, length in enumerate(lengths):
+            valid[row, :length] = 1.0
+        kind = type(self.loss)
+        behaviour = padded("logprobs") if kind.uses_behaviour else None
+        advantages = padded("advantages") if kind.uses_behaviour else padded("weights")
+        mask = valid
+        if kind.sequence_level:
+            mask = torch.stack([
+                _row(given["sequence_ratio_mask"], width) if "sequence_ratio_mask" in given
+                else _row((given["advantages"] != 0).to(logprobs.dtype), width) for given in inputs])
+        counts = BatchCounts(tokens=float(mask.sum()), sequences=rows, width=width)
+        return objective(self.loss, logprobs, advantages, mask, counts, behaviour_logprobs=behaviour)
+
+
+def _row(values: torch.Tensor, width: int) -> torch.Tensor:
+    out = values.new_zeros(width)
+    out[:values.shape[0]] = values
+    return out

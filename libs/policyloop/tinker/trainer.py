@@ -239,15 +239,14 @@ class TinkerTrainer:
         with torch.set_grad_enabled(not forward_only):
             logits = peft_model(input_ids=ids, attention_mask=mask).logits.float()
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-            losses = []
-            for row, example in enumerate(examples):
-                inputs = {name: torch.as_tensor(array, device=device).float()
-                          for name, array in example.inputs.items() if name != "target_tokens"}
-                datum_loss, per_token = loss.loss(logprobs[row, :lengths[row]], inputs)
-                losses.append(datum_loss)
+            inputs = [{name: torch.as_tensor(array, device=device).float()
+                       for name, array in example.inputs.items() if name != "target_tokens"} for example in examples]
+            result = loss.compute(logprobs, lengths, inputs)
+            for row in range(len(examples)):
                 outputs["logprobs"].append(logprobs[row, :lengths[row]].detach().cpu().numpy().astype(np.float32))
-                outputs["elementwise_loss"].append(per_token.detach().cpu().numpy().astype(np.float32))
-            summed = torch.stack(losses).sum()
+                outputs["elementwise_loss"].append(
+                    result.per_token[row, :lengths[row]].detach().cpu().numpy().astype(np.float32))
+            summed = result.loss
             if not forward_only:
                 summed.backward()
         return float(summed.detach())

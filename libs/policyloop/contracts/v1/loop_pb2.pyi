@@ -175,13 +175,6 @@ class EnvironmentMix(_message.Message):
 
 class StartRunRequest(_message.Message):
     __slots__ = ("run_id", "environments", "model", "num_tasks", "max_lag", "loss", "seed", "lora")
-    class LossEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -195,10 +188,36 @@ class StartRunRequest(_message.Message):
     model: str
     num_tasks: int
     max_lag: int
-    loss: _containers.ScalarMap[str, str]
+    loss: LossSettings
     seed: int
     lora: LoraSpec
-    def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Mapping[str, str]] = ..., seed: _Optional[int] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Union[LossSettings, _Mapping]] = ..., seed: _Optional[int] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
+
+class LossSettings(_message.Message):
+    __slots__ = ("kind", "normalization", "constant", "clip_low", "clip_high", "advantages", "off_policy", "tis_cap", "kl_coef", "kl_estimator", "beta")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
+    CONSTANT_FIELD_NUMBER: _ClassVar[int]
+    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
+    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
+    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
+    OFF_POLICY_FIELD_NUMBER: _ClassVar[int]
+    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
+    KL_COEF_FIELD_NUMBER: _ClassVar[int]
+    KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
+    BETA_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    normalization: str
+    constant: float
+    clip_low: float
+    clip_high: float
+    advantages: str
+    off_policy: str
+    tis_cap: float
+    kl_coef: float
+    kl_estimator: str
+    beta: float
+    def __init__(self, kind: _Optional[str] = ..., normalization: _Optional[str] = ..., constant: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., advantages: _Optional[str] = ..., off_policy: _Optional[str] = ..., tis_cap: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., beta: _Optional[float] = ...) -> None: ...
 
 class LoraSpec(_message.Message):
     __slots__ = ("rank", "alpha", "dropout", "target_modules")

@@ -22,47 +22,54 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from policyloop.contracts.v1 import loop_pb2 as policyloop_dot_v1_dot_loop__pb2
+try:
+  policyloop_dot_v1_dot_bus__pb2 = policyloop_dot_v1_dot_loop__pb2.policyloop_dot_v1_dot_bus__pb2
+except AttributeError:
+  policyloop_dot_v1_dot_bus__pb2 = policyloop_dot_v1_dot_loop__pb2.policyloop.v1.bus_pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apolicyloop/v1/status.proto\x12\rpolicyloop.v1\"E\n\nLoopConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07max_lag\x18\x02 \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x03 \x01(\r\"\xf9\x01\n\x0cLossSettings\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x15\n\rnormalization\x18\x02 \x01(\t\x12\x10\n\x08\x63onstant\x18\x03 \x01(\x01\x12\x10\n\x08\x63lip_low\x18\x04 \x01(\x01\x12\x11\n\tclip_high\x18\x05 \x01(\x01\x12\x15\n\rgspo_clip_low\x18\x06 \x01(\x01\x12\x16\n\x0egspo_clip_high\x18\x07 \x01(\x01\x12\x12\n\nadvantages\x18\x08 \x01(\t\x12\x12\n\noff_policy\x18\t \x01(\t\x12\x0f\n\x07tis_cap\x18\n \x01(\x01\x12\x0f\n\x07kl_coef\x18\x0b \x01(\x01\x12\x14\n\x0ckl_estimator\x18\x0c \x01(\t\"W\n\rDroppedCounts\x12\r\n\x05stale\x18\x01 \x01(\x04\x12\x11\n\tduplicate\x18\x02 \x01(\x04\x12\x0f\n\x07invalid\x18\x03 \x01(\x04\x12\x13\n\x0brun_stopped\x18\x04 \x01(\x04\"\x9c\x01\n\x10WeightPushTotals\x12\x17\n\x0fversions_pushed\x18\x01 \x01(\x04\x12\x11\n\tkeyframes\x18\x02 \x01(\x04\x12\x12\n\nfull_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cpushed_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65lta_bytes\x18\x05 \x01(\x04\x12\x1d\n\x15last_changed_fraction\x18\x06 \x01(\x01\"\xf4\x01\n\tStepStats\x12\x13\n\x0bmean_reward\x18\x01 \x01(\x01\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12\x15\n\rclip_fraction\x18\x04 \x01(\x01\x12\x11\n\tapprox_kl\x18\x05 \x01(\x01\x12\x0f\n\x07\x65ntropy\x18\x06 \x01(\x01\x12\x14\n\x0ckl_reference\x18\x07 \x01(\x01\x12\x12\n\nratio_mean\x18\x08 \x01(\x01\x12\x16\n\x0eis_weight_mean\x18\t \x01(\x01\x12\x15\n\ris_weight_max\x18\n \x01(\x01\x12\x1d\n\x15is_truncated_fraction\x18\x0b \x01(\x01\"\x8e\x05\n\rLearnerStatus\x12\'\n\x04loop\x18\x01 \x01(\x0b\x32\x19.policyloop.v1.LoopConfig\x12)\n\x04loss\x18\x02 \x01(\x0b\x32\x1b.policyloop.v1.LossSettings\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x19\n\x11trajectories_seen\x18\x04 \x01(\x04\x12\x17\n\x0fgroups_complete\x18\x05 \x01(\x04\x12-\n\x07\x64ropped\x18\x06 \x01(\x0b\x32\x1c.policyloop.v1.DroppedCounts\x12\x45\n\rlag_histogram\x18\x07 \x03(\x0b\x32..policyloop.v1.LearnerStatus.LagHistogramEntry\x12\x17\n\x0ftrained_samples\x18\x08 \x01(\x04\x12\x16\n\x0etrained_tokens\x18\t \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\n \x01(\x01\x12\x1b\n\x13\x66irst_trajectory_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_step_at\x18\x0c \x01(\x01\x12\x1a\n\x12\x63heckpoint_version\x18\r \x01(\x04\x12\"\n\x1aresumed_checkpoint_version\x18\x0e \x01(\x04\x12\x16\n\x0ereplayed_steps\x18\x0f \x01(\x04\x12\x30\n\x07weights\x18\x10 \x01(\x0b\x32\x1f.policyloop.v1.WeightPushTotals\x12+\n\tlast_step\x18\x11 \x01(\x0b\x32\x18.policyloop.v1.StepStats\x12\x11\n\tlora_runs\x18\x12 \x01(\x08\x1a\x33\n\x11LagHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"=\n\x0bWeightFetch\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\traw_bytes\x18\x03 \x01(\x04\"\xbd\x02\n\rRolloutStatus\x12\'\n\x04loop\x18\x01 \x01(\x0b\x32\x19.policyloop.v1.LoopConfig\x12\x12\n\nengine_url\x18\x02 \x01(\t\x12\x19\n\x11\x61nnounced_version\x18\x03 \x01(\x04\x12\x12\n\ntasks_done\x18\x04 \x01(\x04\x12\x15\n\rtasks_skipped\x18\x05 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bresubmitted\x18\x07 \x01(\x04\x12\x12\n\ntool_calls\x18\x08 \x01(\x04\x12\r\n\x05paced\x18\t \x01(\x08\x12.\n\nlast_fetch\x18\n \x01(\x0b\x32\x1a.policyloop.v1.WeightFetch\x12\x13\n\x0bserving_run\x18\x0b \x01(\t\x12\x12\n\nopenai_url\x18\x0c \x01(\t\"N\n\x0f\x45valuatorStatus\x12\x11\n\tevaluated\x18\x01 \x01(\x04\x12\x12\n\nengine_url\x18\x02 \x01(\t\x12\x14\n\x0clast_version\x18\x03 \x01(\x03\"%\n\rGatewayStatus\x12\x14\n\x0c\x62\x61\x63kpressure\x18\x01 \x01(\x08\"%\n\x0cRewardStatus\x12\x15\n\rrollouts_done\x18\x01 \x01(\x04\"c\n\rSandboxStatus\x12\x12\n\naccounting\x18\x01 \x01(\t\x12\x11\n\tjobs_done\x18\x02 \x01(\x04\x12\x14\n\x0cjobs_expired\x18\x03 \x01(\x04\x12\x15\n\rsessions_done\x18\x04 \x01(\x04\"\xf1\x04\n\x10ServiceHeartbeat\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x12\n\nhealth_url\x18\x05 \x01(\t\x12;\n\x06\x63hecks\x18\x06 \x03(\x0b\x32+.policyloop.v1.ServiceHeartbeat.ChecksEntry\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x0c\n\x04host\x18\x08 \x01(\t\x12\x17\n\x0fstarted_unix_ms\x18\t \x01(\x03\x12\x14\n\x0c\x62\x65\x61t_unix_ms\x18\n \x01(\x03\x12\x15\n\rgrpc_endpoint\x18\x0b \x01(\t\x12/\n\x07learner\x18\x14 \x01(\x0b\x32\x1c.policyloop.v1.LearnerStatusH\x00\x12/\n\x07rollout\x18\x15 \x01(\x0b\x32\x1c.policyloop.v1.RolloutStatusH\x00\x12/\n\x07gateway\x18\x16 \x01(\x0b\x32\x1c.policyloop.v1.GatewayStatusH\x00\x12/\n\x07sandbox\x18\x17 \x01(\x0b\x32\x1c.policyloop.v1.SandboxStatusH\x00\x12-\n\x06reward\x18\x18 \x01(\x0b\x32\x1b.policyloop.v1.RewardStatusH\x00\x12\x33\n\tevaluator\x18\x19 \x01(\x0b\x32\x1e.policyloop.v1.EvaluatorStatusH\x00\x1a-\n\x0b\x43hecksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06statusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apolicyloop/v1/status.proto\x12\rpolicyloop.v1\x1a\x18policyloop/v1/loop.proto\"E\n\nLoopConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0f\n\x07max_lag\x18\x02 \x01(\x05\x12\x17\n\x0fgroups_per_step\x18\x03 \x01(\r\"W\n\rDroppedCounts\x12\r\n\x05stale\x18\x01 \x01(\x04\x12\x11\n\tduplicate\x18\x02 \x01(\x04\x12\x0f\n\x07invalid\x18\x03 \x01(\x04\x12\x13\n\x0brun_stopped\x18\x04 \x01(\x04\"\x9c\x01\n\x10WeightPushTotals\x12\x17\n\x0fversions_pushed\x18\x01 \x01(\x04\x12\x11\n\tkeyframes\x18\x02 \x01(\x04\x12\x12\n\nfull_bytes\x18\x03 \x01(\x04\x12\x14\n\x0cpushed_bytes\x18\x04 \x01(\x04\x12\x13\n\x0b\x64\x65lta_bytes\x18\x05 \x01(\x04\x12\x1d\n\x15last_changed_fraction\x18\x06 \x01(\x01\"\xb0\x01\n\tStepStats\x12\x13\n\x0bmean_reward\x18\x01 \x01(\x01\x12\x11\n\tgrad_norm\x18\x03 \x01(\x01\x12<\n\nstatistics\x18\x0c \x03(\x0b\x32(.policyloop.v1.StepStats.StatisticsEntry\x1a\x31\n\x0fStatisticsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01J\x04\x08\x02\x10\x03J\x04\x08\x04\x10\x0c\"\x8e\x05\n\rLearnerStatus\x12\'\n\x04loop\x18\x01 \x01(\x0b\x32\x19.policyloop.v1.LoopConfig\x12)\n\x04loss\x18\x02 \x01(\x0b\x32\x1b.policyloop.v1.LossSettings\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x19\n\x11trajectories_seen\x18\x04 \x01(\x04\x12\x17\n\x0fgroups_complete\x18\x05 \x01(\x04\x12-\n\x07\x64ropped\x18\x06 \x01(\x0b\x32\x1c.policyloop.v1.DroppedCounts\x12\x45\n\rlag_histogram\x18\x07 \x03(\x0b\x32..policyloop.v1.LearnerStatus.LagHistogramEntry\x12\x17\n\x0ftrained_samples\x18\x08 \x01(\x04\x12\x16\n\x0etrained_tokens\x18\t \x01(\x04\x12\x0e\n\x06\x62usy_s\x18\n \x01(\x01\x12\x1b\n\x13\x66irst_trajectory_at\x18\x0b \x01(\x01\x12\x14\n\x0clast_step_at\x18\x0c \x01(\x01\x12\x1a\n\x12\x63heckpoint_version\x18\r \x01(\x04\x12\"\n\x1aresumed_checkpoint_version\x18\x0e \x01(\x04\x12\x16\n\x0ereplayed_steps\x18\x0f \x01(\x04\x12\x30\n\x07weights\x18\x10 \x01(\x0b\x32\x1f.policyloop.v1.WeightPushTotals\x12+\n\tlast_step\x18\x11 \x01(\x0b\x32\x18.policyloop.v1.StepStats\x12\x11\n\tlora_runs\x18\x12 \x01(\x08\x1a\x33\n\x11LagHistogramEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"=\n\x0bWeightFetch\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x11\n\traw_bytes\x18\x03 \x01(\x04\"\xbd\x02\n\rRolloutStatus\x12\'\n\x04loop\x18\x01 \x01(\x0b\x32\x19.policyloop.v1.LoopConfig\x12\x12\n\nengine_url\x18\x02 \x01(\t\x12\x19\n\x11\x61nnounced_version\x18\x03 \x01(\x04\x12\x12\n\ntasks_done\x18\x04 \x01(\x04\x12\x15\n\rtasks_skipped\x18\x05 \x01(\x04\x12\x18\n\x10generated_tokens\x18\x06 \x01(\x04\x12\x13\n\x0bresubmitted\x18\x07 \x01(\x04\x12\x12\n\ntool_calls\x18\x08 \x01(\x04\x12\r\n\x05paced\x18\t \x01(\x08\x12.\n\nlast_fetch\x18\n \x01(\x0b\x32\x1a.policyloop.v1.WeightFetch\x12\x13\n\x0bserving_run\x18\x0b \x01(\t\x12\x12\n\nopenai_url\x18\x0c \x01(\t\"N\n\x0f\x45valuatorStatus\x12\x11\n\tevaluated\x18\x01 \x01(\x04\x12\x12\n\nengine_url\x18\x02 \x01(\t\x12\x14\n\x0clast_version\x18\x03 \x01(\x03\"%\n\rGatewayStatus\x12\x14\n\x0c\x62\x61\x63kpressure\x18\x01 \x01(\x08\"%\n\x0cRewardStatus\x12\x15\n\rrollouts_done\x18\x01 \x01(\x04\"c\n\rSandboxStatus\x12\x12\n\naccounting\x18\x01 \x01(\t\x12\x11\n\tjobs_done\x18\x02 \x01(\x04\x12\x14\n\x0cjobs_expired\x18\x03 \x01(\x04\x12\x15\n\rsessions_done\x18\x04 \x01(\x04\"\xf1\x04\n\x10ServiceHeartbeat\x12\x0f\n\x07service\x18\x01 \x01(\t\x12\x10\n\x08instance\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12\x16\n\x0epolicy_version\x18\x04 \x01(\x04\x12\x12\n\nhealth_url\x18\x05 \x01(\t\x12;\n\x06\x63hecks\x18\x06 \x03(\x0b\x32+.policyloop.v1.ServiceHeartbeat.ChecksEntry\x12\x0b\n\x03pid\x18\x07 \x01(\r\x12\x0c\n\x04host\x18\x08 \x01(\t\x12\x17\n\x0fstarted_unix_ms\x18\t \x01(\x03\x12\x14\n\x0c\x62\x65\x61t_unix_ms\x18\n \x01(\x03\x12\x15\n\rgrpc_endpoint\x18\x0b \x01(\t\x12/\n\x07learner\x18\x14 \x01(\x0b\x32\x1c.policyloop.v1.LearnerStatusH\x00\x12/\n\x07rollout\x18\x15 \x01(\x0b\x32\x1c.policyloop.v1.RolloutStatusH\x00\x12/\n\x07gateway\x18\x16 \x01(\x0b\x32\x1c.policyloop.v1.GatewayStatusH\x00\x12/\n\x07sandbox\x18\x17 \x01(\x0b\x32\x1c.policyloop.v1.SandboxStatusH\x00\x12-\n\x06reward\x18\x18 \x01(\x0b\x32\x1b.policyloop.v1.RewardStatusH\x00\x12\x33\n\tevaluator\x18\x19 \x01(\x0b\x32\x1e.policyloop.v1.EvaluatorStatusH\x00\x1a-\n\x0b\x43hecksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x08\n\x06statusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'policyloop.v1.status_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STEPSTATS_STATISTICSENTRY']._loaded_options = None
+  _globals['_STEPSTATS_STATISTICSENTRY']._serialized_options = b'8\001'
   _globals['_LEARNERSTATUS_LAGHISTOGRAMENTRY']._loaded_options = None
   _globals['_LEARNERSTATUS_LAGHISTOGRAMENTRY']._serialized_options = b'8\001'
   _globals['_SERVICEHEARTBEAT_CHECKSENTRY']._loaded_options = None
   _globals['_SERVICEHEARTBEAT_CHECKSENTRY']._serialized_options = b'8\001'
-  _globals['_LOOPCONFIG']._serialized_start=45
-  _globals['_LOOPCONFIG']._serialized_end=114
-  _globals['_LOSSSETTINGS']._serialized_start=117
-  _globals['_LOSSSETTINGS']._serialized_end=366
-  _globals['_DROPPEDCOUNTS']._serialized_start=368
-  _globals['_DROPPEDCOUNTS']._serialized_end=455
-  _globals['_WEIGHTPUSHTOTALS']._serialized_start=458
-  _globals['_WEIGHTPUSHTOTALS']._serialized_end=614
-  _globals['_STEPSTATS']._serialized_start=617
-  _globals['_STEPSTATS']._serialized_end=861
-  _globals['_LEARNERSTATUS']._serialized_start=864
-  _globals['_LEARNERSTATUS']._serialized_end=1518
-  _globals['_LEARNERSTATUS_LAGHISTOGRAMENTRY']._serialized_start=1467
-  _globals['_LEARNERSTATUS_LAGHISTOGRAMENTRY']._serialized_end=1518
-  _globals['_WEIGHTFETCH']._serialized_start=1520
-  _globals['_WEIGHTFETCH']._serialized_end=1581
-  _globals['_ROLLOUTSTATUS']._serialized_start=1584
-  _globals['_ROLLOUTSTATUS']._serialized_end=1901
-  _globals['_EVALUATORSTATUS']._serialized_start=1903
-  _globals['_EVALUATORSTATUS']._serialized_end=1981
-  _globals['_GATEWAYSTATUS']._serialized_start=1983
-  _globals['_GATEWAYSTATUS']._serialized_end=2020
-  _globals['_REWARDSTATUS']._serialized_start=2022
-  _globals['_REWARDSTATUS']._serialized_end=2059
-  _globals['_SANDBOXSTATUS']._serialized_start=2061
-  _globals['_SANDBOXSTATUS']._serialized_end=2160
-  _globals['_SERVICEHEARTBEAT']._serialized_start=2163
-  _globals['_SERVICEHEARTBEAT']._serialized_end=2788
-  _globals['_SERVICEHEARTBEAT_CHECKSENTRY']._serialized_start=2733
-  _globals['_SERVICEHEARTBEAT_CHECKSENTRY']._serialized_end=2778
+  _globals['_LOOPCONFIG']._serialized_start=71
+  _globals['_LOOPCONFIG']._serialized_end=140
+  _globals['_DROPPEDCOUNTS']._serialized_start=142
+  _globals['_DROPPEDCOUNTS']._serialized_end=229
+  _globals['_WEIGHTPUSHTOTALS']._serialized_start=232
+  _globals['_WEIGHTPUSHTOTALS']._serialized_end=388
+  _globals['_STEPSTATS']._serialized_start=391
+  _globals['_STEPSTATS']._serialized_end=567
+  _globals['_STEPSTATS_STATISTICSENTRY']._serialized_start=506
+  _globals['_STEPSTATS_STATISTICSENTRY']._serialized_end=555
+  _globals['_LEARNERSTATUS']._serialized_start=570
+  _globals['_LEARNERSTATUS']._serialized_end=1224
+  _globals['_LEARNERSTATUS_LAGHISTOGRAMENTRY']._serialized_start=1173
+  _globals['_LEARNERSTATUS_LAGHISTOGRAMENTRY']._serialized_end=1224
+  _globals['_WEIGHTFETCH']._serialized_start=1226
+  _globals['_WEIGHTFETCH']._serialized_end=1287
+  _globals['_ROLLOUTSTATUS']._serialized_start=1290
+  _globals['_ROLLOUTSTATUS']._serialized_end=1607
+  _globals['_EVALUATORSTATUS']._serialized_start=1609
+  _globals['_EVALUATORSTATUS']._serialized_end=1687
+  _globals['_GATEWAYSTATUS']._serialized_start=1689
+  _globals['_GATEWAYSTATUS']._serialized_end=1726
+  _globals['_REWARDSTATUS']._serialized_start=1728
+  _globals['_REWARDSTATUS']._serialized_end=1765
+  _globals['_SANDBOXSTATUS']._serialized_start=1767
+  _globals['_SANDBOXSTATUS']._serialized_end=1866
+  _globals['_SERVICEHEARTBEAT']._serialized_start=1869
+  _globals['_SERVICEHEARTBEAT']._serialized_end=2494
+  _globals['_SERVICEHEARTBEAT_CHECKSENTRY']._serialized_start=2439
+  _globals['_SERVICEHEARTBEAT_CHECKSENTRY']._serialized_end=2484
 # @@protoc_insertion_point(module_scope)

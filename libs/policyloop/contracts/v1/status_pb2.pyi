@@ -1,3 +1,5 @@
+from policyloop.contracts.v1 import loop_pb2 as _loop_pb2
+from policyloop.contracts.v1 import bus_pb2 as _bus_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -15,34 +17,6 @@ class LoopConfig(_message.Message):
     max_lag: int
     groups_per_step: int
     def __init__(self, model: _Optional[str] = ..., max_lag: _Optional[int] = ..., groups_per_step: _Optional[int] = ...) -> None: ...
-
-class LossSettings(_message.Message):
-    __slots__ = ("kind", "normalization", "constant", "clip_low", "clip_high", "gspo_clip_low", "gspo_clip_high", "advantages", "off_policy", "tis_cap", "kl_coef", "kl_estimator")
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
-    CONSTANT_FIELD_NUMBER: _ClassVar[int]
-    CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
-    CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
-    GSPO_CLIP_LOW_FIELD_NUMBER: _ClassVar[int]
-    GSPO_CLIP_HIGH_FIELD_NUMBER: _ClassVar[int]
-    ADVANTAGES_FIELD_NUMBER: _ClassVar[int]
-    OFF_POLICY_FIELD_NUMBER: _ClassVar[int]
-    TIS_CAP_FIELD_NUMBER: _ClassVar[int]
-    KL_COEF_FIELD_NUMBER: _ClassVar[int]
-    KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
-    kind: str
-    normalization: str
-    constant: float
-    clip_low: float
-    clip_high: float
-    gspo_clip_low: float
-    gspo_clip_high: float
-    advantages: str
-    off_policy: str
-    tis_cap: float
-    kl_coef: float
-    kl_estimator: str
-    def __init__(self, kind: _Optional[str] = ..., normalization: _Optional[str] = ..., constant: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., gspo_clip_low: _Optional[float] = ..., gspo_clip_high: _Optional[float] = ..., advantages: _Optional[str] = ..., off_policy: _Optional[str] = ..., tis_cap: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ...) -> None: ...
 
 class DroppedCounts(_message.Message):
     __slots__ = ("stale", "duplicate", "invalid", "run_stopped")
@@ -73,30 +47,21 @@ class WeightPushTotals(_message.Message):
     def __init__(self, versions_pushed: _Optional[int] = ..., keyframes: _Optional[int] = ..., full_bytes: _Optional[int] = ..., pushed_bytes: _Optional[int] = ..., delta_bytes: _Optional[int] = ..., last_changed_fraction: _Optional[float] = ...) -> None: ...
 
 class StepStats(_message.Message):
-    __slots__ = ("mean_reward", "loss", "grad_norm", "clip_fraction", "approx_kl", "entropy", "kl_reference", "ratio_mean", "is_weight_mean", "is_weight_max", "is_truncated_fraction")
+    __slots__ = ("mean_reward", "grad_norm", "statistics")
+    class StatisticsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
     MEAN_REWARD_FIELD_NUMBER: _ClassVar[int]
-    LOSS_FIELD_NUMBER: _ClassVar[int]
     GRAD_NORM_FIELD_NUMBER: _ClassVar[int]
-    CLIP_FRACTION_FIELD_NUMBER: _ClassVar[int]
-    APPROX_KL_FIELD_NUMBER: _ClassVar[int]
-    ENTROPY_FIELD_NUMBER: _ClassVar[int]
-    KL_REFERENCE_FIELD_NUMBER: _ClassVar[int]
-    RATIO_MEAN_FIELD_NUMBER: _ClassVar[int]
-    IS_WEIGHT_MEAN_FIELD_NUMBER: _ClassVar[int]
-    IS_WEIGHT_MAX_FIELD_NUMBER: _ClassVar[int]
-    IS_TRUNCATED_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    STATISTICS_FIELD_NUMBER: _ClassVar[int]
     mean_reward: float
-    loss: float
     grad_norm: float
-    clip_fraction: float
-    approx_kl: float
-    entropy: float
-    kl_reference: float
-    ratio_mean: float
-    is_weight_mean: float
-    is_weight_max: float
-    is_truncated_fraction: float
-    def __init__(self, mean_reward: _Optional[float] = ..., loss: _Optional[float] = ..., grad_norm: _Optional[float] = ..., clip_fraction: _Optional[float] = ..., approx_kl: _Optional[float] = ..., entropy: _Optional[float] = ..., kl_reference: _Optional[float] = ..., ratio_mean: _Optional[float] = ..., is_weight_mean: _Optional[float] = ..., is_weight_max: _Optional[float] = ..., is_truncated_fraction: _Optional[float] = ...) -> None: ...
+    statistics: _containers.ScalarMap[str, float]
+    def __init__(self, mean_reward: _Optional[float] = ..., grad_norm: _Optional[float] = ..., statistics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
     __slots__ = ("loop", "loss", "step", "trajectories_seen", "groups_complete", "dropped", "lag_histogram", "trained_samples", "trained_tokens", "busy_s", "first_trajectory_at", "last_step_at", "checkpoint_version", "resumed_checkpoint_version", "replayed_steps", "weights", "last_step", "lora_runs")
@@ -126,7 +91,7 @@ class LearnerStatus(_message.Message):
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     LORA_RUNS_FIELD_NUMBER: _ClassVar[int]
     loop: LoopConfig
-    loss: LossSettings
+    loss: _loop_pb2.LossSettings
     step: int
     trajectories_seen: int
     groups_complete: int
@@ -143,7 +108,7 @@ class LearnerStatus(_message.Message):
     weights: WeightPushTotals
     last_step: StepStats
     lora_runs: bool
-    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., lora_runs: _Optional[bool] = ...) -> None: ...
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[_loop_pb2.LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., lora_runs: _Optional[bool] = ...) -> None: ...
 
 class WeightFetch(_message.Message):
     __slots__ = ("kind", "bytes", "raw_bytes")
