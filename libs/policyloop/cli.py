@@ -25,6 +25,7 @@ from policyloop.cluster.catalogue import SERVICE_NAMES, service_main
 from policyloop.learner.settings import TRACKER_KINDS, TrackerSettings
 from policyloop.rl.settings import OptimizerSettings
 from policyloop.runtime.settings import ServiceSettings
+from policyloop.scorers.kinds import SCORER_KINDS
 
 if TYPE_CHECKING:
     from policyloop.rl.losses import PolicyLoss
@@ -780,11 +781,12 @@ def env_submit(
              "metadata.solution_prefix; --supervised: demonstration or demonstration_token_ids). With --verifiers: "
              "omit it, the environment's dataset is the tasks.")] = None,
     version: Annotated[str, typer.Option(help="Environment version (name@version is its key).")] = "v1",
-    scorer: Annotated[str, typer.Option(help="exact_answer, numeric_tolerance, regex, unit_tests or reward_code "
-                                             "(with --program, --openenv or --verifiers: the rewards it gives, "
-                                             "environment_reward).")]
+    scorer: Annotated[str, typer.Option(help="; ".join(f"{kind.name}: {kind.rewards}" for kind in SCORER_KINDS) +
+                                        " (with --program, --openenv or --verifiers: environment_reward).")]
     = "exact_answer",
-    pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match; exact_answer: the answer's format, a completion must match it whole to earn the format term.")] = "",
+    pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match; exact_answer: the answer's "
+                                              "format, a completion must match it whole to earn the format term.")]
+    = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,

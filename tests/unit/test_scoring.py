@@ -8,9 +8,9 @@ import re
 import pytest
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.scorers.kinds import verify
 from policyloop.scorers.registry import ScorerRegistry, default_registry, sandbox_job
 from policyloop.scorers.score import UnscorableTrajectory, scorer_kind
-from policyloop.scorers.verifiers import verify
 
 STOP, LENGTH = bus_pb2.FINISH_REASON_STOP, bus_pb2.FINISH_REASON_LENGTH
 KIND = bus_pb2.BuiltinVerifier.Kind

@@ -12,7 +12,7 @@ from policyloop.envs.tools import TOOL_FORMATS, UnknownTool, find_call, result_t
 from policyloop.gateway.feeding import nth_task
 from policyloop.models.bootstrap import PLAIN, TOOLS_CALL, TOOLS_DIRECT, tool_modes, training_batch
 from policyloop.models.tokenizer import EOS_ID, VOCAB, build_tokenizer
-from policyloop.scorers.verifiers import verify
+from policyloop.scorers.kinds import verify
 from tests.helpers import addition_environment
 
 PYTHON = TOOL_FORMATS["python"]

@@ -12,11 +12,7 @@ import grpc
 
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
 from policyloop.envs.driven import Driver, set_driver
-
-BUILTIN_KINDS = {"exact_answer": loop_pb2.BuiltinVerifier.KIND_EXACT_ANSWER,
-                 "numeric_tolerance": loop_pb2.BuiltinVerifier.KIND_NUMERIC_TOLERANCE,
-                 "regex": loop_pb2.BuiltinVerifier.KIND_REGEX}
-SCORERS = (*BUILTIN_KINDS, "unit_tests", "reward_code", "environment_reward")
+from policyloop.scorers.kinds import SCORERS
 
 
 class TaskFileError(ValueError):
@@ -120,8 +116,8 @@ def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], s
         scorer = "environment_reward"
     if scorer == "environment_reward":
         env.environment_reward.CopyFrom(loop_pb2.EnvironmentRewardScorer())
-    elif scorer in BUILTIN_KINDS:
-        env.builtin.CopyFrom(loop_pb2.BuiltinVerifier(kind=BUILTIN_KINDS[scorer], pattern=pattern,
+    elif scorer in SCORERS and SCORERS[scorer].builtin is not None:
+        env.builtin.CopyFrom(loop_pb2.BuiltinVerifier(kind=SCORERS[scorer].builtin, pattern=pattern,  # type: ignore[arg-type]
                                                       tolerance=tolerance))
     elif scorer == "unit_tests":
         env.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(test_code=code, timeout_seconds=timeout_s))

@@ -130,7 +130,8 @@ def validate_scorer(scorer: bus_pb2.Scorer) -> None:
     unscorable, which the reward service dead-letters as such)."""
     kind = scorer.WhichOneof("kind")
     if kind is None:
-        raise InvalidMessage("scorer", "names no scorer (builtin, unit_tests, reward_code or environment_reward)")
+        fields = ", ".join(f.name for f in scorer.DESCRIPTOR.oneofs_by_name["kind"].fields)
+        raise InvalidMessage("scorer", f"names no scorer (one of {fields})")
     if kind == "builtin":
         _validate_verifier(scorer)
         return
@@ -145,7 +146,7 @@ def validate_scorer(scorer: bus_pb2.Scorer) -> None:
 
 def _validate_verifier(scorer: bus_pb2.Scorer) -> None:
     verifier = scorer.builtin
-    if verifier.kind not in (_VERIFIER.KIND_EXACT_ANSWER, _VERIFIER.KIND_NUMERIC_TOLERANCE, _VERIFIER.KIND_REGEX):
+    if verifier.kind == _VERIFIER.KIND_UNSPECIFIED or verifier.kind not in _VERIFIER.Kind.values():
         raise InvalidMessage("scorer.builtin.kind", f"{verifier.kind} is not a built-in verifier")
     if not math.isfinite(verifier.format_weight):
         raise InvalidMessage("scorer.builtin.format_weight", "is not a finite number")

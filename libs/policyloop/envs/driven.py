@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from policyloop.bus import Bus
 
 Driver = bus_pb2.EnvironmentProgram | bus_pb2.OpenEnvServer | bus_pb2.VerifiersEnvironment
+# The kinds of environment that drive their episodes: the `driver` oneof of Task and Environment
+# (a test holds the two and docs/environments.md's list to this).
+DRIVER_KINDS: tuple[str, ...] = tuple(f.name for f in loop_pb2.Environment.DESCRIPTOR.oneofs_by_name["driver"].fields)
 
 
 def driver_of(holder: bus_pb2.Task | loop_pb2.Environment) -> Driver | None:

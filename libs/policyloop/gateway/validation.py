@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from policyloop.contracts.v1 import loop_pb2, status_pb2
-from policyloop.envs.driven import driver_of
+from policyloop.envs.driven import DRIVER_KINDS, driver_of
 from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
 from policyloop.gateway.code_checks import check_reward_code, check_unit_tests
@@ -25,6 +25,7 @@ from policyloop.gateway.errors import FailedPrecondition, InvalidField
 from policyloop.gateway.model_context import ModelContext
 from policyloop.rl.losses import named_in, setting_problem
 from policyloop.rl.settings import LoraSpec
+from policyloop.scorers.kinds import field_choices
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_\-]{0,63}$")
 VERSION_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,31}$")
@@ -104,10 +105,10 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
     if scorer is None and env.supervised and not env.eval_tasks:
         return  # demonstrations are imitated, never scored
     if scorer is None:
-        raise InvalidField("environment.scorer", "choose builtin, unit_tests, reward_code or environment_reward")
+        raise InvalidField("environment.scorer", f"choose {field_choices()}")
     if (scorer == "environment_reward") != (driver_of(env) is not None):
         raise InvalidField("environment.environment_reward", "the rewards an environment that drives its episodes "
-                                                            "(program, openenv, verifiers) gives score them, and only "
+                                                            f"({', '.join(DRIVER_KINDS)}) gives score them, and only "
                                                             "those: give both or neither")
     if scorer == "builtin":
         _validate_verifier(env)

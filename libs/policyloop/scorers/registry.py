@@ -1,18 +1,17 @@
-"""Scorers keyed by the kind of a trajectory's typed scorer (`score.scorer_kind`): the built-in
-verifiers run here, the code scorers as sandbox jobs. A new scorer is one `register` call."""
+"""Scorers keyed by the kind of a trajectory's typed scorer (`score.scorer_kind`): those of
+scorers.kinds that run here, and the code scorers as sandbox jobs."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.scorers.reward_code import reward_code_job, reward_code_score
+from policyloop.scorers.kinds import SANDBOXED, VERIFIERS
 from policyloop.scorers.sandboxed import CodeJob
-from policyloop.scorers.score import REWARD_CODE, UNIT_TESTS, Score, UnscorableTrajectory, scorer_kind
-from policyloop.scorers.unit_tests import unit_test_job, unit_test_score
-from policyloop.scorers.verifiers import VERIFIERS, Verifier
+from policyloop.scorers.score import Score, UnscorableTrajectory, scorer_kind
+from policyloop.scorers.verifiers import Verifier
 
 # Runs a job in the sandbox service and returns its result (policyloop.sandbox.client.run_in_sandbox).
 RunJob = Callable[[bus_pb2.SandboxJob], Awaitable[bus_pb2.SandboxResult]]
@@ -43,14 +42,6 @@ class SandboxScorer:
     async def score(self, traj: bus_pb2.Trajectory) -> Score:
         job = self.build(traj)
         return self.read(traj, job, await self.run_job(job.job))
-
-
-# The code scorers' (build, read) by kind, for callers that run the job themselves.
-SANDBOXED: Mapping[str, tuple[Callable[[bus_pb2.Trajectory], CodeJob],
-                              Callable[[bus_pb2.Trajectory, CodeJob, bus_pb2.SandboxResult], Score]]] = {
-    UNIT_TESTS: (unit_test_job, unit_test_score),
-    REWARD_CODE: (reward_code_job, reward_code_score),
-}
 
 
 def sandbox_job(traj: bus_pb2.Trajectory) -> CodeJob:

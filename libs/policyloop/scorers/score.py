@@ -7,8 +7,6 @@ from policyloop.contracts.v1 import bus_pb2
 # (reward, breakdown): the reward is the breakdown's sum of value * weight.
 Score = tuple[float, list[bus_pb2.RewardComponent]]
 
-UNIT_TESTS, REWARD_CODE = "unit_tests", "reward_code"
-
 
 class UnscorableTrajectory(ValueError):
     """The trajectory names no scorer this service runs, or lacks what its scorer needs."""

@@ -1,6 +1,6 @@
-"""The built-in verifiers: exact answer, numeric tolerance and regex, run in the reward
-service's own process against the trajectory's typed scorer (its parameters and answer), and the
-rewards an environment program gave its episode's steps."""
+"""The scorers that run in the reward service's own process (scorers.kinds declares them): the
+built-in verifiers — exact answer, numeric tolerance and regex — against the trajectory's typed
+scorer (its parameters and answer), and the rewards an environment gave its episode's steps."""
 
 from __future__ import annotations
 
@@ -81,19 +81,3 @@ def environment_reward(traj: bus_pb2.Trajectory) -> Score:
     parts = [component(f"turn_{i}", turn.reward, 1.0, "the environment's reward for this step")
              for i, turn in enumerate(model_turns) if turn.HasField("reward")]
     return sum(p.value for p in parts), parts
-
-
-VERIFIERS: dict[str, Verifier] = {
-    "exact_answer": exact_answer,
-    "numeric_tolerance": numeric_tolerance,
-    "regex": regex,
-    "environment_reward": environment_reward,
-}
-
-
-def verify(traj: bus_pb2.Trajectory) -> Score:
-    """(reward, breakdown) of a trajectory whose scorer is a built-in verifier."""
-    kind = scorer_kind(traj.scorer)
-    if kind not in VERIFIERS:
-        raise UnscorableTrajectory(f"scorer: {kind or 'none'!r} is not a built-in verifier")
-    return VERIFIERS[kind](traj)
