@@ -62,11 +62,11 @@ import nats.js.errors  # noqa: E402
 
 from policyloop.bus import Bus, ledger_subject  # noqa: E402
 from policyloop.cluster.catalogue import SERVICES  # noqa: E402
-from policyloop.cluster.demo import arithmetic_environment, require_healthy, start_arithmetic_run  # noqa: E402
-from policyloop.cluster.demo_runs import start_lora_runs  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.cluster.nats_cluster import meta_leader, stream_leader, wait_cluster_ready  # noqa: E402
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc  # noqa: E402
+from policyloop.demo.loop import arithmetic_environment, require_healthy, start_arithmetic_run  # noqa: E402
+from policyloop.demo.runs import start_lora_runs  # noqa: E402
 from policyloop.ledger import TRAINED, Audit, audit_bus, trained_steps, wait_settled  # noqa: E402
 from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.rl.lora import adapter_model_name  # noqa: E402

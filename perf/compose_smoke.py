@@ -43,9 +43,9 @@ try:
     import grpc
 
     from policyloop.cluster.catalogue import SERVICE_NAMES
-    from policyloop.cluster.demo import start_arithmetic_run
     from policyloop.common.ports import free_port
     from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+    from policyloop.demo.loop import start_arithmetic_run
     IMPORT_ERROR: ImportError | None = None
 except ImportError as exc:
     IMPORT_ERROR = exc

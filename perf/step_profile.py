@@ -41,9 +41,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster, service_of  # noqa: E402
 from policyloop.cluster.scrape import MetricsEndpoint, Scrape, scrape_services  # noqa: E402
+from policyloop.demo.loop import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.learner.figures import ON_STEP, OVERLAPPED, PUBLISH_PHASES, STEP_PHASES  # noqa: E402
 from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402

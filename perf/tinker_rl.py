@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from policyloop.cluster.demo import wait_healthy
 from policyloop.cluster.local import LocalCluster
+from policyloop.demo.loop import wait_healthy
 from policyloop.models.bootstrap import BootstrapConfig, bootstrap
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tinker_rl_loop.py"

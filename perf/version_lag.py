@@ -35,9 +35,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import grpc  # noqa: E402
 
-from policyloop.cluster.demo import evaluate, start_arithmetic_run, wait_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc, status_pb2  # noqa: E402
+from policyloop.demo.loop import evaluate, start_arithmetic_run, wait_healthy  # noqa: E402
 from policyloop.engines.sglang_client import SGLangClient  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
 from policyloop.models.resolve import model_argument  # noqa: E402

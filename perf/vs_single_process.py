@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
 
-from policyloop.cluster.demo import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.cluster.local import LocalCluster  # noqa: E402
+from policyloop.demo.loop import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
 from policyloop.envs import arithmetic  # noqa: E402
 from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.rl.settings import OptimizerSettings  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from policyloop.bus import Bus
-from policyloop.cluster import demo_agent
+from policyloop.demo import agent as demo_agent
 from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.gateway.feeding import demonstration
 from policyloop.gateway.validation import validate_environment

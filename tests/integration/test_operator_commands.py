@@ -21,7 +21,7 @@ import typer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from policyloop.bus import Bus
-from policyloop.cli import _replace_symlink
+from policyloop.cli.models import _replace_symlink
 from policyloop.cluster.local import free_port
 from policyloop.rl.trainer import DeviceUnavailable, resolve_device
 from policyloop.runtime import ServiceCannotStart, ServiceSettings, serve

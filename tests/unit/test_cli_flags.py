@@ -40,7 +40,8 @@ def test_demo_flags_are_the_settings_fields() -> None:
     import inspect
     from typing import get_type_hints
 
-    from policyloop.cli import demo, field_help
+    from policyloop.cli.common import field_help
+    from policyloop.demo.cli import demo
     from policyloop.learner.settings import TrackerSettings
     from policyloop.rl.losses import DEFAULT_KIND, LOSS_KINDS
     from policyloop.rl.losses import parameters as loss_parameters
@@ -81,7 +82,7 @@ def test_a_demos_first_sigterm_interrupts_and_later_ones_are_ignored() -> None:
     while it stops is ignored rather than cutting the stop short."""
     import signal
 
-    from policyloop.cli import _interrupt
+    from policyloop.demo.cli import _interrupt
 
     previous = signal.getsignal(signal.SIGTERM)
     try:

@@ -1,6 +1,7 @@
 """The library's layers are locked: a package imports only its own layer or lower ones, the
 roles never import each other, nothing in the library imports the dev launcher (`cluster`) or
-the CLI, and a service never imports another service. Lazy imports inside functions count."""
+the CLI, nothing outside the demo package imports it, and a service never imports another
+service. Lazy imports inside functions count."""
 
 from __future__ import annotations
 
@@ -16,8 +17,10 @@ LAYERS: list[set[str]] = [
     {"bus", "state"},
     {"ledger", "weights", "engines", "rl", "envs", "models", "sandbox", "runtime", "scorers", "releases"},
     {"learner", "rollout", "gateway", "reward", "publisher", "tinker", "serving", "evaluation"},
-    {"cluster", "cli", "__main__", "services"},
+    {"cluster", "cli", "__main__", "services", "demo"},
 ]
+# Imported by nothing else in the library (it joins the CLI through an entry point).
+APART_FROM_ALL = {"demo"}
 ROLES = LAYERS[4]
 # Same-layer imports that are refused: (importer, imported). The broadcast sender drives engines
 # through its own EngineControl protocol; engines use the weights' layout and group.
@@ -63,7 +66,9 @@ def violations(library: Path, services: Path) -> list[str]:
             where = f"{path.relative_to(library.parent)} imports policyloop.{target}"
             if target not in {p for layer in LAYERS for p in layer}:
                 continue  # a name the table does not know is caught by test_every_package_has_a_layer
-            if layer_of(target) > layer_of(package):
+            if target in APART_FROM_ALL:
+                found.append(f"{where}: nothing in the library imports the {target} package")
+            elif layer_of(target) > layer_of(package):
                 found.append(f"{where}: a higher layer")
             elif package in ROLES and target in ROLES:
                 found.append(f"{where}: roles do not import each other")
@@ -77,7 +82,7 @@ def violations(library: Path, services: Path) -> list[str]:
                 parts = node.module.split(".")
                 if parts[:2] == ["policyloop", "services"] and len(parts) > 2 and parts[2] != own:
                     found.append(f"services/{path.relative_to(services)} imports another service: {node.module}")
-                if parts[:2] == ["policyloop", "cluster"]:
+                if parts[:2] in (["policyloop", "cluster"], ["policyloop", "demo"]):
                     found.append(f"services/{path.relative_to(services)} imports the dev launcher")
     return found
 
@@ -95,7 +100,7 @@ def test_every_package_has_a_layer() -> None:
 
 def test_a_planted_violation_is_found(tmp_path: Path) -> None:
     library, services = tmp_path / "policyloop", tmp_path / "services"
-    for package in ("bus", "learner", "rollout", "weights", "engines"):
+    for package in ("bus", "learner", "rollout", "weights", "engines", "cli", "demo"):
         (library / package).mkdir(parents=True)
         (library / package / "__init__.py").write_text("")
     (library / "bus" / "wire.py").write_text("def f():\n    from policyloop.learner.learner import Learner\n")
@@ -103,11 +108,15 @@ def test_a_planted_violation_is_found(tmp_path: Path) -> None:
     (library / "rollout" / "ok.py").write_text("from policyloop.bus import Bus\n")
     (library / "weights" / "send.py").write_text("from policyloop.engines.sglang_client import SGLangClient\n")
     (library / "engines" / "receive.py").write_text("from policyloop.weights.broadcast import layout\n")  # allowed
+    (library / "cli" / "demo.py").write_text("def f():\n    from policyloop.demo.cli import register\n")
+    (library / "demo" / "cli.py").write_text("from policyloop.cli.common import app\n")  # allowed
     (services / "learner").mkdir(parents=True)
     (services / "learner" / "service.py").write_text(
         "from policyloop.services.rollout.service import body\nfrom policyloop.cluster.local import free_port\n")
     found = violations(library, services)
-    assert len(found) == 5, found
+    assert len(found) == 6, found
+    assert any("cli/demo.py imports policyloop.demo: nothing in the library imports the demo package" in f
+               for f in found)
     assert any("weights/send.py imports policyloop.engines: weights must not depend on engines" in f for f in found)
     assert any("bus/wire.py imports policyloop.learner: a higher layer" in f for f in found)
     assert any("roles do not import each other" in f for f in found)

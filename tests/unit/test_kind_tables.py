@@ -52,7 +52,7 @@ def test_the_docs_list_each_scorer_and_what_it_rewards() -> None:
 def test_the_cli_and_the_gateway_offer_the_tables_choices() -> None:
     from typing import get_type_hints
 
-    from policyloop.cli import env_submit
+    from policyloop.cli.loop import env_submit
 
     scorer_help = get_type_hints(env_submit, include_extras=True)["scorer"].__metadata__[0].help
     assert all(f"{kind.name}: {kind.rewards}" in scorer_help for kind in SCORER_KINDS)

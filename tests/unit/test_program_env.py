@@ -177,7 +177,7 @@ def test_a_programs_dependencies_are_specifiers_and_wheels(tmp_path: Path) -> No
 
 
 def test_the_agent_env_demo_trains_on_seeds_it_never_evaluates() -> None:
-    from policyloop.cluster.demo_env import EnvDemoConfig, EnvDemoResult, desk_environment
+    from policyloop.demo.desk import EnvDemoConfig, EnvDemoResult, desk_environment
 
     env = desk_environment(EnvDemoConfig())
     validate_environment(env)

@@ -6,9 +6,9 @@ import sys
 import time
 from pathlib import Path
 
-from policyloop.cluster.demo import unhealthy_report
 from policyloop.cluster.local import ManagedProcess
 from policyloop.cluster.status import ClusterStatus, InstanceStatus
+from policyloop.demo.loop import unhealthy_report
 
 
 def test_it_names_the_missing_and_unhealthy_with_their_process_state_and_log_tail(tmp_path: Path) -> None:

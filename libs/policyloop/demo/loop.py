@@ -33,10 +33,10 @@ from rich.console import Console
 from rich.markup import escape
 
 from policyloop.bus import Bus
-from policyloop.cluster.demo_runs import AdapterEvaluator, RunEvaluation, RunResult, run_versions, start_lora_runs
 from policyloop.cluster.local import LocalCluster, ManagedProcess, service_of
 from policyloop.cluster.status import ClusterStatus, cluster_status
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc, status_pb2
+from policyloop.demo.runs import AdapterEvaluator, RunEvaluation, RunResult, run_versions, start_lora_runs
 from policyloop.engines.partial import Completion, generate_resumable
 from policyloop.engines.protocol import GenerateRequest, GenerateResult, SamplingParams
 from policyloop.engines.sglang_client import SGLangClient

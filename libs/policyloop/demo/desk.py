@@ -25,9 +25,9 @@ import grpc
 from rich.console import Console
 
 from policyloop.cluster.client import build_environment, read_program
-from policyloop.cluster.demo import DemoConfig, loop_env, require_healthy
 from policyloop.cluster.local import LocalCluster
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+from policyloop.demo.loop import DemoConfig, loop_env, require_healthy
 from policyloop.envs.programs import TALLY_DESK, TALLY_DESK_ENTRY
 
 ENV_RUN = "agent-env"

@@ -33,10 +33,10 @@ import grpc
 from rich.console import Console
 
 from policyloop.bus import Bus
-from policyloop.cluster.demo import DemoConfig, require_healthy
-from policyloop.cluster.demo_production import on_serving_cluster, train_demonstrations
 from policyloop.cluster.local import LocalCluster
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+from policyloop.demo.loop import DemoConfig, require_healthy
+from policyloop.demo.production import on_serving_cluster, train_demonstrations
 from policyloop.envs.arithmetic import Problem
 from policyloop.evaluation.scoring import wilson_interval
 from policyloop.models.chat_tasks import QUESTIONS, calculate, calculator_call_correct, problems, text_correct

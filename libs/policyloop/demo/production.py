@@ -32,9 +32,9 @@ import grpc
 from rich.console import Console
 
 from policyloop.bus import Bus
-from policyloop.cluster.demo import DemoConfig, arithmetic_environment, loop_env, require_healthy
 from policyloop.cluster.local import LocalCluster
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
+from policyloop.demo.loop import DemoConfig, arithmetic_environment, loop_env, require_healthy
 from policyloop.envs import arithmetic
 from policyloop.serving.traces import environment_from_traces, read_exchanges
 
