@@ -18,6 +18,7 @@ versions go on with no gap and no reuse.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,19 +31,20 @@ from policyloop.learner.fair import FairShare
 from policyloop.learner.held import (
     Groups,
     HeldTrajectories,
-    record_progress,
     refuse_unscored,
     refuse_untrainable,
     standings,
 )
 from policyloop.learner.start import VersionBehind
-from policyloop.ledger import StepRecord, record_dropped, record_trained
+from policyloop.ledger import record_dropped
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
 from policyloop.rl.recovery import Resumed, ResumeError, resume
 from policyloop.state.catalog import ENDED_STATES
 from policyloop.state.outcomes import RUN_STOPPED, STALE
+from policyloop.state.progress import record_progress
 from policyloop.telemetry.logging import get_logger
+from policyloop.weights.publication import Version, VersionPublication
 from policyloop.weights.push import VersionPusher
 
 if TYPE_CHECKING:
@@ -63,9 +65,8 @@ class RunSlot:
     model: str                 # its adapter versions' name in the publisher, LEDGER and the registry
     held: HeldTrajectories
     max_lag: int
-    pusher: VersionPusher
+    publication: VersionPublication
     dropped: int = 0
-    ledger_seq: int = 0        # LEDGER position of its newest recorded step
     resumed: Resumed | None = None
 
 
@@ -100,10 +101,13 @@ class AdapterLearner:
             except BaseException:
                 await asyncio.to_thread(self.trainer.remove_run, run_id)
                 raise
-        slot = RunSlot(run_id, name, HeldTrajectories(groups_per_step, RecentSteps(self.dedupe_steps,
-                                                                                   resumed.recent_steps)),
-                       max_lag, VersionPusher(self.publisher, name, run_id=run_id), ledger_seq=resumed.ledger_seq,
-                       resumed=resumed)
+        held = HeldTrajectories(groups_per_step, RecentSteps(self.dedupe_steps, resumed.recent_steps))
+        publication = VersionPublication(self.bus, name, run_id, self.instance_id,
+                                         pusher=VersionPusher(self.publisher, name, run_id=run_id),
+                                         versions=self.versions, progress=self.progress, release=held.release,
+                                         sequence=held.sequence)
+        publication.ledger_seq = resumed.ledger_seq
+        slot = RunSlot(run_id, name, held, max_lag, publication, resumed=resumed)
         await self._publish_resumed(slot, resumed)
         self.removed.discard(run_id)
         self.slots[run_id] = slot
@@ -119,11 +123,10 @@ class AdapterLearner:
         if registered > version:  # training an older adapter under a later number would publish a regression
             raise VersionBehind(f"{slot.model} is at version {registered} but run {slot.run_id!r} resumes only to "
                                 f"version {version}: is another learner serving it, or were checkpoints lost?")
-        if resumed.weights is not None and resumed.replayed:
-            await slot.pusher.push(resumed.weights, self.trainer.run(slot.run_id).steps)
+        await slot.publication.republish(resumed.weights, self.trainer.run(slot.run_id).steps,
+                                         replayed=bool(resumed.replayed))
         if version > registered:
             await self.versions.advance(slot.model, version)
-        slot.pusher.confirmed = resumed.weights
 
     async def remove_run(self, run_id: str) -> None:
         """Stops serving a run: what it holds is recorded as dropped and acked; its adapter is freed."""
@@ -133,6 +136,7 @@ class AdapterLearner:
         held = slot.held.collector
         groups = list(held.complete.values()) + [list(members.values()) for members in held.groups.values()]
         await self._drop(slot, groups, RUN_STOPPED)
+        await slot.publication.figures()
         async with self._trainer_lock:
             await asyncio.to_thread(self.trainer.remove_run, run_id)
         log.info("run_removed", run=run_id, dropped_samples=sum(len(g) for g in groups))
@@ -203,27 +207,24 @@ class AdapterLearner:
         return run.version
 
     async def _train(self, slot: RunSlot, groups: Groups) -> None:
-        """One step of the run's adapter on `groups`, in the learner's write-ahead order."""
+        """One step of the run's adapter on `groups`, in the write-ahead order (learner.publication)."""
         from policyloop.weights.torch_io import weight_set
 
         run_id, run = slot.run_id, self.trainer.run(slot.run_id)
         samples = [t for group in groups for t in group]
+        started_ns = time.time_ns()
         async with self._trainer_lock:
             report = await asyncio.to_thread(self.trainer.step, run_id, groups)
             tensors = await asyncio.to_thread(self.trainer.export_adapter, run_id)
         weights = await asyncio.to_thread(weight_set, run.version, tensors)
-        slot.ledger_seq = await record_trained(self.bus, slot.model, run_id, self.instance_id, StepRecord(
-            step=report.step, version=run.version, manifest_hash=weights.manifest_hash,
-            trajectory_ids=tuple(t.trajectory_id for t in samples),
-            stream_sequences=tuple(slot.held.sequence(t.trajectory_id) for t in samples)))
-        pushed = await slot.pusher.push(weights, report.step)
-        await self.versions.advance(slot.model, run.version)
-        slot.held.release(samples)
-        await record_progress(self.progress.record_step(report.step, run.version - 1, samples))
+        trained_ns = time.time_ns()
+        await slot.publication.record(report.step, run.version, weights, samples)
+        pushed = await slot.publication.publish(Version(run.version, report.step, started_ns, trained_ns, samples),
+                                                weights)
         if self.checkpoint_root is not None and self.checkpoint_every and run.version % self.checkpoint_every == 0:
             async with self._trainer_lock:
                 await asyncio.to_thread(self.trainer.save, self.checkpoint_root, run_id,
-                                        list(slot.held.trained.steps), {"ledger_seq": slot.ledger_seq},
+                                        list(slot.held.trained.steps), {"ledger_seq": slot.publication.ledger_seq},
                                         self.checkpoint_keep)
         log.info("run_step", run=run_id, step=report.step, version=run.version, loss=round(report.loss, 5),
                  mean_reward=round(report.mean_reward, 4), pushed=pushed.kind, payload_bytes=pushed.payload_bytes)

@@ -4,7 +4,7 @@ that trains on them has made a version the publisher stored (or they were droppe
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from redis.exceptions import RedisError
 
@@ -17,15 +17,6 @@ from policyloop.telemetry.logging import get_logger
 log = get_logger(__name__)
 
 Groups = list[list[bus_pb2.Trajectory]]
-
-
-async def record_progress(update: Awaitable[None]) -> None:
-    """A run's figures and its tasks' accounting (GetRun, WatchRun, its end): never worth
-    stopping training for (a resumed learner accounts again for the steps it remembers)."""
-    try:
-        await update
-    except (RedisError, OSError) as exc:
-        log.warning("progress_not_recorded", error=repr(exc))
 
 
 async def standings(outcomes: TaskOutcomes, run_ids: Iterable[str]) -> dict[str, RunStanding]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from policyloop.bus import Bus, Delivery, PullWorker
@@ -31,19 +30,20 @@ from policyloop.learner.figures import (
 from policyloop.learner.held import (
     Groups,
     HeldTrajectories,
-    record_progress,
     refuse_unscored,
     refuse_untrainable,
     standings,
 )
 from policyloop.learner.traces import Interval, LearnerTraces
 from policyloop.learner.tracking import NullTracker, Tracker, step_statistics
-from policyloop.ledger import StepRecord, record_dropped, record_trained
+from policyloop.ledger import record_dropped
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.checkpoint import CheckpointCadence, checkpoint_path, commit_checkpoint, write_snapshot
 from policyloop.state.outcomes import RUN_STOPPED, STALE
+from policyloop.state.progress import record_progress
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.phases import PhaseClock
+from policyloop.weights.publication import Version, VersionPublication
 
 if TYPE_CHECKING:
     import torch
@@ -61,17 +61,6 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 
-@dataclass(frozen=True)
-class Version:
-    """A recorded step's version, on its way to the publisher."""
-
-    number: int
-    step: int
-    started_ns: int   # when its step began
-    trained_ns: int   # when its weights were computed
-    samples: list[bus_pb2.Trajectory]
-
-
 class Learner:
     """One learner rank 0: holds trajectories, takes steps, publishes versions. `on_version` is
     told each version the learner stands at (the service reports it in health and logs); `tracker`
@@ -83,16 +72,18 @@ class Learner:
                  tracker: Tracker | None = None) -> None:
         self.settings, self.trainer, self.bus = settings, trainer, bus
         self.tracker = tracker if tracker is not None else NullTracker()
-        self.versions, self.pusher, self.colocated, self.progress = versions, pusher, colocated, progress
-        self.on_version = on_version
+        self.progress = progress
         self.held = HeldTrajectories(settings.groups_per_step, RecentSteps(settings.dedupe_steps, resumed.recent_steps))
-        self.ledger_seq = resumed.ledger_seq  # LEDGER position of the newest recorded step
+        self.publication = VersionPublication(
+            bus, settings.model, settings.run_id, settings.instance_id, pusher=pusher, versions=versions,
+            progress=progress, colocated=colocated, release=self.held.release, sequence=self.held.sequence,
+            on_version=on_version)
+        self.publication.ledger_seq = resumed.ledger_seq
         self.checkpointed = resumed.checkpoint_version  # the newest checkpoint committed
         self.cadence = CheckpointCadence(settings.checkpoint.every, settings.checkpoint.every_s,
                                          resumed.checkpoint_version, time.monotonic())
         self.saving: asyncio.Future[Any] | None = None  # a checkpoint being copied or written
         self.publishing: asyncio.Future[None] | None = None  # the newest version's overlapping publication
-        self.figures_written: asyncio.Task[None] | None = None  # the newest progress update, in order
         self.status = advertised_status(settings)
         self.status.MergeFrom(status_pb2.LearnerStatus(
             step=trainer.steps, checkpoint_version=resumed.checkpoint_version,
@@ -115,10 +106,9 @@ class Learner:
         is recognised); the next version then goes as a delta from the resumed weights."""
         if resumed.weights is None:
             return
-        if resumed.replayed:
-            self.pusher.confirmed = None
-            self.figures.pushed(await self.pusher.push(resumed.weights, self.trainer.steps))
-        self.pusher.confirmed = resumed.weights
+        pushed = await self.publication.republish(resumed.weights, self.trainer.steps, replayed=bool(resumed.replayed))
+        if pushed is not None:
+            self.figures.pushed(pushed)
         # A step's tasks are accounted for after its acks, off the step's path: the newest steps'
         # may not have been before the crash (recording them again changes nothing).
         await record_progress(self.progress.record_trained_ids(
@@ -173,14 +163,13 @@ class Learner:
         finally:
             if self.publishing is not None:  # cut short: as a step cut short (recorded, so replayed)
                 self.publishing.cancel()
-        if self.figures_written is not None:
-            await asyncio.gather(self.figures_written, return_exceptions=True)
+        await self.publication.figures()
         await self.checkpoint()  # the next learner then replays nothing
 
     async def step(self, groups: Groups, clock: PhaseClock | None = None) -> None:
-        """One optimizer step, in the write-ahead order that makes a crash anywhere safe:
-        train → record in LEDGER → broadcast to colocated engines → push to the publisher →
-        advance the version registry → release the trajectories (acks). With overlap_publication
+        """One optimizer step, in the write-ahead order that makes a crash anywhere safe
+        (learner.publication): train → record in LEDGER → broadcast to colocated engines → push
+        to the publisher → advance the version registry → release the trajectories (acks). With overlap_publication
         the publication (broadcast to release) runs while the next step trains; the next step is
         recorded only once it is done. `clock` times the phases (policyloop_learner_phase_seconds_total)."""
         clock = clock or PhaseClock()
@@ -222,22 +211,12 @@ class Learner:
 
     async def _publish(self, version: Version, tensors: dict[str, torch.Tensor], weights: WeightSet,
                        clock: PhaseClock, path: str) -> None:
-        """A recorded version to colocated engines and the publisher, then the registry, then its
-        samples' release (their acks)."""
-        await self.colocated.send(tensors, version.number)
-        clock.lap("colocated")
-        pushed = await self.pusher.push(weights, version.step, trained_unix_ms=version.trained_ns // 1_000_000)
-        clock.lap("push")
-        await self.versions.advance(self.settings.model, version.number)
-        self.on_version(version.number)
-        self.held.release(version.samples)
-        clock.lap("registry")
+        """A recorded version published (learner.publication), then its traces and figures."""
+        pushed = await self.publication.publish(version, weights, tensors=tensors, clock=clock)
         self.traces.trained(version.samples, step=version.step, version=version.number,
                             train=Interval(version.started_ns, version.trained_ns),
                             publish=Interval(version.trained_ns, clock.ended_ns["registry"]), publish_kind=pushed.kind)
-        self.figures.trained(version.samples, version.number - 1)
-        self._record_progress_later(self.progress.record_step(version.step, version.number - 1, version.samples))
-        clock.lap("progress")
+        self.figures.trained(list(version.samples), version.number - 1)
         phases = publish_phases(clock.seconds, pushed)
         self.figures.pushed(pushed)
         if path == OVERLAPPED:
@@ -258,11 +237,7 @@ class Learner:
 
     async def _record(self, report: StepReport, weights: WeightSet, samples: list[bus_pb2.Trajectory]) -> None:
         """The write-ahead record: the step is in LEDGER before anyone can see its version."""
-        self.ledger_seq = await record_trained(
-            self.bus, self.settings.model, self.settings.run_id, self.settings.instance_id, StepRecord(
-                step=report.step, version=self.trainer.version, manifest_hash=weights.manifest_hash,
-                trajectory_ids=tuple(t.trajectory_id for t in samples),
-                stream_sequences=tuple(self.held.sequence(t.trajectory_id) for t in samples)))
+        await self.publication.record(report.step, self.trainer.version, weights, samples)
         if report.step == self.settings.crash_after_recording_step:
             log.warning("crashing_on_purpose", step=report.step, version=self.trainer.version)
             os._exit(70)  # no cleanup, no acks, no checkpoint: what SIGKILL would leave
@@ -316,7 +291,7 @@ class Learner:
         # Shielded and kept in `saving`: a stop that cancels the training loop must not close the
         # trainer under a copy still running in its thread (the service waits for `saving`).
         self.saving = asyncio.ensure_future(asyncio.to_thread(
-            self.trainer.snapshot, list(self.held.trained.steps), {"ledger_seq": self.ledger_seq}))
+            self.trainer.snapshot, list(self.held.trained.steps), {"ledger_seq": self.publication.ledger_seq}))
         snapshot = await asyncio.shield(self.saving)
         self.cadence.taken(version, started)
         self.saving = asyncio.ensure_future(self._write_checkpoint(snapshot, self.publishing, started))
@@ -339,17 +314,3 @@ class Learner:
         if self.saving is not None and not self.saving.done():
             log.info("waiting_for_checkpoint")
             await asyncio.wait({self.saving}, timeout=timeout_s)
-
-    def _record_progress_later(self, update: Awaitable[None]) -> None:
-        """Figures for GetRun/WatchRun, off the step's path: written in order, after the update
-        before them (nothing waits for them; the ledger, not Redis, is the record)."""
-        previous = self.figures_written
-
-        async def in_order() -> None:
-            if previous is not None:
-                await asyncio.gather(previous, return_exceptions=True)  # its failure was logged there
-            await record_progress(update)
-
-        self.figures_written = asyncio.create_task(in_order())
-
-

@@ -10,9 +10,10 @@ of a task already trained, adds nothing.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 
 import redis.asyncio as aioredis
+from redis.exceptions import RedisError
 
 from policyloop.common.clock import now_ms
 from policyloop.contracts.ids import run_of, task_of
@@ -27,6 +28,19 @@ from policyloop.state.outcomes import (
     dropped,
     task_counts,
 )
+from policyloop.telemetry.logging import get_logger
+
+log = get_logger(__name__)
+
+
+async def record_progress(update: Awaitable[None]) -> None:
+    """A run's figures and its tasks' accounting (GetRun, WatchRun, its end): never worth
+    stopping training for (a resumed learner accounts again for the steps it remembers)."""
+    try:
+        await update
+    except (RedisError, OSError) as exc:
+        log.warning("progress_not_recorded", error=repr(exc))
+
 
 
 class RunProgressStore:

@@ -6,6 +6,7 @@ model whose weights changed. A request that cannot be decoded goes to the DLQ wi
 from __future__ import annotations
 
 import asyncio
+import time
 
 import nats.errors
 import nats.js.errors
@@ -19,6 +20,7 @@ from policyloop.rl.settings import adapter_model_name
 from policyloop.telemetry.logging import get_logger
 from policyloop.tinker.trainer import TinkerRequestError, TinkerTrainer
 from policyloop.weights.client import WeightClient
+from policyloop.weights.publication import Version, VersionPublication
 from policyloop.weights.push import VersionPusher
 from policyloop.weights.torch_io import weight_set
 
@@ -37,7 +39,7 @@ class TinkerWorker:
         `<weights_model>.lora.<model id>`; engines fetch them from `fetch_endpoint`)."""
         self.bus, self.trainer, self.service = bus, trainer, service
         self.publisher, self.fetch_endpoint, self.weights_model = publisher, fetch_endpoint, weights_model
-        self.pushers: dict[str, VersionPusher] = {}
+        self.publications: dict[str, VersionPublication] = {}
         self.applied = 0               # requests applied since start (replayed ones included)
         self.position = 0              # the last TINKER sequence handled
         self.replay_until = 0          # the last TINKER sequence stored when this worker started
@@ -136,10 +138,15 @@ class TinkerWorker:
             result.error.CopyFrom(tinker_pb2.TinkerError(message=str(exc), category="user"))
             return result
         name = adapter_model_name(self.weights_model, request.model_id)
-        pusher = self.pushers.setdefault(request.model_id, VersionPusher(self.publisher, name,
-                                                                          run_id=request.model_id))
+        publication = self.publications.get(request.model_id)
+        if publication is None:
+            publication = self.publications[request.model_id] = VersionPublication(
+                self.bus, name, request.model_id, self.service,
+                pusher=VersionPusher(self.publisher, name, run_id=request.model_id), versions=None)
         try:
-            await pusher.push(await asyncio.to_thread(weight_set, version, tensors), version)
+            weights = await asyncio.to_thread(weight_set, version, tensors)
+            now = time.time_ns()
+            await publication.publish(Version(version, version, now, now, ()), weights)
         except Exception as exc:  # noqa: BLE001 - the publisher refused or is gone: the client is told
             log.warning("tinker_sampler_publish_failed", model=request.model_id, error=repr(exc))
             result.error.CopyFrom(tinker_pb2.TinkerError(message=f"publishing the weights failed: {exc}",
