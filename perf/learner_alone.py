@@ -30,10 +30,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from single_process import SingleProcessConfig, SingleProcessGRPO, generate  # noqa: E402
+
 from policyloop.contracts.v1 import bus_pb2  # noqa: E402
 from policyloop.models.bootstrap import BootstrapConfig, bootstrap  # noqa: E402
 from policyloop.models.resolve import model_argument  # noqa: E402
-from policyloop.rl.single_process import SingleProcessConfig, SingleProcessGRPO, generate  # noqa: E402
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig  # noqa: E402
 from policyloop.weights import codec  # noqa: E402
 from policyloop.weights.codec import WeightSet  # noqa: E402

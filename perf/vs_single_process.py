@@ -1,9 +1,10 @@
 """The distributed loop against a one-process GRPO loop on the same machine: the demo's task and
 settings (model, groups per step, group size, lr, loss, sampling), the same training time.
 
-- single process: `policyloop.rl.single_process` — sample a group per problem, score, one
-  optimizer step, repeat (plain torch, both cores, no services; its training forward is the plain
-  one over every prompt + response row unless `--single-shares-prompts` gives it the learner's);
+- single process: `perf/single_process.py` — sample a group per problem, score, one optimizer
+  step, repeat (plain torch, both cores, no services), with the learner's own optimisations: each
+  distinct prompt computed once (`--single-plain-forward`: the plain forward over every prompt +
+  response row of a one-file script instead). The yardstick is the best one-process loop;
 - cluster: the local cluster with the demo's loop settings (`loop_env`), run started through
   the gateway; time 0 is the StartRun reply.
 
@@ -39,13 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import safetensors.torch  # noqa: E402
 import torch  # noqa: E402
-
-from policyloop.cluster.local import LocalCluster  # noqa: E402
-from policyloop.demo.loop import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
-from policyloop.envs import arithmetic  # noqa: E402
-from policyloop.models.resolve import model_argument  # noqa: E402
-from policyloop.rl.settings import OptimizerSettings  # noqa: E402
-from policyloop.rl.single_process import (  # noqa: E402
+from single_process import (  # noqa: E402
     CurvePoint,
     SingleProcessConfig,
     SingleProcessGRPO,
@@ -55,6 +50,12 @@ from policyloop.rl.single_process import (  # noqa: E402
     time_to_accuracy,
     train_for,
 )
+
+from policyloop.cluster.local import LocalCluster  # noqa: E402
+from policyloop.demo.loop import DemoConfig, arithmetic_run, loop_cluster, require_healthy  # noqa: E402
+from policyloop.envs import arithmetic  # noqa: E402
+from policyloop.models.resolve import model_argument  # noqa: E402
+from policyloop.rl.settings import OptimizerSettings  # noqa: E402
 from policyloop.weights.client import WeightClient  # noqa: E402
 from policyloop.weights.sync import sync_weights  # noqa: E402
 from policyloop.weights.torch_io import to_tensor  # noqa: E402
@@ -79,7 +80,7 @@ def evaluate(model_path: Path, snapshots: list[Snapshot], eval_problems: int, se
     return curve
 
 
-def run_single(config: DemoConfig, seconds: float, marks: list[float], share_prompts: bool = False
+def run_single(config: DemoConfig, seconds: float, marks: list[float], share_prompts: bool = True
                ) -> tuple[list[Snapshot], float, int]:
     loop = SingleProcessGRPO(SingleProcessConfig(
         model_path=config.model_path, groups_per_step=config.groups_per_step, group_size=config.group_size,
@@ -201,9 +202,9 @@ def main() -> None:
     parser.add_argument("--model-path", type=model_argument, default=None, help="default: the bootstrap model")
     parser.add_argument("--groups-per-step", type=int, default=DemoConfig.groups_per_step)
     parser.add_argument("--group-size", type=int, default=DemoConfig.group_size)
-    parser.add_argument("--single-shares-prompts", action="store_true",
-                        help="the single process computes each distinct prompt once, as the learner does (default: "
-                             "the plain forward of a one-file script)")
+    parser.add_argument("--single-plain-forward", action="store_true",
+                        help="the single process runs the plain forward over every prompt + response row of a "
+                             "one-file script (default: each distinct prompt once, as the learner does)")
     parser.add_argument("--only", choices=("single", "cluster"), default=None, help="run one side only")
     parser.add_argument("--out", type=Path, default=Path("perf/out/vs_single_process"))
     args = parser.parse_args()
@@ -218,7 +219,7 @@ def main() -> None:
     for _ in range(args.repeats):
         run: dict = {}
         if args.only != "cluster":
-            snapshots, elapsed, steps = run_single(config, args.seconds, marks, args.single_shares_prompts)
+            snapshots, elapsed, steps = run_single(config, args.seconds, marks, not args.single_plain_forward)
             run["single"] = side(evaluate(args.model_path, snapshots, args.eval_problems, config.seed), elapsed, steps)
         if args.only != "single":
             with tempfile.TemporaryDirectory(prefix="vs-single-") as tmp:
@@ -230,7 +231,7 @@ def main() -> None:
     keys = ("time_to_60_ratio", "time_to_75_ratio", "steps_per_s_ratio")
     result = {
         "config": {"seconds": args.seconds, "mark_every": args.mark_every, "repeats": args.repeats,
-                   "eval_problems": args.eval_problems, "single_shares_prompts": args.single_shares_prompts,
+                   "eval_problems": args.eval_problems, "single_shares_prompts": not args.single_plain_forward,
                    "groups_per_step": config.groups_per_step,
                    "group_size": config.group_size, "lr": config.lr, "max_lag": config.max_lag,
                    "model_path": str(args.model_path)},

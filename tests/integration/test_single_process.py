@@ -4,6 +4,7 @@ curve arithmetic is right."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,10 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.models.tokenizer import EOS_ID, PAD_ID
 from policyloop.rl.logprobs import pack, token_logprobs
 from policyloop.rl.settings import OptimizerSettings
-from policyloop.rl.single_process import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
+
+from single_process import (  # noqa: E402
     CurvePoint,
     SingleProcessConfig,
     SingleProcessGRPO,
@@ -23,6 +27,7 @@ from policyloop.rl.single_process import (
     time_to_accuracy,
     train_for,
 )
+
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
 
 

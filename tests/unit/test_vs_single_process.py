@@ -8,9 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "perf"))
 
+from single_process import CurvePoint  # noqa: E402
 from vs_single_process import compare, median_or_none, side  # noqa: E402
-
-from policyloop.rl.single_process import CurvePoint  # noqa: E402
 
 
 def test_ratios_are_cluster_time_over_single_time_and_single_speed_over_cluster_speed() -> None:

@@ -8,7 +8,8 @@ embedded engine's (its left padding and `sample_rows`: temperature, full vocabul
 token ends a row and is trained);
 the behaviour log-probabilities are the step's own forward pass (the loop is on-policy).
 
-`perf/vs_single_process.py` runs it beside the cluster for the same training time.
+`perf/vs_single_process.py` runs it beside the cluster for the same training time. It lives in
+perf/, outside the library's layers: a baseline that nothing in the library imports.
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ class SingleProcessConfig:
     loss: LossSettings = field(default_factory=KINDS["ppo"])
     seed: int = 0
     threads: int = 2                     # the whole machine: nothing else runs
-    # The plain forward over every prompt + response row, as a one-file script has it; True: the
-    # learner's (each distinct prompt once, rl.logprobs), to compare like with like.
-    share_prompts: bool = False
+    # The learner's forward (each distinct prompt once, rl.logprobs), to compare like with like;
+    # False: the plain forward over every prompt + response row, as a one-file script has it.
+    share_prompts: bool = True
 
 
 @dataclass(frozen=True)
