@@ -432,7 +432,7 @@ def main() -> None:
         "POLICYLOOP_WEIGHTS_DIR": str(root / "rollout-weights"),
         **{f"POLICYLOOP_BUS__{kind.upper()}_ACK_WAIT_S": str(args.ack_wait_s)
            for kind in ("rollout", "reward", "learner", "sandbox")},
-        **({"POLICYLOOP_LORA_RUNS": "true"} if args.runs > 1 else {}),
+        **({"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_FULL_MODEL": "false"} if args.runs > 1 else {}),
     }
     cluster = LocalCluster(root, extra_env=env, fresh=True, nats_nodes=args.nats_nodes)
     # SIGTERM stops the cluster too, as Ctrl-C does.

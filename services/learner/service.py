@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Coroutine
+from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from policyloop.learner.colocated import ColocatedEngines
 from policyloop.learner.figures import advertised_status
 from policyloop.learner.follow import follow_rank, is_follower_rank
 from policyloop.learner.settings import LearnerSettings
-from policyloop.learner.tracking import NullTracker, Tracker, TrackerUnavailable, require_tracker, start_learner_tracker
+from policyloop.learner.tracking import Tracker, TrackerUnavailable, require_tracker, start_learner_tracker
 from policyloop.runtime import ServiceCannotStart, ServiceContext, model_directory, run_main, run_pull_workers
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
@@ -24,6 +26,7 @@ from policyloop.weights.client import WeightClient
 from policyloop.weights.push import VersionPusher
 
 if TYPE_CHECKING:
+    from policyloop.learner.adapters import AdapterLearner
     from policyloop.learner.learner import Learner
 
 log = get_logger(__name__)
@@ -33,147 +36,182 @@ CHECKPOINT_WAIT_S = 600.0
 
 
 async def body(ctx: ServiceContext) -> None:
-    from policyloop.learner.learner import Learner
-    from policyloop.learner.start import reclaim_held, start_version
-    from policyloop.rl.trainer import DeviceUnavailable, PolicyTrainer, resolve_device
+    """The kinds of run the settings name, in one process (learner.combined): the full model's,
+    LoRA runs, the Tinker API's models."""
+    import os
+
+    from policyloop.learner.combined import TrajectoryRouter, combined_status
 
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
     # What runs are checked against, advertised at once: also while the model loads and the
     # ledger replays.
     starting = advertised_status(settings)
     ctx.status = lambda: starting
+    adapters = settings.lora_runs or settings.tinker
+    if not (settings.full_model or adapters):
+        raise ServiceCannotStart("nothing to train: set full_model, lora_runs or tinker")
+    if adapters and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise ServiceCannotStart("lora_runs and tinker train on one rank: run them in a learner of their own")
+    if not settings.full_model and (settings.colocated.engines or settings.tracker.kind != "none"):
+        raise ServiceCannotStart("colocated engines and a tracker follow the full model's runs: full_model=false "
+                                 "takes neither")
+    check_device_and_tracker(settings)
+    model_dir = await model_directory(settings.model_path)
+    turns = asyncio.Lock()  # the device: each kind's steps take it in turn (first come, first served)
+    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
+                             deadline_s=settings.publish_deadline_s)
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(publisher.close)
+        loops: dict[str, Coroutine[Any, Any, None]] = {}
+        full = await start_full_model(ctx, settings, model_dir, publisher, turns, stack) \
+            if settings.full_model else None
+        if full is not None:
+            loops["train_loop"] = full.run(ctx.stop)
+        lora = await start_lora_runs(ctx, settings, model_dir, publisher, turns, stack, loops) \
+            if settings.lora_runs else None
+        if settings.tinker:
+            loops["tinker"] = await start_tinker(ctx, settings, model_dir, publisher, turns)
+        ctx.status = lambda: combined_status(starting, full, lora)
+        worker = None
+        if full is not None or lora is not None:
+            router = TrajectoryRouter(full, lora, await run_kinds(settings, stack) if full and lora else None)
+            worker = full.pull_worker(router.admit) if full is not None else lora_pull_worker(ctx, lora)  # type: ignore[arg-type]
+        await serve(ctx, loops, worker, full)
+
+
+def check_device_and_tracker(settings: LearnerSettings) -> None:
+    from policyloop.rl.trainer import DeviceUnavailable, resolve_device
+
     try:
         resolve_device(settings.device)
         require_tracker(settings.tracker.kind)  # a missing extra: refused before the model loads
     except (DeviceUnavailable, TrackerUnavailable) as exc:
         raise ServiceCannotStart(str(exc)) from exc
-    model_dir = await model_directory(settings.model_path)
-    if settings.tinker:
-        await serve_tinker(ctx, settings, model_dir)
-        return
-    if settings.lora_runs:
-        await serve_lora_runs(ctx, settings, model_dir)
-        return
+
+
+async def start_full_model(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path, publisher: WeightClient,
+                           turns: asyncio.Lock, stack: AsyncExitStack) -> Learner:
+    """The full model's learner, resumed to the loop's version."""
+    from policyloop.learner.learner import Learner
+    from policyloop.learner.start import reclaim_held, start_version
+    from policyloop.rl.trainer import PolicyTrainer
+
     loading = time.monotonic()
     trainer = await asyncio.to_thread(PolicyTrainer, model_dir, settings.trainer_config(), 0)
+    stack.callback(trainer.close)
     log.info("trainer_loaded", seconds=round(time.monotonic() - loading, 3))
-    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
-                             deadline_s=settings.publish_deadline_s)
     colocated = ColocatedEngines(settings.colocated)
-    tracker: Tracker = NullTracker()
-    try:
-        tracker = await start_learner_tracker(settings)
-        resumed = await start_version(settings, trainer, ctx.bus, ctx.versions)
-        ctx.policy_version = trainer.version
-        learner = Learner(settings, trainer, ctx.bus, versions=ctx.versions,
-                          pusher=VersionPusher(publisher, settings.model, run_id=settings.run_id),
-                          colocated=colocated, progress=RunProgressStore(ctx.redis, settings.namespace),
-                          resumed=resumed, on_version=lambda v: setattr(ctx, "policy_version", v), tracker=tracker)
-        ctx.status = learner.current_status
-        await learner.publish_resumed(resumed)
-        await reclaim_held(ctx.bus)  # a dead predecessor's batch, now rather than after the ack wait
-        await serve_learner(ctx, learner)
-    finally:
-        await publisher.close()
-        await colocated.close()
-        await asyncio.to_thread(tracker.close)
-        trainer.close()
+    stack.push_async_callback(colocated.close)
+    tracker: Tracker = await start_learner_tracker(settings)
+    stack.push_async_callback(asyncio.to_thread, tracker.close)
+    resumed = await start_version(settings, trainer, ctx.bus, ctx.versions)
+    ctx.policy_version = trainer.version
+    learner = Learner(settings, trainer, ctx.bus, versions=ctx.versions,
+                      pusher=VersionPusher(publisher, settings.model, run_id=settings.run_id),
+                      colocated=colocated, progress=RunProgressStore(ctx.redis, settings.namespace),
+                      resumed=resumed, on_version=lambda v: setattr(ctx, "policy_version", v), tracker=tracker,
+                      turns=turns)
+    await learner.publish_resumed(resumed)
+    await reclaim_held(ctx.bus)  # a dead predecessor's batch, now rather than after the ack wait
+    return learner
 
 
-async def serve_tinker(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path) -> None:
-    """The Tinker API's learner: applies TINKER's requests to LoRA adapters over the base."""
-    from policyloop.rl.lora import AdapterTrainer
-    from policyloop.tinker.settings import TinkerSettings
-    from policyloop.tinker.trainer import TinkerTrainer
-    from policyloop.tinker.worker import TinkerWorker
-
-    if settings.lora_runs or settings.colocated.engines or settings.tracker.kind != "none":
-        raise ServiceCannotStart("tinker: not with lora_runs, colocated engines or a tracker")
-    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
-    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
-                             deadline_s=settings.publish_deadline_s)
-    base_model = TinkerSettings(model_path=settings.model_path).model_name()
-    worker = TinkerWorker(ctx.bus, TinkerTrainer(trainer, settings.checkpoint.dir / "tinker", base_model),
-                          publisher=publisher, fetch_endpoint=settings.publisher_endpoint,
-                          weights_model=settings.model)
-    ctx.ready = True
-    try:
-        await worker.run(ctx.stop)
-    finally:
-        await publisher.close()
-
-
-async def serve_lora_runs(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path) -> None:
-    """The many-runs learner: one frozen base, an adapter per LoRA run the gateway starts."""
-    from policyloop.bus import PullWorker
-    from policyloop.contracts.v1 import bus_pb2
-    from policyloop.contracts.validate import validate_group
+async def start_lora_runs(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path, publisher: WeightClient,
+                          turns: asyncio.Lock, stack: AsyncExitStack,
+                          loops: dict[str, Coroutine[Any, Any, None]]) -> AdapterLearner:
+    """The LoRA runs' learner (one frozen base, an adapter per run the gateway starts), and the
+    loop that follows the gateway's runs."""
     from policyloop.learner.adapters import AdapterLearner, follow_runs
     from policyloop.rl.lora import AdapterTrainer
-    from policyloop.state import connect_redis
     from policyloop.state.catalog import RunRegistry
 
-    if settings.colocated.engines or settings.tracker.kind != "none":
-        raise ServiceCannotStart("lora_runs: colocated engines and trackers are not served with LoRA runs yet")
     trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
-    publisher = WeightClient(settings.publisher_endpoint, bearer_token=settings.publisher_token,
-                             deadline_s=settings.publish_deadline_s)
     checkpoints = settings.checkpoint.dir if settings.checkpoint.resume else None
     learner = AdapterLearner(settings.model, settings.instance_id, trainer, ctx.bus, versions=ctx.versions,
                              publisher=publisher, dedupe_steps=settings.dedupe_steps, checkpoint_root=checkpoints,
                              checkpoint_every=settings.checkpoint.every, checkpoint_keep=settings.checkpoint.kept,
                              progress=RunProgressStore(ctx.redis, settings.namespace),
-                             leftovers_check_s=settings.leftovers_check_s)
-    consumer = ctx.bus.topology.consumers["learner"]
-    worker = PullWorker(ctx.bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
-                        validator=validate_group, concurrency=consumer.max_ack_pending)
-    # Run definitions are protobuf bytes: a client that does not decode responses reads them.
+                             leftovers_check_s=settings.leftovers_check_s, turns=turns)
+    loops["lora_runs"] = learner.run(ctx.stop)
+    loops["follow_runs"] = follow_runs(learner, RunRegistry(await raw_redis(settings, stack), settings.namespace),
+                                       ctx.stop, groups_per_step=settings.groups_per_step, max_lag=settings.max_lag)
+    return learner
+
+
+async def start_tinker(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path, publisher: WeightClient,
+                       turns: asyncio.Lock) -> Coroutine[Any, Any, None]:
+    """The Tinker API's learner: applies TINKER's requests to LoRA adapters over a frozen base."""
+    from policyloop.rl.lora import AdapterTrainer
+    from policyloop.tinker.settings import TinkerSettings
+    from policyloop.tinker.trainer import TinkerTrainer
+    from policyloop.tinker.worker import TinkerWorker
+
+    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
+    base_model = TinkerSettings(model_path=settings.model_path).model_name()
+    worker = TinkerWorker(ctx.bus, TinkerTrainer(trainer, settings.checkpoint.dir / "tinker", base_model),
+                          publisher=publisher, fetch_endpoint=settings.publisher_endpoint,
+                          weights_model=settings.model, turns=turns)
+    return worker.run(ctx.stop)
+
+
+async def raw_redis(settings: LearnerSettings, stack: AsyncExitStack):  # type: ignore[no-untyped-def]
+    """A Redis client that returns bytes: run definitions are protobuf."""
+    from policyloop.state import connect_redis
+
     raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
-    training = asyncio.create_task(learner.run(ctx.stop))
-    following = asyncio.create_task(follow_runs(learner, RunRegistry(raw, settings.namespace), ctx.stop,
-                                                groups_per_step=settings.groups_per_step, max_lag=settings.max_lag))
+    stack.push_async_callback(raw.aclose)
+    return raw
+
+
+async def run_kinds(settings: LearnerSettings, stack: AsyncExitStack):  # type: ignore[no-untyped-def]
+    from policyloop.learner.combined import RunKinds
+    from policyloop.state.catalog import RunRegistry
+
+    return RunKinds(RunRegistry(await raw_redis(settings, stack), settings.namespace))
+
+
+def lora_pull_worker(ctx: ServiceContext, learner: AdapterLearner):  # type: ignore[no-untyped-def]
+    from policyloop.bus import PullWorker
+    from policyloop.contracts.v1 import bus_pb2
+    from policyloop.contracts.validate import validate_group
+
+    consumer = ctx.bus.topology.consumers["learner"]
+    return PullWorker(ctx.bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
+                      validator=validate_group, concurrency=consumer.max_ack_pending)
+
+
+async def serve(ctx: ServiceContext, loops: dict[str, Coroutine[Any, Any, None]], worker, full: Learner | None  # type: ignore[no-untyped-def]
+                ) -> None:
+    """Runs the kinds' loops and the TRAJECTORIES consumer until the stop. A loop that fails stops
+    the process (the held messages are handed back, a supervisor restarts it) and is raised."""
+    tasks = {name: asyncio.create_task(loop) for name, loop in loops.items()}
 
     def on_done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:  # hand the held messages back: stop
-            log.error("lora_learner_failed", error=repr(task.exception()))
-            ctx.stop.set()
-
-    training.add_done_callback(on_done)
-    following.add_done_callback(on_done)
-    try:
-        await run_pull_workers(ctx, worker)
-    finally:
-        for task in (training, following):
-            task.cancel()
-        await asyncio.gather(training, following, return_exceptions=True)
-        await publisher.close()
-        await raw.aclose()
-
-
-async def serve_learner(ctx: ServiceContext, learner: Learner) -> None:
-    worker = learner.pull_worker()
-    training = asyncio.create_task(learner.run(ctx.stop))
-
-    def on_training_done(task: asyncio.Task[None]) -> None:
-        # A learner that cannot train must not keep holding trajectories: stop, so the held
-        # messages are handed back and a supervisor restarts it.
         if not task.cancelled() and task.exception() is not None:
-            log.error("train_loop_failed", error=repr(task.exception()))
+            log.error("learner_loop_failed", loop=task.get_name(), error=repr(task.exception()))
             ctx.stop.set()
 
-    training.add_done_callback(on_training_done)
+    for name, task in tasks.items():
+        task.set_name(name)
+        task.add_done_callback(on_done)
     try:
-        await run_pull_workers(ctx, worker)
+        if worker is not None:
+            await run_pull_workers(ctx, worker)
+        else:
+            ctx.ready = True
+            await ctx.stop.wait()
     finally:
-        # The training loop finished its step and checkpointed while the workers drained; one
-        # cut short is safe too (a step is recorded before it is published, and replayed).
-        done, _ = await asyncio.wait({training}, timeout=5)
-        if not done:
-            training.cancel()
-            await asyncio.gather(training, return_exceptions=True)
-        await learner.wait_for_checkpoint(CHECKPOINT_WAIT_S)
-    if not training.cancelled() and training.exception() is not None:
-        raise RuntimeError("the training loop failed") from training.exception()
+        # The training loops finished their step (the full model's checkpointed) while the workers
+        # drained; one cut short is safe too (a step is recorded before it is published, and replayed).
+        done, pending = await asyncio.wait(set(tasks.values()), timeout=5) if tasks else (set(), set())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        if full is not None:
+            await full.wait_for_checkpoint(CHECKPOINT_WAIT_S)
+    failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+    if failed:
+        raise RuntimeError(f"the {failed[0].get_name()} loop failed") from failed[0].exception()
 
 
 def main(argv: list[str] | None = None) -> int:

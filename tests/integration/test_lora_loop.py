@@ -20,7 +20,7 @@ from policyloop.state import VersionRegistry
 from tests.conftest import ServiceLauncher
 from tests.helpers import addition_environment, eventually, stored_samples
 
-LORA = {"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_GROUPS_PER_STEP": "2"}
+LORA = {"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_FULL_MODEL": "false", "POLICYLOOP_GROUPS_PER_STEP": "2"}
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ async def test_lora_runs_started_at_the_gateway_train_side_by_side(
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
     learner = services.start("learner", env={
-        "POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_GROUPS_PER_STEP": "1",
+        "POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_FULL_MODEL": "false", "POLICYLOOP_GROUPS_PER_STEP": "1",
         "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})
     gateway = services.start("gateway")
     await services.wait_healthy(learner, gateway, timeout_s=90)

@@ -285,7 +285,9 @@ def test_the_tinker_profile_adds_a_second_learner_that_trains_the_tinker_api(con
     for variable in env:
         if variable.startswith("POLICYLOOP_"):
             assert setting_field(LearnerSettings, variable) is not None, variable
-    assert {k: v for k, v in env.items() if k not in ("POLICYLOOP_TINKER", "POLICYLOOP_ADVERTISE_HOST")} == \
+    assert env["POLICYLOOP_FULL_MODEL"] == "false"  # the RL learner trains the full model's runs
+    assert {k: v for k, v in env.items()
+            if k not in ("POLICYLOOP_TINKER", "POLICYLOOP_FULL_MODEL", "POLICYLOOP_ADVERTISE_HOST")} == \
         {k: v for k, v in rl.items() if k != "POLICYLOOP_ADVERTISE_HOST"}
     assert tinker["depends_on"] == learner["depends_on"] and tinker.get("healthcheck", {}).get("test")
 

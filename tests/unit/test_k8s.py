@@ -681,7 +681,7 @@ def test_the_tinker_learner_component_adds_a_second_learner(overlay: str, tmp_pa
     assert container["command"] == rl.container["command"] == ["policyloop", "serve", "learner"]
     assert container["image"] == rl.container["image"] and workload["spec"]["replicas"] == 1
     env = rendered.environment(container)
-    assert env == {**rl.env, "POLICYLOOP_TINKER": "true"}
+    assert env == {**rl.env, "POLICYLOOP_TINKER": "true", "POLICYLOOP_FULL_MODEL": "false"}
     assert all(setting_field(LearnerSettings, v) is not None for v in env if v.startswith("POLICYLOOP_"))
     # Its checkpoints on a claim of its own (the StatefulSet's), not the RL learner's.
     tinker = Service(rl.entry, workload, container, env)
@@ -873,6 +873,7 @@ def test_up_starts_the_tinker_learner_beside_the_rl_learner_on_request(tmp_path:
     assert local.service_of(tinker.name) == local.TINKER_LEARNER
     assert tinker.command == rl.command
     assert tinker.env["POLICYLOOP_TINKER"] == "true" and "POLICYLOOP_TINKER" not in rl.env
+    assert tinker.env["POLICYLOOP_FULL_MODEL"] == "false" and "POLICYLOOP_FULL_MODEL" not in rl.env
     assert tinker.env["POLICYLOOP_CHECKPOINT__DIR"] != rl.env["POLICYLOOP_CHECKPOINT__DIR"]
     for name in ("POLICYLOOP_MODEL_PATH", "POLICYLOOP_PUBLISHER_ENDPOINT", "POLICYLOOP_NATS_URL",
                  "POLICYLOOP_REDIS_URL"):

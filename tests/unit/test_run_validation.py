@@ -40,12 +40,16 @@ def test_unset_fields_take_their_defaults_and_round_trip() -> None:
 
 
 def test_a_run_must_match_what_the_learner_trains() -> None:
-    full = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1))
-    many = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1), lora_runs=True)
-    with pytest.raises(FailedPrecondition, match="^lora: the cluster's learner trains the full model"):
+    loop = status_pb2.LoopConfig(model="policy", max_lag=1)
+    full = status_pb2.LearnerStatus(loop=loop, full_model=True)
+    many = status_pb2.LearnerStatus(loop=loop, lora_runs=True)
+    both = status_pb2.LearnerStatus(loop=loop, full_model=True, lora_runs=True, tinker=True)
+    with pytest.raises(FailedPrecondition, match="^lora: the cluster's learner trains no LoRA runs"):
         check_run_against_learner(run(rank=16), full)
-    with pytest.raises(FailedPrecondition, match="^lora: the cluster's learner trains LoRA runs"):
+    with pytest.raises(FailedPrecondition, match="^lora: the cluster's learner trains LoRA runs only"):
         check_run_against_learner(run(), many)
     check_run_against_learner(run(), full)
     check_run_against_learner(run(rank=16), many)
+    check_run_against_learner(run(), both)  # one learner for every kind: either run is taken
+    check_run_against_learner(run(rank=16), both)
     check_run_against_learner(run(rank=16), None)  # no learner up yet: only the spec itself is checked

@@ -157,7 +157,7 @@ def test_a_run_asking_for_what_the_learner_does_not_do_is_refused() -> None:
     from policyloop.gateway.validation import check_run_against_learner
     from policyloop.rl.losses import loss_settings, to_proto
 
-    learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1),
+    learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1), full_model=True,
                                        loss=to_proto(loss_settings(kind="ppo", tis_cap=2.0, kl_coef=0.0)))
 
     def run(**fields: object) -> loop_pb2.StartRunRequest:
@@ -191,7 +191,7 @@ def test_a_malformed_loss_value_is_invalid_naming_the_setting_whatever_the_learn
     from policyloop.gateway.validation import check_run_against_learner
 
     request = loop_pb2.StartRunRequest(loss=loop_pb2.LossSettings(**loss))
-    learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1),
+    learner = status_pb2.LearnerStatus(loop=status_pb2.LoopConfig(model="policy", max_lag=1), full_model=True,
                                        loss=loop_pb2.LossSettings(kind="ppo", clip_low=0.2))
     key = next(iter(loss))
     for running in (learner, None):

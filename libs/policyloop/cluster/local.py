@@ -147,8 +147,8 @@ def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
     return managed
 
 
-# The Tinker API's learner: `policyloop serve learner` with tinker=true. The RL learner cannot
-# serve Tinker too, so `up --tinker-learner` starts this second learner beside it.
+# The Tinker API's learner: `policyloop serve learner` with tinker=true and full_model=false,
+# which `up --tinker-learner` starts beside the RL learner.
 TINKER_LEARNER = "tinker-learner"
 # A serving replica (docs/evaluation.md): `policyloop serve rollout` with role=serving, the
 # promoted versions of one run behind the OpenAI-compatible API. `LocalCluster(serving_run=…)`
@@ -209,6 +209,7 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
     if role == TINKER_LEARNER:
         # Trains the Tinker API's models; its checkpoints apart from the RL learner's.
         env["POLICYLOOP_TINKER"] = "true"
+        env["POLICYLOOP_FULL_MODEL"] = "false"  # the RL learner beside it trains the full model's runs
         env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "tinker-checkpoints")
     if entry.name == "tinker":
         # The Tinker HTTP API (TINKER_BASE_URL http://127.0.0.1:<api>), on a free port like the others.

@@ -635,7 +635,7 @@ def loop_env(config: DemoConfig) -> dict[str, str]:
         **{f"POLICYLOOP_LOSS__{name.upper()}": str(value) for name, value in config.loss.model_dump().items()},
         "POLICYLOOP_MAX_LAG": str(config.max_lag),
         "POLICYLOOP_WEIGHT_UPDATE_MODE": config.weight_update_mode,
-        **({"POLICYLOOP_LORA_RUNS": "true"} if config.lora_rank else {}),
+        **({"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_FULL_MODEL": "false"} if config.lora_rank else {}),
     }
 
 

@@ -333,10 +333,9 @@ def check_run_against_learner(request: loop_pb2.StartRunRequest, learner: status
     if learner is None:
         return
     if request.HasField("lora") and not learner.lora_runs:
-        raise FailedPrecondition("lora", "the cluster's learner trains the full model, for one run: it trains no "
-                                         "LoRA runs")
-    if learner.lora_runs and not request.HasField("lora"):
-        raise FailedPrecondition("lora", "the cluster's learner trains LoRA runs: give the run a LoRA spec "
+        raise FailedPrecondition("lora", "the cluster's learner trains no LoRA runs (start it with --lora-runs)")
+    if not learner.full_model and not request.HasField("lora"):
+        raise FailedPrecondition("lora", "the cluster's learner trains LoRA runs only: give the run a LoRA spec "
                                          "(--lora-rank)")
     if request.model and request.model != learner.loop.model:
         raise FailedPrecondition("model", f"the cluster's learner trains {learner.loop.model!r}, "

@@ -74,7 +74,8 @@ class AdapterLearner:
     def __init__(self, model: str, instance_id: str, trainer: AdapterTrainer, bus: Bus, *,
                  versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000,
                  checkpoint_root: Path | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 2,
-                 progress: RunProgressStore, leftovers_check_s: float = 1.0) -> None:
+                 progress: RunProgressStore, leftovers_check_s: float = 1.0,
+                 turns: asyncio.Lock | None = None) -> None:
         self.model, self.instance_id = model, instance_id
         self.progress, self.leftovers_check_s = progress, leftovers_check_s
         self.checkpoint_root, self.checkpoint_every, self.checkpoint_keep = checkpoint_root, checkpoint_every, \
@@ -85,7 +86,9 @@ class AdapterLearner:
         self.removed: set[str] = set()  # runs stopped here: what still arrives for them is dropped
         self.fair = FairShare()
         self._batch_ready = asyncio.Event()
-        self._trainer_lock = asyncio.Lock()  # the peft model changes under no step
+        # The peft model changes under no step; the device is taken in turn with the other kinds
+        # of run this process trains.
+        self._trainer_lock = turns or asyncio.Lock()
 
     async def add_run(self, run_id: str, spec: LoraSpec, *, groups_per_step: int, max_lag: int,
                       weight: float = 1.0) -> RunSlot:

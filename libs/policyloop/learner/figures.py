@@ -74,7 +74,8 @@ def advertised_status(settings: LearnerSettings) -> status_pb2.LearnerStatus:
     which rollout replicas and the gateway check theirs and runs' against."""
     return status_pb2.LearnerStatus(loop=settings.loop_config(),
                                     loss=losses.to_proto(settings.loss),
-                                    lora_runs=settings.lora_runs)
+                                    lora_runs=settings.lora_runs, full_model=settings.full_model,
+                                    tinker=settings.tinker)
 
 
 class LearnerFigures:

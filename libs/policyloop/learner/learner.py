@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from policyloop.bus import Bus, Delivery, PullWorker
@@ -64,13 +64,15 @@ log = get_logger(__name__)
 class Learner:
     """One learner rank 0: holds trajectories, takes steps, publishes versions. `on_version` is
     told each version the learner stands at (the service reports it in health and logs); `tracker`
-    gets each step's statistics (learner/tracking.py: it never blocks or raises)."""
+    gets each step's statistics (learner/tracking.py: it never blocks or raises); `turns` is the
+    device's lock, taken in turn with the other kinds of run this process trains."""
 
     def __init__(self, settings: LearnerSettings, trainer: PolicyTrainer, bus: Bus, *, versions: VersionRegistry,
                  pusher: VersionPusher, colocated: ColocatedEngines, progress: RunProgressStore,
                  resumed: Resumed, on_version: Callable[[int], None] = lambda _: None,
-                 tracker: Tracker | None = None) -> None:
+                 tracker: Tracker | None = None, turns: asyncio.Lock | None = None) -> None:
         self.settings, self.trainer, self.bus = settings, trainer, bus
+        self.turns = turns or asyncio.Lock()  # the device, shared with other kinds of run in this process
         self.tracker = tracker if tracker is not None else NullTracker()
         self.progress = progress
         self.held = HeldTrajectories(settings.groups_per_step, RecentSteps(settings.dedupe_steps, resumed.recent_steps))
@@ -92,12 +94,14 @@ class Learner:
         self.traces = LearnerTraces()
         self.worker: PullWorker[bus_pb2.TrajectoryGroup] | None = None
 
-    def pull_worker(self) -> PullWorker[bus_pb2.TrajectoryGroup]:
+    def pull_worker(self, handler: Callable[[Delivery[bus_pb2.TrajectoryGroup]], Awaitable[None]] | None = None
+                    ) -> PullWorker[bus_pb2.TrajectoryGroup]:
         """The consumer of TRAJECTORIES: it must hold a whole step's groups (unacked) plus those
-        still arriving, so its concurrency is the consumer's max_ack_pending."""
+        still arriving, so its concurrency is the consumer's max_ack_pending. `handler`: another
+        than `admit` (a process that trains other kinds too routes each group to its kind)."""
         consumer = self.bus.topology.consumers["learner"]
-        self.worker = PullWorker(self.bus, consumer, bus_pb2.TrajectoryGroup, self.admit, service="learner",
-                                 validator=validate_group, concurrency=consumer.max_ack_pending)
+        self.worker = PullWorker(self.bus, consumer, bus_pb2.TrajectoryGroup, handler or self.admit,
+                                 service="learner", validator=validate_group, concurrency=consumer.max_ack_pending)
         return self.worker
 
     async def publish_resumed(self, resumed: Resumed) -> None:
@@ -227,10 +231,11 @@ class Learner:
     async def _train(self, groups: Groups, clock: PhaseClock) -> tuple[StepReport, dict[str, torch.Tensor], WeightSet]:
         from policyloop.weights.torch_io import weight_set
 
-        report = await asyncio.to_thread(self.trainer.step, groups)
-        clock.lap("trainer")
-        tensors = await asyncio.to_thread(self.trainer.export_tensors)
-        clock.lap("export")
+        async with self.turns:
+            report = await asyncio.to_thread(self.trainer.step, groups)
+            clock.lap("trainer")
+            tensors = await asyncio.to_thread(self.trainer.export_tensors)
+            clock.lap("export")
         weights = await asyncio.to_thread(weight_set, self.trainer.version, tensors)
         clock.lap("hash")
         return report, tensors, weights

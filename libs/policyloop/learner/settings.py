@@ -118,15 +118,19 @@ class LearnerSettings(ServiceSettings):
                           "the responses on its KV cache: the plain forward's log-probs and gradients up to float "
                           "rounding, for the prompt's tokens once per group instead of once per sample. false: one "
                           "forward over every prompt + response row.")
+    full_model: bool = Field(
+        True, description="Train the cluster's full-model runs (the runs the gateway starts without a LoRA spec): "
+                          "the whole policy, on every rank. false: this learner trains only what lora_runs and "
+                          "tinker add, and holds no trainable copy of the base.")
     lora_runs: bool = Field(
-        False, description="Train LoRA runs — each its own adapter over the frozen base, many at once, sharing "
-                            "the learner fairly (learner.adapters) — instead of the full model for one run. The "
-                            "runs are those the gateway starts with a LoRA spec; each resumes from its own "
-                            "checkpoints and ledger. Not with colocated engines or a tracker yet.")
+        False, description="Also train LoRA runs — each its own adapter over a frozen base, many at once, sharing "
+                            "the learner fairly (learner.adapters) — beside the full model's runs. The runs are "
+                            "those the gateway starts with a LoRA spec; each resumes from its own checkpoints and "
+                            "ledger. Their steps take turns with the other kinds' on the device. One rank only.")
     tinker: bool = Field(
-        False, description="Train the Tinker API's models (the tinker service puts their requests on TINKER): each "
-                           "its own LoRA adapter over the frozen base, checkpointed under checkpoint.dir/tinker at "
-                           "every optim_step. Instead of RL runs; not with colocated engines or a tracker.")
+        False, description="Also train the Tinker API's models (the tinker service puts their requests on TINKER): "
+                           "each its own LoRA adapter over a frozen base, checkpointed under checkpoint.dir/tinker "
+                           "at every optim_step, beside the RL runs, taking turns on the device. One rank only.")
     overlap_publication: bool = Field(
         True, description="Publish version N (colocated broadcast, delta encode, push, registry, acks) while step "
                           "N+1 computes. Step N+1 is recorded in LEDGER only once N is published, so at most one "

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
 import nats.errors
 import nats.js.errors
@@ -25,6 +27,7 @@ from policyloop.weights.push import VersionPusher
 from policyloop.weights.torch_io import weight_set
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 STREAM = "TINKER"
 RESULTS_STREAM = "TINKER_RESULTS"
@@ -34,12 +37,14 @@ SUBJECTS = "pl.tinkerreq.>"
 class TinkerWorker:
     def __init__(self, bus: Bus, trainer: TinkerTrainer, service: str = "learner", *,
                  publisher: WeightClient | None = None, fetch_endpoint: str = "",
-                 weights_model: str = "policy") -> None:
+                 weights_model: str = "policy", turns: asyncio.Lock | None = None) -> None:
         """`publisher`: where save_weights_for_sampler publishes adapter versions (under
-        `<weights_model>.lora.<model id>`; engines fetch them from `fetch_endpoint`)."""
+        `<weights_model>.lora.<model id>`; engines fetch them from `fetch_endpoint`). `turns`: the
+        device's lock, taken in turn with the other kinds of run the learner process trains."""
         self.bus, self.trainer, self.service = bus, trainer, service
         self.publisher, self.fetch_endpoint, self.weights_model = publisher, fetch_endpoint, weights_model
         self.publications: dict[str, VersionPublication] = {}
+        self.turns = turns or asyncio.Lock()
         self.applied = 0               # requests applied since start (replayed ones included)
         self.position = 0              # the last TINKER sequence handled
         self.replay_until = 0          # the last TINKER sequence stored when this worker started
@@ -50,7 +55,7 @@ class TinkerWorker:
         in a way no check foresaw, ends it (after publishing that failure as the request's
         result): the learner restarts from its checkpoints, and the replay skips the requests
         whose stored result is a failure (they changed nothing)."""
-        start = await asyncio.to_thread(self.trainer.restore_all)
+        start = await self._compute(self.trainer.restore_all)
         self.position = start - 1
         info = await self.bus.js.stream_info(STREAM)
         self.replay_until = info.state.last_seq  # requests before a restart may have results already
@@ -101,7 +106,7 @@ class TinkerWorker:
                 if request.WhichOneof("op") == "save_weights" and request.save_weights.for_sampler and self.publisher:
                     result = await self._publish_for_sampler(request, seq)
                 else:
-                    result = await asyncio.to_thread(self.trainer.apply, request, seq)
+                    result = await self._compute(self.trainer.apply, request, seq)
             except Exception as exc:
                 # The model's memory may hold half of it (gradients of some micro-batches): the
                 # failure is the request's result, and the learner starts again from checkpoints.
@@ -112,7 +117,7 @@ class TinkerWorker:
                 await self.bus.publish(tinker_result_subject(request.request_id), failed, f"tinker-result-{seq}")
                 raise
             await self.bus.publish(tinker_result_subject(request.request_id), result, f"tinker-result-{seq}")
-            await asyncio.to_thread(self.trainer.commit, request.model_id)
+            await self._compute(self.trainer.commit, request.model_id)
             self.applied += 1
             log.info("tinker_applied", seq=seq, model=request.model_id, op=request.WhichOneof("op"),
                      error=result.error.message if result.HasField("error") else None)
@@ -133,7 +138,7 @@ class TinkerWorker:
         """Publishes the model's adapter as its next sampler version (an exact delta from the last)."""
         result = tinker_pb2.TinkerResult(request_id=request.request_id, model_id=request.model_id)
         try:
-            version, tensors, spec = await asyncio.to_thread(self.trainer.sampler_weights, request.model_id)
+            version, tensors, spec = await self._compute(self.trainer.sampler_weights, request.model_id)
         except TinkerRequestError as exc:
             result.error.CopyFrom(tinker_pb2.TinkerError(message=str(exc), category="user"))
             return result
@@ -158,6 +163,11 @@ class TinkerWorker:
         result.saved.CopyFrom(tinker_pb2.TinkerSaved(path=path, version=version, weights_model=name,
                                                      fetch_endpoint=self.fetch_endpoint, lora=spec.to_proto()))
         return result
+
+    async def _compute(self, call: Callable[..., T], *args: object) -> T:
+        """`call(*args)` on a worker thread, in this worker's turn on the device."""
+        async with self.turns:
+            return await asyncio.to_thread(call, *args)
 
     async def _advance(self, seq: int) -> None:
         async with self._moved:

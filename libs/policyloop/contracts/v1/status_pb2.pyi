@@ -64,7 +64,7 @@ class StepStats(_message.Message):
     def __init__(self, mean_reward: _Optional[float] = ..., grad_norm: _Optional[float] = ..., statistics: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class LearnerStatus(_message.Message):
-    __slots__ = ("loop", "loss", "step", "trajectories_seen", "groups_complete", "dropped", "lag_histogram", "trained_samples", "trained_tokens", "busy_s", "first_trajectory_at", "last_step_at", "checkpoint_version", "resumed_checkpoint_version", "replayed_steps", "weights", "last_step", "lora_runs")
+    __slots__ = ("loop", "loss", "step", "trajectories_seen", "groups_complete", "dropped", "lag_histogram", "trained_samples", "trained_tokens", "busy_s", "first_trajectory_at", "last_step_at", "checkpoint_version", "resumed_checkpoint_version", "replayed_steps", "weights", "last_step", "lora_runs", "full_model", "tinker", "lora_run_versions")
     class LagHistogramEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,13 @@ class LearnerStatus(_message.Message):
         key: int
         value: int
         def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    class LoraRunVersionsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LOOP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +97,9 @@ class LearnerStatus(_message.Message):
     WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     LORA_RUNS_FIELD_NUMBER: _ClassVar[int]
+    FULL_MODEL_FIELD_NUMBER: _ClassVar[int]
+    TINKER_FIELD_NUMBER: _ClassVar[int]
+    LORA_RUN_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     loop: LoopConfig
     loss: _loop_pb2.LossSettings
     step: int
@@ -108,7 +118,10 @@ class LearnerStatus(_message.Message):
     weights: WeightPushTotals
     last_step: StepStats
     lora_runs: bool
-    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[_loop_pb2.LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., lora_runs: _Optional[bool] = ...) -> None: ...
+    full_model: bool
+    tinker: bool
+    lora_run_versions: _containers.ScalarMap[str, int]
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[_loop_pb2.LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., lora_runs: _Optional[bool] = ..., full_model: _Optional[bool] = ..., tinker: _Optional[bool] = ..., lora_run_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WeightFetch(_message.Message):
     __slots__ = ("kind", "bytes", "raw_bytes")
