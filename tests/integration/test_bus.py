@@ -236,6 +236,47 @@ async def test_message_whose_holders_keep_dying_is_dead_lettered_by_advisory(nat
         await bus.close()
 
 
+async def test_a_last_delivery_lost_before_its_handler_keeps_the_failure_it_had(nats_server: Server) -> None:
+    """A handler failed on the first delivery; the last never reached one (taken, then lost, as a
+    fetch that timed out as it arrived): the advisory's dead letter gives the failure the worker saw."""
+    limits = fast_limits(rollout_ack_wait_s=1.0, max_deliver=2)
+    bus = await Bus.connect(nats_server.url, name="t", topology=build_topology(limits))
+    stop = asyncio.Event()
+    try:
+        await bus.ensure_topology()
+
+        async def failing(delivery: Delivery[bus_pb2.Task]) -> None:
+            raise ConnectionError("the environment server is gone")
+
+        failures: dict[int, str] = {}
+        # Not ready after its first failure: the worker takes nothing more (its advisory watch stays).
+        worker = PullWorker(bus, bus.topology.consumers["rollout"], bus_pb2.Task, failing, service="test",
+                            retry_delays_s=(0.2,), ready=lambda: not failures)
+        failures = worker.failures
+        running = asyncio.create_task(worker.run(stop))
+        await bus.publish(tasks_subject("e"), make_task(1, "e"), "t1")
+        await eventually(lambda: _true(1 in worker.failures), timeout_s=10)
+        sub = await bus.js.pull_subscribe_bind(durable="rollout", stream="TASKS")
+        [msg] = await sub.fetch(1, timeout=5)  # the last delivery, never handled nor acked
+        assert msg.metadata.num_delivered == 2
+        with pytest.raises(nats.errors.TimeoutError):
+            await sub.fetch(1, timeout=3)
+        await eventually(lambda: _dlq_count(bus, 1), timeout_s=10)
+        [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
+        assert letter.reason == ("max_deliveries: no acknowledgement after 2 deliveries; the last failure seen: "
+                                 "ConnectionError('the environment server is gone')"), letter.reason
+        stop.set()
+        await running
+        await worker.drain(1)
+    finally:
+        stop.set()
+        await bus.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 async def _empty(bus: Bus, stream: str) -> bool:
     return await stored_messages(bus, stream) == []
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
@@ -36,6 +36,7 @@ M = TypeVar("M", bound=Message)
 DEFAULT_RETRY_DELAYS_S: tuple[float, ...] = (0.5, 2.0, 5.0, 15.0, 30.0)
 ENSURE_TIMEOUT_S = 3.0  # creating/updating the stream and consumer on (re)bind
 ENSURE_AGAIN_S = 2.0    # after binding to a consumer that could not be ensured
+REMEMBERED_FAILURES = 10_000  # the newest nacked messages' last failures a worker keeps
 
 
 class PermanentError(Exception):
@@ -104,6 +105,10 @@ class PullWorker(Generic[M]):
         self.concurrency = max(1, concurrency)
         self.validator = validator
         self.dead_lettered: Counter[str] = Counter()  # by kind: invalid, max_deliveries
+        # The last failure of messages this worker nacked, by stream sequence: the reason its
+        # dead letter gives when the server's advisory ends it (a last delivery that never
+        # reached the handler, e.g. one that arrived as a fetch timed out, says nothing itself).
+        self.failures: OrderedDict[int, str] = OrderedDict()
         self.fetch_timeout_s = fetch_timeout_s
         self.retry_delays_s = tuple(retry_delays_s)
         # While this says no (e.g. the rollout's engine is down), nothing new is taken: a message
@@ -154,7 +159,7 @@ class PullWorker(Generic[M]):
         )
         if self._advisory_sub is None:
             self._advisory_sub = await watch_max_deliveries(
-                self.bus, self.consumer.stream, self.consumer.durable, self.service
+                self.bus, self.consumer.stream, self.consumer.durable, self.service, self.failures.get
             )
         self._bound_generation = self.bus.reconnects
         log.info("consumer_bound", stream=self.consumer.stream, consumer=self.consumer.durable)
@@ -263,6 +268,7 @@ class PullWorker(Generic[M]):
             return
         except Exception as exc:  # noqa: BLE001 - any handler failure is retried, then dead-lettered
             self.last_error = repr(exc)
+            self._remember_failure(meta.sequence.stream, repr(exc))
             if meta.num_delivered >= self.consumer.max_deliver:
                 await self._dead_letter(
                     msg, f"handler failed on all {meta.num_delivered} deliveries; last error: {exc!r}",
@@ -279,6 +285,7 @@ class PullWorker(Generic[M]):
         try:
             await msg.ack()
             self.processed += 1
+            self.failures.pop(meta.sequence.stream, None)
             BUS_CONSUMED.labels(stream, durable, "acked").inc()
         except nats.errors.Error as exc:
             # The effect is durable; the message will be redelivered and the idempotent
@@ -321,6 +328,12 @@ class PullWorker(Generic[M]):
         except nats.errors.Error as exc:
             # Unreachable server: the ack timeout will redeliver it.
             log.warning("nak_failed", error=repr(exc))
+
+    def _remember_failure(self, stream_seq: int, error: str) -> None:
+        self.failures[stream_seq] = error
+        self.failures.move_to_end(stream_seq)
+        while len(self.failures) > REMEMBERED_FAILURES:
+            self.failures.popitem(last=False)
 
     async def _dead_letter(self, msg: Msg, reason: str, kind: str) -> None:
         try:

@@ -13,6 +13,7 @@ original, which would otherwise sit there forever). Both paths use the message i
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import nats.errors
 import nats.js.errors
@@ -90,10 +91,12 @@ async def dead_letter_delivered(bus: Bus, msg: Msg, *, reason: str, kind: str, s
 
 
 async def dead_letter_stored(
-    bus: Bus, *, stream: str, consumer: str, stream_seq: int, deliveries: int, service: str
+    bus: Bus, *, stream: str, consumer: str, stream_seq: int, deliveries: int, service: str,
+    last_failure: str | None = None,
 ) -> bool:
-    """Dead-letters the message at `stream_seq` that exhausted its deliveries. Returns False
-    when the message is gone already (acknowledged late, or handled by another replica)."""
+    """Dead-letters the message at `stream_seq` that exhausted its deliveries, with the last
+    failure its handler saw here when one did. Returns False when the message is gone already
+    (acknowledged late, or handled by another replica)."""
     try:
         stored = await bus.js.get_msg(stream, stream_seq)
     except nats.js.errors.NotFoundError:
@@ -107,7 +110,9 @@ async def dead_letter_stored(
         consumer=consumer,
         payload=stored.data or b"",
         headers=headers,
-        reason=f"no acknowledgement after {deliveries} deliveries (the holder timed out or died each time)",
+        reason=f"no acknowledgement after {deliveries} deliveries; the last failure seen: {last_failure}"
+        if last_failure else f"no acknowledgement after {deliveries} deliveries (the holder timed out or died each "
+                             "time)",
         kind="max_deliveries",
         delivery_count=deliveries,
         service=service,
@@ -120,8 +125,10 @@ async def dead_letter_stored(
     return True
 
 
-async def watch_max_deliveries(bus: Bus, stream: str, consumer: str, service: str) -> Subscription:
-    """Subscribes to the server's MAX_DELIVERIES advisories for one consumer."""
+async def watch_max_deliveries(bus: Bus, stream: str, consumer: str, service: str,
+                               last_failure: Callable[[int], str | None] = lambda _: None) -> Subscription:
+    """Subscribes to the server's MAX_DELIVERIES advisories for one consumer; `last_failure`
+    gives the last error this process's handler met on a message (by stream sequence), if any."""
 
     async def on_advisory(msg: Msg) -> None:
         try:
@@ -133,6 +140,7 @@ async def watch_max_deliveries(bus: Bus, stream: str, consumer: str, service: st
                 stream_seq=int(event["stream_seq"]),
                 deliveries=int(event.get("deliveries", 0)),
                 service=service,
+                last_failure=last_failure(int(event["stream_seq"])),
             )
         except (TimeoutError, ValueError, KeyError, nats.errors.Error) as exc:
             log.error("advisory_failed", stream=stream, consumer=consumer, error=repr(exc))
