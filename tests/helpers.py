@@ -86,6 +86,16 @@ def scored_group(task: str, size: int = 2, response_len: int = 2, version: int =
     ) for i in range(size)]
 
 
+async def publish_run_group(bus: Bus, run_id: str, task: str, version: int = 0) -> None:
+    """A scored group of `run_id` on TRAJECTORIES, sampled by its policy's `version`."""
+    from policyloop.bus import trajectories_subject
+
+    group = scored_group(task, size=2, version=version)
+    for traj in group:
+        traj.run_id = run_id
+    await publish_group(bus, trajectories_subject("e"), *group)
+
+
 def addition_environment(count: int, seed: int = 0, group_size: int = 4) -> loop_pb2.Environment:
     """A small inline environment for gateway tests (the real one is policyloop.envs.arithmetic)."""
     import random

@@ -198,9 +198,9 @@ def check_the_clients_report(report: dict[str, Any]) -> None:
     assert invalid["bad_weight"].startswith("INVALID_ARGUMENT environments[0].weight")
     assert invalid["unknown_run"].startswith("NOT_FOUND run_id")
     assert invalid["changed_definition"].startswith("ALREADY_EXISTS")
-    assert invalid["other_loss"].startswith("FAILED_PRECONDITION loss[loss]")
+    assert invalid["other_loss"].startswith("FAILED_PRECONDITION loss.kind")
     assert invalid["other_max_lag"].startswith("FAILED_PRECONDITION max_lag")
-    assert invalid["unknown_loss_setting"].startswith("INVALID_ARGUMENT loss[temperature]")
+    assert invalid["setting_of_another_loss"].startswith("INVALID_ARGUMENT loss.beta: not a setting of the ppo loss")
     assert report["submitted"] == [["sums@v1", 40, True], ["functions@v1", 3, True]]
     assert report["resubmitted_same"] is False
     assert report["run_started"] == "RUN_STATE_RUNNING" and report["watch_updates"] >= 2
@@ -224,7 +224,9 @@ def test_a_client_from_the_protos_alone_runs_a_mixed_environment(tmp_path: Path,
     # No lag bound: code groups wait for the sandbox (one job at a time) and may be scored several
     # versions after the arithmetic ones; here they must be trained, not dropped as stale.
     receiver = OtlpReceiver().__enter__()
+    # A KL penalty to the base: its statistic (kl_reference) has a dashboard panel, which must show data.
     env = {**os.environ, "POLICYLOOP_GROUPS_PER_STEP": "4", "POLICYLOOP_MAX_LAG": "-1",
+           "POLICYLOOP_LOSS__KL_COEF": "0.01",
            "POLICYLOOP_EVERY_VERSIONS": "1",  # the evaluator scores every version
            "POLICYLOOP_TRACING__OTLP_ENDPOINT": receiver.endpoint, "POLICYLOOP_TRACING__BATCH_DELAY_S": "0.5"}
     up = subprocess.Popen([*POLICYLOOP, "up", "--run-dir", str(run_dir), "--model-path", str(tiny_model_dir)],

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from policyloop.bus import Bus, trajectories_subject
+from policyloop.bus import Bus
 from policyloop.contracts.ids import task_id
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.learner.adapters import RUN_STOPPED, AdapterLearner
@@ -28,7 +28,7 @@ from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
-from tests.helpers import eventually, publish_group, scored_group, stored
+from tests.helpers import eventually, publish_run_group, stored
 
 SPEC = LoraSpec(rank=4, target_modules=("q_proj", "v_proj"))
 
@@ -66,12 +66,6 @@ async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: 
         await client.close()
         await server.stop(None)
 
-
-async def publish_run_group(bus: Bus, run_id: str, task: str) -> None:
-    group = scored_group(task, size=2)
-    for traj in group:
-        traj.run_id = run_id
-    await publish_group(bus, trajectories_subject("e"), *group)
 
 
 @pytest.mark.timeout(240)

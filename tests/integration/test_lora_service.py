@@ -9,20 +9,12 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from policyloop.bus import Bus, trajectories_subject
+from policyloop.bus import Bus
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.rl.lora import adapter_model_name
 from policyloop.state import VersionRegistry
 from tests.conftest import ServiceLauncher
-from tests.helpers import addition_environment, eventually, publish_group, scored_group
-
-
-async def publish_run_group(bus: Bus, run_id: str, task: str, version: int = 0) -> None:
-    """A scored group of the run, sampled by its adapter's `version` (the run's max_lag is the cluster's)."""
-    group = scored_group(task, size=2, version=version)
-    for traj in group:
-        traj.run_id = run_id
-    await publish_group(bus, trajectories_subject("e"), *group)
+from tests.helpers import addition_environment, eventually, publish_run_group
 
 
 def lora_run(run_id: str, *modules: str) -> loop_pb2.StartRunRequest:

@@ -8,25 +8,20 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import tinker
 
-from policyloop.bus import Bus, trajectories_subject
+from policyloop.bus import Bus
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc
 from policyloop.rl.lora import adapter_model_name
 from policyloop.state import HeartbeatRegistry, VersionRegistry
 from tests.conftest import ServiceLauncher
-from tests.helpers import addition_environment, eventually, publish_group, scored_group
+from tests.helpers import addition_environment, eventually, publish_run_group
 from tests.integration.test_tinker_api import BASE_MODEL, SEQUENCES, datum, engine, front, service_client  # noqa: F401
 
 ENVIRONMENT = [loop_pb2.EnvironmentMix(environment="addition@demo", weight=1)]
 
-
-async def publish_run_group(bus: Bus, run_id: str, task: str) -> None:
-    group = scored_group(task, size=2)
-    for traj in group:
-        traj.run_id = run_id
-    await publish_group(bus, trajectories_subject("e"), *group)
 
 
 @pytest.mark.timeout(300)
@@ -43,7 +38,7 @@ async def test_one_learner_trains_a_full_model_run_a_lora_run_and_a_tinker_model
     versions = VersionRegistry(redis_client, "default")
     lora_model = adapter_model_name("policy", "lora-run")
 
-    def tinker_steps() -> list[float]:
+    def tinker_steps() -> tuple[list[float], dict[str, float]]:
         training = service_client(front, monkeypatch).create_lora_training_client(base_model=BASE_MODEL,
                                                                                   rank=4).result()
         losses = []
@@ -51,7 +46,11 @@ async def test_one_learner_trains_a_full_model_run_a_lora_run_and_a_tinker_model
             result = training.forward_backward([datum(s) for s in SEQUENCES], "cross_entropy").result()
             losses.append(result.metrics["loss:sum"])
             training.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()
-        return losses
+        # A policy-gradient loss of the same registry reports its statistics as metrics too.
+        sampled = [tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(s[:-1]), loss_fn_inputs={
+            "target_tokens": np.array(s[1:], dtype=np.int64), "logprobs": np.full(len(s) - 1, -2.0, np.float32),
+            "advantages": np.ones(len(s) - 1, np.float32)}) for s in SEQUENCES]
+        return losses, training.forward(sampled, "ppo").result().metrics
 
     async with grpc.aio.insecure_channel(f"127.0.0.1:{gateway.ports['grpc']}") as channel:
         stub = loop_pb2_grpc.LoopServiceStub(channel)
@@ -70,8 +69,10 @@ async def test_one_learner_trains_a_full_model_run_a_lora_run_and_a_tinker_model
             return await versions.get("policy") == 1 and await versions.get(lora_model) == 1
 
         await eventually(both_stepped, timeout_s=180)
-        losses = await asyncio.wait_for(tinker_losses, 180)
+        losses, ppo_metrics = await asyncio.wait_for(tinker_losses, 180)
     assert losses[-1] < losses[0], losses  # the Tinker model's optim_steps were applied, between the runs' steps
+    assert {"loss:sum", "clip_fraction:mean", "ratio_mean:mean", "kl_behaviour:mean"} <= set(ppo_metrics), ppo_metrics
+    assert 0.0 <= ppo_metrics["clip_fraction:mean"] <= 1.0 and ppo_metrics["ratio_mean:mean"] > 0
 
     async def reported() -> bool:
         [beat] = await HeartbeatRegistry(redis_client, "default").alive("learner")

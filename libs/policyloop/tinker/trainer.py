@@ -22,6 +22,7 @@ import xxhash
 
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
 from policyloop.rl.lora import AdapterTrainer, LoraSpec, latest_run_checkpoint
+from policyloop.rl.objective import Objective
 from policyloop.rl.settings import run_directory
 from policyloop.telemetry.logging import get_logger
 from policyloop.tinker import wire
@@ -84,6 +85,25 @@ def _saved_seq(directory: Path) -> int:
 
 def _covered_seq(directory: Path) -> int:
     return int(directory.name.rsplit("-seq", 1)[1])
+
+
+
+class TokenWeightedMeans:
+    """A request's loss statistics over its micro-batches, each weighted by its trained tokens
+    (the sums, loss and policy_loss, are loss:sum's already)."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = {}
+        self.tokens = 0.0
+
+    def add(self, result: Objective, tokens: int) -> None:
+        self.tokens += tokens
+        for name, value in result.statistics.items():
+            if name not in ("loss", "policy_loss"):
+                self.sums[name] = self.sums.get(name, 0.0) + value * tokens
+
+    def means(self) -> dict[str, float]:
+        return {name: total / self.tokens for name, total in self.sums.items()} if self.tokens else {}
 
 
 class TinkerRequestError(ValueError):
@@ -213,18 +233,23 @@ class TinkerTrainer:
         peft_model = self.trainer._activate(self.trainer.run(model.model_id))
         outputs: dict[str, list[np.ndarray]] = {"logprobs": [], "elementwise_loss": []}
         total = 0.0
+        statistics = TokenWeightedMeans()
         # Datums in right-padded micro-batches whose logits stay within LOGIT_BUDGET values; each
         # datum's loss is its own rows' sum, and the gradients of the micro-batches add up.
         for rows in micro_batches([len(e.tokens) for e in examples], self.vocab_size):
-            total += self._micro_batch(peft_model, loss, [examples[i] for i in rows], request.forward_only, outputs)
+            result = self._micro_batch(peft_model, loss, [examples[i] for i in rows], request.forward_only, outputs)
+            total += float(result.loss.detach())
+            statistics.add(result, sum(len(examples[i].tokens) for i in rows))
         if not request.forward_only:
             model.pending += 1
         if not math.isfinite(total):
             log.warning("tinker_loss_not_finite", model=model.model_id, loss=total)
-        return wire.output(outputs, {"loss:sum": total})
+        # The loss kind's statistics (rl.objective), reduced over chunks by the SDK as means.
+        means = {f"{name}:mean": value for name, value in statistics.means().items()}
+        return wire.output(outputs, {"loss:sum": total, **means})
 
     def _micro_batch(self, peft_model: torch.nn.Module, loss: LossSpec, examples: list[wire.Example],
-                     forward_only: bool, outputs: dict[str, list[np.ndarray]]) -> float:
+                     forward_only: bool, outputs: dict[str, list[np.ndarray]]) -> Objective:
         device = self.trainer.device
         lengths = [len(e.tokens) for e in examples]
         width = max(lengths)
@@ -246,10 +271,9 @@ class TinkerTrainer:
                 outputs["logprobs"].append(logprobs[row, :lengths[row]].detach().cpu().numpy().astype(np.float32))
                 outputs["elementwise_loss"].append(
                     result.per_token[row, :lengths[row]].detach().cpu().numpy().astype(np.float32))
-            summed = result.loss
             if not forward_only:
-                summed.backward()
-        return float(summed.detach())
+                result.loss.backward()
+        return result
 
     def _optim_step(self, model: TinkerModel, adam: tinker_pb2.TinkerAdamParams,
                     stream_seq: int) -> tinker_pb2.TinkerOptimStepDone:
