@@ -19,7 +19,7 @@ from policyloop.learner.figures import advertised_status
 from policyloop.learner.follow import follow_rank, is_follower_rank
 from policyloop.learner.settings import LearnerSettings
 from policyloop.learner.tracking import Tracker, TrackerUnavailable, require_tracker, start_learner_tracker
-from policyloop.runtime import ServiceCannotStart, ServiceContext, model_directory, run_main, run_pull_workers
+from policyloop.runtime import ServiceCannotStart, ServiceContext, model_directory, run_loops, run_main
 from policyloop.state.progress import RunProgressStore
 from policyloop.telemetry.logging import get_logger
 from policyloop.weights.client import WeightClient
@@ -76,7 +76,10 @@ async def body(ctx: ServiceContext) -> None:
         if full is not None or lora is not None:
             router = TrajectoryRouter(full, lora, await run_kinds(settings, stack) if full and lora else None)
             worker = full.pull_worker(router.admit) if full is not None else lora_pull_worker(ctx, lora)  # type: ignore[arg-type]
-        await serve(ctx, loops, worker, full)
+        # The training loops finish their step (the full model's checkpoints) while the worker
+        # drains; one cut short is safe too (a step is recorded before it is published, and replayed).
+        await run_loops(ctx, loops, *([worker] if worker is not None else []),
+                        after_stop=(lambda: full.wait_for_checkpoint(CHECKPOINT_WAIT_S)) if full is not None else None)
 
 
 def check_device_and_tracker(settings: LearnerSettings) -> None:
@@ -178,40 +181,6 @@ def lora_pull_worker(ctx: ServiceContext, learner: AdapterLearner):  # type: ign
     consumer = ctx.bus.topology.consumers["learner"]
     return PullWorker(ctx.bus, consumer, bus_pb2.TrajectoryGroup, learner.admit, service="learner",
                       validator=validate_group, concurrency=consumer.max_ack_pending)
-
-
-async def serve(ctx: ServiceContext, loops: dict[str, Coroutine[Any, Any, None]], worker, full: Learner | None  # type: ignore[no-untyped-def]
-                ) -> None:
-    """Runs the kinds' loops and the TRAJECTORIES consumer until the stop. A loop that fails stops
-    the process (the held messages are handed back, a supervisor restarts it) and is raised."""
-    tasks = {name: asyncio.create_task(loop) for name, loop in loops.items()}
-
-    def on_done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("learner_loop_failed", loop=task.get_name(), error=repr(task.exception()))
-            ctx.stop.set()
-
-    for name, task in tasks.items():
-        task.set_name(name)
-        task.add_done_callback(on_done)
-    try:
-        if worker is not None:
-            await run_pull_workers(ctx, worker)
-        else:
-            ctx.ready = True
-            await ctx.stop.wait()
-    finally:
-        # The training loops finished their step (the full model's checkpointed) while the workers
-        # drained; one cut short is safe too (a step is recorded before it is published, and replayed).
-        done, pending = await asyncio.wait(set(tasks.values()), timeout=5) if tasks else (set(), set())
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        if full is not None:
-            await full.wait_for_checkpoint(CHECKPOINT_WAIT_S)
-    failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-    if failed:
-        raise RuntimeError(f"the {failed[0].get_name()} loop failed") from failed[0].exception()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,7 +260,7 @@ async def test_a_last_delivery_lost_before_its_handler_keeps_the_failure_it_had(
         [msg] = await sub.fetch(1, timeout=5)  # the last delivery, never handled nor acked
         assert msg.metadata.num_delivered == 2
         with pytest.raises(nats.errors.TimeoutError):
-            await sub.fetch(1, timeout=3)
+            await sub.fetch(1, timeout=2)  # past the ack wait: the server advises
         await eventually(lambda: _dlq_count(bus, 1), timeout_s=10)
         [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
         assert letter.reason == ("max_deliveries: no acknowledgement after 2 deliveries; the last failure seen: "

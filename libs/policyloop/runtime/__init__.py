@@ -5,6 +5,7 @@ from policyloop.runtime.service import (
     ServiceContext,
     limit_threads,
     model_directory,
+    run_loops,
     run_main,
     run_pull_workers,
     serve,
@@ -13,5 +14,5 @@ from policyloop.runtime.settings import ServiceSettings, load_settings
 
 __all__ = [
     "ServiceCannotStart", "ServiceContext", "ServiceSettings", "limit_threads", "load_settings", "model_directory",
-    "run_main", "run_pull_workers", "serve",
+    "run_loops", "run_main", "run_pull_workers", "serve",
 ]

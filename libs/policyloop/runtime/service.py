@@ -12,9 +12,10 @@ import functools
 import os
 import signal
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import nats.errors
 import redis.asyncio as aioredis
@@ -248,6 +249,41 @@ async def run_pull_workers(ctx: ServiceContext, *workers: PullWorker) -> None:  
         backlogs.cancel()  # figures only: a consumer_info call in flight must not delay the drain
         await asyncio.gather(backlogs, *loops, return_exceptions=True)
         await asyncio.gather(*(w.drain(ctx.settings.shutdown_grace_s) for w in workers))
+
+
+async def run_loops(ctx: ServiceContext, loops: dict[str, Coroutine[Any, Any, None]], *workers: PullWorker,  # type: ignore[type-arg]
+                    after_stop: Callable[[], Awaitable[None]] | None = None, finish_s: float = 5.0) -> None:
+    """Runs a role's loops beside its pull workers (or, with none, until the stop signal). A loop
+    that fails stops the process — the workers hand back what they hold and a supervisor restarts
+    it — and is raised. At the stop, the loops get `finish_s` to finish (a step under way) before
+    they are cancelled; then `after_stop` (e.g. waiting for a checkpoint being written)."""
+    tasks = {name: asyncio.create_task(loop, name=name) for name, loop in loops.items()}
+
+    def on_done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            log.error("loop_failed", loop=task.get_name(), error=repr(task.exception()))
+            ctx.stop.set()
+
+    for task in tasks.values():
+        task.add_done_callback(on_done)
+    done: set[asyncio.Task[None]] = set()
+    try:
+        if workers:
+            await run_pull_workers(ctx, *workers)
+        else:
+            ctx.ready = True
+            await ctx.stop.wait()
+    finally:
+        if tasks:
+            done, pending = await asyncio.wait(set(tasks.values()), timeout=finish_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if after_stop is not None:
+            await after_stop()
+    failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+    if failed:
+        raise RuntimeError(f"the {failed[0].get_name()} loop failed") from failed[0].exception()
 
 
 async def _report_backlogs(ctx: ServiceContext, durables: list[str]) -> None:
