@@ -47,14 +47,9 @@ async def body(ctx: ServiceContext) -> None:
     # ledger replays.
     starting = advertised_status(settings)
     ctx.status = lambda: starting
-    adapters = settings.lora_runs or settings.tinker
-    if not (settings.full_model or adapters):
-        raise ServiceCannotStart("nothing to train: set full_model, lora_runs or tinker")
-    if adapters and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise ServiceCannotStart("lora_runs and tinker train on one rank: run them in a learner of their own")
-    if not settings.full_model and (settings.colocated.engines or settings.tracker.kind != "none"):
-        raise ServiceCannotStart("colocated engines and a tracker follow the full model's runs: full_model=false "
-                                 "takes neither")
+    problem = settings.kinds_problem(int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        raise ServiceCannotStart(problem)
     check_device_and_tracker(settings)
     model_dir = await model_directory(settings.model_path)
     turns = asyncio.Lock()  # the device: each kind's steps take it in turn (first come, first served)

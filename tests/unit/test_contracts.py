@@ -110,7 +110,8 @@ def builtin(kind: int, answer: str = "", **parameters: object) -> bus_pb2.Scorer
 
 
 def test_valid_scorers_pass() -> None:
-    for scorer in (builtin(KIND.KIND_EXACT_ANSWER, "46"), builtin(KIND.KIND_NUMERIC_TOLERANCE, "3.1", tolerance=0.1),
+    for scorer in (builtin(KIND.KIND_EXACT_ANSWER, "46"), builtin(KIND.KIND_EXACT_ANSWER, "46", pattern=r"-?[0-9]+"),
+                   builtin(KIND.KIND_NUMERIC_TOLERANCE, "3.1", tolerance=0.1),
                    builtin(KIND.KIND_REGEX, pattern=r"\d+"),
                    bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(test_code="def test_a(): pass")),
                    bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
@@ -131,6 +132,7 @@ def test_valid_scorers_pass() -> None:
     (builtin(KIND.KIND_NUMERIC_TOLERANCE, "46", tolerance=-1), "scorer.builtin.tolerance"),
     (builtin(KIND.KIND_REGEX), "scorer.builtin.pattern"),
     (builtin(KIND.KIND_REGEX, pattern="(unclosed"), "scorer.builtin.pattern"),
+    (builtin(KIND.KIND_EXACT_ANSWER, "46", pattern="(unclosed"), "scorer.builtin.pattern"),  # the answer's format
     (bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(timeout_seconds=float("inf"))),
      "scorer.unit_tests.timeout_seconds"),
     (bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer()), "scorer.reward_code.source"),

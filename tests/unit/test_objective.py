@@ -123,10 +123,13 @@ def test_cispo_keeps_a_gradient_on_every_token_with_a_clipped_weight() -> None:
 def test_gspo_uses_one_ratio_per_sequence() -> None:
     behaviour = torch.zeros(2, 4)
     logprobs = torch.tensor([[3e-4, 3e-4, 3e-4, 9.0], [-1e-4, -1e-4, 0.0, 0.0]])
-    loss, stats, _ = grad_of(loss_settings(kind="gspo"), logprobs, behaviour)
+    loss, stats, grad = grad_of(loss_settings(kind="gspo"), logprobs, behaviour)
     r0, r1 = math.exp(3e-4), math.exp(-1e-4)
     expected = (-(r0 * 1.0) + -(r1 * -2.0)) / 2  # both inside [1 − 3e-4, 1 + 4e-4]
     assert close(float(loss.detach()), expected) and stats["clip_fraction"] == 0
+    # The gradient of the sequence-level objective −s·A / sequences, s = exp(mean log r): each
+    # trained token gets −A·s / (its sequence's length × sequences) — what the token form gives.
+    assert torch.allclose(grad, torch.tensor([[-r0 / 6, -r0 / 6, -r0 / 6, 0.0], [r1 / 2, r1 / 2, 0.0, 0.0]]))
     logprobs[0, :3] = 1e-3  # sequence 0's ratio e^1e-3 beyond 1 + 4e-4 with A > 0: clipped
     _, stats, grad = grad_of(loss_settings(kind="gspo"), logprobs, behaviour)
     assert stats["clip_fraction"] == 0.5 and bool((grad[0] == 0).all())

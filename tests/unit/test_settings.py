@@ -120,9 +120,31 @@ def test_nested_learner_settings_from_flags_and_env(monkeypatch) -> None:  # typ
     settings = load_settings(LearnerSettings, ["--loss.kind", "gspo", "--optimizer.lr", "3e-5",
                                                "--no-checkpoint.resume"])
     assert (settings.loss.kind, settings.loss.tis_cap, settings.optimizer.lr) == ("gspo", 3.5, 3e-5)
+    assert (settings.loss.clip_low, settings.loss.normalization) == (3e-4, "sequence")  # gspo's own defaults
     assert settings.checkpoint.resume is False
     config = settings.trainer_config()
     assert config.loss == settings.loss and config.lr == 3e-5
+    # A kind's own setting, by flag; a kind and its required setting, by env (the loss registry's union).
+    assert load_settings(LearnerSettings, ["--loss.clip-low", "0.1"]).loss.model_dump()["clip_low"] == 0.1
+    monkeypatch.setenv("POLICYLOOP_LOSS__KIND", "dro")
+    monkeypatch.setenv("POLICYLOOP_LOSS__BETA", "0.5")
+    assert load_settings(LearnerSettings, []).loss.model_dump()["beta"] == 0.5
+    monkeypatch.delenv("POLICYLOOP_LOSS__BETA")
+    with pytest.raises(ValueError, match="beta"):
+        load_settings(LearnerSettings, [])
+
+
+def test_the_kinds_of_run_a_learner_trains_together() -> None:
+    from policyloop.learner.settings import LearnerSettings, TrackerSettings
+
+    assert LearnerSettings().kinds_problem(world_size=2) is None  # the full model shards over ranks
+    assert LearnerSettings(lora_runs=True, tinker=True).kinds_problem(world_size=1) is None
+    for settings, world_size, named in [
+            (LearnerSettings(full_model=False), 1, "nothing to train"),
+            (LearnerSettings(tinker=True), 2, "one rank"),
+            (LearnerSettings(full_model=False, lora_runs=True, tracker=TrackerSettings(kind="tensorboard")), 1,
+             "full_model=false takes neither")]:
+        assert named in (settings.kinds_problem(world_size) or ""), settings
 
 
 def test_a_replica_samples_a_steps_batch_at_once_unless_told_otherwise() -> None:

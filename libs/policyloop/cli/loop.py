@@ -58,6 +58,14 @@ def with_gateway(gateway: str | None, run_dir: Path, token: str, call):  # type:
         client.close()
 
 
+# The scorer kinds' table (scorers.kinds) is the help's list.
+ScorerOption = Annotated[str, typer.Option(help="; ".join(f"{kind.name}: {kind.rewards}" for kind in SCORER_KINDS) +
+                                           " (with --program, --openenv or --verifiers: environment_reward).")]
+PatternOption = Annotated[str, typer.Option(help="regex: the pattern a completion must match; exact_answer: the "
+                                                 "answer's format, a completion must match it whole to earn the "
+                                                 "format term.")]
+
+
 @env_app.command("submit")
 def env_submit(
     name: Annotated[str, typer.Option(help="Environment name.")],
@@ -66,12 +74,8 @@ def env_submit(
              "metadata.solution_prefix; --supervised: demonstration or demonstration_token_ids). With --verifiers: "
              "omit it, the environment's dataset is the tasks.")] = None,
     version: Annotated[str, typer.Option(help="Environment version (name@version is its key).")] = "v1",
-    scorer: Annotated[str, typer.Option(help="; ".join(f"{kind.name}: {kind.rewards}" for kind in SCORER_KINDS) +
-                                        " (with --program, --openenv or --verifiers: environment_reward).")]
-    = "exact_answer",
-    pattern: Annotated[str, typer.Option(help="regex: the pattern a completion must match; exact_answer: the answer's "
-                                              "format, a completion must match it whole to earn the format term.")]
-    = "",
+    scorer: ScorerOption = "exact_answer",
+    pattern: PatternOption = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,

@@ -150,13 +150,14 @@ def _validate_verifier(scorer: bus_pb2.Scorer) -> None:
         raise InvalidMessage("scorer.builtin.kind", f"{verifier.kind} is not a built-in verifier")
     if not math.isfinite(verifier.format_weight):
         raise InvalidMessage("scorer.builtin.format_weight", "is not a finite number")
-    if verifier.kind == _VERIFIER.KIND_REGEX:
-        if not verifier.pattern:
-            raise InvalidMessage("scorer.builtin.pattern", "a regex verifier needs a pattern")
+    if verifier.kind == _VERIFIER.KIND_REGEX and not verifier.pattern:
+        raise InvalidMessage("scorer.builtin.pattern", "a regex verifier needs a pattern")
+    if verifier.pattern:  # the regex verifier's, or the answer's format (exact_answer)
         try:
             re.compile(verifier.pattern)
         except re.error as exc:
             raise InvalidMessage("scorer.builtin.pattern", f"not a valid regex: {exc}") from exc
+    if verifier.kind == _VERIFIER.KIND_REGEX:
         return
     if not scorer.answer:
         raise InvalidMessage("scorer.answer", "is empty: the verifier compares against it")

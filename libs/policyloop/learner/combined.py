@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from policyloop.bus import Delivery, PermanentError
+from policyloop.bus import Delivery
 from policyloop.contracts.v1 import bus_pb2, status_pb2
 
 if TYPE_CHECKING:
@@ -43,14 +43,11 @@ class TrajectoryRouter:
 
     async def admit(self, delivery: Delivery[bus_pb2.TrajectoryGroup]) -> None:
         run_id = delivery.message.trajectories[0].run_id  # every member's (validate_group)
-        lora = self.full_model is None or (self.lora_runs is not None and self.kinds is not None
-                                           and await self.kinds.is_lora(run_id))
-        if lora:
-            if self.lora_runs is None:
-                raise PermanentError(f"run {run_id!r} is a LoRA run: this learner trains none (lora_runs)")
-            await self.lora_runs.admit(delivery)
+        if self.full_model is None or (self.lora_runs is not None and self.kinds is not None
+                                       and await self.kinds.is_lora(run_id)):
+            await self.lora_runs.admit(delivery)  # type: ignore[union-attr]
         else:
-            await self.full_model.admit(delivery)  # type: ignore[union-attr]
+            await self.full_model.admit(delivery)
 
 
 def combined_status(advertised: status_pb2.LearnerStatus, full_model: Learner | None,

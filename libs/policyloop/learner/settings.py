@@ -145,6 +145,17 @@ class LearnerSettings(ServiceSettings):
                              "is recorded in LEDGER and before its version is published — the narrowest window of "
                              "the write-ahead rule. 0: never.")
 
+    def kinds_problem(self, world_size: int) -> str | None:
+        """Why the kinds of run these settings name cannot be trained together on `world_size`
+        ranks (None: they can)."""
+        if not (self.full_model or self.lora_runs or self.tinker):
+            return "nothing to train: set full_model, lora_runs or tinker"
+        if (self.lora_runs or self.tinker) and world_size > 1:
+            return "lora_runs and tinker train on one rank: run them in a learner of their own"
+        if not self.full_model and (self.colocated.engines or self.tracker.kind != "none"):
+            return "colocated engines and a tracker follow the full model's runs: full_model=false takes neither"
+        return None
+
     def trainer_config(self) -> TrainerConfig:
         from policyloop.rl.trainer import TrainerConfig  # torch: only where a trainer is made
 

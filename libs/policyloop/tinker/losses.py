@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from policyloop.rl.losses import KINDS, PolicyLoss
 from policyloop.rl.objective import BatchCounts, Objective, objective
@@ -97,29 +98,17 @@ class LossSpec:
         lengths[i] count), each row's loss_fn_inputs other than target_tokens given per token.
         Objective.per_token holds each datum's elementwise loss, its rows' sums the datums'."""
         rows, width = logprobs.shape
-        valid = torch.zeros((rows, width), dtype=logprobs.dtype, device=logprobs.device)
 
-        def padded(name: str) -> torch.Tensor:
-            out = torch.zeros_like(valid)
-            for row, given in enumerate(inputs):
-                out[row, :lengths[row]] = given[name]
-            return out
+        def padded(values: Sequence[torch.Tensor]) -> torch.Tensor:  # right-padded with 0 to the width
+            out = pad_sequence([v.to(logprobs.dtype) for v in values], batch_first=True)
+            return out if out.shape[1] == width else torch.nn.functional.pad(out, (0, width - out.shape[1]))
 
-        for row, length in enumerate(lengths):
-            valid[row, :length] = 1.0
         kind = type(self.loss)
-        behaviour = padded("logprobs") if kind.uses_behaviour else None
-        advantages = padded("advantages") if kind.uses_behaviour else padded("weights")
-        mask = valid
+        behaviour = padded([given["logprobs"] for given in inputs]) if kind.uses_behaviour else None
+        advantages = padded([given["advantages" if kind.uses_behaviour else "weights"] for given in inputs])
         if kind.sequence_level:
-            mask = torch.stack([
-                _row(given["sequence_ratio_mask"], width) if "sequence_ratio_mask" in given
-                else _row((given["advantages"] != 0).to(logprobs.dtype), width) for given in inputs])
+            mask = padded([given.get("sequence_ratio_mask", given["advantages"] != 0) for given in inputs])
+        else:
+            mask = padded([logprobs.new_ones(length) for length in lengths])
         counts = BatchCounts(tokens=float(mask.sum()), sequences=rows, width=width)
         return objective(self.loss, logprobs, advantages, mask, counts, behaviour_logprobs=behaviour)
-
-
-def _row(values: torch.Tensor, width: int) -> torch.Tensor:
-    out = values.new_zeros(width)
-    out[:values.shape[0]] = values
-    return out

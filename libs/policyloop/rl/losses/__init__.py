@@ -2,7 +2,7 @@
 `terms` (rl.losses.base). The learner's full-model and LoRA runs, supervised steps and the
 Tinker API all compute their loss through it (rl.objective), and the CLI's choices, the learner's
 settings, runs' loss settings and the docs derive from KINDS. A new kind is a new module here
-(plus its test); a parameter of a new name is also a field of LossSettings in status.proto."""
+(plus its test); a setting of a new name is also a field of LossSettings in loop.proto."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from policyloop.rl.losses.base import (
     ADVANTAGE_KINDS,
     KL_ESTIMATORS,
     NORMALIZATIONS,
-    OFF_POLICY_KINDS,
     LossInputs,
     LossTerms,
     PolicyLoss,
@@ -111,5 +110,5 @@ def named_in(message: loop_pb2.LossSettings) -> dict[str, Any]:
 
 
 __all__ = ["ADVANTAGE_KINDS", "DEFAULT_KIND", "KINDS", "KL_ESTIMATORS", "LOSS_KINDS", "NORMALIZATIONS",
-           "OFF_POLICY_KINDS", "LossInputs", "LossSettings", "LossTerms", "PolicyLoss", "loss_settings",
+           "LossInputs", "LossSettings", "LossTerms", "PolicyLoss", "loss_settings",
            "named_in", "parameters", "setting_problem", "to_proto"]

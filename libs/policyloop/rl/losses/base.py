@@ -23,7 +23,6 @@ KLEstimator = Literal["k1", "k2", "k3"]
 
 NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 ADVANTAGE_KINDS: tuple[str, ...] = get_args(AdvantageKind)
-OFF_POLICY_KINDS: tuple[str, ...] = get_args(OffPolicy)
 KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
@@ -39,10 +38,6 @@ class LossInputs:
     @property
     def ratio(self) -> Tensor:
         return self.log_ratio.exp()
-
-    @property
-    def anchor(self) -> Tensor:
-        return (self.logprobs - self.log_ratio).detach()
 
     def share(self, selected: Tensor) -> float:
         """The share of trained tokens where `selected` holds."""
