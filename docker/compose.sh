@@ -2,7 +2,8 @@
 # Runs compose for policyloop's compose.yaml with whatever this host has: `docker compose` or
 # docker-compose against a Docker engine, else docker-compose against rootful podman's
 # Docker-compatible socket (started here if it is not running), else podman-compose.
-# The image names `make images` built (docker/images.env) are passed on.
+# The image names `make images` built (docker/images.env) are passed on. COMPOSE_GPU=1 adds
+# compose.gpu.yaml, COMPOSE_TINKER=1 compose.tinker.yaml (the Tinker API).
 #
 #   docker/compose.sh up -d --no-build      # make compose-up
 #   docker/compose.sh ps
@@ -13,6 +14,7 @@ cd "$(dirname "$0")/.."
 project=${COMPOSE_PROJECT_NAME:-policyloop}
 files=(-f compose.yaml)
 [ -n "${COMPOSE_GPU:-}" ] && files+=(-f compose.gpu.yaml)
+[ -n "${COMPOSE_TINKER:-}" ] && files+=(-f compose.tinker.yaml)
 env_file=()
 [ -f docker/images.env ] && env_file=(--env-file docker/images.env)
 

@@ -1,5 +1,6 @@
-"""examples/tinker_rl_loop.py against a whole local cluster (`policyloop up --tinker-learner`:
-every service as its own process, the tinker front and the Tinker learner among them), with the
+"""examples/tinker_rl_loop.py against a whole local cluster (`policyloop up --tinker`:
+every service as its own process: the tinker front, the one learner training its models too, and
+tinker-sampler-0 sampling for it), with the
 bootstrap model. Prints JSON: held-out accuracy before and after, steps, wall time, steps/s.
 
     .venv/bin/python perf/tinker_rl.py --steps 200 --groups 16 --group-size 8
@@ -53,9 +54,8 @@ async def main() -> None:
     args = parser.parse_args()
     model = bootstrap(BootstrapConfig())
     with tempfile.TemporaryDirectory() as root:
-        cluster = LocalCluster(Path(root), fresh=True, prometheus=False, tinker_learner=True,
-                               extra_env={"POLICYLOOP_MODEL_PATH": str(model), "POLICYLOOP_API_KEY": API_KEY,
-                                          "POLICYLOOP_ENGINE_MAX_BATCH": "256"})
+        cluster = LocalCluster(Path(root), fresh=True, prometheus=False, tinker=True,
+                               extra_env={"POLICYLOOP_MODEL_PATH": str(model), "POLICYLOOP_API_KEY": API_KEY})
         cluster.start()
         try:
             status = await wait_healthy(cluster, 300)
@@ -65,7 +65,7 @@ async def main() -> None:
             result = await asyncio.to_thread(run_example, f"http://127.0.0.1:{port}", model.name, args)
         finally:
             cluster.stop()
-    print(json.dumps({"cluster": "policyloop up --tinker-learner", "groups": args.groups,
+    print(json.dumps({"cluster": "policyloop up --tinker", "groups": args.groups,
                       "group_size": args.group_size, "lr": args.lr, "eval_problems": args.eval_problems, **result},
                      indent=1))
 

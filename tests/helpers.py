@@ -350,3 +350,29 @@ async def submit_and_start(gateway_port: int, name: str, submit_args: list[str],
         await loop_pb2_grpc.LoopServiceStub(channel).StartRun(loop_pb2.StartRunRequest(
             run_id=run_id, num_tasks=num_tasks, environments=[loop_pb2.EnvironmentMix(environment=f"{name}@v1",
                                                                                       weight=1)]))
+
+
+@asynccontextmanager
+async def tinker_sampling_replica(bus: Bus, engine_url: str, drain_s: float = 5.0) -> AsyncIterator[object]:
+    """What a rollout replica with tinker_sampling runs, in this process: TINKER_SAMPLES sampled on
+    the engine at `engine_url`, adapters fetched from the publisher each session names. Yields the
+    TinkerSampling (its `done` counts the requests answered with samples)."""
+    from policyloop.engines.sglang_client import SGLangClient
+    from policyloop.tinker.sampling import EngineSampler, TinkerSampling
+    from policyloop.weights.client import WeightClient
+
+    engine = SGLangClient(engine_url, timeout_s=120, retries=0)
+    fetchers: dict[str, WeightClient] = {}
+    sampling = TinkerSampling(bus, EngineSampler(engine, lambda e: fetchers.setdefault(e, WeightClient(e))),
+                              concurrency=8)
+    worker = sampling.pull_worker()
+    stop = asyncio.Event()
+    running = asyncio.create_task(worker.run(stop))
+    try:
+        yield sampling
+    finally:
+        stop.set()
+        await running
+        await worker.drain(drain_s)
+        await engine.close()
+        await asyncio.gather(*(f.close() for f in fetchers.values()))

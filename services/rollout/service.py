@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import redis.asyncio as aioredis
 
+from policyloop.bus import PullWorker
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rollout.engine_process import engine_url_or_start, name_base_version, stop_engine, wait_for_engine
@@ -58,9 +59,12 @@ async def body(ctx: ServiceContext) -> None:
         ctx.add_health_probe("loop", agreement.probe)
         replica = RolloutReplica(ctx, settings, client, tokenizer, engine_health, status,
                                  ready=lambda: engine_health.ready() and agreement.agrees())
+        workers = [replica.pull_worker()]
         if settings.lora_runs:
             runs_redis = await serve_lora_runs(ctx, settings, replica, client, follower)
-        await serve_replica(ctx, replica, follower, engine_health, agreement)
+        if settings.tinker_sampling:
+            workers.append(tinker_sampling(ctx, settings, client, follower, engine_health, status))
+        await serve_replica(ctx, workers, follower, engine_health, agreement)
     finally:
         if runs_redis is not None:
             await runs_redis.aclose()
@@ -90,14 +94,32 @@ async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replic
     return raw
 
 
-async def serve_replica(ctx: ServiceContext, replica: RolloutReplica, follower: WeightFollower,
+def tinker_sampling(ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient, follower: WeightFollower,
+                    engine_health: EngineHealth, status: status_pb2.RolloutStatus) -> PullWorker:  # type: ignore[type-arg]
+    """The replica's share of the Tinker API's sample requests, on its engine."""
+    from policyloop.tinker.sampling import EngineSampler, TinkerSampling
+
+    sampling = TinkerSampling(ctx.bus, EngineSampler(client, follower.publisher, settings.tinker_adapters_kept),
+                              concurrency=settings.tinker_concurrency, ready=engine_health.ready)
+    status.tinker_sampling = True
+
+    def current() -> status_pb2.RolloutStatus:
+        status.tinker_samples_done = sampling.done
+        return status
+
+    ctx.status = current
+    return sampling.pull_worker()
+
+
+async def serve_replica(ctx: ServiceContext, workers: list[PullWorker], follower: WeightFollower,  # type: ignore[type-arg]
                         engine_health: EngineHealth, agreement: LoopAgreement) -> None:
     settings: RolloutSettings = ctx.settings  # type: ignore[assignment]
     watch_engine = asyncio.create_task(engine_health.run(ctx.stop))
-    follow = asyncio.create_task(follower.run())
+    # A replica of LoRA runs keeps the base as loaded: full-model versions are not its runs'.
+    follow = asyncio.create_task(follower.run() if not settings.lora_runs else ctx.stop.wait())
     watch_learner = asyncio.create_task(agreement.run(ctx.stop, settings.heartbeat_interval_s))
     try:
-        await run_pull_workers(ctx, replica.pull_worker())
+        await run_pull_workers(ctx, *workers)
     finally:
         await asyncio.gather(follow, watch_engine, watch_learner, return_exceptions=True)
     if watch_engine.done() and not watch_engine.cancelled() and watch_engine.exception() is not None:

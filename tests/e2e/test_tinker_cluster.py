@@ -1,7 +1,8 @@
-"""The Tinker API through the services as processes (`policyloop up --tinker-learner`, reduced to
-the publisher, the tinker front and the Tinker learner), driven by the official SDK: the Tinker
-learner is killed (SIGKILL) between forward_backward and optim_step, restarted by the launcher,
-and the optim_step applies the gradients of that forward_backward once."""
+"""The Tinker API through the services as processes (`policyloop up --tinker`, reduced to the
+publisher, the tinker front, the one learner and the rollout replica that samples for the API),
+driven by the official SDK: the learner is killed (SIGKILL) between forward_backward and
+optim_step, restarted by the launcher, and the optim_step applies the gradients of that
+forward_backward once; the saved sampler weights are sampled on the replica's engine."""
 
 from __future__ import annotations
 
@@ -39,11 +40,12 @@ async def test_a_killed_tinker_learner_loses_no_accepted_request_and_applies_non
         tmp_path: Path, tiny_model_dir: Path, nats_server, redis_server,  # type: ignore[no-untyped-def]
         monkeypatch: pytest.MonkeyPatch) -> None:
     cluster = LocalCluster(tmp_path / "run", nats_url=nats_server.url, redis_url=redis_server.url,
-                           services=(entry("publisher"), entry("tinker")), tinker_learner=True, prometheus=False,
+                           services=(entry("publisher"), entry("tinker"), entry("learner")), tinker=True,
+                           prometheus=False,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(tiny_model_dir), "POLICYLOOP_API_KEY": API_KEY})
     cluster.start()
     try:
-        await healthy(cluster, {"publisher-0", "tinker-0", "tinker-learner-0"})
+        await healthy(cluster, {"publisher-0", "tinker-0", "learner-0", "tinker-sampler-0"})
         monkeypatch.setenv("TINKER_BASE_URL", f"http://127.0.0.1:{cluster.process('tinker-0').ports['api']}")
         monkeypatch.setenv("TINKER_API_KEY", API_KEY)
         monkeypatch.setenv("TINKER_TELEMETRY", "0")
@@ -58,10 +60,10 @@ async def test_a_killed_tinker_learner_loses_no_accepted_request_and_applies_non
             return training, loss
 
         training, loss = await asyncio.to_thread(before_kill)
-        learner = cluster.process("tinker-learner-0")
+        learner = cluster.process("learner-0")
         learner.signal(signal.SIGKILL)
         await asyncio.to_thread(learner.proc.wait, 30)  # type: ignore[union-attr]
-        assert cluster.supervise() == ["tinker-learner-0"]  # the launcher restarts it
+        assert cluster.supervise() == ["learner-0"]  # the launcher restarts it
 
         def after_restart():  # type: ignore[no-untyped-def]
             done = training.optim_step(tinker.types.AdamParams(learning_rate=1e-2)).result()

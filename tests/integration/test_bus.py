@@ -37,7 +37,7 @@ async def test_topology_is_idempotent_and_follows_the_table(nats_server: Server)
         await bus.ensure_topology()  # again: no error, nothing changes
         names = {s.config.name for s in await bus.js.streams_info()}
         assert names == {"TASKS", "ROLLOUTS", "TRAJECTORIES", "SANDBOX", "SESSIONS", "WEIGHTS", "LEDGER", "DLQ",
-                         "TINKER", "TINKER_RESULTS", "TRACES", "FEEDBACK", "EVALS", "PROMOTIONS"}
+                         "TINKER", "TINKER_SAMPLES", "TINKER_RESULTS", "TRACES", "FEEDBACK", "EVALS", "PROMOTIONS"}
         tasks = await bus.js.stream_info("TASKS")
         assert tasks.config.retention == api.RetentionPolicy.WORK_QUEUE
         assert tasks.config.discard == api.DiscardPolicy.NEW

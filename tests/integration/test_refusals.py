@@ -13,7 +13,6 @@ import pkgutil
 import re
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import aiohttp
 import grpc
@@ -25,10 +24,7 @@ from yarl import URL
 import policyloop.contracts.v1
 from policyloop.bus import Bus
 from policyloop.contracts.v1 import loop_pb2, loop_pb2_grpc, tinker_wire_pb2
-from policyloop.engines.embedded import start_engine
-from policyloop.engines.sglang_client import SGLangClient
 from policyloop.state import connect_redis
-from policyloop.tinker.sampling import EngineSampler
 from policyloop.tinker.server import PROTOBUF, TinkerApi
 from policyloop.weights.client import WeightClient, refused
 from policyloop.weights.push import VersionPusher
@@ -202,21 +198,16 @@ class Front:
 
 
 @pytest.fixture
-async def tinker_front(bus: Bus, redis_server: Server, tiny_model_dir: Path) -> AsyncIterator[Front]:
-    """The front as the tinker service runs it, sampling on a real engine."""
-    engine = await start_engine(tiny_model_dir, max_batch=8, threads=1, weight_version="0")
+async def tinker_front(bus: Bus, redis_server: Server) -> AsyncIterator[Front]:
+    """The front as the tinker service runs it (sample requests go on TINKER_SAMPLES)."""
     redis = await connect_redis(redis_server.url, decode_responses=False)
-    engine_client = SGLangClient(engine.base_url, timeout_s=60, retries=0)
-    api = TinkerApi(bus, redis, namespace="test", base_model="policyloop/tiny", api_key=API_KEY, poll_s=1.0,
-                    sampler=EngineSampler(engine_client, lambda endpoint: WeightClient(endpoint)))
+    api = TinkerApi(bus, redis, namespace="test", base_model="policyloop/tiny", api_key=API_KEY, poll_s=1.0)
     app = api.app()
     try:
         async with serving_http(app) as url:
             yield Front(url, app)
-            await api.close()
     finally:
-        await asyncio.gather(redis.aclose(), engine_client.close())
-        await engine.stop()
+        await redis.aclose()
 
 
 def tinker_routes(app: web.Application) -> list[tuple[str, str]]:

@@ -18,11 +18,10 @@ import pytest
 
 from policyloop.bus import Bus
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
-from policyloop.engines.sglang_client import SGLangClient
 from policyloop.rl.lora import AdapterTrainer, adapter_model_name
 from policyloop.rl.trainer import TrainerConfig
 from policyloop.state import connect_redis
-from policyloop.tinker.sampling import EngineSampler
+from policyloop.tinker.sampling import TinkerSampling
 from policyloop.tinker.server import TinkerApi
 from policyloop.tinker.trainer import TinkerTrainer
 from policyloop.tinker.worker import TinkerWorker
@@ -30,7 +29,7 @@ from policyloop.weights.client import WeightClient
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
-from tests.helpers import serving_http
+from tests.helpers import serving_http, tinker_sampling_replica
 
 tinker = pytest.importorskip("tinker")
 
@@ -87,18 +86,12 @@ async def engine(tiny_model_dir: Path) -> AsyncIterator[EmbeddedEngine]:
 
 @pytest.fixture
 async def front(bus: Bus, redis_server, engine: EmbeddedEngine) -> AsyncIterator[str]:  # type: ignore[no-untyped-def]
+    """The front, and a rollout replica's sampling for it on the engine."""
     redis = await connect_redis(redis_server.url, decode_responses=False)
-    engine_client = SGLangClient(engine.base_url, timeout_s=60, retries=0)
-    fetchers: dict[str, WeightClient] = {}
-    sampler = EngineSampler(engine_client, lambda endpoint: fetchers.setdefault(endpoint, WeightClient(endpoint)))
-    api = TinkerApi(bus, redis, namespace="test", base_model=BASE_MODEL, api_key=API_KEY, poll_s=5.0,
-                    sampler=sampler)
-    async with serving_http(api.app()) as url:
+    api = TinkerApi(bus, redis, namespace="test", base_model=BASE_MODEL, api_key=API_KEY, poll_s=5.0)
+    async with tinker_sampling_replica(bus, engine.base_url), serving_http(api.app()) as url:
         yield url
-        await api.close()
     await redis.aclose()
-    await engine_client.close()
-    await asyncio.gather(*(f.close() for f in fetchers.values()))
 
 
 def datum(tokens: list[int]):  # type: ignore[no-untyped-def]
@@ -318,22 +311,18 @@ async def arithmetic_cluster(bus: Bus, redis_server, publisher: Publisher,  # ty
     model_dir = await asyncio.to_thread(bootstrap)
     engine = await start_engine(model_dir, max_batch=256, threads=1, weight_version="0")
     redis = await connect_redis(redis_server.url, decode_responses=False)
-    engine_client = SGLangClient(engine.base_url, timeout_s=120, retries=0)
-    fetcher = WeightClient(publisher.endpoint)
-    api = TinkerApi(bus, redis, namespace="rl", base_model="arith", api_key=API_KEY, tokenizer_id=str(model_dir),
-                    sampler=EngineSampler(engine_client, lambda _: fetcher))
+    api = TinkerApi(bus, redis, namespace="rl", base_model="arith", api_key=API_KEY, tokenizer_id=str(model_dir))
     trainer = TinkerTrainer(AdapterTrainer(model_dir, TrainerConfig(device="cpu")), tmp_path / "rl-learner", "arith")
     worker = TinkerWorker(bus, trainer, publisher=publisher.client, fetch_endpoint=publisher.endpoint)
     stop = asyncio.Event()
     learning = asyncio.create_task(worker.run(stop))
     try:
-        async with serving_http(api.app()) as url:
+        async with tinker_sampling_replica(bus, engine.base_url), serving_http(api.app()) as url:
             yield url
-            await api.close()
     finally:
         stop.set()
         await learning
-        await asyncio.gather(engine_client.close(), fetcher.close(), redis.aclose())
+        await redis.aclose()
         await engine.stop()
 
 
@@ -448,40 +437,89 @@ async def test_a_models_requests_go_on_the_stream_in_seq_id_order_across_front_r
     assert stored == [1, 2, 3, 4]
 
 
-async def test_a_sample_whose_front_is_gone_answers_410_so_the_sdk_samples_again(
-        bus: Bus, redis_server) -> None:  # type: ignore[no-untyped-def]
-    """Sampling runs on the front that took the request; when that front is gone without a
-    result, retrieve_future answers 410 (the SDK then submits the sample again). A sample whose
-    front is alive, or that has its result, is waited for / answered as usual."""
+async def test_a_sample_waits_on_the_bus_for_a_replica_and_outlives_one_that_stops_mid_sample(
+        bus: Bus, redis_server, engine: EmbeddedEngine) -> None:  # type: ignore[no-untyped-def]
+    """The front keeps no engine: a sample request goes on TINKER_SAMPLES for the rollout replicas.
+    While none samples for the API, retrieve_future's try_again says so (paused_capacity, with the
+    reason the SDK logs); a replica that stops while it samples hands the request back, and the
+    next replica's samples are the answer. A request the engine refuses is answered with the
+    engine's reason and dead-lettered with it."""
     import aiohttp
 
+    from policyloop.bus import dlq_subject
+    from policyloop.contracts.v1 import bus_pb2, tinker_wire_pb2
+
     redis = await connect_redis(redis_server.url, decode_responses=False)
-    alive = {"b"}
+    alive = False
 
-    async def fronts_alive() -> set[str]:
-        return set(alive)
+    async def samplers_alive() -> bool:
+        return alive
 
-    api = TinkerApi(bus, redis, namespace="lost", base_model=BASE_MODEL, instance_id="a", fronts_alive=fronts_alive,
-                    poll_s=0.2)
+    api = TinkerApi(bus, redis, namespace="queued", base_model=BASE_MODEL, poll_s=0.2, samplers_alive=samplers_alive)
     stack = AsyncExitStack()
-    url = f"{await stack.enter_async_context(serving_http(api.app()))}/api/v1/retrieve_future"
-    try:
-        for request_id, owner in (("by-b", "b"), ("by-c", "c"), ("by-a", "a")):
-            await redis.set(f"lost:tinker:request:{request_id}", f"sample@{owner}")
-        async with aiohttp.ClientSession() as http:
-            async def status(request_id: str) -> tuple[int, dict]:  # type: ignore[type-arg]
-                async with http.post(url, json={"request_id": request_id}) as answer:
-                    return answer.status, await answer.json()
+    url = await stack.enter_async_context(serving_http(api.app()))
+    http = await stack.enter_async_context(aiohttp.ClientSession())
 
-            assert await status("by-b") == (200, {"type": "try_again", "request_id": "by-b", "queue_state": "active"})
-            code, body = await status("by-c")  # c stopped: its sample is lost
-            assert code == 410 and "sample again" in body["detail"]
-            assert (await status("by-a"))[0] == 410  # this front does not run it (any more)
-            alive.clear()
-            assert (await status("by-b"))[0] == 410
+    async def post(route: str, body: dict) -> tuple[int, bytes]:  # type: ignore[type-arg]
+        async with http.post(f"{url}/api/v1/{route}", json=body) as answer:
+            return answer.status, await answer.read()
+
+    async def asample(seq_id: int, tokens: list[int]) -> str:
+        status, body = await post("asample", {
+            "sampling_session_id": f"{session}:sample:0", "seq_id": seq_id, "num_samples": 2,
+            "prompt": {"chunks": [{"type": "encoded_text", "tokens": tokens}]},
+            "sampling_params": {"max_tokens": 3, "temperature": 1.0, "seed": 7}})
+        assert status == 200, body
+        return str(json.loads(body)["request_id"])
+
+    async def answered(request_id: str) -> bytes:
+        while True:
+            status, body = await post("retrieve_future", {"request_id": request_id})
+            assert status == 200, body
+            if not body.startswith(b"{") or json.loads(body).get("type") != "try_again":
+                return body
+
+    try:
+        session = json.loads((await post("create_session", {}))[1])["session_id"]
+        assert (await post("create_sampling_session", {"session_id": session, "sampling_session_seq_id": 0,
+                                                       "base_model": BASE_MODEL}))[0] == 200
+        request_id = await asample(1, [4, 5, 6])
+        waiting = json.loads((await post("retrieve_future", {"request_id": request_id}))[1])
+        assert waiting["type"] == "try_again" and waiting["queue_state"] == "paused_capacity"
+        assert "tinker_sampling" in waiting["queue_state_reason"]
+
+        # A replica takes it and stops before it answers: the request goes back on the stream.
+        taken = asyncio.Event()
+
+        class Stalled:
+            async def sample(self, request: object) -> None:
+                taken.set()
+                await asyncio.Event().wait()
+
+        stalled = TinkerSampling(bus, Stalled(), concurrency=1)  # type: ignore[arg-type]
+        worker, stop = stalled.pull_worker(), asyncio.Event()
+        running = asyncio.create_task(worker.run(stop))
+        await asyncio.wait_for(taken.wait(), 30)
+        stop.set()
+        await running
+        await worker.drain(0)
+        alive = True
+        again = json.loads((await post("retrieve_future", {"request_id": request_id}))[1])
+        assert again["queue_state"] == "active"
+
+        async with tinker_sampling_replica(bus, engine.base_url) as sampling:
+            response = tinker_wire_pb2.SampleResponse.FromString(await answered(request_id))
+            refused_id = await asample(2, [4, 10_000])  # outside the tiny model's vocabulary
+            refused = json.loads(await answered(refused_id))
+        letter = bus_pb2.DeadLetter.FromString(
+            (await bus.js.get_last_msg("DLQ", dlq_subject("TINKER_SAMPLES"))).data)
     finally:
         await stack.aclose()
         await redis.aclose()
+    assert len(response.sequences) == 2 and all(len(s.tokens) == 12 for s in response.sequences)  # 3 int32 each
+    assert sampling.done == 1
+    assert refused["category"] == "user" and "outside the vocabulary" in refused["error"]
+    assert refused_id in letter.reason and letter.origin_stream == "TINKER_SAMPLES"
 
 
 @pytest.mark.timeout(300)

@@ -1,11 +1,14 @@
 """compose.yaml runs the same topology as `policyloop up`: every catalogue service, started
 with the same arguments, wired to NATS and Redis, configured only through settings that exist.
+The Tinker API is one switch over it, compose.tinker.yaml: the front (the catalogue's `tinker`),
+its sampler, and tinker=true on the one learner.
 
 The checks read what `docker-compose config` resolves (anchors, merges and defaults applied),
-not the raw file; no docker engine is needed."""
+not the raw files; no docker engine is needed."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -21,7 +24,12 @@ from tests.helpers import setting_field, settings_model
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
+TINKER_FILE = REPO / "compose.tinker.yaml"
+GPU_FILE = REPO / "compose.gpu.yaml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
+# The catalogue services only compose.tinker.yaml runs, and what it adds beside them.
+TINKER_SERVICES = {"tinker"}
+TINKER_ADDS = {*TINKER_SERVICES, "tinker-sampler"}
 
 
 def _compose_binary() -> str:
@@ -31,18 +39,27 @@ def _compose_binary() -> str:
     return binary
 
 
-def _run_config() -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_compose_binary(), "-f", str(COMPOSE_FILE.name), "config"],
-        cwd=REPO, capture_output=True, text=True, timeout=60,
-    )
+def _run_config(*files: Path) -> subprocess.CompletedProcess[str]:
+    names = [arg for file in files or (COMPOSE_FILE,) for arg in ("-f", file.name)]
+    return subprocess.run([_compose_binary(), *names, "config"], cwd=REPO, capture_output=True, text=True, timeout=60)
+
+
+def _resolved(*files: Path) -> dict[str, Any]:
+    result = _run_config(*files)
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
 
 
 @pytest.fixture(scope="module")
 def config() -> dict[str, Any]:
-    result = _run_config()
-    assert result.returncode == 0, result.stderr
-    return yaml.safe_load(result.stdout)
+    """compose.yaml alone."""
+    return _resolved(COMPOSE_FILE)
+
+
+@pytest.fixture(scope="module")
+def tinker_config() -> dict[str, Any]:
+    """compose.yaml with compose.tinker.yaml: every catalogue service."""
+    return _resolved(COMPOSE_FILE, TINKER_FILE)
 
 
 def _environment(service: dict[str, Any]) -> dict[str, str]:
@@ -52,28 +69,39 @@ def _environment(service: dict[str, Any]) -> dict[str, str]:
     return {str(k): "" if v is None else str(v) for k, v in env.items()}
 
 
-def test_compose_config_is_valid() -> None:
-    result = _run_config()
+def _normalized(service: dict[str, Any]) -> dict[str, Any]:
+    """The service with its lists of options (volumes, security_opt, …) in one order: merging
+    several files reorders them. Argument lists keep theirs."""
+    return {key: sorted(value, key=lambda v: json.dumps(v, sort_keys=True))
+            if isinstance(value, list) and key not in ("command", "entrypoint") else value
+            for key, value in service.items()}
+
+
+@pytest.mark.parametrize("files", [(COMPOSE_FILE,), (COMPOSE_FILE, TINKER_FILE), (COMPOSE_FILE, GPU_FILE),
+                                   (COMPOSE_FILE, GPU_FILE, TINKER_FILE)], ids=lambda fs: "+".join(f.stem for f in fs))
+def test_compose_config_is_valid(files: tuple[Path, ...]) -> None:
+    result = _run_config(*files)
     assert result.returncode == 0, result.stderr
 
 
 GPU_PROFILE = {"sglang", "rollout-sglang"}
 OBSERVABILITY_PROFILE = {"prometheus", "grafana"}
-TINKER_PROFILE = {"tinker-learner"}
 SERVING_PROFILE = {"serving"}
 OPENENV_PROFILE = {"openenv"}
 
 
-def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any]) -> None:
+def test_services_are_the_catalogue_plus_nats_redis_and_the_models_job(config: dict[str, Any],
+                                                                      tinker_config: dict[str, Any]) -> None:
     default = {name for name, service in config["services"].items() if not service.get("profiles")}
-    assert default == {"nats", "redis", "models", *SERVICE_NAMES}
-    assert set(config["services"]) - default == (GPU_PROFILE | OBSERVABILITY_PROFILE | TINKER_PROFILE | SERVING_PROFILE
+    assert default == {"nats", "redis", "models", *SERVICE_NAMES} - TINKER_SERVICES
+    assert set(config["services"]) - default == (GPU_PROFILE | OBSERVABILITY_PROFILE | SERVING_PROFILE
                                                  | OPENENV_PROFILE)
+    # compose.tinker.yaml: the rest of the catalogue and the sampler, started by default.
+    assert set(tinker_config["services"]) == set(config["services"]) | TINKER_ADDS
+    assert not any(tinker_config["services"][name].get("profiles") for name in TINKER_ADDS)
 
 
 def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(config: dict[str, Any]) -> None:
-    import json
-
     prometheus = config["services"]["prometheus"]
     assert prometheus["profiles"] == ["observability"]
     binds = [v.split(":") for v in prometheus["volumes"] if v.startswith("/")]  # short form: source:target:mode
@@ -83,10 +111,12 @@ def test_prometheus_runs_the_shipped_scrape_configuration_against_every_service(
                       f"{shipped}/alerts.yml": "/etc/prometheus/alerts.yml",
                       "docker/prometheus/targets": "/etc/prometheus/targets"}
     targets = json.loads((REPO / "docker" / "prometheus" / "targets" / "compose.json").read_text())
-    port = {_environment(config["services"][name])["POLICYLOOP_HTTP_PORT"] for name in SERVICE_NAMES}
+    port = {_environment(config["services"][name])["POLICYLOOP_HTTP_PORT"] for name in SERVICE_NAMES
+            if name not in TINKER_SERVICES}
     assert port == {"9100"}
+    # compose.yaml's services; not compose.tinker.yaml's, whose targets would be down without it.
     assert sorted((t["labels"]["service"], t["targets"][0]) for t in targets) == sorted(
-        (name, f"{name}:9100") for name in SERVICE_NAMES)
+        (name, f"{name}:9100") for name in SERVICE_NAMES if name not in TINKER_SERVICES)
 
 
 def test_grafana_provisions_the_packaged_dashboard_and_datasource_read_only(config: dict[str, Any]) -> None:
@@ -119,7 +149,8 @@ def test_grafana_provisions_the_packaged_dashboard_and_datasource_read_only(conf
     assert hosts == ["127.0.0.1"], grafana["ports"]
 
 
-def test_the_models_job_links_the_base_policy_before_anything_loads_it(config: dict[str, Any]) -> None:
+def test_the_models_job_links_the_base_policy_before_anything_loads_it(tinker_config: dict[str, Any]) -> None:
+    config = tinker_config  # every service, the Tinker API's too
     models = config["services"]["models"]
     assert models["build"]["target"] == "torch" and models["restart"] == "no"
     command = " ".join(models["command"])
@@ -134,7 +165,7 @@ def test_the_models_job_links_the_base_policy_before_anything_loads_it(config: d
             assert condition == "service_completed_successfully", name
 
 
-def test_the_models_job_fetches_the_hugging_face_model_base_model_names(config: dict[str, Any],
+def test_the_models_job_fetches_the_hugging_face_model_base_model_names(tinker_config: dict[str, Any],
                                                                         tmp_path: Path) -> None:
     """BASE_MODEL=<org/name[@revision]>: `policyloop models fetch` into the volume's Hugging Face
     cache, linked at /models/base; unset, the bootstrap model, unless /models/base is a directory
@@ -143,6 +174,7 @@ def test_the_models_job_fetches_the_hugging_face_model_base_model_names(config: 
     import os
     import stat
 
+    config = tinker_config  # every service, the Tinker API's too
     models = config["services"]["models"]
     env = _environment(models)
     assert env["BASE_MODEL"] == "" and env["HF_HOME"].startswith("/models/") and env["HF_TOKEN"] == ""
@@ -175,17 +207,19 @@ def test_the_models_job_fetches_the_hugging_face_model_base_model_names(config: 
             assert _environment(service)["HF_HUB_OFFLINE"] == "1", name
 
 
-def test_every_image_comes_from_a_variable_with_the_official_default() -> None:
-    images = re.findall(r"^\s*image:\s*(\S+)\s*$", COMPOSE_FILE.read_text(), flags=re.MULTILINE)
+@pytest.mark.parametrize("file", [COMPOSE_FILE, TINKER_FILE, GPU_FILE], ids=lambda f: f.name)
+def test_every_image_comes_from_a_variable_with_the_official_default(file: Path) -> None:
+    images = re.findall(r"^\s*image:\s*(\S+)\s*$", file.read_text(), flags=re.MULTILINE)
     assert images
     for image in images:
         assert re.fullmatch(r"\$\{[A-Z_]+:-[^}]+\}", image), image
     defaults = {re.fullmatch(r"\$\{([A-Z_]+):-([^}]+)\}", i).groups() for i in images}  # type: ignore[union-attr]
-    assert ("NATS_IMAGE", "nats:2.9-alpine") in defaults and ("REDIS_IMAGE", "redis:7-alpine") in defaults
+    if file == COMPOSE_FILE:
+        assert ("NATS_IMAGE", "nats:2.9-alpine") in defaults and ("REDIS_IMAGE", "redis:7-alpine") in defaults
 
 
-def test_the_sandbox_gets_what_bubblewrap_needs_and_only_it_runs_as_root(config: dict[str, Any]) -> None:
-    for name, service in config["services"].items():
+def test_the_sandbox_gets_what_bubblewrap_needs_and_only_it_runs_as_root(tinker_config: dict[str, Any]) -> None:
+    for name, service in tinker_config["services"].items():
         if name == "sandbox":
             assert service["user"] == "0:0"
             assert {"SYS_ADMIN", "SYS_PTRACE"} <= set(service["cap_add"])
@@ -215,8 +249,8 @@ def test_gpu_profile_drives_sglang_through_a_shared_weights_volume(config: dict[
 
 
 @pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
-def test_service_matches_the_catalogue(config: dict[str, Any], entry: ServiceEntry) -> None:
-    service = config["services"][entry.name]
+def test_service_matches_the_catalogue(tinker_config: dict[str, Any], entry: ServiceEntry) -> None:
+    service = tinker_config["services"][entry.name]
     assert service["command"] == ["policyloop", *service_args(entry)]
     build = service["build"]
     assert build["target"] == ("torch" if entry.needs_torch else "light")
@@ -232,16 +266,16 @@ def test_service_matches_the_catalogue(config: dict[str, Any], entry: ServiceEnt
 
 
 @pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
-def test_service_reaches_nats_and_redis(config: dict[str, Any], entry: ServiceEntry) -> None:
-    env = _environment(config["services"][entry.name])
+def test_service_reaches_nats_and_redis(tinker_config: dict[str, Any], entry: ServiceEntry) -> None:
+    env = _environment(tinker_config["services"][entry.name])
     assert re.fullmatch(r"nats://nats(:\d+)?", env["POLICYLOOP_NATS_URL"])
     assert re.fullmatch(r"redis://redis(:\d+)?(/\d+)?", env["POLICYLOOP_REDIS_URL"])
 
 
 @pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
-def test_every_policyloop_variable_is_a_setting(config: dict[str, Any], entry: ServiceEntry) -> None:
+def test_every_policyloop_variable_is_a_setting(tinker_config: dict[str, Any], entry: ServiceEntry) -> None:
     model = settings_model(entry)
-    env = _environment(config["services"][entry.name])
+    env = _environment(tinker_config["services"][entry.name])
     variables = [name for name in env if name.startswith("POLICYLOOP_")]
     assert variables
     for variable in variables:
@@ -270,36 +304,102 @@ def test_learner_checkpoints_on_a_volume(config: dict[str, Any]) -> None:
     assert any(m.split(":")[1] == target for m in mounts), mounts
 
 
-def test_the_tinker_profile_adds_a_second_learner_that_trains_the_tinker_api(config: dict[str, Any]) -> None:
-    """The RL learner cannot serve Tinker too: `--profile tinker` adds a learner with tinker=true,
-    started and wired like the RL one, its checkpoints on a volume of its own."""
+def test_the_tinker_override_adds_the_front_and_the_sampler_and_turns_tinker_on_in_the_one_learner(
+        config: dict[str, Any], tinker_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose.tinker.yaml, one switch: the front (`tinker`, no engine), `tinker-sampler` (a
+    rollout replica with lora_runs and tinker_sampling, configured as `rollout` is), and tinker=true
+    on the one learner, whose checkpoints (the Tinker models' under tinker/) stay on its volume.
+    Everything else is compose.yaml's as it was."""
     from policyloop.cluster.catalogue import entry
     from policyloop.learner.settings import LearnerSettings
+    from policyloop.rollout.settings import RolloutSettings
+    from policyloop.runtime.settings import load_settings
 
-    tinker, learner = config["services"]["tinker-learner"], config["services"]["learner"]
-    assert tinker["profiles"] == ["tinker"]
-    assert tinker["command"] == learner["command"] == ["policyloop", *service_args(entry("learner"))]
-    assert tinker["image"] == learner["image"] and tinker["build"]["target"] == "torch"
-    env, rl = _environment(tinker), _environment(learner)
-    assert env["POLICYLOOP_TINKER"] == "true" and "POLICYLOOP_TINKER" not in rl
-    for variable in env:
-        if variable.startswith("POLICYLOOP_"):
-            assert setting_field(LearnerSettings, variable) is not None, variable
-    assert env["POLICYLOOP_FULL_MODEL"] == "false"  # the RL learner trains the full model's runs
-    assert {k: v for k, v in env.items()
-            if k not in ("POLICYLOOP_TINKER", "POLICYLOOP_FULL_MODEL", "POLICYLOOP_ADVERTISE_HOST")} == \
-        {k: v for k, v in rl.items() if k != "POLICYLOOP_ADVERTISE_HOST"}
-    assert tinker["depends_on"] == learner["depends_on"] and tinker.get("healthcheck", {}).get("test")
+    base, merged = config["services"], tinker_config["services"]
+    override = yaml.safe_load(TINKER_FILE.read_text())
+    assert set(override["services"]) == {"learner", *TINKER_ADDS}
+    assert override["services"]["learner"] == {"environment": {"POLICYLOOP_TINKER": "true"}}
+    for name in base:
+        if name != "learner":
+            assert _normalized(merged[name]) == _normalized(base[name]), name
+    assert tinker_config["volumes"] == config["volumes"] and "tinker-checkpoints" not in config["volumes"]
+    assert not any("tinker" in (service.get("profiles") or []) for service in merged.values())
 
-    def volume(service: dict[str, Any], target: str) -> str:
-        mounts = [(v if isinstance(v, str) else f"{v.get('source')}:{v.get('target')}").split(":")
-                  for v in service["volumes"]]  # short or long form
-        [source] = [m[0] for m in mounts if m[1] == target]
-        return source
+    # One learner, trained on the Tinker API's models beside the RL runs.
+    learner = merged["learner"]
+    learners = [name for name, service in merged.items() if service.get("command") == learner["command"]]
+    assert learners == ["learner"] and learner["command"] == ["policyloop", *service_args(entry("learner"))]
+    assert {k: v for k, v in _normalized(learner).items() if k != "environment"} == \
+        {k: v for k, v in _normalized(base["learner"]).items() if k != "environment"}
+    env = _environment(learner)
+    assert env == {**_environment(base["learner"]), "POLICYLOOP_TINKER": "true"}
+    for name, value in env.items():
+        if name.startswith("POLICYLOOP_"):
+            monkeypatch.setenv(name, value)
+    settings = load_settings(LearnerSettings)
+    assert settings.tinker and settings.full_model and settings.kinds_problem(world_size=1) is None
 
-    checkpoints = env["POLICYLOOP_CHECKPOINT__DIR"]
-    assert volume(tinker, checkpoints) != volume(learner, checkpoints)
-    assert volume(tinker, "/models") == volume(learner, "/models")
+    # The front: the HTTP API on 8088, the model's name and tokenizer, no engine.
+    front = merged["tinker"]
+    assert front["command"] == ["policyloop", *service_args(entry("tinker"))]
+    front_env, shared = _environment(front), _environment(base["reward"])  # reward sets nothing of its own
+    own = {"POLICYLOOP_ADVERTISE_HOST", "POLICYLOOP_API_HOST", "POLICYLOOP_API_PORT", "POLICYLOOP_API_KEY",
+           "POLICYLOOP_MODEL_PATH"}
+    assert {k: v for k, v in front_env.items() if k not in own} == \
+        {k: v for k, v in shared.items() if k != "POLICYLOOP_ADVERTISE_HOST"}
+    assert front_env["POLICYLOOP_ADVERTISE_HOST"] == "tinker" and front_env["POLICYLOOP_API_HOST"] == "0.0.0.0"
+    assert front_env["POLICYLOOP_MODEL_PATH"] == "/models/base"
+    assert "POLICYLOOP_API_KEY: ${POLICYLOOP_TINKER_API_KEY:-}" in TINKER_FILE.read_text()
+    [port] = front["ports"]
+    target = port.split(":")[-1] if isinstance(port, str) else port["target"]
+    assert str(target) == front_env["POLICYLOOP_API_PORT"] == "8088"
+    assert front["depends_on"] == base["gateway"]["depends_on"]  # NATS, Redis and the models job
+    # Otherwise a torch service like the evaluator (the image kept; the front no longer needs torch).
+    differ = ("command", "environment", "ports", "healthcheck")
+    assert {k: v for k, v in _normalized(front).items() if k not in differ} == \
+        {k: v for k, v in _normalized(base["evaluator"]).items() if k not in differ}
+    assert front["healthcheck"]["test"] == base["rollout"]["healthcheck"]["test"]
+
+    # The sampler: the rollout service but for its name and the two switches.
+    sampler, rollout = merged["tinker-sampler"], base["rollout"]
+    assert {k: v for k, v in _normalized(sampler).items() if k != "environment"} == \
+        {k: v for k, v in _normalized(rollout).items() if k != "environment"}
+    sampler_env = _environment(sampler)
+    switches = {"POLICYLOOP_LORA_RUNS": "true", "POLICYLOOP_TINKER_SAMPLING": "true"}
+    assert sampler_env == {**_environment(rollout), **switches, "POLICYLOOP_ADVERTISE_HOST": "tinker-sampler"}
+    for name in sampler_env:
+        if name.startswith("POLICYLOOP_"):
+            assert setting_field(RolloutSettings, name) is not None, name
+    for name, value in sampler_env.items():
+        if name.startswith("POLICYLOOP_"):
+            monkeypatch.setenv(name, value)
+    settings = load_settings(RolloutSettings)
+    settings.check_engine()  # tinker_sampling needs lora_runs, on a training replica
+    assert settings.tinker_sampling and settings.lora_runs and settings.role == "training"
+
+
+def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
+    """COMPOSE_GPU=1 and COMPOSE_TINKER=1: docker/compose.sh passes compose.gpu.yaml and
+    compose.tinker.yaml after compose.yaml (run here against a stand-in `docker`)."""
+    import os
+    import stat
+
+    fake = tmp_path / "docker"
+    fake.write_text('#!/bin/sh\n[ "$1" = info ] && exit 0\n[ "$1 $2" = "compose version" ] && exit 0\n'
+                    'echo "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+
+    def files(**env: str) -> list[str]:
+        environ = {k: v for k, v in os.environ.items() if k not in ("COMPOSE_GPU", "COMPOSE_TINKER")}
+        done = subprocess.run([str(REPO / "docker" / "compose.sh"), "config"], capture_output=True, text=True,
+                              timeout=30, env={**environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
+        assert done.returncode == 0, done.stderr
+        args = done.stdout.split()
+        return [args[i + 1] for i, arg in enumerate(args) if arg == "-f"]
+
+    assert files() == [COMPOSE_FILE.name]
+    assert files(COMPOSE_TINKER="1") == [COMPOSE_FILE.name, TINKER_FILE.name]
+    assert files(COMPOSE_GPU="1", COMPOSE_TINKER="1") == [COMPOSE_FILE.name, GPU_FILE.name, TINKER_FILE.name]
 
 
 def test_the_serving_profile_adds_a_serving_replica_of_a_runs_promoted_versions(config: dict[str, Any]) -> None:
@@ -333,7 +433,7 @@ def test_the_serving_profile_adds_a_serving_replica_of_a_runs_promoted_versions(
     assert (port["host_ip"], str(port["target"])) == ("127.0.0.1", env["POLICYLOOP_OPENAI_PORT"]), port
 
 
-def test_directories_services_write_to_are_the_images_own(config: dict[str, Any]) -> None:
+def test_directories_services_write_to_are_the_images_own(tinker_config: dict[str, Any]) -> None:
     """The images make every data directory a service writes to (a named volume takes its
     ownership from the image): without a volume, or before it is first mounted, the unprivileged
     user could not create one under /data."""
@@ -341,10 +441,10 @@ def test_directories_services_write_to_are_the_images_own(config: dict[str, Any]
     made = set(re.search(r"^mkdir -p (.+)$", setup, flags=re.MULTILINE).group(1).split())  # type: ignore[union-attr]
     owned = set(re.search(r"^chown policyloop:policyloop (.+)$", setup,  # type: ignore[union-attr]
                           flags=re.MULTILINE).group(1).split())
-    written = {(name, env[v]) for name, service in config["services"].items()
+    written = {(name, env[v]) for name, service in tinker_config["services"].items()
                for env in [_environment(service)]
                for v in ("POLICYLOOP_WEIGHTS_DIR", "POLICYLOOP_STORE_DIR", "POLICYLOOP_CHECKPOINT__DIR") if v in env}
-    assert {"evaluator", "rollout", "publisher", "learner"} <= {name for name, _ in written}
+    assert {"evaluator", "rollout", "publisher", "learner", "tinker-sampler"} <= {name for name, _ in written}
     for name, directory in written:
         assert directory in made and directory in owned, f"{name}: {directory} is not made for the policyloop user"
 
@@ -377,13 +477,25 @@ def test_dockerfile_bases_and_indexes_are_arguments_with_official_defaults() -> 
 
 
 def test_the_gpu_override_trains_on_a_gpu_with_the_cuda_image() -> None:
-    override = yaml.safe_load((REPO / "compose.gpu.yaml").read_text())
-    for name in ("learner", "tinker-learner"):  # the Tinker learner (profile tinker) as well
-        learner = override["services"][name]
-        assert learner["image"].endswith(":-policyloop-torch:cuda}"), name
-        assert learner["environment"]["POLICYLOOP_DEVICE"] == "cuda", name
-        [device] = learner["deploy"]["resources"]["reservations"]["devices"]
-        assert "gpu" in device["capabilities"], name
+    override = yaml.safe_load(GPU_FILE.read_text())
+    assert set(override["services"]) == {"learner", "rollout-sglang"}
+    learner = override["services"]["learner"]
+    assert learner["image"].endswith(":-policyloop-torch:cuda}")
+    assert learner["environment"]["POLICYLOOP_DEVICE"] == "cuda"
+    [device] = learner["deploy"]["resources"]["reservations"]["devices"]
+    assert "gpu" in device["capabilities"]
+
+
+def test_the_gpu_and_tinker_overrides_together_train_the_tinker_models_on_the_one_gpu_learner() -> None:
+    """Nothing more to combine: the one learner, on its GPU, with tinker=true; the Tinker API's
+    services as compose.tinker.yaml makes them."""
+    both, tinker = _resolved(COMPOSE_FILE, GPU_FILE, TINKER_FILE), _resolved(COMPOSE_FILE, TINKER_FILE)
+    learner = both["services"]["learner"]
+    env = _environment(learner)
+    assert env["POLICYLOOP_DEVICE"] == "cuda" and env["POLICYLOOP_TINKER"] == "true"
+    assert learner["image"] == "policyloop-torch:cuda" and learner["deploy"]["resources"]["reservations"]["devices"]
+    for name in TINKER_ADDS:
+        assert _normalized(both["services"][name]) == _normalized(tinker["services"][name]), name
 
 
 def test_the_openenv_profile_starts_an_openenv_server_beside_the_cluster(config: dict[str, Any]) -> None:

@@ -4,9 +4,11 @@ Each overlay is rendered with `kubectl kustomize` and every object is checked ag
 Kubernetes JSON schemas of one version (kubernetes-validate ships them: no cluster, no network).
 Then the loop's own rules: every catalogue service once, with the catalogue's command and image,
 configured only through settings that exist, probed on ports it declares, given time to stop
-gracefully, its state on volumes, NATS as a 3-node JetStream cluster; the Tinker learner and
-the serving deployment, components an overlay may add, rendered into each overlay. The last test
-compares the three deployment paths (`policyloop up`, compose.yaml, the overlays) with each other."""
+gracefully, its state on volumes, NATS as a 3-node JetStream cluster. Each overlay is checked as it
+is and with the Tinker API (components/tinker: the front, the catalogue's `tinker`, its sampler, and
+tinker=true on the one learner); the serving deployment and the other components an overlay may add
+are rendered into each overlay. The last test compares the three deployment paths (`policyloop up`,
+compose.yaml, the overlays) with each other."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -44,6 +47,11 @@ IMAGE_TAGS = {
 SERVE_MARGIN_S = 5.0
 NATS_NODES = 3
 SGLANG_URL = "http://127.0.0.1:30000"
+# The catalogue services that only components/tinker deploys (not the overlays by themselves).
+TINKER_SERVICES = {"tinker"}
+# Workloads of components that run a catalogue service in a role of their own: named, and scraped,
+# after their workload's app.kubernetes.io/component, not the service's.
+ROLES = {"tinker-sampler": "rollout", "serving": "rollout"}
 
 
 # --- rendering and reading the objects ---------------------------------------------------------------
@@ -61,6 +69,13 @@ def _render(overlay: str) -> tuple[dict[str, Any], ...]:
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return tuple(obj for obj in yaml.safe_load_all(result.stdout) if obj)
+
+
+@functools.cache
+def _render_tinker(overlay: str) -> tuple[dict[str, Any], ...]:
+    """The overlay with components/tinker listed in it, as docs/kubernetes.md says."""
+    with tempfile.TemporaryDirectory() as directory:
+        return _render_with_components(overlay, Path(directory), ("tinker",))
 
 
 def _image(image: str) -> tuple[str, str]:
@@ -121,6 +136,7 @@ class Service:
 class Rendered:
     overlay: str
     objects: tuple[dict[str, Any], ...]
+    tinker: bool = False         # components/tinker listed in the overlay
 
     def of_kind(self, *kinds: str) -> list[dict[str, Any]]:
         return [obj for obj in self.objects if obj["kind"] in kinds]
@@ -153,18 +169,30 @@ class Rendered:
 
     @functools.cached_property
     def services(self) -> dict[str, Service]:
+        """Every policyloop service the overlay runs, by the name Prometheus scrapes it as (its
+        workload's app.kubernetes.io/component): the catalogue service's own, or a role's (ROLES)."""
         found = {}
         for workload, container in self.service_containers():
+            where = workload["metadata"]["name"]
             entry = next((e for e in SERVICES if e.name == container["name"]), None)
-            assert entry is not None, f"{workload['metadata']['name']}: container {container['name']} is no service"
-            assert entry.name not in found, f"{entry.name} runs in more than one workload"
-            found[entry.name] = Service(entry, workload, container, self.environment(container))
+            assert entry is not None, f"{where}: container {container['name']} is no service"
+            name = workload["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert ROLES.get(name, name) == entry.name, f"{where}: runs {entry.name} as {name}"
+            assert name not in found, f"{name} runs in more than one workload"
+            found[name] = Service(entry, workload, container, self.environment(container))
         return found
 
+    @property
+    def expected_services(self) -> set[str]:
+        """The overlay's: the catalogue's but the Tinker front; with components/tinker, the front and its sampler."""
+        return set(SERVICE_NAMES) - TINKER_SERVICES | ({*TINKER_SERVICES, "tinker-sampler"} if self.tinker else set())
 
-@pytest.fixture(scope="module", params=OVERLAYS)
+
+@pytest.fixture(scope="module", params=[(overlay, tinker) for overlay in OVERLAYS for tinker in (False, True)],
+                ids=lambda variant: variant[0] + ("+tinker" if variant[1] else ""))
 def rendered(request: pytest.FixtureRequest) -> Rendered:
-    return Rendered(request.param, _render(request.param))
+    overlay, tinker = request.param
+    return Rendered(overlay, _render_tinker(overlay) if tinker else _render(overlay), tinker)
 
 
 # --- Kubernetes accepts every object ----------------------------------------------------------------
@@ -193,7 +221,7 @@ def test_every_container_has_requests_and_limits(rendered: Rendered) -> None:
 # --- the catalogue, once each ----------------------------------------------------------------------------
 
 def test_every_service_runs_once_with_the_catalogue_command(rendered: Rendered) -> None:
-    assert set(rendered.services) == set(SERVICE_NAMES)
+    assert set(rendered.services) == rendered.expected_services
     for name, service in rendered.services.items():
         assert service.container["command"] == ["policyloop", *service_args(service.entry)], name
         assert not service.container.get("args"), name
@@ -213,12 +241,16 @@ def test_images_carry_torch_exactly_where_the_catalogue_needs_it(rendered: Rende
 
 @pytest.mark.parametrize("entry", SERVICES, ids=lambda e: e.name)
 def test_every_policyloop_variable_is_a_setting(rendered: Rendered, entry: ServiceEntry) -> None:
-    service = rendered.services[entry.name]
+    instances = {name: service for name, service in rendered.services.items() if service.entry is entry}
+    if not instances:  # the Tinker front, only with components/tinker
+        assert entry.name in TINKER_SERVICES and not rendered.tinker, entry.name
+        return
     model = settings_model(entry)
-    variables = [name for name in service.env if name.startswith("POLICYLOOP_")]
-    assert variables
-    unknown = [v for v in variables if setting_field(model, v) is None]
-    assert not unknown, f"{entry.name}: {unknown} set no field of {model.__name__}"
+    for name, service in instances.items():
+        variables = [variable for variable in service.env if variable.startswith("POLICYLOOP_")]
+        assert variables, name
+        unknown = [v for v in variables if setting_field(model, v) is None]
+        assert not unknown, f"{name}: {unknown} set no field of {model.__name__}"
 
 
 # --- health, identity, stopping ----------------------------------------------------------------------
@@ -315,22 +347,23 @@ def test_publisher_and_learner_keep_their_state_on_claims(rendered: Rendered) ->
 
 
 def test_the_base_model_is_read_from_the_models_claim(rendered: Rendered) -> None:
-    using = [s for s in rendered.services.values() if "POLICYLOOP_MODEL_PATH" in s.env]
-    assert {s.entry.name for s in using} == {"gateway", "rollout", "learner", "tinker", "evaluator"}
-    for service in using:
+    using = {name: s for name, s in rendered.services.items() if "POLICYLOOP_MODEL_PATH" in s.env}
+    tinker = {"tinker", "tinker-sampler"} if rendered.tinker else set()
+    assert set(using) == {"gateway", "rollout", "learner", "evaluator"} | tinker
+    for name, service in using.items():
         path = service.env["POLICYLOOP_MODEL_PATH"]
-        assert path == "/models/base", service.entry.name
+        assert path == "/models/base", name
         mount, source = service.mount_for(path)
-        assert source.get("persistentVolumeClaim", {}).get("claimName") == "models", service.entry.name
-        assert mount.get("readOnly"), service.entry.name
+        assert source.get("persistentVolumeClaim", {}).get("claimName") == "models", name
+        assert mount.get("readOnly"), name
     assert rendered.get("PersistentVolumeClaim", "models")
 
 
-@pytest.mark.parametrize("name", ["rollout", "evaluator"])
-def test_engines_load_versions_from_a_mounted_directory(rendered: Rendered, name: str) -> None:
-    service = rendered.services[name]
-    mount, source = service.mount_for(service.env["POLICYLOOP_WEIGHTS_DIR"])
-    assert "emptyDir" in source and not mount.get("readOnly")
+def test_engines_load_versions_from_a_mounted_directory(rendered: Rendered) -> None:
+    for name in ("rollout", "evaluator", *(["tinker-sampler"] if rendered.tinker else [])):
+        service = rendered.services[name]
+        mount, source = service.mount_for(service.env["POLICYLOOP_WEIGHTS_DIR"])
+        assert "emptyDir" in source and not mount.get("readOnly"), name
 
 
 def test_one_evaluator_at_a_time(rendered: Rendered) -> None:
@@ -509,18 +542,18 @@ def _discovered(workload: dict[str, Any], pod_name: str, ip: str) -> list[dict[s
 
 def test_every_service_pod_is_scraped_once_with_the_labels_the_rules_use(rendered: Rendered) -> None:
     [job] = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
-    services = {id(s.workload): s for s in rendered.services.values()}
+    services = {id(s.workload): (name, s) for name, s in rendered.services.items()}
     for workload in rendered.of_kind("Deployment", "StatefulSet", "Job"):
         pod_name = f"{workload['metadata']['name']}-0"
         found = {frozenset(t.items()) for t in (_relabel(d, job["relabel_configs"])
                                                  for d in _discovered(workload, pod_name, "10.1.2.3")) if t}
-        service = services.get(id(workload))
-        if service is None:  # NATS, Redis, Prometheus, Grafana, the bootstrap Job: not ours to scrape
+        if id(workload) not in services:  # NATS, Redis, Prometheus, Grafana, the bootstrap Job: not ours to scrape
             assert not found, workload["metadata"]["name"]
             continue
+        name, service = services[id(workload)]
         port = int(service.setting("POLICYLOOP_HTTP_PORT"))
-        assert [dict(t) for t in found] == [{"__address__": f"10.1.2.3:{port}", "service": service.entry.name,
-                                             "instance": pod_name}], service.entry.name
+        assert [dict(t) for t in found] == [{"__address__": f"10.1.2.3:{port}", "service": name,
+                                             "instance": pod_name}], name
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed (Debian package prometheus)")
@@ -632,21 +665,18 @@ def test_gpu_trains_on_a_gpu_and_samples_with_sglang_beside_rollout() -> None:
     assert source is same and "emptyDir" in source and written["mountPath"] == read["mountPath"]
 
 
-# --- the Tinker learner: a component an overlay may add ----------------------------------------------------
+# --- the Tinker API: a component an overlay may add -------------------------------------------------------
 
-COMPONENTS = {"cpu-local": ("tinker-learner",), "gpu": ("tinker-learner", "tinker-learner-gpu")}
-
-
-def _render_with_components(overlay: str, directory: Path, components: tuple[str, ...] | None = None,
+def _render_with_components(overlay: str, directory: Path, components: tuple[str, ...],
                             patches: list[dict[str, Any]] | None = None) -> tuple[dict[str, Any], ...]:
-    """The overlay with `components` (default: the Tinker learner's) and `patches` listed in it, as
-    docs/kubernetes.md says (a copy of the overlay in `directory`: kustomize takes no absolute paths)."""
+    """The overlay with `components` and `patches` listed in it, as docs/kubernetes.md says (a copy
+    of the overlay in `directory`: kustomize takes no absolute paths)."""
     copy = directory / overlay
     shutil.copytree(REPO / "deploy" / "k8s" / "overlays" / overlay, copy)
     k8s = Path(os.path.relpath(REPO / "deploy" / "k8s", copy)).as_posix()
     kustomization = yaml.safe_load((copy / "kustomization.yaml").read_text())
     kustomization["resources"] = [f"{k8s}/base" if r == "../../base" else r for r in kustomization["resources"]]
-    kustomization["components"] = [f"{k8s}/components/{name}" for name in components or COMPONENTS[overlay]]
+    kustomization["components"] = [f"{k8s}/components/{name}" for name in components]
     kustomization["patches"] = kustomization.get("patches", []) + (patches or [])
     (copy / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     result = subprocess.run([_kubectl(), "kustomize", str(copy)], capture_output=True, text=True, timeout=120)
@@ -654,48 +684,112 @@ def _render_with_components(overlay: str, directory: Path, components: tuple[str
     return tuple(obj for obj in yaml.safe_load_all(result.stdout) if obj)
 
 
+def _unhashed(obj: dict[str, Any]) -> tuple[str, str]:
+    """(kind, name), a generated ConfigMap's name without the hash suffix of its data."""
+    name = obj["metadata"]["name"]
+    return obj["kind"], re.sub(r"-[a-z0-9]{10}$", "", name) if obj["kind"] == "ConfigMap" else name
+
+
+def _settings(model: type[Any], env: dict[str, Any]) -> Any:
+    """`model` as a process with `env` (its literal POLICYLOOP_* values) loads it."""
+    from policyloop.runtime.settings import load_settings
+
+    with pytest.MonkeyPatch.context() as patch:
+        for name in [n for n in os.environ if n.startswith("POLICYLOOP_")]:
+            patch.delenv(name)
+        for name, value in env.items():
+            if name.startswith("POLICYLOOP_") and isinstance(value, str):
+                patch.setenv(name, value)
+        return load_settings(model)
+
+
+# What the sampler sets over the rollout replicas' settings.
+SAMPLER_OWN = {"POLICYLOOP_LORA_RUNS", "POLICYLOOP_TINKER_SAMPLING", "POLICYLOOP_ENGINE", "POLICYLOOP_ENGINE_URL",
+               "POLICYLOOP_ENGINE_THREADS"}
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_tinker_learner_component_adds_a_second_learner(overlay: str, tmp_path: Path) -> None:
-    """The RL learner cannot serve Tinker too: the component adds a learner with tinker=true,
-    run like the RL one (its settings, so both advertise the same loop settings), its checkpoints
-    on a claim of its own; the rest of the overlay is left as it was."""
+def test_the_tinker_component_adds_the_front_and_the_sampler_and_turns_tinker_on_in_the_one_learner(
+        overlay: str) -> None:
+    """One switch for the Tinker API: the front (`tinker`: the HTTP API, no engine), tinker-sampler
+    (rollout replicas with lora_runs and tinker_sampling, run like the training replicas but each on
+    an embedded engine of its own) and tinker=true in the one learner's settings; no second
+    learner. The rest of the overlay is left as it was."""
     import kubernetes_validate
 
     from policyloop.learner.settings import LearnerSettings
+    from policyloop.rollout.settings import RolloutSettings
 
-    def key(obj: dict[str, Any]) -> tuple[str, str]:
-        return obj["kind"], obj["metadata"]["name"]
+    plain_objects, objects = _render(overlay), _render_tinker(overlay)
+    before, after = {_unhashed(o): o for o in plain_objects}, {_unhashed(o): o for o in objects}
+    assert len(before) == len(plain_objects) and len(after) == len(objects)
+    added = sorted(set(after) - set(before))
+    assert added == [("ConfigMap", "policyloop-tinker"), ("ConfigMap", "policyloop-tinker-sampler"),
+                     ("Deployment", "tinker"), ("Deployment", "tinker-sampler"), ("Service", "tinker")]
+    assert set(before) <= set(after)
+    for key in added:
+        kubernetes_validate.validate(after[key], KUBERNETES_VERSION, strict=True)
+        assert after[key]["metadata"]["namespace"] == "policyloop", key
+    # Changed: only the learner's settings (tinker=true), and so the ConfigMap name its pod reads.
+    old, new = before[("ConfigMap", "policyloop-learner")], after[("ConfigMap", "policyloop-learner")]
+    assert new["data"] == {**old["data"], "POLICYLOOP_TINKER": "true"}
+    assert {key for key in before if after[key] != before[key]} == \
+        {("ConfigMap", "policyloop-learner"), ("StatefulSet", "learner")}
+    renamed = json.dumps(before[("StatefulSet", "learner")]).replace(old["metadata"]["name"], new["metadata"]["name"])
+    assert after[("StatefulSet", "learner")] == json.loads(renamed)
 
-    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path)
-    added = [o for o in objects if key(o) not in {key(p) for p in plain}]
-    assert sorted(key(o)[0] for o in added) == ["ConfigMap", "Service", "StatefulSet"]
-    assert [o for o in objects if o not in added] == list(plain)
-    for obj in added:
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
-        assert obj["metadata"]["namespace"] == "policyloop", key(obj)
-
-    rendered = Rendered(overlay, objects)
-    workload = rendered.get("StatefulSet", "tinker-learner")
-    [container] = workload["spec"]["template"]["spec"]["containers"]
-    rl = Rendered(overlay, plain).services["learner"]
-    assert container["command"] == rl.container["command"] == ["policyloop", "serve", "learner"]
-    assert container["image"] == rl.container["image"] and workload["spec"]["replicas"] == 1
-    env = rendered.environment(container)
-    assert env == {**rl.env, "POLICYLOOP_TINKER": "true", "POLICYLOOP_FULL_MODEL": "false"}
-    assert all(setting_field(LearnerSettings, v) is not None for v in env if v.startswith("POLICYLOOP_"))
-    # Its checkpoints on a claim of its own (the StatefulSet's), not the RL learner's.
-    tinker = Service(rl.entry, workload, container, env)
-    mount, source = tinker.mount_for(env["POLICYLOOP_CHECKPOINT__DIR"])
+    plain, rendered = Rendered(overlay, plain_objects), Rendered(overlay, objects, tinker=True)
+    # One learner trains everything: the full model's runs and the Tinker API's models.
+    learner = rendered.services["learner"]
+    assert [w for w, c in rendered.service_containers() if c["command"] == learner.container["command"]] == \
+        [learner.workload]
+    assert learner.env == {**plain.services["learner"].env, "POLICYLOOP_TINKER": "true"}
+    settings = _settings(LearnerSettings, learner.env)
+    assert settings.tinker and settings.full_model and settings.kinds_problem(world_size=1) is None
+    # The Tinker models' checkpoints go under its checkpoint directory (tinker/), on its claim.
+    mount, source = learner.mount_for(str(settings.checkpoint.dir / "tinker"))
     assert _is_claim(source) and not mount.get("readOnly")
-    assert source is not rl.mount_for(rl.env["POLICYLOOP_CHECKPOINT__DIR"])[1]
-    assert tinker.mount_for(env["POLICYLOOP_MODEL_PATH"])[1]["persistentVolumeClaim"]["claimName"] == "models"
-    assert _gpus(container) == _gpus(rl.container) == (1 if overlay == "gpu" else 0)
-    # Scraped once, as the service tinker-learner.
-    [job] = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
-    found = {frozenset(t.items()) for t in (_relabel(d, job["relabel_configs"])
-                                             for d in _discovered(workload, "tinker-learner-0", "10.1.2.3")) if t}
-    assert [dict(t) for t in found] == [{"__address__": "10.1.2.3:9100", "service": "tinker-learner",
-                                         "instance": "tinker-learner-0"}]
+
+    # The front: one replica (it orders each model's requests), the API behind the Service on 8088.
+    front = rendered.services["tinker"]
+    assert front.workload["kind"] == "Deployment" and front.workload["spec"]["replicas"] == 1
+    assert front.container["command"] == ["policyloop", *service_args(front.entry)]
+    assert front.env["POLICYLOOP_API_HOST"] == "0.0.0.0"
+    svc = rendered.get("Service", "tinker")
+    assert svc["spec"]["selector"].items() <= front.workload["spec"]["template"]["metadata"]["labels"].items()
+    [exposed] = [p for p in svc["spec"]["ports"] if p["port"] == 8088]
+    assert _declared(front.container, exposed["targetPort"]) == int(front.env["POLICYLOOP_API_PORT"])
+    assert front.env["POLICYLOOP_API_KEY"]["secretKeyRef"] == \
+        {"name": "policyloop-tokens", "key": "tinker-api-key", "optional": True}
+    # No engine: nothing of one configured, no publisher to fetch from, smaller than a replica.
+    assert not [v for v in front.env if v.startswith(("POLICYLOOP_ENGINE", "POLICYLOOP_PUBLISHER"))]
+    assert _gpus(front.container) == 0
+    requests, replica = front.container["resources"]["requests"], plain.services["rollout"].container["resources"]
+    assert all(_quantity(requests[r]) < _quantity(replica["requests"][r]) for r in ("cpu", "memory"))
+
+    # The sampler: the training replicas' command, image and settings, and its own switches.
+    sampler, rollout = rendered.services["tinker-sampler"], plain.services["rollout"]
+    assert sampler.entry is rollout.entry and sampler.workload["kind"] == "Deployment"
+    assert sampler.container["command"] == rollout.container["command"]
+    assert sampler.container["image"] == rollout.container["image"]
+    assert {k: v for k, v in sampler.env.items() if k not in SAMPLER_OWN} == \
+        {k: v for k, v in rollout.env.items() if k not in SAMPLER_OWN}
+    assert sampler.env["POLICYLOOP_LORA_RUNS"] == sampler.env["POLICYLOOP_TINKER_SAMPLING"] == "true"
+    settings = _settings(RolloutSettings, sampler.env)
+    settings.check_engine()  # tinker_sampling needs lora_runs, on a training replica
+    assert settings.tinker_sampling and settings.lora_runs and settings.role == "training"
+    # An embedded engine in its own container, on the CPU (the gpu overlay's SGLang container is
+    # the rollout pods' only), sized for the overlay's model.
+    assert sampler.env["POLICYLOOP_ENGINE"] == "embedded" and not sampler.env["POLICYLOOP_ENGINE_URL"]
+    assert [c["name"] for c in sampler.pod["containers"]] == ["rollout"] and _gpus(sampler.container) == 0
+    if overlay == "gpu":  # tinker-sampler-cpu.yaml: the evaluator's room (evaluator-cpu.yaml) and threads
+        evaluator = plain.services["evaluator"]
+        assert sampler.container["resources"] == evaluator.container["resources"]
+        assert sampler.env["POLICYLOOP_ENGINE_THREADS"] == evaluator.env["POLICYLOOP_ENGINE_THREADS"] == "4"
+    else:
+        assert "POLICYLOOP_ENGINE_THREADS" not in sampler.env
+    mount, source = sampler.mount_for(sampler.env["POLICYLOOP_WEIGHTS_DIR"])
+    assert "emptyDir" in source and not mount.get("readOnly")
 
 
 # --- the serving deployment: a component an overlay may add --------------------------------------------
@@ -865,20 +959,40 @@ def test_up_serves_the_tinker_api_on_a_free_port(up_services: dict[str, ManagedP
     assert int(tinker.env["POLICYLOOP_API_PORT"]) == tinker.ports["api"] != TinkerSettings().api_port
 
 
-def test_up_starts_the_tinker_learner_beside_the_rl_learner_on_request(tmp_path: Path) -> None:
-    """`up --tinker-learner`: a second learner, tinker=true, its checkpoints apart; without it, none."""
-    assert not [p for p in _up_processes(tmp_path / "plain") if p.name.startswith(local.TINKER_LEARNER)]
-    processes = {p.name: p for p in _up_processes(tmp_path / "tinker", tinker_learner=True)}
-    rl, tinker = processes["learner-0"], processes[f"{local.TINKER_LEARNER}-0"]
-    assert local.service_of(tinker.name) == local.TINKER_LEARNER
-    assert tinker.command == rl.command
-    assert tinker.env["POLICYLOOP_TINKER"] == "true" and "POLICYLOOP_TINKER" not in rl.env
-    assert tinker.env["POLICYLOOP_FULL_MODEL"] == "false" and "POLICYLOOP_FULL_MODEL" not in rl.env
-    assert tinker.env["POLICYLOOP_CHECKPOINT__DIR"] != rl.env["POLICYLOOP_CHECKPOINT__DIR"]
-    for name in ("POLICYLOOP_MODEL_PATH", "POLICYLOOP_PUBLISHER_ENDPOINT", "POLICYLOOP_NATS_URL",
-                 "POLICYLOOP_REDIS_URL"):
-        assert tinker.env[name] == rl.env[name], name
-    assert tinker.env["POLICYLOOP_INSTANCE_ID"] == tinker.name and tinker.ports["http"] != rl.ports["http"]
+def test_up_runs_the_tinker_api_on_the_one_learner_and_a_sampling_replica_on_request(tmp_path: Path) -> None:
+    """`up --tinker`: the one learner trains the Tinker API's models too (tinker=true), and
+    tinker-sampler-0, a rollout replica over the base (lora_runs, tinker_sampling), samples for it;
+    without it, neither. No second learner either way."""
+    from policyloop.rollout.settings import RolloutSettings
+    from policyloop.runtime.settings import load_settings
+
+    plain = {p.name: p for p in _up_processes(tmp_path / "plain")}
+    assert not [name for name in plain if name.startswith(local.TINKER_SAMPLER)]
+    assert "POLICYLOOP_TINKER" not in plain["learner-0"].env
+    processes = {p.name: p for p in _up_processes(tmp_path / "tinker", tinker=True)}
+    assert [name for name in processes if local.service_of(name) == "learner"] == ["learner-0"]
+    assert processes["learner-0"].env["POLICYLOOP_TINKER"] == "true"
+    rollout, sampler = processes["rollout-0"], processes[f"{local.TINKER_SAMPLER}-0"]
+    assert local.service_of(sampler.name) == local.TINKER_SAMPLER
+    assert sampler.command == rollout.command
+    assert sampler.env["POLICYLOOP_LORA_RUNS"] == sampler.env["POLICYLOOP_TINKER_SAMPLING"] == "true"
+    assert "POLICYLOOP_TINKER_SAMPLING" not in rollout.env
+    for name in ("POLICYLOOP_MODEL_PATH", "POLICYLOOP_NATS_URL", "POLICYLOOP_REDIS_URL"):
+        assert sampler.env[name] == rollout.env[name], name
+    assert sampler.env["POLICYLOOP_INSTANCE_ID"] == sampler.name and sampler.ports["http"] != rollout.ports["http"]
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in sampler.env.items():
+            if name.startswith("POLICYLOOP_"):
+                env.setenv(name, value)
+        load_settings(RolloutSettings, []).check_engine()  # a configuration the replica starts with
+
+
+def test_a_replica_samples_for_the_tinker_api_only_over_the_base() -> None:
+    from policyloop.rollout.settings import RolloutSettings
+
+    with pytest.raises(ValueError, match="tinker_sampling needs lora_runs"):
+        RolloutSettings(tinker_sampling=True).check_engine()
+    RolloutSettings(tinker_sampling=True, lora_runs=True).check_engine()
 
 
 def test_up_starts_a_serving_replica_on_request(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -930,29 +1044,35 @@ def _up_settings(process: ManagedProcess, entry: ServiceEntry) -> set[str]:
     return required
 
 
-def _compose_services() -> dict[str, tuple[list[str], dict[str, str]]]:
+def _compose_services(*, roles: bool = False) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """compose.yaml's catalogue services, with compose.tinker.yaml's (the Tinker front); with
+    `roles`, its sampler too (by its own name)."""
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("the docker-compose binary is not installed (it resolves compose.yaml)")
-    result = subprocess.run([binary, "-f", "compose.yaml", "config"], cwd=REPO, capture_output=True, text=True,
-                            timeout=60)
+    result = subprocess.run([binary, "-f", "compose.yaml", "-f", "compose.tinker.yaml", "config"], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     services = {}
-    for service in yaml.safe_load(result.stdout)["services"].values():
+    for name, service in yaml.safe_load(result.stdout)["services"].items():
         command = service.get("command") or []
-        if service.get("profiles") or command[:2] != ["policyloop", "serve"]:
+        if service.get("profiles") or command[:2] != ["policyloop", "serve"] or name in ROLES and not roles:
             continue
         env = service.get("environment") or {}
         if isinstance(env, list):
             env = dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
-        assert command[2] not in services, f"compose runs {command[2]} twice"
-        services[command[2]] = (command, {k: "" if v is None else str(v) for k, v in env.items()})
+        key = name if name in ROLES else command[2]
+        assert key not in services, f"compose runs {key} twice"
+        services[key] = (command, {k: "" if v is None else str(v) for k, v in env.items()})
     return services
 
 
-def _k8s_services(overlay: str) -> dict[str, tuple[list[str], dict[str, Any]]]:
-    rendered = Rendered(overlay, _render(overlay))
-    return {name: (s.container["command"], s.env) for name, s in rendered.services.items()}
+def _k8s_services(overlay: str, *, roles: bool = False) -> dict[str, tuple[list[str], dict[str, Any]]]:
+    """The overlay's catalogue services, with components/tinker's (the Tinker front); with
+    `roles`, its sampler too."""
+    rendered = Rendered(overlay, _render_tinker(overlay), tinker=True)
+    return {name: (s.container["command"], s.env) for name, s in rendered.services.items()
+            if roles or name not in ROLES}
 
 
 @pytest.mark.parametrize("path", ["compose", *(f"k8s-{o}" for o in OVERLAYS)])
@@ -966,6 +1086,27 @@ def test_deployment_paths_run_the_same_services_alike(path: str, up_services: di
         assert command == ["policyloop", *process.command[3:]] == ["policyloop", *service_args(entry)], entry.name
         missing = _up_settings(process, entry) - set(env)
         assert not missing, f"{path}: {entry.name} lacks {sorted(missing)}, which `policyloop up` sets"
+
+
+@pytest.mark.parametrize("path", ["compose", *(f"k8s-{o}" for o in OVERLAYS)])
+def test_deployment_paths_run_the_tinker_api_alike(path: str, tmp_path: Path) -> None:
+    """With the Tinker API (`up --tinker`, compose.tinker.yaml, components/tinker): the one
+    learner with tinker=true, the sampler with its switches, each given the settings `up` gives
+    its process."""
+    from policyloop.cluster.catalogue import entry
+
+    up = {local.service_of(p.name): p for p in _up_processes(tmp_path, tinker=True)}
+    deployed = _compose_services(roles=True) if path == "compose" else \
+        _k8s_services(path.removeprefix("k8s-"), roles=True)
+    assert set(up) == set(deployed) == set(SERVICE_NAMES) | {"tinker-sampler"}
+    for name in ("learner", "tinker", "tinker-sampler"):
+        process, (command, env) = up[name], deployed[name]
+        assert command == ["policyloop", *process.command[3:]], name
+        missing = _up_settings(process, entry(ROLES.get(name, name))) - set(env)
+        assert not missing, f"{path}: {name} lacks {sorted(missing)}, which `policyloop up --tinker` sets"
+    assert up["learner"].env["POLICYLOOP_TINKER"] == deployed["learner"][1]["POLICYLOOP_TINKER"] == "true"
+    for switch in ("POLICYLOOP_LORA_RUNS", "POLICYLOOP_TINKER_SAMPLING"):
+        assert up["tinker-sampler"].env[switch] == deployed["tinker-sampler"][1][switch] == "true", switch
 
 
 # --- an OpenEnv environment server: a component an overlay may add --------------------------------------

@@ -25,6 +25,7 @@ from policyloop.bus.topology import (
     tasks_subject,
     tinker_request_subject,
     tinker_result_subject,
+    tinker_sample_subject,
     trajectories_subject,
     weights_subject,
 )
@@ -34,5 +35,5 @@ __all__ = [
     "PermanentError", "PublishFailed", "PullWorker", "StreamFull", "StreamSpec", "Topology",
     "build_topology", "decode_message", "dlq_subject", "evals_subject", "ledger_subject", "promotions_subject",
     "rollouts_subject", "sandbox_subject", "session_subject", "tasks_subject", "tinker_request_subject",
-    "tinker_result_subject", "trajectories_subject", "weights_subject",
+    "tinker_result_subject", "tinker_sample_subject", "trajectories_subject", "weights_subject",
 ]

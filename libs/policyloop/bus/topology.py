@@ -203,6 +203,12 @@ def _streams(lim: BusLimits) -> list[StreamSpec]:
             description="Tinker API training requests, per model in its client's order; the learner's log.",
         ),
         StreamSpec(
+            "TINKER_SAMPLES", (f"{p}.tinkersample.>",), tinker_pb2.TinkerSampleRequest,
+            api.RetentionPolicy.WORK_QUEUE, max_age_s=lim.tinker_results_max_age_s,
+            duplicate_window_s=lim.duplicate_window_s,
+            description="Tinker API sample requests waiting for a rollout replica with tinker_sampling (work queue).",
+        ),
+        StreamSpec(
             "TINKER_RESULTS", (f"{p}.tinkerres.>",), tinker_pb2.TinkerResult, api.RetentionPolicy.LIMITS,
             max_age_s=lim.tinker_results_max_age_s, max_msgs_per_subject=1, duplicate_window_s=lim.duplicate_window_s,
             description="The result of each Tinker request, under its request id.",
@@ -251,6 +257,8 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
                  "Sandbox replicas share it."),
         consumer("SESSIONS", "sandbox-sessions", f"{p}.sessions.>", lim.sandbox_ack_wait_s,
                  "Sandbox replicas share it: each session runs on one."),
+        consumer("TINKER_SAMPLES", "tinker-sampling", f"{p}.tinkersample.>", lim.rollout_ack_wait_s,
+                 "Rollout replicas with tinker_sampling share it: each sample request goes to one replica."),
         consumer("DLQ", "gateway", f"{p}.dlq.>", lim.reward_ack_wait_s,
                  "Gateway replicas share it: each dead-lettered task counts in its run's progress."),
     ]
@@ -332,6 +340,10 @@ def _subject_matches(pattern: str, subject: str) -> bool:
 
 def tinker_request_subject(model_id: str) -> str:
     return f"{SUBJECT_PREFIX}.tinkerreq.{subject_token(model_id)}"
+
+
+def tinker_sample_subject(request_id: str) -> str:
+    return f"{SUBJECT_PREFIX}.tinkersample.{subject_token(request_id)}"
 
 
 def tinker_result_subject(request_id: str) -> str:

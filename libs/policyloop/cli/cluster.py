@@ -73,10 +73,10 @@ def up(
     prometheus: Annotated[bool | None, typer.Option(
         "--prometheus/--no-prometheus",
         help="Start Prometheus scraping every service (default: when it is installed).")] = None,
-    tinker_learner: Annotated[bool, typer.Option(
-        "--tinker-learner",
-        help="Also start tinker-learner-0: the learner that trains the Tinker API's models (tinker=true), "
-             "a second learner beside the RL one, which cannot serve Tinker too.")] = False,
+    tinker: Annotated[bool, typer.Option(
+        "--tinker",
+        help="The Tinker API trains and samples: the learner trains its models beside the loop's runs "
+             "(tinker=true), and tinker-sampler-0, a rollout replica over the base model, samples for it.")] = False,
     serving_run: Annotated[str, typer.Option(
         help="Also start serving-0: a serving replica of this run's promoted versions behind an "
              "OpenAI-compatible endpoint (docs/evaluation.md).")] = "",
@@ -95,7 +95,7 @@ def up(
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
-                           tinker_learner=tinker_learner, serving_run=serving_run)
+                           tinker=tinker, serving_run=serving_run)
     stopping = False
 
     def request_stop(*_: object) -> None:

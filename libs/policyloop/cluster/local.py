@@ -147,9 +147,9 @@ def start_redis(run_dir: Path, port: int | None = None) -> ManagedProcess:
     return managed
 
 
-# The Tinker API's learner: `policyloop serve learner` with tinker=true and full_model=false,
-# which `up --tinker-learner` starts beside the RL learner.
-TINKER_LEARNER = "tinker-learner"
+# The Tinker API's sampler: `policyloop serve rollout` with lora_runs and tinker_sampling (its
+# base stays the base model), which `up --tinker` starts beside the loop's replicas.
+TINKER_SAMPLER = "tinker-sampler"
 # A serving replica (docs/evaluation.md): `policyloop serve rollout` with role=serving, the
 # promoted versions of one run behind the OpenAI-compatible API. `LocalCluster(serving_run=…)`
 # starts one beside the loop.
@@ -157,7 +157,7 @@ SERVING = "serving"
 
 
 def service_of(instance: str) -> str:
-    """The service an instance belongs to: rollout-0 → rollout (tinker-learner-0 → tinker-learner)."""
+    """The service an instance belongs to: rollout-0 → rollout (tinker-sampler-0 → tinker-sampler)."""
     return instance.rsplit("-", 1)[0]
 
 
@@ -169,7 +169,7 @@ def service_args(entry: ServiceEntry) -> list[str]:
 def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: str, redis_url: str,
                     namespace: str, extra_env: dict[str, str] | None = None, *, role: str = "",
                     serve_run: str = "") -> ManagedProcess:
-    """`role`: a process of the service in another role, named after it (TINKER_LEARNER, or
+    """`role`: a process of the service in another role, named after it (TINKER_SAMPLER, or
     SERVING with `serve_run`, the run whose promoted versions it serves)."""
     if role == SERVING and not serve_run:
         raise ValueError("a serving replica needs serve_run: the run whose promoted versions it serves")
@@ -206,11 +206,9 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
         env["POLICYLOOP_WEIGHTS_DIR"] = str(run_dir / "evaluator-weights")
     if entry.name == "learner":
         env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "checkpoints")
-    if role == TINKER_LEARNER:
-        # Trains the Tinker API's models; its checkpoints apart from the RL learner's.
-        env["POLICYLOOP_TINKER"] = "true"
-        env["POLICYLOOP_FULL_MODEL"] = "false"  # the RL learner beside it trains the full model's runs
-        env["POLICYLOOP_CHECKPOINT__DIR"] = str(run_dir / "tinker-checkpoints")
+    if role == TINKER_SAMPLER:
+        env["POLICYLOOP_LORA_RUNS"] = "true"
+        env["POLICYLOOP_TINKER_SAMPLING"] = "true"
     if entry.name == "tinker":
         # The Tinker HTTP API (TINKER_BASE_URL http://127.0.0.1:<api>), on a free port like the others.
         ports["api"] = free_port()
@@ -265,12 +263,12 @@ class LocalCluster:
         fresh: bool = False,
         nats_nodes: int = 1,
         prometheus: bool | None = False,
-        tinker_learner: bool = False,
+        tinker: bool = False,
         serving_run: str = "",
     ) -> None:
         """`prometheus`: start one scraping every service (None: when it is installed).
-        `tinker_learner`: also start the learner that trains the Tinker API's models
-        (TINKER_LEARNER), as a second learner beside the RL one. `serving_run`: also start a
+        `tinker`: the Tinker API trains and samples: the learner trains its models too
+        (tinker=true) and a rollout replica samples for it (TINKER_SAMPLER). `serving_run`: also start a
         serving replica (SERVING, process serving-0) of that run's promoted versions, its
         OpenAI-compatible API on a free port (ports["openai"])."""
         if nats_nodes < 1:
@@ -294,14 +292,14 @@ class LocalCluster:
         self.redis_url = redis_url or ""
         self.want_prometheus = prometheus
         self.prometheus: ManagedProcess | None = None
-        self.tinker_learner = tinker_learner
+        self.tinker = tinker
         self.serving_run = serving_run
 
     def start(self) -> ClusterInfo:
         if self.fresh:
             # A new run: no streams, versions or weights left from an earlier one.
             for data in ("nats", "redis", "weights", "rollout-weights", "evaluator-weights", "checkpoints",
-                         "tinker-checkpoints", "logs", "prometheus"):
+                         "logs", "prometheus"):
                 shutil.rmtree(self.run_dir / data, ignore_errors=True)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
@@ -318,12 +316,14 @@ class LocalCluster:
                 self.redis = start_redis(self.run_dir)
                 self.redis_url = f"redis://127.0.0.1:{self.redis.ports['client']}/0"
             for entry in self.services:
+                # With the Tinker API the one learner trains its models too.
+                env = extra_env | ({"POLICYLOOP_TINKER": "true"} if self.tinker and entry.name == "learner" else {})
                 for index in range(self.replicas.get(entry.name, 1)):
                     self.processes.append(service_process(entry, index, self.run_dir, self.nats_url,
-                                                          self.redis_url, self.namespace, extra_env))
-            if self.tinker_learner:
-                self.processes.append(service_process(catalogue_entry("learner"), 0, self.run_dir, self.nats_url,
-                                                      self.redis_url, self.namespace, extra_env, role=TINKER_LEARNER))
+                                                          self.redis_url, self.namespace, env))
+            if self.tinker:
+                self.processes.append(service_process(catalogue_entry("rollout"), 0, self.run_dir, self.nats_url,
+                                                      self.redis_url, self.namespace, extra_env, role=TINKER_SAMPLER))
             if self.serving_run:
                 self.processes.append(service_process(catalogue_entry("rollout"), 0, self.run_dir, self.nats_url,
                                                       self.redis_url, self.namespace, extra_env, role=SERVING,

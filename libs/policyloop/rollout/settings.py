@@ -69,7 +69,15 @@ class RolloutSettings(ServiceSettings, ToolSettings):
         False, description="Serve LoRA runs, as a learner with lora_runs trains them: each task samples with its "
                            "run's newest adapter (loaded into the engine by version, rollout.adapters), its tokens "
                            "stamped with that adapter version, paced by the run's own versions. The base stays "
-                           "as loaded.")
+                           "as loaded: such a replica follows no full-model version.")
+    tinker_sampling: bool = Field(
+        False, description="Also sample the Tinker API's requests (TINKER_SAMPLES, put there by the tinker front): "
+                           "with the base, or with the version of a Tinker model's adapter the sampling session "
+                           "names, fetched from the publisher and loaded beside the base (tinker.sampling). Needs "
+                           "lora_runs=true, whose base stays the base model.")
+    tinker_adapters_kept: int = Field(4, ge=1, description="tinker_sampling: Tinker adapter versions kept loaded in "
+                                                           "the engine (least recently used go first).")
+    tinker_concurrency: int = Field(64, ge=1, description="tinker_sampling: sample requests sampled at once.")
     lora_load: Literal["auto", "tensors", "directory"] = Field(
         "auto", description="How a LoRA run's adapter versions reach the engine: tensors — sent in the request "
                             "(/load_lora_adapter_from_tensors as one safetensors file, sha256-checked by the "
@@ -90,6 +98,9 @@ class RolloutSettings(ServiceSettings, ToolSettings):
         """Refuses engine settings that cannot work, before anything starts."""
         if self.weight_source == "colocated" and not self.engine_url:
             raise ValueError("weight_source=colocated needs engine_url: the learner must reach the same engine")
+        if self.tinker_sampling and not (self.lora_runs and self.role == "training"):
+            raise ValueError("tinker_sampling needs lora_runs=true (and role=training): a replica that follows the "
+                             "full model's versions holds the trained policy, not the base Tinker adapters train on")
         if self.role == "serving" and not self.serve_run:
             raise ValueError("role=serving needs serve_run: the run whose promoted versions it serves")
         if self.engine == "sglang" and self.weight_load == "tensors":

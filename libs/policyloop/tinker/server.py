@@ -24,19 +24,19 @@ from aiohttp import web
 from google.protobuf.message import DecodeError
 from redis import asyncio as aioredis
 
-from policyloop.bus import Bus, tinker_request_subject, tinker_result_subject
+from policyloop.bus import Bus, tinker_request_subject, tinker_result_subject, tinker_sample_subject
 from policyloop.contracts.undecodable import decode_problem
 from policyloop.contracts.v1 import tinker_pb2, tinker_wire_pb2
 from policyloop.state.store import SCAN_BATCH
 from policyloop.telemetry.logging import get_logger
-from policyloop.tinker.sampling import EngineSampler, SampleRequestError, SampleSpec, parse_sample_request
+from policyloop.tinker.sampling import SampleRequestError, parse_sample_request
 
 log = get_logger(__name__)
 
 API = "/api/v1"
 PROTOBUF = "application/x-protobuf"
 RESULTS_STREAM = "TINKER_RESULTS"
-SAMPLE_BY = "sample@"  # a sample request's record: the front instance running it
+SAMPLE = "sample"  # a sample request's record (the others record their op)
 SESSION_ID = re.compile(r"s[0-9a-f]{16}")  # what create_session hands out
 
 
@@ -91,23 +91,17 @@ class ModelOrder:
 
 class TinkerApi:
     def __init__(self, bus: Bus, redis: aioredis.Redis, *, namespace: str, base_model: str, api_key: str = "",
-                 sampler: EngineSampler | None = None, tokenizer_id: str = "", poll_s: float = 25.0,
-                 order_wait_s: float = 30.0, max_sampling: int = 64, instance_id: str = "front",
-                 fronts_alive: Callable[[], Awaitable[set[str]]] | None = None) -> None:
-        """`sampler`: the engine sampling requests run on (None: this cluster does not sample);
-        `tokenizer_id`: what get_info names as the tokenizer (the SDK's get_tokenizer() loads
-        it with AutoTokenizer.from_pretrained: a hub id or a directory the client can read)."""
+                 tokenizer_id: str = "", poll_s: float = 25.0, order_wait_s: float = 30.0,
+                 samplers_alive: Callable[[], Awaitable[bool]] | None = None) -> None:
+        """`tokenizer_id`: what get_info names as the tokenizer (the SDK's get_tokenizer() loads
+        it with AutoTokenizer.from_pretrained: a hub id or a directory the client can read).
+        `samplers_alive`: whether a rollout replica takes sample requests now (their heartbeats);
+        while none does, a waiting sample's try_again says so. None: not known here."""
         self.bus, self.redis, self.ns = bus, redis, namespace
-        self.base_model, self.api_key, self.sampler = base_model, api_key, sampler
+        self.base_model, self.api_key, self.samplers_alive = base_model, api_key, samplers_alive
         self.tokenizer_id = tokenizer_id or base_model
         self.poll_s, self.order_wait_s = poll_s, order_wait_s
         self.orders: dict[str, ModelOrder] = {}
-        self.sampling = asyncio.Semaphore(max_sampling)
-        self.running: set[asyncio.Task[None]] = set()
-        self.sampling_ids: set[str] = set()  # sample requests this front is running
-        # `fronts_alive`: the instance ids of the fronts running now (their heartbeats), to tell
-        # a sample request whose front is gone; None: only this one is known.
-        self.instance_id, self.fronts_alive = instance_id, fronts_alive
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth], client_max_size=64 * 1024 * 1024)
@@ -234,7 +228,7 @@ class TinkerApi:
 
     async def _capabilities(self, _: web.Request) -> web.Response:
         return web.json_response({"supported_models": [
-            {"model_name": self.base_model, "trainable": True, "sampleable": self.sampler is not None}]})
+            {"model_name": self.base_model, "trainable": True, "sampleable": True}]})
 
     # -- training -------------------------------------------------------------------------------
 
@@ -421,45 +415,22 @@ class TinkerApi:
 
     async def _asample(self, request: web.Request) -> web.Response:
         body = await self._json(request)
-        if self.sampler is None:
-            raise BadRequest("asample: this cluster's Tinker API has no engine to sample on", 404)
         session = await self._sampling_session(body.get("sampling_session_id"))
         try:
-            spec = parse_sample_request(body)
+            sample = parse_sample_request(body)
         except SampleRequestError as exc:
             raise BadRequest(str(exc)) from None
         # A result is one bus message: token ids and logprobs, 8 bytes per token (prompt logprobs 4).
-        if spec.num_samples * spec.max_tokens * 8 + len(spec.prompt) * 4 > self._message_budget():
-            raise BadRequest(f"num_samples: {spec.num_samples} samples of up to {spec.max_tokens} tokens do not fit "
-                             f"one result ({self._message_budget()} bytes): ask for fewer in one call")
-        request_id = f"{session.sampling_session_id}#{self._field(body, 'seq_id', int)}#{uuid.uuid4().hex[:8]}"
-        await self.redis.set(self._key("request", request_id), f"{SAMPLE_BY}{self.instance_id}", ex=24 * 3600)
-        task = asyncio.create_task(self._sample(session, spec, request_id))
-        self.running.add(task)
-        self.sampling_ids.add(request_id)
-        task.add_done_callback(self.running.discard)
-        return web.json_response({"request_id": request_id,
-                                  "sample_sequence_ids": [f"{request_id}:{i}" for i in range(spec.num_samples)]})
-
-    async def _sample(self, session: tinker_pb2.TinkerSamplingSession, spec: SampleSpec, request_id: str) -> None:
-        """Samples on the engine and puts the result on TINKER_RESULTS, where retrieve_future finds it."""
-        result = tinker_pb2.TinkerResult(request_id=request_id)
-        async with self.sampling:
-            try:
-                assert self.sampler is not None
-                result.sample.CopyFrom(await self.sampler.sample(session, spec, request_id))
-            except Exception as exc:  # noqa: BLE001 - the engine or the publisher failed: the client is told
-                log.warning("tinker_sample_failed", request=request_id, error=repr(exc))
-                result.error.CopyFrom(tinker_pb2.TinkerError(message=f"sampling failed: {exc}", category="server"))
-        try:
-            await self.bus.publish(tinker_result_subject(request_id), result, f"tinker-result-{request_id}")
-        finally:
-            self.sampling_ids.discard(request_id)
-
-    async def close(self) -> None:
-        for task in list(self.running):
-            task.cancel()
-        await asyncio.gather(*self.running, return_exceptions=True)
+        if sample.num_samples * sample.max_tokens * 8 + len(sample.prompt) * 4 > self._message_budget():
+            raise BadRequest(f"num_samples: {sample.num_samples} samples of up to {sample.max_tokens} tokens do not "
+                             f"fit one result ({self._message_budget()} bytes): ask for fewer in one call")
+        sample.request_id = f"{session.sampling_session_id}#{self._field(body, 'seq_id', int)}#{uuid.uuid4().hex[:8]}"
+        sample.session.CopyFrom(session)
+        await self.redis.set(self._key("request", sample.request_id), SAMPLE, ex=24 * 3600)
+        # A rollout replica with tinker_sampling takes it; the Nats-Msg-Id is the request id.
+        await self.bus.publish(tinker_sample_subject(sample.request_id), sample, sample.request_id)
+        return web.json_response({"request_id": sample.request_id, "sample_sequence_ids": [
+            f"{sample.request_id}:{i}" for i in range(sample.num_samples)]})
 
     async def _submit(self, request: tinker_pb2.TinkerRequest, ordered: bool = True) -> None:
         """Records the request id, then puts the request on TINKER after the model's earlier
@@ -508,14 +479,11 @@ class TinkerApi:
         sub = await self.bus.nc.subscribe(subject, cb=on_result)  # before the look: nothing slips between
         try:
             result = await self._stored_result(subject)
-            if result is None and await self._sample_lost(request_id, kind.decode(), subject):
-                # 410: the SDK submits the sample again.
-                return _error(410, f"request_id: the front that ran {request_id!r} is gone: sample again")
             if result is None:
                 try:
                     result = tinker_pb2.TinkerResult.FromString(await asyncio.wait_for(arrived, self.poll_s))
                 except TimeoutError:
-                    return web.json_response({"type": "try_again", "request_id": request_id, "queue_state": "active"})
+                    return await self._try_again(request_id, kind.decode())
         finally:
             await sub.unsubscribe()
         if result.WhichOneof("outcome") == "saved" and result.saved.path:
@@ -608,17 +576,15 @@ class TinkerApi:
         return web.json_response({"type": "save_weights_for_sampler",
                                   "sampling_session_id": weights.sampling_session_id})
 
-    async def _sample_lost(self, request_id: str, kind: str, subject: str) -> bool:
-        """A sample request without a result whose front stopped (its work is not on the bus).
-        Looked up again once it is found not running: it may have just finished."""
-        if not kind.startswith(SAMPLE_BY):
-            return False
-        owner = kind.removeprefix(SAMPLE_BY)
-        if owner == self.instance_id:
-            gone = request_id not in self.sampling_ids
-        else:
-            gone = self.fronts_alive is not None and owner not in await self.fronts_alive()
-        return gone and await self._stored_result(subject) is None
+    async def _try_again(self, request_id: str, kind: str) -> web.Response:
+        """No result yet. A sample request waits on TINKER_SAMPLES for a replica: while no replica
+        takes them, the SDK is told why (it logs the reason) and keeps waiting."""
+        answer = {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+        if kind == SAMPLE and self.samplers_alive is not None and not await self.samplers_alive():
+            answer.update(queue_state="paused_capacity", queue_state_reason=(
+                "no rollout replica samples for the Tinker API now (one started with tinker_sampling=true "
+                "takes the request when it is up)"))
+        return web.json_response(answer)
 
     async def _stored_result(self, subject: str) -> tinker_pb2.TinkerResult | None:
         try:

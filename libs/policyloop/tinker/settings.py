@@ -1,4 +1,5 @@
-"""The Tinker API service's settings (flags `--<field>`, env vars `POLICYLOOP_<FIELD>`)."""
+"""The Tinker API service's settings (flags `--<field>`, env vars `POLICYLOOP_<FIELD>`). Sampling runs on
+rollout replicas (RolloutSettings.tinker_sampling): the front holds no engine."""
 
 from __future__ import annotations
 
@@ -19,21 +20,12 @@ class TinkerSettings(ServiceSettings):
         "", description="The name clients use for the cluster's base model (base_model of create_lora_training_client"
                         "); empty: model_path's Hugging Face model id (also where model_path is a snapshot in the "
                         "Hugging Face cache), else the name of its directory.")
-    model_path: ModelRef = Field("model", description="The base model. " + REF_HELP)
+    model_path: ModelRef = Field("model", description="The base model (its name and tokenizer; the front loads no "
+                                                   "weights). " + REF_HELP)
     tokenizer_id: str = Field(
         "", description="What get_info names as the tokenizer: the SDK's get_tokenizer() loads it with "
                         "AutoTokenizer.from_pretrained (a hub id, or a directory the clients can read); empty: "
                         "model_path's Hugging Face model id, else its directory.")
-    engine_url: str = Field(
-        "", description="The SGLang-protocol engine sampling requests run on (an SGLang server or an embedded "
-                        "engine); empty: an embedded engine started as a child process.")
-    engine_max_batch: int = Field(64, ge=1, description="Most sequences the embedded engine decodes together.")
-    engine_threads: int = Field(1, ge=1, description="torch threads of the embedded engine process.")
-    engine_start_timeout_s: float = Field(120.0, description="How long the engine may take to answer /health.")
-    generate_timeout_s: float = Field(300.0, description="Deadline of one sampling request on the engine.")
-    publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
-    adapters_kept: int = Field(4, ge=1, description="Sampler adapter versions kept loaded in the engine.")
-    max_sampling: int = Field(64, ge=1, description="Sampling requests running on the engine at once.")
     poll_s: float = Field(25.0, gt=0, description="How long retrieve_future waits for a result before answering "
                                                   "try_again (the SDK waits 45 s).")
     order_wait_s: float = Field(

@@ -134,7 +134,7 @@ class WeightFetch(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch", "serving_run", "openai_url")
+    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch", "serving_run", "openai_url", "tinker_sampling", "tinker_samples_done")
     LOOP_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -147,6 +147,8 @@ class RolloutStatus(_message.Message):
     LAST_FETCH_FIELD_NUMBER: _ClassVar[int]
     SERVING_RUN_FIELD_NUMBER: _ClassVar[int]
     OPENAI_URL_FIELD_NUMBER: _ClassVar[int]
+    TINKER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TINKER_SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
     loop: LoopConfig
     engine_url: str
     announced_version: int
@@ -159,7 +161,9 @@ class RolloutStatus(_message.Message):
     last_fetch: WeightFetch
     serving_run: str
     openai_url: str
-    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ..., serving_run: _Optional[str] = ..., openai_url: _Optional[str] = ...) -> None: ...
+    tinker_sampling: bool
+    tinker_samples_done: int
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ..., serving_run: _Optional[str] = ..., openai_url: _Optional[str] = ..., tinker_sampling: _Optional[bool] = ..., tinker_samples_done: _Optional[int] = ...) -> None: ...
 
 class EvaluatorStatus(_message.Message):
     __slots__ = ("evaluated", "engine_url", "last_version")

@@ -4,7 +4,7 @@ from policyloop.contracts.v1 import tinker_wire_pb2 as _tinker_wire_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -177,3 +177,35 @@ class TinkerCheckpoint(_message.Message):
     path: str
     saved_unix_ms: int
     def __init__(self, checkpoint_id: _Optional[str] = ..., path: _Optional[str] = ..., saved_unix_ms: _Optional[int] = ...) -> None: ...
+
+class TinkerSampleRequest(_message.Message):
+    __slots__ = ("request_id", "session", "prompt", "num_samples", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "prompt_logprobs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session: TinkerSamplingSession
+    prompt: _containers.RepeatedScalarFieldContainer[int]
+    num_samples: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop: TinkerStopTokens
+    prompt_logprobs: bool
+    def __init__(self, request_id: _Optional[str] = ..., session: _Optional[_Union[TinkerSamplingSession, _Mapping]] = ..., prompt: _Optional[_Iterable[int]] = ..., num_samples: _Optional[int] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Union[TinkerStopTokens, _Mapping]] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+
+class TinkerStopTokens(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
