@@ -30,6 +30,10 @@ openai = pytest.importorskip("openai")
 SERVED = "chat-agent"
 INSTRUCTIONS = "You are a math assistant. Use the tools you are given to compute exact results."
 MAX_TOKENS = 48
+# A run whose reply ran out of max_tokens (the small model sometimes rambles instead of calling the
+# tool): the Responses API ends it `incomplete`, which the SDK raises; Chat Completions hands the
+# cut text on as the output.
+TRUNCATED = "<reply cut at max_tokens>"
 
 
 @dataclass
@@ -81,12 +85,18 @@ async def run_agents(url: str, api: str, *, streamed: bool) -> dict[str, tuple[l
     for number, question in enumerate(QUESTIONS):
         calls, session_id = Calls(), f"{api}-{'streamed' if streamed else 'whole'}-{number}"
         agent = calculator_agent(model, calls, session_id)
-        if streamed:
-            run = agents.Runner.run_streamed(agent, question, max_turns=3)
-            async for _ in run.stream_events():
-                pass
-        else:
-            run = await agents.Runner.run(agent, question, max_turns=3)
+        try:
+            if streamed:
+                run = agents.Runner.run_streamed(agent, question, max_turns=3)
+                async for _ in run.stream_events():
+                    pass
+            else:
+                run = await agents.Runner.run(agent, question, max_turns=3)
+        except agents.exceptions.ModelBehaviorError as exc:
+            if "max_output_tokens" not in str(exc):
+                raise
+            done[session_id] = (calls.expressions, TRUNCATED)
+            continue
         done[session_id] = (calls.expressions, str(run.final_output))
     await client.close()
     return done
@@ -134,9 +144,14 @@ async def test_the_same_agent_streamed_makes_the_same_calls(served: tuple[str, A
     url, _ = served
     whole = await run_agents(url, "responses", streamed=False)
     assert any(expressions for expressions, _ in whole.values())
+    finished = [number for number, (_, (_, output)) in enumerate(sorted(whole.items())) if output != TRUNCATED]
+    assert len(finished) >= len(QUESTIONS) // 2, whole
     for api in ("responses", "chat"):
-        streamed = await run_agents(url, api, streamed=True)
-        assert [run for _, run in sorted(streamed.items())] == [run for _, run in sorted(whole.items())], api
+        streamed = [run for _, run in sorted((await run_agents(url, api, streamed=True)).items())]
+        runs = [run for _, run in sorted(whole.items())]
+        assert [calls for calls, _ in streamed] == [calls for calls, _ in runs], api
+        # A cut reply's text is the SDK's to raise or hand on: the outputs of the others are the same.
+        assert [streamed[n] for n in finished] == [runs[n] for n in finished], api
 
 
 @pytest.mark.timeout(300)
