@@ -28,6 +28,7 @@ from policyloop.weights.push import VersionPusher
 if TYPE_CHECKING:
     from policyloop.learner.adapters import AdapterLearner
     from policyloop.learner.learner import Learner
+    from policyloop.rl.lora import AdapterTrainer
 
 log = get_logger(__name__)
 # How long a stopping learner waits for a checkpoint still being written before it closes the
@@ -41,6 +42,7 @@ async def body(ctx: ServiceContext) -> None:
     import os
 
     from policyloop.learner.combined import TrajectoryRouter, combined_status
+    from policyloop.rl.lora import AdapterTrainer
 
     settings: LearnerSettings = ctx.settings  # type: ignore[assignment]
     # What runs are checked against, advertised at once: also while the model loads and the
@@ -62,10 +64,14 @@ async def body(ctx: ServiceContext) -> None:
             if settings.full_model else None
         if full is not None:
             loops["train_loop"] = full.run(ctx.stop)
-        lora = await start_lora_runs(ctx, settings, model_dir, publisher, turns, stack, loops) \
-            if settings.lora_runs else None
-        if settings.tinker:
-            loops["tinker"] = await start_tinker(ctx, settings, model_dir, publisher, turns)
+        # LoRA runs and Tinker models: adapters over one frozen base (their names never meet: a
+        # Tinker model id holds ':', which a run id cannot).
+        adapters = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config()) \
+            if settings.lora_runs or settings.tinker else None
+        lora = await start_lora_runs(ctx, settings, adapters, publisher, turns, stack, loops) \
+            if adapters is not None and settings.lora_runs else None
+        if adapters is not None and settings.tinker:
+            loops["tinker"] = start_tinker(ctx, settings, adapters, publisher, turns)
         ctx.status = lambda: combined_status(starting, full, lora)
         worker = None
         if full is not None or lora is not None:
@@ -114,37 +120,35 @@ async def start_full_model(ctx: ServiceContext, settings: LearnerSettings, model
     return learner
 
 
-async def start_lora_runs(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path, publisher: WeightClient,
-                          turns: asyncio.Lock, stack: AsyncExitStack,
+async def start_lora_runs(ctx: ServiceContext, settings: LearnerSettings, trainer: AdapterTrainer,
+                          publisher: WeightClient, turns: asyncio.Lock, stack: AsyncExitStack,
                           loops: dict[str, Coroutine[Any, Any, None]]) -> AdapterLearner:
-    """The LoRA runs' learner (one frozen base, an adapter per run the gateway starts), and the
-    loop that follows the gateway's runs."""
+    """The LoRA runs' learner (an adapter per run the gateway starts, each its own tracker run),
+    and the loop that follows the gateway's runs."""
     from policyloop.learner.adapters import AdapterLearner, follow_runs
-    from policyloop.rl.lora import AdapterTrainer
+    from policyloop.learner.tracking import lora_run_trackers
     from policyloop.state.catalog import RunRegistry
 
-    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
     checkpoints = settings.checkpoint.dir if settings.checkpoint.resume else None
     learner = AdapterLearner(settings.model, settings.instance_id, trainer, ctx.bus, versions=ctx.versions,
                              publisher=publisher, dedupe_steps=settings.dedupe_steps, checkpoint_root=checkpoints,
                              checkpoint_every=settings.checkpoint.every, checkpoint_keep=settings.checkpoint.kept,
                              progress=RunProgressStore(ctx.redis, settings.namespace),
-                             leftovers_check_s=settings.leftovers_check_s, turns=turns)
+                             leftovers_check_s=settings.leftovers_check_s, turns=turns,
+                             open_tracker=lora_run_trackers(settings))
     loops["lora_runs"] = learner.run(ctx.stop)
     loops["follow_runs"] = follow_runs(learner, RunRegistry(await raw_redis(settings, stack), settings.namespace),
                                        ctx.stop, groups_per_step=settings.groups_per_step, max_lag=settings.max_lag)
     return learner
 
 
-async def start_tinker(ctx: ServiceContext, settings: LearnerSettings, model_dir: Path, publisher: WeightClient,
-                       turns: asyncio.Lock) -> Coroutine[Any, Any, None]:
-    """The Tinker API's learner: applies TINKER's requests to LoRA adapters over a frozen base."""
-    from policyloop.rl.lora import AdapterTrainer
+def start_tinker(ctx: ServiceContext, settings: LearnerSettings, trainer: AdapterTrainer, publisher: WeightClient,
+                 turns: asyncio.Lock) -> Coroutine[Any, Any, None]:
+    """The Tinker API's learner: applies TINKER's requests to LoRA adapters over the frozen base."""
     from policyloop.tinker.settings import TinkerSettings
     from policyloop.tinker.trainer import TinkerTrainer
     from policyloop.tinker.worker import TinkerWorker
 
-    trainer = await asyncio.to_thread(AdapterTrainer, model_dir, settings.trainer_config())
     base_model = TinkerSettings(model_path=settings.model_path).model_name()
     worker = TinkerWorker(ctx.bus, TinkerTrainer(trainer, settings.checkpoint.dir / "tinker", base_model),
                           publisher=publisher, fetch_endpoint=settings.publisher_endpoint,

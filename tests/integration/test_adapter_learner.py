@@ -18,6 +18,7 @@ from policyloop.bus import Bus
 from policyloop.contracts.ids import task_id
 from policyloop.contracts.v1 import bus_pb2, loop_pb2
 from policyloop.learner.adapters import RUN_STOPPED, AdapterLearner
+from policyloop.learner.tracking import RunTrackerOpener
 from policyloop.ledger import DROPPED, trained_steps
 from policyloop.rl.lora import AdapterTrainer, LoraSpec
 from policyloop.rl.trainer import TrainerConfig
@@ -40,7 +41,7 @@ async def _announce(_: object) -> None:
 @asynccontextmanager
 async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
                   checkpoint_every: int = 0, progress: RunProgressStore | None = None,
-                  ) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
+                  open_tracker: RunTrackerOpener | None = None) -> AsyncIterator[tuple[AdapterLearner, WeightServicer]]:
     publisher = WeightServicer(WeightLibrary(VersionStore(root / "store", retention=4), snapshot_every=4),
                                on_stored=_announce)
     server, port = await start_weight_server(publisher, host="127.0.0.1", port=0)
@@ -48,7 +49,8 @@ async def running(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: 
     trainer = await asyncio.to_thread(AdapterTrainer, model_dir, TrainerConfig(lr=1e-3, device="cpu"))
     learner = AdapterLearner("policy", "learner-0", trainer, bus, versions=VersionRegistry(redis_client, "default"),
                              publisher=client, checkpoint_root=root / "checkpoints", checkpoint_every=checkpoint_every,
-                             progress=progress or RunProgressStore(redis_client, "default"), leftovers_check_s=0.2)
+                             progress=progress or RunProgressStore(redis_client, "default"), leftovers_check_s=0.2,
+                             open_tracker=open_tracker)
     from policyloop.bus import PullWorker
     from policyloop.contracts.validate import validate_group
 
@@ -117,6 +119,45 @@ async def test_runs_step_on_their_own_batches_and_never_hold_each_other_up(
             ("b", RUN_STOPPED, ("b3/0", "b3/1")), ("b", RUN_STOPPED, ("b4/0", "b4/1"))}  # a group per event
         assert {e.model for e in dropped} == {b.model}
         assert "b" not in learner.trainer.runs and learner.trainer.run("a").version == 4
+
+
+@pytest.mark.timeout(240)
+async def test_each_run_is_a_tracker_run_of_its_own(bus: Bus, redis_client, tiny_model_dir: Path,  # type: ignore[no-untyped-def]
+                                                     tmp_path: Path) -> None:
+    """A learner of LoRA runs alone takes a tracker: each run is a tracker run named after it, its
+    steps at its own versions, its configuration the learner's and its adapter's."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    from policyloop.learner.settings import LearnerSettings, TrackerSettings
+    from policyloop.learner.tracking import lora_run_trackers
+
+    settings = LearnerSettings(full_model=False, lora_runs=True, device="cpu",
+                               tracker=TrackerSettings(kind="tensorboard", dir=tmp_path / "tracking"))
+    assert settings.kinds_problem(world_size=1) is None
+    versions = VersionRegistry(redis_client, "default")
+    async with running(bus, redis_client, tiny_model_dir, tmp_path, open_tracker=lora_run_trackers(settings)) as (
+            learner, _):
+        a = await learner.add_run("a", SPEC, groups_per_step=1, max_lag=-1)
+        b = await learner.add_run("b", LoraSpec(rank=8), groups_per_step=1, max_lag=-1)
+        for group in ("a0", "a1"):
+            await publish_run_group(bus, "a", group)
+        await publish_run_group(bus, "b", "b0")
+        await eventually(lambda: _at(versions, a.model, 2), timeout_s=120)
+        await eventually(lambda: _at(versions, b.model, 1), timeout_s=120)
+        await learner.remove_run("b")  # its tracker run ends with it; a's when the learner stops
+    for run_id, steps, rank in (("a", [1, 2], 4), ("b", [1], 8)):
+        events = EventAccumulator(str(tmp_path / "tracking" / "tensorboard" / run_id),
+                                  size_guidance={"scalars": 0, "tensors": 0})
+        events.Reload()
+        assert [e.step for e in events.Scalars("train/loss")] == steps
+        assert [e.value for e in events.Scalars("train/version")] == steps
+        assert {"train/mean_reward", "train/grad_norm", "train/lag_max", "train/samples"} <= \
+            set(events.Tags()["scalars"])
+        content = events.PluginTagToContent("hparams")["_hparams_/session_start_info"]
+        hparams = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info.hparams
+        assert hparams["run_id"].string_value == run_id and hparams["lora.rank"].number_value == rank
+        assert hparams["loss.kind"].string_value == "ppo"
 
 
 @pytest.mark.timeout(240)

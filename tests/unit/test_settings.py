@@ -135,15 +135,18 @@ def test_nested_learner_settings_from_flags_and_env(monkeypatch) -> None:  # typ
 
 
 def test_the_kinds_of_run_a_learner_trains_together() -> None:
-    from policyloop.learner.settings import LearnerSettings, TrackerSettings
+    from policyloop.learner.settings import ColocatedSettings, LearnerSettings, TrackerSettings
 
     assert LearnerSettings().kinds_problem(world_size=2) is None  # the full model shards over ranks
     assert LearnerSettings(lora_runs=True, tinker=True).kinds_problem(world_size=1) is None
+    # LoRA runs are each a tracker run of their own (test_adapter_learner.py).
+    assert LearnerSettings(full_model=False, lora_runs=True, tracker=TrackerSettings(kind="tensorboard")
+                           ).kinds_problem(world_size=1) is None
     for settings, world_size, named in [
             (LearnerSettings(full_model=False), 1, "nothing to train"),
             (LearnerSettings(tinker=True), 2, "one rank"),
-            (LearnerSettings(full_model=False, lora_runs=True, tracker=TrackerSettings(kind="tensorboard")), 1,
-             "full_model=false takes neither")]:
+            (LearnerSettings(full_model=False, lora_runs=True, colocated=ColocatedSettings(engines=["http://e:1"])), 1,
+             "full_model=false takes none")]:
         assert named in (settings.kinds_problem(world_size) or ""), settings
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,7 @@ from policyloop.learner.held import (
     standings,
 )
 from policyloop.learner.start import VersionBehind
+from policyloop.learner.tracking import NullTracker, RunTrackerOpener, Tracker, TrackerUnavailable, step_statistics
 from policyloop.ledger import record_dropped
 from policyloop.rl.batching import Admission, RecentSteps
 from policyloop.rl.lora import RUN_FILE, AdapterTrainer, LoraSpec, RunTrainer, adapter_model_name, run_directory
@@ -68,6 +69,7 @@ class RunSlot:
     publication: VersionPublication
     dropped: int = 0
     resumed: Resumed | None = None
+    tracker: Tracker = field(default_factory=NullTracker)  # the run's own tracker run
 
 
 class AdapterLearner:
@@ -75,8 +77,11 @@ class AdapterLearner:
                  versions: VersionRegistry, publisher: WeightClient, dedupe_steps: int = 1000,
                  checkpoint_root: Path | None = None, checkpoint_every: int = 0, checkpoint_keep: int = 2,
                  progress: RunProgressStore, leftovers_check_s: float = 1.0,
-                 turns: asyncio.Lock | None = None) -> None:
+                 turns: asyncio.Lock | None = None, open_tracker: RunTrackerOpener | None = None) -> None:
+        """`open_tracker`: opens each run's tracker as the run is added (tracking.lora_run_trackers;
+        None: no tracker)."""
         self.model, self.instance_id = model, instance_id
+        self.open_tracker = open_tracker
         self.progress, self.leftovers_check_s = progress, leftovers_check_s
         self.checkpoint_root, self.checkpoint_every, self.checkpoint_keep = checkpoint_root, checkpoint_every, \
             checkpoint_keep
@@ -110,13 +115,27 @@ class AdapterLearner:
                                          versions=self.versions, progress=self.progress, release=held.release,
                                          sequence=held.sequence)
         publication.ledger_seq = resumed.ledger_seq
-        slot = RunSlot(run_id, name, held, max_lag, publication, resumed=resumed)
+        slot = RunSlot(run_id, name, held, max_lag, publication, resumed=resumed,
+                       tracker=await self._run_tracker(run_id, spec, groups_per_step, max_lag))
         await self._publish_resumed(slot, resumed)
         self.removed.discard(run_id)
         self.slots[run_id] = slot
         self.fair.add(run_id, weight)
         log.info("run_added", run=run_id, adapter=name, rank=spec.rank, groups_per_step=groups_per_step)
         return slot
+
+    async def _run_tracker(self, run_id: str, spec: LoraSpec, groups_per_step: int, max_lag: int) -> Tracker:
+        """The run's tracker, open; a NullTracker without one, or when it cannot open (a tracker
+        never stops training: the learner checked its backend when it started)."""
+        if self.open_tracker is None:
+            return NullTracker()
+        run_settings = {"lora.rank": spec.rank, "lora.alpha": spec.alpha, "groups_per_step": groups_per_step,
+                        "lora.target_modules": ",".join(spec.target_modules), "max_lag": max_lag}
+        try:
+            return await asyncio.to_thread(self.open_tracker, run_id, run_settings)
+        except TrackerUnavailable as exc:
+            log.warning("run_tracker_unavailable", run=run_id, error=str(exc))
+            return NullTracker()
 
     async def _publish_resumed(self, slot: RunSlot, resumed: Resumed) -> None:
         """The newest replayed version may not have reached the publisher before the crash (LEDGER
@@ -142,6 +161,7 @@ class AdapterLearner:
         await slot.publication.figures()
         async with self._trainer_lock:
             await asyncio.to_thread(self.trainer.remove_run, run_id)
+        await asyncio.to_thread(slot.tracker.close)
         log.info("run_removed", run=run_id, dropped_samples=sum(len(g) for g in groups))
 
     async def admit(self, delivery: Delivery[bus_pb2.TrajectoryGroup]) -> None:
@@ -188,6 +208,8 @@ class AdapterLearner:
                         await self.step(run_id, last=True)
         finally:
             stopping.cancel()
+            for slot in self.slots.values():
+                await asyncio.to_thread(slot.tracker.close)
 
     async def leftovers(self) -> list[str]:
         """The runs whose every task not yet accounted for is held here, complete (their last
@@ -229,6 +251,8 @@ class AdapterLearner:
                 await asyncio.to_thread(self.trainer.save, self.checkpoint_root, run_id,
                                         list(slot.held.trained.steps), {"ledger_seq": slot.publication.ledger_seq},
                                         self.checkpoint_keep)
+        slot.tracker.log_step(report.step, step_statistics(report, (time.time_ns() - started_ns) / 1e9, samples,
+                                                           run.version - 1))
         log.info("run_step", run=run_id, step=report.step, version=run.version, loss=round(report.loss, 5),
                  mean_reward=round(report.mean_reward, 4), pushed=pushed.kind, payload_bytes=pushed.payload_bytes)
 

@@ -152,8 +152,8 @@ class LearnerSettings(ServiceSettings):
             return "nothing to train: set full_model, lora_runs or tinker"
         if (self.lora_runs or self.tinker) and world_size > 1:
             return "lora_runs and tinker train on one rank: run them in a learner of their own"
-        if not self.full_model and (self.colocated.engines or self.tracker.kind != "none"):
-            return "colocated engines and a tracker follow the full model's runs: full_model=false takes neither"
+        if not self.full_model and self.colocated.engines:
+            return "colocated engines take the full model's versions: full_model=false takes none"
         return None
 
     def trainer_config(self) -> TrainerConfig:

@@ -382,10 +382,10 @@ def run_config(settings: LearnerSettings) -> dict[str, ConfigValue]:
 
 
 def step_statistics(report: StepReport, seconds: float, samples: Sequence[bus_pb2.Trajectory],
-                    trained_version: int, status: status_pb2.LearnerStatus) -> dict[str, float]:
+                    trained_version: int, status: status_pb2.LearnerStatus | None = None) -> dict[str, float]:
     """What a tracker gets for one step (under train/; docs/trackers.md): the statistics the
     learner exports (mean reward, gradient norm, the loss's by name), the step's size and time,
-    its samples' version lag, and the run's totals."""
+    its samples' version lag, and (the full model's learner: `status`) the run's totals."""
     lags = [sample_lag(t, trained_version) for t in samples]
     stats = exported_statistics(report)
     stats |= {
@@ -397,10 +397,10 @@ def step_statistics(report: StepReport, seconds: float, samples: Sequence[bus_pb
         "version": trained_version + 1,
         "lag_mean": sum(lags) / len(lags) if lags else 0.0,
         "lag_max": max(lags, default=0),
-        "trained_samples_total": status.trained_samples,
-        "trained_tokens_total": status.trained_tokens,
     }
-    stats |= {f"dropped_{f.name}": getattr(status.dropped, f.name) for f in status.dropped.DESCRIPTOR.fields}
+    if status is not None:
+        stats |= {"trained_samples_total": status.trained_samples, "trained_tokens_total": status.trained_tokens}
+        stats |= {f"dropped_{f.name}": getattr(status.dropped, f.name) for f in status.dropped.DESCRIPTOR.fields}
     return {name: float(value) for name, value in stats.items()}
 
 
@@ -413,6 +413,25 @@ def open_learner_tracker(settings: LearnerSettings) -> Tracker:
     tracker = open_tracker(settings.tracker, run_name=tracker_run_name(settings))
     tracker.log_config(run_config(settings))
     return tracker
+
+
+# Opens a LoRA run's tracker: (run id, the run's own settings) -> an open tracker.
+RunTrackerOpener = Callable[[str, Mapping[str, ConfigValue]], Tracker]
+
+
+def lora_run_trackers(settings: LearnerSettings) -> RunTrackerOpener | None:
+    """How the learner opens each LoRA run's tracker (None: tracker kind none). A LoRA run is a
+    tracker run of its own, named after the run (a TensorBoard run, a wandb run, an MLflow run),
+    its configuration the learner's and the run's (its adapter, batch and staleness bound)."""
+    if settings.tracker.kind == "none":
+        return None
+
+    def open_run(run_id: str, run_settings: Mapping[str, ConfigValue]) -> Tracker:
+        tracker = open_tracker(settings.tracker, run_name=run_id)
+        tracker.log_config(run_config(settings) | {"run_id": run_id} | dict(run_settings))
+        return tracker
+
+    return open_run
 
 
 async def start_learner_tracker(settings: LearnerSettings) -> Tracker:
