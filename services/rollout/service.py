@@ -59,9 +59,9 @@ async def body(ctx: ServiceContext) -> None:
         ctx.add_health_probe("loop", agreement.probe)
         replica = RolloutReplica(ctx, settings, client, tokenizer, engine_health, status,
                                  ready=lambda: engine_health.ready() and agreement.agrees())
-        workers = [replica.pull_worker()]
         if settings.lora_runs:
             runs_redis = await serve_lora_runs(ctx, settings, replica, client, follower)
+        workers = [replica.pull_worker()]
         if settings.tinker_sampling:
             workers.append(tinker_sampling(ctx, settings, client, follower, engine_health, status))
         await serve_replica(ctx, workers, follower, engine_health, agreement)

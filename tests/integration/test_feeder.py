@@ -37,3 +37,36 @@ async def test_a_run_is_fed_whole_with_its_lease_and_count_written_per_interval_
     assert 1 <= writes <= elapsed / feeder.check_every_s + 2, (writes, elapsed)
     assert stats.get("cmdstat_hgetall", {}).get("calls", 0) <= elapsed / feeder.check_every_s + 3
     await raw.aclose()
+
+
+async def test_a_lora_runs_tasks_go_to_the_replicas_of_lora_runs_and_a_full_model_runs_to_the_others(
+        bus: Bus, redis_server, redis_client) -> None:  # type: ignore[no-untyped-def]
+    """Replicas of LoRA runs keep the base as loaded and the others follow the full model: each
+    kind takes only its own runs' tasks, through a consumer of its own on TASKS."""
+    from policyloop.bus import PullWorker
+
+    raw = await connect_redis(redis_server.url, decode_responses=False)
+    envs, runs = EnvironmentCatalog(raw, "k"), RunRegistry(raw, "k")
+    await envs.put("addition@v1", addition_environment(20))
+    mix = [loop_pb2.EnvironmentMix(environment="addition@v1", weight=1)]
+    await runs.create("full", loop_pb2.StartRunRequest(run_id="full", num_tasks=3, environments=mix), 3)
+    await runs.create("adapter", loop_pb2.StartRunRequest(run_id="adapter", num_tasks=2, environments=mix,
+                                                          lora=loop_pb2.LoraSpec(rank=4)), 2)
+    feeder = RunFeeder(bus, envs, runs, IdempotencyKeys(redis_client, "k"), owner="gateway-k", lease_s=10,
+                       backpressure_wait_s=0.05, stop=asyncio.Event(), wake=asyncio.Event())
+    await feeder.feed("full")
+    await feeder.feed("adapter")
+    taken: dict[str, list[str]] = {"rollout": [], "rollout-lora": []}
+    stop = asyncio.Event()
+
+    def worker(durable: str) -> PullWorker[bus_pb2.Task]:
+        async def take(delivery) -> None:  # type: ignore[no-untyped-def]
+            taken[durable].append(delivery.message.run_id)
+            if sum(map(len, taken.values())) == 5:
+                stop.set()
+
+        return PullWorker(bus, bus.topology.consumers[durable], bus_pb2.Task, take, service="rollout")
+
+    await asyncio.wait_for(asyncio.gather(*(worker(d).run(stop) for d in taken)), 60)
+    await raw.aclose()
+    assert taken == {"rollout": ["full"] * 3, "rollout-lora": ["adapter"] * 2}

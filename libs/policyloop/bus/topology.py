@@ -247,8 +247,10 @@ def build_topology(limits: BusLimits | None = None) -> Topology:
                             num_replicas=lim.stream_replicas, description=what)
 
     consumers = [
-        consumer("TASKS", "rollout", f"{p}.tasks.>", lim.rollout_ack_wait_s,
-                 "Rollout replicas share it: each Task goes to one replica."),
+        consumer("TASKS", "rollout", f"{p}.tasks.*", lim.rollout_ack_wait_s,
+                 "Rollout replicas share it: each full-model run's Task goes to one replica."),
+        consumer("TASKS", "rollout-lora", f"{p}.tasks.lora.>", lim.rollout_ack_wait_s,
+                 "Rollout replicas with lora_runs share it: each LoRA run's Task goes to one of them."),
         consumer("ROLLOUTS", "reward", f"{p}.rollouts.>", lim.reward_ack_wait_s,
                  "Reward replicas share it."),
         consumer("TRAJECTORIES", "learner", f"{p}.traj.>", lim.learner_ack_wait_s,
@@ -280,8 +282,10 @@ def subject_token(value: str) -> str:
     return token
 
 
-def tasks_subject(environment: str) -> str:
-    return f"{SUBJECT_PREFIX}.tasks.{subject_token(environment)}"
+def tasks_subject(environment: str, *, lora: bool = False) -> str:
+    """A full-model run's tasks (`pl.tasks.<env>`, one token: the `rollout` consumer's), or a LoRA
+    run's (`pl.tasks.lora.<env>`: the `rollout-lora` consumer's, replicas with lora_runs)."""
+    return f"{SUBJECT_PREFIX}.tasks.{'lora.' if lora else ''}{subject_token(environment)}"
 
 
 def rollouts_subject(environment: str) -> str:

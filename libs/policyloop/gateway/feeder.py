@@ -113,7 +113,7 @@ class RunFeeder:
                         checked = time.monotonic()
                     item = nth_item(run_id, request, envs, index)  # type: ignore[arg-type]
                     try:
-                        await self.publish(item)
+                        await self.publish(item, lora=request.HasField("lora"))
                     except StreamFull:
                         self.on_backpressure(True)
                         recorded = await self._record_enqueued(run_id, index, recorded)
@@ -133,9 +133,10 @@ class RunFeeder:
             await self.runs.set_enqueued(run_id, index)
         return index
 
-    async def publish(self, item: bus_pb2.Task | bus_pb2.Trajectory) -> None:
+    async def publish(self, item: bus_pb2.Task | bus_pb2.Trajectory, *, lora: bool = False) -> None:
         """A task starts its trace: every trajectory of its group is sampled, scored and trained
-        under it (policyloop.telemetry.tracing). A demonstration goes straight to the learner."""
+        under it (policyloop.telemetry.tracing); a LoRA run's (`lora`) goes to the replicas of LoRA
+        runs. A demonstration goes straight to the learner."""
         if isinstance(item, bus_pb2.Trajectory):
             await self._learner_has_room()
             with tracing.span("feed demonstration", kind=SpanKind.PRODUCER, attributes={
@@ -149,7 +150,7 @@ class RunFeeder:
         with tracing.span("feed task", kind=SpanKind.PRODUCER, attributes={
                 tracing.TASK_ID: task.task_id, tracing.RUN_ID: task.run_id,
                 tracing.ENVIRONMENT: task.environment, "policyloop.group_size": task.group_size}):
-            await self.bus.publish(tasks_subject(task.environment), task, task.task_id)
+            await self.bus.publish(tasks_subject(task.environment, lora=lora), task, task.task_id)
 
     async def _learner_has_room(self) -> None:
         """Demonstrations go straight to TRAJECTORIES, which has no room limit to push back (it

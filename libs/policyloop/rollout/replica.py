@@ -81,7 +81,9 @@ class RolloutReplica:
                                                        max_lag=settings.max_lag)
 
     def pull_worker(self) -> PullWorker[bus_pb2.Task]:
-        self.worker = PullWorker(self.ctx.bus, self.ctx.bus.topology.consumers["rollout"], bus_pb2.Task,
+        # A replica of LoRA runs takes their tasks; the others, the full model's runs'.
+        consumer = self.ctx.bus.topology.consumers["rollout-lora" if self.lora is not None else "rollout"]
+        self.worker = PullWorker(self.ctx.bus, consumer, bus_pb2.Task,
                                  self.handle, service="rollout", concurrency=self.settings.task_concurrency,
                                  validator=validate_task, ready=self.ready)
         return self.worker
