@@ -187,3 +187,13 @@ def test_learner_alone_steps_and_encodes_the_demo_batch(tmp_path: Path, tiny_mod
     assert set(result["to_engine_ms"]) == {"directory_write", "directory_read", "request_send", "request_read"}
     assert all(ms > 0 for ms in result["to_engine_ms"].values())
     assert result["mean_prompt_tokens"] > 0 and result["mean_response_tokens"] > 0
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_tinker_sampling_times_a_request_directly_and_through_the_api(tmp_path: Path, tiny_model_dir: Path) -> None:
+    figures = run_harness("tinker_sampling.py", "--requests", "3", "--model-path", str(tiny_model_dir), cwd=tmp_path)
+    assert (figures["requests"], figures["num_samples"]) == (3, 8)
+    for path in ("direct", "through_the_api"):
+        assert 0 < figures[path]["median_ms"] <= figures[path]["p90_ms"]
+    assert figures["hop_median_ms"] == pytest.approx(
+        figures["through_the_api"]["median_ms"] - figures["direct"]["median_ms"], abs=0.02)
