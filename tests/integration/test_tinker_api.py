@@ -437,6 +437,23 @@ async def test_a_models_requests_go_on_the_stream_in_seq_id_order_across_front_r
     assert stored == [1, 2, 3, 4]
 
 
+async def a_replica_stops_mid_sample(bus: Bus) -> None:
+    """A replica takes the next sample request and stops (SIGTERM's drain) before it answers."""
+    taken = asyncio.Event()
+
+    class Stalled:
+        async def sample(self, request: object) -> None:
+            taken.set()
+            await asyncio.Event().wait()
+
+    worker, stop = TinkerSampling(bus, Stalled(), concurrency=1).pull_worker(), asyncio.Event()  # type: ignore[arg-type]
+    running = asyncio.create_task(worker.run(stop))
+    await asyncio.wait_for(taken.wait(), 30)
+    stop.set()
+    await running
+    await worker.drain(0)
+
+
 async def test_a_sample_waits_on_the_bus_for_a_replica_and_outlives_one_that_stops_mid_sample(
         bus: Bus, redis_server, engine: EmbeddedEngine) -> None:  # type: ignore[no-untyped-def]
     """The front keeps no engine: a sample request goes on TINKER_SAMPLES for the rollout replicas.
@@ -488,21 +505,7 @@ async def test_a_sample_waits_on_the_bus_for_a_replica_and_outlives_one_that_sto
         assert waiting["type"] == "try_again" and waiting["queue_state"] == "paused_capacity"
         assert "tinker_sampling" in waiting["queue_state_reason"]
 
-        # A replica takes it and stops before it answers: the request goes back on the stream.
-        taken = asyncio.Event()
-
-        class Stalled:
-            async def sample(self, request: object) -> None:
-                taken.set()
-                await asyncio.Event().wait()
-
-        stalled = TinkerSampling(bus, Stalled(), concurrency=1)  # type: ignore[arg-type]
-        worker, stop = stalled.pull_worker(), asyncio.Event()
-        running = asyncio.create_task(worker.run(stop))
-        await asyncio.wait_for(taken.wait(), 30)
-        stop.set()
-        await running
-        await worker.drain(0)
+        await a_replica_stops_mid_sample(bus)  # the request goes back on the stream
         alive = True
         again = json.loads((await post("retrieve_future", {"request_id": request_id}))[1])
         assert again["queue_state"] == "active"

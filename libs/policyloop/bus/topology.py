@@ -152,7 +152,7 @@ class Topology:
 
 
 def _streams(lim: BusLimits) -> list[StreamSpec]:
-    """Every stream of the loop, before its replica count."""
+    """Every stream of the loop, before its replica count: the loop's own, then the APIs'."""
     p = SUBJECT_PREFIX
     return [
         StreamSpec(
@@ -197,6 +197,13 @@ def _streams(lim: BusLimits) -> list[StreamSpec]:
             max_age_s=lim.dlq_max_age_s, duplicate_window_s=lim.duplicate_window_s,
             description="Messages no service could handle, with the reason.",
         ),
+    ] + _api_streams(lim)
+
+
+def _api_streams(lim: BusLimits) -> list[StreamSpec]:
+    """The streams of the Tinker API, the serving endpoint, evaluation and promotion."""
+    p = SUBJECT_PREFIX
+    return [
         StreamSpec(
             "TINKER", (f"{p}.tinkerreq.>",), tinker_pb2.TinkerRequest, api.RetentionPolicy.LIMITS,
             max_age_s=lim.tinker_max_age_s, duplicate_window_s=lim.duplicate_window_s,
