@@ -64,3 +64,21 @@ def perturbed_copy(source: Path, directory: Path, scale: float = 0.05, seed: int
     model.save_pretrained(directory, safe_serialization=True)
     save_tokenizer(directory)
     return directory
+
+
+def build_tiny_reward_model(directory: Path, seed: int = 0, max_position_embeddings: int = 256) -> Path:
+    """A tiny random Qwen2 sequence classifier with one label (a reward model's shape: what
+    SGLang serves on /classify) on the project's tokenizer, written into `directory`."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = tiny_config(max_position_embeddings=max_position_embeddings)
+    config.num_labels = 1
+    config.architectures = ["Qwen2ForSequenceClassification"]
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    model.save_pretrained(directory, safe_serialization=True)
+    save_tokenizer(directory)
+    return directory

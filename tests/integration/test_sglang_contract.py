@@ -24,6 +24,7 @@ from policyloop.engines.protocol import GenerateRequest, SamplingParams
 from policyloop.engines.sglang_client import EngineError, SGLangClient
 from tests.helpers import make_lora_adapter
 from tests.integration.test_engine_lora import sent_as_tensors
+from tests.tiny_model import build_tiny_reward_model
 
 REFERENCE = json.loads((Path(__file__).resolve().parents[1] / "data" / "sglang-0.5.23-api.json").read_text())
 # io_struct.BaseReq (the base of every *ReqInput but GenerateReqInput), left out of the extraction.
@@ -165,6 +166,15 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
                    load_format="flattened_bucket", weight_version="2", flush_cache=False, abort_all_requests=False)
         await call("end_weight_update")
         await call("destroy_weights_update_group")
+    # A reward model's engine: its scores on /classify.
+    reward_engine = await start_engine(build_tiny_reward_model(tmp_path / "reward-model"), max_batch=4, threads=1)
+    try:
+        async with SGLangClient(reward_engine.base_url, timeout_s=30, retries=0, trace_configs=[trace]) as scorer:
+            exercised.add("classify")
+            assert len(await scorer.classify(["1+1=2", "1+1=3"], rids=["s1", "s2"])) == 2
+            assert len(await scorer.classify([[4, 14, 4, 16, 5]])) == 1
+    finally:
+        await reward_engine.stop()
 
     # Every public call of the client that reaches the engine is exercised here.
     api = {name for name, member in inspect.getmembers(SGLangClient, inspect.iscoroutinefunction)
@@ -176,7 +186,7 @@ async def test_every_client_request_is_one_sglang_takes(engine: EmbeddedEngine, 
         "/continue_generation", "/flush_cache", "/abort_request", "/init_weights_update_group",
         "/begin_weight_update", "/update_weights_from_distributed", "/end_weight_update",
         "/destroy_weights_update_group", "/metrics", "/load_lora_adapter", "/unload_lora_adapter",
-        "/load_lora_adapter_from_tensors", "/update_weights_from_tensor"}
+        "/load_lora_adapter_from_tensors", "/update_weights_from_tensor", "/classify"}
     check_the_bodies_sent(sent, adapter, payload, checksums, model_file)
     problems = [p for method, path, body in sent for p in violations(method, path, body)]
     assert not problems, problems
@@ -201,3 +211,5 @@ def test_the_checker_catches_what_sglang_would_not_take() -> None:
     assert violations("POST", "/generate", {"input_ids": [1], "lora_name": "a"}) == [
         "/generate: GenerateReqInput has no field 'lora_name'"]
     assert violations("POST", "/metrics", {}) == ["POST /metrics: SGLang serves it to GET only"]
+    assert violations("POST", "/classify", {"text": ["a"], "rid": ["x"]}) == []
+    assert violations("POST", "/classify", {"texts": ["a"]}) == ["/classify: EmbeddingReqInput has no field 'texts'"]

@@ -1,7 +1,7 @@
 """The part of SGLang's native HTTP API that policyloop uses, as typed values.
 
 Field names, types and defaults come from SGLang 0.5.23's own source
-(`/work/shared/reference/sglang-0.5.23-api.json`: `GenerateReqInput`, the sampling params,
+(`/work/shared/reference/sglang-0.5.23-api.json`: `GenerateReqInput`, `EmbeddingReqInput`, the sampling params,
 `UpdateWeightFromDiskReqInput`, `PauseGenerationReqInput`, `ContinueGenerationReqInput`,
 `AbortReq`, and for the colocated weight sync `InitWeightsUpdateGroupReqInput`,
 `UpdateWeightsFromDistributedReqInput`, `DestroyWeightsUpdateGroupReqInput`,
@@ -31,7 +31,9 @@ and `weight_version` is the version of the last span. An aborted request still a
 finish_reason abort and the tokens it had. /model_info (and the older /get_model_info) answers
 `{"model_path", "tokenizer_path", "is_generation", "preferred_sampling_params",
 "weight_version", "has_image_understanding", "has_audio_understanding", "model_type",
-"architectures"}`; /update_weights_from_disk answers `{"success", "message",
+"architectures"}`; /classify (a reward model: a sequence-classification model, is_generation
+false) answers `{"embedding": [score, ...], "meta_info": {"id", "prompt_tokens", "e2e_latency"}}`
+per prompt, a list of them for SGLang's batch form; /update_weights_from_disk answers `{"success", "message",
 "num_paused_requests"}` with 200 on success and 400 on failure; errors of validation are 400
 with SGLang's ErrorResponse body `{"object": "error", "message", "type", "param", "code"}`.
 
@@ -470,6 +472,127 @@ def generate_batch_json(requests: Sequence[GenerateRequest]) -> dict[str, Any]:
         else:
             batch[name] = values[0]
     return batch
+
+
+# ---------------------------------------------------------------------------------------------
+# /classify: a reward model's scores (SGLang serves a sequence-classification model launched with
+# --is-embedding there; its body is EmbeddingReqInput).
+
+# EmbeddingReqInput fields (SGLang 0.5.23) that the embedded engine does not implement, with their
+# "off" value. None is always "off".
+_CLASSIFY_UNSUPPORTED: dict[str, Any] = {
+    "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
+    "embed_override_token_id": None, "embed_overrides": None, "modalities": None, "is_cross_encoder_request": False,
+    "lora_path": None, "lora_id": None, "positional_embed_overrides": None, "dimensions": None,
+    "return_pooled_hidden_states": False, "return_prompt_token_ids": False, "multi_item_delimiter_indices": None,
+    "token_indices_to_pool": None, "decision_layout": None, "background": False,
+}
+MAX_CLASSIFY_ITEMS = 1024
+
+
+
+def _is_token_prompt(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def _one_or_a_batch(is_prompt: Callable[[Any], bool], what: str) -> BeforeValidator:
+    """One prompt, or SGLang's batch form (a list of them): a wrong one is named by its index."""
+    def check(value: Any) -> Any:
+        if value is None or is_prompt(value):
+            return value
+        if not isinstance(value, list) or (value and not isinstance(value[0], str | list)):
+            raise PydanticCustomError("entries", "expected {what} or a list of them, got {got}",
+                                      {"what": what, "got": reprlib.repr(value)})
+        if not value:
+            raise _refused("an empty batch")
+        if len(value) > MAX_CLASSIFY_ITEMS:
+            raise _refused(f"at most {MAX_CLASSIFY_ITEMS} prompts in one batch, got {len(value)}")
+        wrong = next((i for i, v in enumerate(value) if not is_prompt(v)), None)
+        if wrong is not None:
+            raise PydanticCustomError("entries", "prompt {index}: expected {what}, got {got}",
+                                      {"index": wrong, "what": what, "got": reprlib.repr(value[wrong])})
+        return value
+    return BeforeValidator(check)
+
+
+_Texts = Annotated[str | list[str], _one_or_a_batch(lambda v: isinstance(v, str), "a string")]
+_TokenPrompts = Annotated[list[int] | list[list[int]],
+                          _one_or_a_batch(_is_token_prompt, "a prompt as a non-empty list of integers")]
+
+
+class ClassifyRequest(_Request):
+    """One /classify request: a text or a token prompt, or SGLang's batch form (a list of either,
+    with `rid` a list of one per prompt). Each prompt is answered with the model's scores."""
+
+    unsupported = _CLASSIFY_UNSUPPORTED
+    # Accepted with any value: embedding models take no sampling; routing and logging hints.
+    ignored = frozenset({"http_worker_ipc", "sampling_params", "log_metrics", "routing_key", "priority",
+                         "external_trace_header", "received_time"})
+
+    text: _Texts | None = _default_unsent(None)
+    input_ids: _TokenPrompts | None = _default_unsent(None)
+    rid: Annotated[str, Field(min_length=1)] | list[Annotated[str, Field(min_length=1)]] | None = \
+        _default_unsent(None)
+
+    @model_validator(mode="after")
+    def _prompts_and_rids(self) -> Self:
+        if (self.input_ids is None) == (self.text is None):
+            raise _refused("give exactly one of input_ids and text", "input_ids")
+        if self.is_batch != isinstance(self.rid, list) and self.rid is not None:
+            raise _refused("a batch takes a list of rids, one per prompt; one prompt takes one rid", "rid")
+        if isinstance(self.rid, list) and len(self.rid) != len(self.prompts):
+            raise _refused(f"{len(self.rid)} rids for {len(self.prompts)} prompts", "rid")
+        if isinstance(self.rid, list) and len(set(self.rid)) != len(self.rid):
+            raise _refused("the rids of a batch must differ", "rid")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def prompts(self) -> list[str] | list[list[int]]:
+        """The prompts in order (one request: a list of one)."""
+        given = self.text if self.text is not None else self.input_ids
+        return list(given) if self.is_batch else [given]  # type: ignore[list-item]
+
+    @property
+    def rids(self) -> list[str | None]:
+        if isinstance(self.rid, list):
+            return list(self.rid)
+        return [self.rid] + [None] * (len(self.prompts) - 1)
+
+
+class ClassifyResult(_Answer):
+    """A /classify answer for one prompt: the model's scores (`embedding`, one per label: a reward
+    model's is one value), the prompt's length and the request's id."""
+
+    embedding: list[float]
+    rid: str | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def score(self) -> float:
+        """A reward model's score: its one label's value."""
+        if len(self.embedding) != 1:
+            raise ValueError(f"a reward model answers one score, this one {len(self.embedding)}")
+        return self.embedding[0]
+
+    def to_json(self, e2e_latency: float | None = None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": self.rid, "prompt_tokens": self.prompt_tokens}
+        if e2e_latency is not None:
+            meta["e2e_latency"] = e2e_latency
+        return {"embedding": list(self.embedding), "meta_info": meta}
+
+    @classmethod
+    def from_json(cls, body: Any) -> Self:
+        if not isinstance(body, Mapping) or not isinstance(body.get("meta_info"), Mapping):
+            raise ValueError("not a /classify answer: no meta_info")
+        meta = body["meta_info"]
+        return super().from_json({"embedding": body.get("embedding"), "rid": meta.get("id"),
+                                  "prompt_tokens": meta.get("prompt_tokens", 0)})
 
 
 # ---------------------------------------------------------------------------------------------

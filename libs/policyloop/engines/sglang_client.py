@@ -37,6 +37,8 @@ from policyloop.engines.protocol import (
     SAFETENSORS_FORMAT,
     AbortRequest,
     BeginWeightUpdateRequest,
+    ClassifyRequest,
+    ClassifyResult,
     ControlResult,
     DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
@@ -262,6 +264,26 @@ class SGLangClient:
             if request.rid is not None and result.rid != request.rid:
                 raise EngineProtocolError(f"/generate: the answer for rid {request.rid!r} came as {result.rid!r}",
                                           status, body)
+        return results
+
+    async def classify(self, prompts: Sequence[str] | Sequence[Sequence[int]],
+                       rids: Sequence[str] | None = None) -> list[ClassifyResult]:
+        """A reward model's scores of each prompt (texts or token ids) in one /classify call
+        (SGLang's batch form), answered in order. Scoring changes nothing: it is retried."""
+        texts = bool(prompts) and isinstance(prompts[0], str)
+        request = ClassifyRequest(**{"text" if texts else "input_ids": [p if texts else list(p) for p in prompts]},
+                                  rid=list(rids) if rids is not None else None)
+        status, body = await self._call("POST", "/classify", request.to_json(), idempotent=True)
+        self._raise_for_status("POST", "/classify", status, body)
+        answers = self._json("/classify", status, body)
+        if not isinstance(answers, list) or len(answers) != len(prompts):
+            raise EngineProtocolError(f"/classify: expected a list of {len(prompts)} answers to a batch", status, body)
+        try:
+            results = [ClassifyResult.from_json(answer) for answer in answers]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise EngineProtocolError(f"/classify: unexpected answer ({exc})", status, body) from exc
+        if rids is not None and [r.rid for r in results] != list(rids):
+            raise EngineProtocolError("/classify: the answers' ids are not the rids sent, in order", status, body)
         return results
 
     async def model_info(self) -> ModelInfo:

@@ -18,6 +18,7 @@ log = get_logger("policyloop.engines.embedded")
 # peft's name for "no adapter" in a batch whose rows choose their adapter.
 BASE_ADAPTER = "__base__"
 TENSOR_SOURCE = "__tensor__"  # the path SGLang reports for an adapter loaded from tensors
+CLASSIFIER_SUFFIX = "ForSequenceClassification"  # the architectures served on /classify
 
 
 def sent_tensors(copies: Sequence[bytes], expected_checksums: dict[str, str] | None = None
@@ -69,10 +70,11 @@ class ServedModel:
         # Their names inside peft (which takes no '.' in a name: SGLang's lora_name may hold any).
         self.adapter_ids: dict[str, str] = {}
         self._made = 0
+        self.is_generation = True  # False: a sequence-classification (reward) model, served on /classify
 
     def load(self) -> None:
         import transformers
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
         from policyloop.models.resolve import resolve_model
         from policyloop.models.tokenizer import load_tokenizer
@@ -82,8 +84,11 @@ class ServedModel:
         torch.set_num_threads(self.threads)
         transformers.utils.logging.disable_progress_bar()
         dtype_kw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, local_files_only=True,
-                                                     **{dtype_kw: torch.float32})
+        architectures = AutoConfig.from_pretrained(self.model_path, local_files_only=True).architectures or []
+        # A reward model (SGLang serves it with --is-embedding): scores on /classify, no generation.
+        self.is_generation = not any(a.endswith(CLASSIFIER_SUFFIX) for a in architectures)
+        loader = AutoModelForCausalLM if self.is_generation else AutoModelForSequenceClassification
+        model = loader.from_pretrained(self.model_path, local_files_only=True, **{dtype_kw: torch.float32})
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -233,23 +238,58 @@ class ServedModel:
         config = self.model.config
         return ModelInfo(model_path=self.model_path, tokenizer_path=self.model_path,
                          weight_version=self.weight_version, model_type=getattr(config, "model_type", None),
-                         architectures=getattr(config, "architectures", None))
+                         architectures=getattr(config, "architectures", None), is_generation=self.is_generation)
+
+    def classify(self, prompts: Sequence[list[int]], max_batch: int) -> list[list[float]]:
+        """The scores (one per label) of each prompt, `max_batch` prompts per forward (right-padded:
+        the classification head reads each row's last token that is not padding)."""
+        pad = self.model.config.pad_token_id
+        if pad is None:  # the head cannot tell padding from the prompt: one prompt per forward
+            max_batch, pad = 1, 0
+        scores: list[list[float]] = []
+        with torch.inference_mode():
+            for start in range(0, len(prompts), max_batch):
+                rows = prompts[start:start + max_batch]
+                width = max(len(r) for r in rows)
+                ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
+                mask = (torch.arange(width) < torch.tensor([[len(r)] for r in rows])).long()
+                logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+                scores.extend(logits.tolist())
+        return scores
 
     # -- a request's prompt and budget, checked against the model -------------------------------
 
     def prompt_ids(self, parsed: GenerateRequest) -> list[int]:
-        if parsed.text is not None:
+        return self.token_ids(parsed.text if parsed.text is not None else list(parsed.input_ids or []))
+
+    def token_ids(self, prompt: str | list[int], where: str = "") -> list[int]:
+        """A prompt's token ids (a text tokenized, ids checked against the vocabulary); RequestError
+        naming the field (`where`: a batch entry's index, "[3]")."""
+        if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("text", "this engine has no tokenizer: send input_ids")
-            ids = list(self.tokenizer(parsed.text)["input_ids"])
+                raise RequestError(f"text{where}", "this engine has no tokenizer: send input_ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
             if not ids:
-                raise RequestError("text", "the prompt is empty")
+                raise RequestError(f"text{where}", "the prompt is empty")
             return ids
-        ids = list(parsed.input_ids or [])
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
         if bad:
-            raise RequestError("input_ids", f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return ids
+            raise RequestError(f"input_ids{where}",
+                               f"token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        return list(prompt)
+
+    def classified_ids(self, prompts: Sequence[str | list[int]]) -> list[list[int]]:
+        """The token ids of a /classify request's prompts, each within the model's context."""
+        batch = len(prompts) > 1
+        rows = []
+        for i, prompt in enumerate(prompts):
+            ids = self.token_ids(prompt, f"[{i}]" if batch else "")
+            if self.max_context is not None and len(ids) > self.max_context:
+                field = "text" if isinstance(prompt, str) else "input_ids"
+                raise RequestError(f"{field}[{i}]" if batch else field,
+                                   f"{len(ids)} tokens, more than the model's context length of {self.max_context}")
+            rows.append(ids)
+        return rows
 
     def max_new_tokens(self, params: SamplingParams, prompt_len: int) -> int:
         room = None if self.max_context is None else self.max_context - prompt_len

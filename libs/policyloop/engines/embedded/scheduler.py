@@ -105,6 +105,8 @@ class Scheduler:
             raise ValueError("max_batch must be >= 1")
         self.served = served
         self.max_batch = max_batch
+        self.classifying = 0  # /classify requests in flight (a reward model's: engines/embedded/server.py)
+        self.classified_prompts = 0
         self.batch_window_s = batch_window_s
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()  # admitted to the scheduler, not yet running

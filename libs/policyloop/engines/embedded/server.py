@@ -25,6 +25,8 @@ from policyloop.engines.protocol import (
     SCHEMA,
     AbortRequest,
     BeginWeightUpdateRequest,
+    ClassifyRequest,
+    ClassifyResult,
     ControlResult,
     DestroyWeightsUpdateGroupRequest,
     FinishReason,
@@ -80,6 +82,11 @@ class _EngineMetrics(Collector):
             yield GaugeMetricFamily("sglang:token_usage", "KV cache positions in use, as a fraction of max_batch "
                                                           "rows of the model's context.",
                                     value=scheduler.kv_tokens / capacity)
+        yield GaugeMetricFamily("policyloop_engine_classify_in_flight",
+                                "/classify requests being scored or waiting for the compute thread.",
+                                value=scheduler.classifying)
+        yield CounterMetricFamily("policyloop_engine_classified_prompts", "Prompts scored on /classify.",
+                                  value=scheduler.classified_prompts)
         yield GaugeMetricFamily("policyloop_engine_in_flight_output_tokens",
                                 "Tokens decoded so far by the requests not yet done.",
                                 value=sum(len(r.output_ids) for r in requests if r.state != "done"))
@@ -182,6 +189,7 @@ class EmbeddedEngine:
         app = web.Application(client_max_size=256 * 1024 * 1024)
         routes = [
             ("POST", "/generate", self._generate), ("PUT", "/generate", self._generate),
+            ("POST", "/classify", self._classify), ("PUT", "/classify", self._classify),
             ("GET", "/model_info", self._model_info), ("GET", "/get_model_info", self._model_info),
             ("GET", "/health", self._health), ("GET", "/health_generate", self._health),
             ("POST", "/update_weights_from_disk", self._update_from_disk),
@@ -212,6 +220,9 @@ class EmbeddedEngine:
     async def _generate(self, request: web.Request) -> web.Response:
         if self.scheduler.closing:
             return _refusal("the engine is stopping", 503)
+        if not self.served.is_generation:
+            return _refusal(f"this engine serves a reward model ({self.served.model_path}, is_generation false): "
+                            f"score with /classify")
         started = time.perf_counter()
         try:
             body = await _json_body(request, empty_ok=False)
@@ -242,6 +253,32 @@ class EmbeddedEngine:
             return _refusal(f"generation failed: {failed.error!r}", 500)
         answers = [self._response(r, time.perf_counter() - started) for r in reqs]
         return web.json_response(answers if batch else answers[0])
+
+    async def _classify(self, request: web.Request) -> web.Response:
+        """A reward model's scores of each prompt, computed on the compute thread (between the
+        generation waves of an engine that also generates: a classifier has none)."""
+        if self.scheduler.closing:
+            return _refusal("the engine is stopping", 503)
+        started = time.perf_counter()
+        try:
+            parsed = ClassifyRequest.from_json(await _json_body(request, empty_ok=False))
+            if self.served.is_generation:
+                raise RequestError("body", f"this engine serves a generative model ({self.served.model_path}): "
+                                           f"/classify needs a sequence-classification (reward) model")
+            rows = self.served.classified_ids(parsed.prompts)
+        except RequestError as exc:
+            return _refusal(exc)
+        self.scheduler.classifying += 1
+        try:
+            scores = await self.scheduler.compute(self.served.classify, rows, self.scheduler.max_batch)
+        finally:
+            self.scheduler.classifying -= 1
+        self.scheduler.classified_prompts += len(rows)
+        self.scheduler.prompt_tokens += sum(len(r) for r in rows)
+        latency = time.perf_counter() - started
+        answers = [ClassifyResult(embedding=score, rid=rid or uuid.uuid4().hex, prompt_tokens=len(row)).to_json(latency)
+                   for score, rid, row in zip(scores, parsed.rids, rows, strict=True)]
+        return web.json_response(answers if parsed.is_batch else answers[0])
 
     async def _generate_stream(self, request: web.Request, req: EngineRequest, started: float) -> web.StreamResponse:
         """Server-sent events: everything so far after each step that added tokens, the full
