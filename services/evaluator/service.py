@@ -51,13 +51,14 @@ async def body(ctx: ServiceContext) -> None:
 
     # Definitions and results are protobuf.
     raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
+    registry = default_registry(run_job, settings)
     try:
         runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
         evaluator = Evaluator(
             ctx.bus, runs, EnvironmentCatalog(raw, settings.namespace), evals,
             PinnedEngine(connect, publisher, settings.weights_dir / settings.instance_id, model_dir,
                          settings.adapter_source),
-            tokenizer, default_registry(run_job), settings, promoter=Promoter(ctx.bus, runs, evals, publisher))
+            tokenizer, registry, settings, promoter=Promoter(ctx.bus, runs, evals, publisher))
         ctx.status = lambda: status_pb2.EvaluatorStatus(
             evaluated=evaluator.evaluated, engine_url=engines[0][0].base_url if engines else "",
             last_version=evaluator.last_version)
@@ -65,6 +66,7 @@ async def body(ctx: ServiceContext) -> None:
         await evaluator.run(ctx.stop)
     finally:
         await raw.aclose()
+        await registry.close()
         await asyncio.gather(*(client.close() for client in publishers.values()))
         for engine, proc in engines:
             await engine.close()

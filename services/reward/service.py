@@ -1,8 +1,9 @@
 """reward service: ROLLOUTS → scored TRAJECTORIES.
 
 Each group of rollouts is scored, sample by sample, by its task's typed scorer
-(policyloop.reward): a built-in verifier in this process, or, for code scorers (unit tests, a
-team's reward code), a job run in the sandbox service — never in this process. The logic is in
+(policyloop.reward): a built-in verifier in this process; for code scorers (unit tests, a
+team's reward code), a job run in the sandbox service — never in this process; for a reward
+model, the engines serving it (reward_models), its samples batched with other groups'. The logic is in
 policyloop.reward; this is its wiring.
 """
 
@@ -29,12 +30,16 @@ async def body(ctx: ServiceContext) -> None:
     def scored(samples: int) -> None:
         status.rollouts_done += samples
 
-    scorer = RolloutScorer(ctx.bus, default_registry(run_job), on_scored=scored)
+    registry = default_registry(run_job, settings)
+    scorer = RolloutScorer(ctx.bus, registry, on_scored=scored)
     worker = PullWorker(
         ctx.bus, ctx.bus.topology.consumers["reward"], bus_pb2.TrajectoryGroup, scorer.handle,
         service="reward", concurrency=settings.concurrency, validator=validate_group,
     )
-    await run_pull_workers(ctx, worker)
+    try:
+        await run_pull_workers(ctx, worker)
+    finally:
+        await registry.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,6 +101,13 @@ INVALID_ENVIRONMENTS = [
     (lambda e: e.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
                                                           timeout_seconds=-3)),
      "environment.reward_code.timeout_seconds"),
+    (lambda e: e.reward_model.CopyFrom(loop_pb2.RewardModelScorer()), "environment.reward_model.model"),
+    (lambda e: e.reward_model.CopyFrom(loop_pb2.RewardModelScorer(model="rm", normalization=7)),  # type: ignore[arg-type]
+     "environment.reward_model.normalization"),
+    (lambda e: e.reward_model.CopyFrom(loop_pb2.RewardModelScorer(model="rm", scale=float("inf"))),
+     "environment.reward_model.scale"),
+    (lambda e: e.reward_model.CopyFrom(loop_pb2.RewardModelScorer(model="rm", timeout_seconds=-1)),
+     "environment.reward_model.timeout_seconds"),
     # The eval split is checked as the tasks are.
     (lambda e: e.eval_tasks.add(prompt_text="", answer="3"), "environment.eval_tasks[0].prompt_text"),
     (lambda e: e.eval_tasks.add(prompt_text="1+2=", answer=""), "environment.eval_tasks[0].answer"),

@@ -115,7 +115,9 @@ def test_valid_scorers_pass() -> None:
                    builtin(KIND.KIND_REGEX, pattern=r"\d+"),
                    bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer(test_code="def test_a(): pass")),
                    bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
-                                                                       timeout_seconds=3))):
+                                                                       timeout_seconds=3)),
+                   bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(
+                       model="rm", normalization=bus_pb2.RewardModelScorer.NORMALIZATION_SIGMOID, scale=2, shift=-1))):
         validate_scorer(scorer)
         validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x", group_size=1, scorer=scorer))
         validate_trajectory(trajectory(scorer=scorer))
@@ -138,6 +140,13 @@ def test_valid_scorers_pass() -> None:
     (bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer()), "scorer.reward_code.source"),
     (bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="x", timeout_seconds=-2)),
      "scorer.reward_code.timeout_seconds"),
+    (bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer()), "scorer.reward_model.model"),
+    (bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(model="rm", normalization=5)),  # type: ignore[arg-type]
+     "scorer.reward_model.normalization"),
+    (bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(model="rm", shift=float("nan"))),
+     "scorer.reward_model.shift"),
+    (bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(model="rm", timeout_seconds=float("inf"))),
+     "scorer.reward_model.timeout_seconds"),
 ])
 def test_invalid_scorer_names_the_field(scorer: bus_pb2.Scorer, field: str) -> None:
     for validate, message in ((validate_task, bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x",

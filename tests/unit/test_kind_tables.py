@@ -35,7 +35,8 @@ def test_scorer_kinds_are_the_contracts_scorers() -> None:
         assert [f.name for f in oneof.fields] == list(dict.fromkeys(kind.field for kind in SCORER_KINDS)), message
     builtins = {v.number for v in bus_pb2.BuiltinVerifier.Kind.DESCRIPTOR.values if v.number}
     assert {kind.builtin for kind in SCORER_KINDS if kind.builtin is not None} == builtins
-    assert all((kind.verify is None) != (kind.sandboxed is None) for kind in SCORER_KINDS)
+    assert all(sum(where is not None for where in (kind.verify, kind.sandboxed, kind.served)) == 1
+               for kind in SCORER_KINDS)
 
 
 def test_the_reward_service_runs_every_scorer_kind() -> None:
@@ -56,8 +57,8 @@ def test_the_cli_and_the_gateway_offer_the_tables_choices() -> None:
 
     scorer_help = get_type_hints(env_submit, include_extras=True)["scorer"].__metadata__[0].help
     assert all(f"{kind.name}: {kind.rewards}" in scorer_help for kind in SCORER_KINDS)
-    assert field_choices() == "builtin (exact_answer, numeric_tolerance, regex), unit_tests, reward_code or " \
-                              "environment_reward"
+    assert field_choices() == "builtin (exact_answer, numeric_tolerance, regex), unit_tests, reward_code, " \
+                              "environment_reward or reward_model"
 
 
 def test_the_environments_that_drive_their_episodes_are_the_contracts_and_the_docs() -> None:

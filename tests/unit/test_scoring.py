@@ -85,7 +85,7 @@ def test_scorer_kinds_key_the_registry() -> None:
 
     registry = default_registry(never)
     assert registry.kinds == ["environment_reward", "exact_answer", "numeric_tolerance", "regex", "reward_code",
-                              "unit_tests"]
+                              "reward_model", "unit_tests"]
     assert registry.scorer_for(traj("46", EXACT_46)) is not registry.scorer_for(
         traj("1", bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer())))
     with pytest.raises(UnscorableTrajectory, match="^scorer: the trajectory names none"):

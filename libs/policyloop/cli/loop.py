@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from policyloop.scorers.kinds import SCORER_KINDS
+from policyloop.scorers.reward_model import normalizations
 
 if TYPE_CHECKING:
     pass
@@ -77,6 +78,10 @@ def env_submit(
     scorer: ScorerOption = "exact_answer",
     pattern: PatternOption = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
+    reward_model: Annotated[str, typer.Option(help="reward_model: the reward model's name (one the reward service's "
+                                                   "reward_models.engines names).")] = "",
+    normalization: Annotated[str, typer.Option(help="reward_model: how its score becomes the reward (" +
+                                                    ", ".join(normalizations()) + ").")] = "none",
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,
     timeout_s: Annotated[float, typer.Option(help="Sandbox time limit of one scoring job.")] = 10.0,
@@ -136,7 +141,8 @@ def env_submit(
         env = build_environment(name, version, task_specs, scorer, pattern=pattern, tolerance=tolerance,
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
-                                tools=tool, supervised=supervised, driver=driver)
+                                tools=tool, supervised=supervised, driver=driver, reward_model=reward_model,
+                                normalization=normalization)
         env.eval_tasks.extend(held_out)
     except (TaskFileError, ValueError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")

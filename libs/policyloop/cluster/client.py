@@ -13,6 +13,7 @@ import grpc
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, loop_pb2_grpc
 from policyloop.envs.driven import Driver, set_driver
 from policyloop.scorers.kinds import SCORERS
+from policyloop.scorers.reward_model import normalization_value
 
 
 class TaskFileError(ValueError):
@@ -103,7 +104,8 @@ def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], s
                       pattern: str = "", tolerance: float = 0.0, code: str = "", timeout_s: float = 10.0,
                       group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
                       max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False,
-                      driver: Driver | None = None) -> loop_pb2.Environment:
+                      driver: Driver | None = None, reward_model: str = "",
+                      normalization: str = "none") -> loop_pb2.Environment:
     """An Environment; the gateway validates it (and names what is wrong). With a `driver` (a
     program, an OpenEnv server, a verifiers environment) the scorer is the rewards it gives
     (environment_reward)."""
@@ -123,6 +125,9 @@ def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], s
         env.unit_tests.CopyFrom(loop_pb2.UnitTestScorer(test_code=code, timeout_seconds=timeout_s))
     elif scorer == "reward_code":
         env.reward_code.CopyFrom(loop_pb2.RewardCodeScorer(source=code, timeout_seconds=timeout_s))
+    elif scorer == "reward_model":
+        env.reward_model.CopyFrom(loop_pb2.RewardModelScorer(
+            model=reward_model, normalization=normalization_value(normalization)))
     else:
         raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
     return env

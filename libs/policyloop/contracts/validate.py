@@ -137,11 +137,34 @@ def validate_scorer(scorer: bus_pb2.Scorer) -> None:
         return
     if kind == "environment_reward":
         return
+    if kind == "reward_model":
+        _validate_reward_model(scorer.reward_model)
+        return
     seconds = getattr(scorer, kind).timeout_seconds
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidMessage(f"scorer.{kind}.timeout_seconds", f"{seconds} is not a number of seconds (0: the default)")
     if kind == "reward_code" and not scorer.reward_code.source:
         raise InvalidMessage("scorer.reward_code.source", "is empty")
+
+
+def reward_model_problem(spec: bus_pb2.RewardModelScorer) -> tuple[str, str] | None:
+    """(field below the scorer, what is wrong) of a reward model scorer, None when it is well formed."""
+    if not spec.model:
+        return "model", "is empty: name the reward model (one the reward service reaches)"
+    if spec.normalization not in bus_pb2.RewardModelScorer.Normalization.values():
+        return "normalization", f"{spec.normalization} is not a normalization"
+    for name in ("scale", "shift"):
+        if not math.isfinite(getattr(spec, name)):
+            return name, "is not a finite number"
+    if not math.isfinite(spec.timeout_seconds) or spec.timeout_seconds < 0:
+        return "timeout_seconds", f"{spec.timeout_seconds} is not a number of seconds (0: the default)"
+    return None
+
+
+def _validate_reward_model(spec: bus_pb2.RewardModelScorer) -> None:
+    problem = reward_model_problem(spec)
+    if problem is not None:
+        raise InvalidMessage(f"scorer.reward_model.{problem[0]}", problem[1])
 
 
 def _validate_verifier(scorer: bus_pb2.Scorer) -> None:

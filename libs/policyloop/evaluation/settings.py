@@ -10,9 +10,10 @@ from pydantic import Field
 from policyloop.envs.tool_episodes import ToolSettings
 from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime import ServiceSettings
+from policyloop.scorers.settings import ModelScorerSettings
 
 
-class EvaluatorSettings(ServiceSettings, ToolSettings):
+class EvaluatorSettings(ServiceSettings, ToolSettings, ModelScorerSettings):
     every_versions: int = Field(
         5, ge=1, description="Evaluate each version whose number is a multiple of this (1: every version). An "
                              "evaluator still busy when several such versions appeared evaluates the newest.")

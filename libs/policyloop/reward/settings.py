@@ -5,9 +5,10 @@ from __future__ import annotations
 from pydantic import Field
 
 from policyloop.runtime import ServiceSettings
+from policyloop.scorers.settings import ModelScorerSettings
 
 
-class RewardSettings(ServiceSettings):
+class RewardSettings(ServiceSettings, ModelScorerSettings):
     concurrency: int = Field(64, description="Rollouts this replica scores at once.")
     sandbox_timeout_s: float = Field(
         120.0, description="How long a code scorer (unit tests, reward code) may wait for the sandbox's result, "

@@ -1,5 +1,6 @@
 """The scorer kinds, declared once: each kind's name, what it rewards, and where it runs — in the
-reward service's process (a pure function of the trajectory) or as a sandbox job (user code).
+reward service's process (a pure function of the trajectory), as a sandbox job (user code), or on
+a model the scoring service calls (`served`: built from its settings, which say where the model is).
 
 The contract carries a kind as a field of the `scorer` oneof of Scorer and Environment (a
 built-in verifier as a BuiltinVerifier.Kind); a test holds this table, the contract, the reward
@@ -13,13 +14,16 @@ from dataclasses import dataclass
 
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.scorers.reward_code import reward_code_job, reward_code_score
+from policyloop.scorers.reward_model import reward_model_scorer
 from policyloop.scorers.sandboxed import CodeJob
-from policyloop.scorers.score import Score, UnscorableTrajectory, scorer_kind
+from policyloop.scorers.score import Score, TrajectoryScorer, UnscorableTrajectory, scorer_kind
+from policyloop.scorers.settings import ModelScorerSettings
 from policyloop.scorers.unit_tests import unit_test_job, unit_test_score
 from policyloop.scorers.verifiers import Verifier, environment_reward, exact_answer, numeric_tolerance, regex
 
 BuildJob = Callable[[bus_pb2.Trajectory], CodeJob]
 ReadResult = Callable[[bus_pb2.Trajectory, CodeJob, bus_pb2.SandboxResult], Score]
+BuildServed = Callable[[ModelScorerSettings], TrajectoryScorer]
 
 
 @dataclass(frozen=True)
@@ -28,6 +32,7 @@ class ScorerKind:
     rewards: str                                       # what it rewards, for people
     verify: Verifier | None = None                     # runs in the reward service's process
     sandboxed: tuple[BuildJob, ReadResult] | None = None  # runs as a sandbox job: (build, read its result)
+    served: BuildServed | None = None                  # calls a model: its scorer, built from the settings
 
     @property
     def builtin(self) -> int | None:
@@ -53,11 +58,14 @@ SCORER_KINDS: tuple[ScorerKind, ...] = (
     ScorerKind("environment_reward", "the rewards an environment that drives its episodes (a program, an "
                                      "OpenEnv server, a verifiers environment) gives its steps",
                verify=environment_reward),
+    ScorerKind("reward_model", "a reward model's score of the prompt and response (served on engines' /classify; "
+                               "optionally sigmoid-normalised, scaled and shifted)", served=reward_model_scorer),
 )
 SCORERS: dict[str, ScorerKind] = {kind.name: kind for kind in SCORER_KINDS}
 VERIFIERS: dict[str, Verifier] = {kind.name: kind.verify for kind in SCORER_KINDS if kind.verify is not None}
 SANDBOXED: dict[str, tuple[BuildJob, ReadResult]] = {
     kind.name: kind.sandboxed for kind in SCORER_KINDS if kind.sandboxed is not None}
+SERVED: dict[str, BuildServed] = {kind.name: kind.served for kind in SCORER_KINDS if kind.served is not None}
 
 
 def field_choices() -> str:

@@ -1,24 +1,20 @@
 """Scorers keyed by the kind of a trajectory's typed scorer (`score.scorer_kind`): those of
-scorers.kinds that run here, and the code scorers as sandbox jobs."""
+scorers.kinds that run here, the code scorers as sandbox jobs, and those calling a model."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from policyloop.contracts.v1 import bus_pb2
-from policyloop.scorers.kinds import SANDBOXED, VERIFIERS
+from policyloop.scorers.kinds import SANDBOXED, SERVED, VERIFIERS
 from policyloop.scorers.sandboxed import CodeJob
-from policyloop.scorers.score import Score, UnscorableTrajectory, scorer_kind
+from policyloop.scorers.score import Score, TrajectoryScorer, UnscorableTrajectory, scorer_kind
+from policyloop.scorers.settings import ModelScorerSettings
 from policyloop.scorers.verifiers import Verifier
 
 # Runs a job in the sandbox service and returns its result (policyloop.sandbox.client.run_in_sandbox).
 RunJob = Callable[[bus_pb2.SandboxJob], Awaitable[bus_pb2.SandboxResult]]
-
-
-class TrajectoryScorer(Protocol):
-    async def score(self, traj: bus_pb2.Trajectory) -> Score: ...
 
 
 @dataclass(frozen=True)
@@ -84,12 +80,22 @@ class ScorerRegistry:
         """(reward, breakdown) of `traj`; UnscorableTrajectory when no scorer here can score it."""
         return await self.scorer_for(traj).score(traj)
 
+    async def close(self) -> None:
+        """Closes the scorers that hold connections (to a model's engines)."""
+        for scorer in self._scorers.values():
+            close = getattr(scorer, "close", None)
+            if close is not None:
+                await close()
 
-def default_registry(run_job: RunJob) -> ScorerRegistry:
-    """The built-in verifiers, and the code scorers running their jobs through `run_job`."""
+
+def default_registry(run_job: RunJob, settings: ModelScorerSettings | None = None) -> ScorerRegistry:
+    """The built-in verifiers, the code scorers running their jobs through `run_job`, and the
+    scorers calling the models `settings` name (none reached without them)."""
     registry = ScorerRegistry()
     for kind, verify in VERIFIERS.items():
         registry.register(kind, LocalScorer(verify))
     for kind, (build, read) in SANDBOXED.items():
         registry.register(kind, SandboxScorer(build, read, run_job))
+    for kind, build_served in SERVED.items():
+        registry.register(kind, build_served(settings or ModelScorerSettings()))
     return registry

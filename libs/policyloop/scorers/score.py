@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from policyloop.contracts.v1 import bus_pb2
 
 # (reward, breakdown): the reward is the breakdown's sum of value * weight.
 Score = tuple[float, list[bus_pb2.RewardComponent]]
+
+
+class TrajectoryScorer(Protocol):
+    async def score(self, traj: bus_pb2.Trajectory) -> Score: ...
 
 
 class UnscorableTrajectory(ValueError):

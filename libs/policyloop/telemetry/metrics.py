@@ -154,6 +154,17 @@ REWARD = Histogram("policyloop_reward", "Reward of scored trajectories.", ["run"
 # be negative): the sum is kept here, as a gauge since it may go down.
 REWARD_POINTS = Gauge("policyloop_reward_points", "Sum of the rewards scored (the mean over an interval: its "
                       "delta over the increase of policyloop_reward_count).", ["run", "environment"])
+REWARD_MODEL_BATCH = Histogram(
+    "policyloop_reward_model_batch_samples", "Samples per /classify call to a reward model's engines (samples of "
+    "any groups, batched by the scoring service).", ["model"], buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+REWARD_MODEL_CALL_SECONDS = Histogram(
+    "policyloop_reward_model_call_seconds", "Duration of a /classify call that gave its batch's scores.", ["model"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+REWARD_MODEL_QUEUE = Gauge(
+    "policyloop_reward_model_queue_samples", "Samples waiting for a /classify call to a reward model.", ["model"])
+REWARD_MODEL_FAILURES = Counter(
+    "policyloop_reward_model_failures", "Scorings a reward model did not give: timeout (no score in time), "
+    "unavailable (no engine answered), refused (the model cannot take the sample).", ["model", "reason"])
 WEIGHT_SYNC_SECONDS = Histogram(
     "policyloop_weight_sync_seconds",
     "Time a new version spends in each phase of weight sync: encode and push (learner), fetch and "

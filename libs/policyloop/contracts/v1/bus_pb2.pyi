@@ -112,19 +112,41 @@ class EnvironmentRewardScorer(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class RewardModelScorer(_message.Message):
+    __slots__ = ("model", "normalization", "scale", "shift", "timeout_seconds")
+    class Normalization(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        NORMALIZATION_UNSPECIFIED: _ClassVar[RewardModelScorer.Normalization]
+        NORMALIZATION_SIGMOID: _ClassVar[RewardModelScorer.Normalization]
+    NORMALIZATION_UNSPECIFIED: RewardModelScorer.Normalization
+    NORMALIZATION_SIGMOID: RewardModelScorer.Normalization
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    SHIFT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    normalization: RewardModelScorer.Normalization
+    scale: float
+    shift: float
+    timeout_seconds: float
+    def __init__(self, model: _Optional[str] = ..., normalization: _Optional[_Union[RewardModelScorer.Normalization, str]] = ..., scale: _Optional[float] = ..., shift: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
 class Scorer(_message.Message):
-    __slots__ = ("builtin", "unit_tests", "reward_code", "environment_reward", "answer")
+    __slots__ = ("builtin", "unit_tests", "reward_code", "environment_reward", "reward_model", "answer")
     BUILTIN_FIELD_NUMBER: _ClassVar[int]
     UNIT_TESTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_MODEL_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     builtin: BuiltinVerifier
     unit_tests: UnitTestScorer
     reward_code: RewardCodeScorer
     environment_reward: EnvironmentRewardScorer
+    reward_model: RewardModelScorer
     answer: str
-    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
+    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., reward_model: _Optional[_Union[RewardModelScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program", "openenv", "verifiers")
