@@ -197,3 +197,17 @@ def test_tinker_sampling_times_a_request_directly_and_through_the_api(tmp_path: 
         assert 0 < figures[path]["median_ms"] <= figures[path]["p90_ms"]
     assert figures["hop_median_ms"] == pytest.approx(
         figures["through_the_api"]["median_ms"] - figures["direct"]["median_ms"], abs=0.02)
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_reward_throughput_scores_samples_at_each_batch_size(tmp_path: Path) -> None:
+    from tests.tiny_model import build_tiny_reward_model
+
+    model = build_tiny_reward_model(tmp_path / "reward-model")
+    figures = run_harness("reward_throughput.py", "--model-path", str(model), "--samples", "32", "--batch-sizes",
+                          "1,8", "--repeats", "1", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    one, eight = figures["results"]
+    assert (one["max_batch"], one["calls"], one["mean_batch"]) == (1, 32, 1.0)
+    assert (eight["max_batch"], eight["calls"], eight["mean_batch"]) == (8, 4, 8.0)
+    assert one["samples_per_s"] > 0 and eight["samples_per_s"] > 0
+    assert (tmp_path / "out" / "reward_throughput.png").stat().st_size > 0
