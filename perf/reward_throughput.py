@@ -25,7 +25,7 @@ from policyloop.engines.sglang_client import SGLangClient
 from policyloop.envs.arithmetic import ArithmeticConfig, train_problems
 from policyloop.rollout.engine_process import engine_url_or_start, stop_engine, wait_for_engine
 from policyloop.scorers.reward_model import reward_model_scorer
-from policyloop.scorers.settings import ModelScorerSettings, RewardModelSettings
+from policyloop.scorers.settings import ModelScorerSettings, RewardModelSettings, ScorerContext
 from policyloop.telemetry.metrics import REWARD_MODEL_BATCH, REWARD_MODEL_CALL_SECONDS
 
 MODEL = "perf-rm"
@@ -68,9 +68,9 @@ async def one_batch_size(engine_url: str, trajectories: list[bus_pb2.Trajectory]
     calls_before = histogram(REWARD_MODEL_BATCH, "policyloop_reward_model_batch_samples_count")
     sent_before = histogram(REWARD_MODEL_BATCH, "policyloop_reward_model_batch_samples_sum")
     for _ in range(repeats):
-        scorer = reward_model_scorer(ModelScorerSettings(reward_models=RewardModelSettings(
+        scorer = reward_model_scorer(ScorerContext(ModelScorerSettings(reward_models=RewardModelSettings(
             engines={MODEL: [engine_url]}, max_batch=max_batch, max_wait_s=0.002, concurrency=concurrency,
-            timeout_s=600)))
+            timeout_s=600))))
         try:
             started = time.perf_counter()
             await asyncio.gather(*(scorer.score(t) for t in trajectories))

@@ -220,11 +220,11 @@ def greedy_ids(model, prompt: list[int], steps: int) -> list[int]:  # type: igno
 
 
 @asynccontextmanager
-async def serving_http(app: web.Application) -> AsyncIterator[str]:
-    """An aiohttp application on a free loopback port, for as long as the block runs: its base URL."""
+async def serving_http(app: web.Application, port: int = 0) -> AsyncIterator[str]:
+    """An aiohttp application on a loopback port (0: a free one), for as long as the block runs: its base URL."""
     runner = web.AppRunner(app)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
         yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
@@ -234,7 +234,7 @@ async def serving_http(app: web.Application) -> AsyncIterator[str]:
 
 @asynccontextmanager
 async def openai_endpoint(model_dir: Path, bus: Bus, served_model: str, *, weight_version: str = "0",
-                          max_batch: int = 8) -> AsyncIterator[tuple[str, object, object]]:
+                          max_batch: int = 8, port: int = 0) -> AsyncIterator[tuple[str, object, object]]:
     """The serving endpoint over an embedded engine on `model_dir`, for as long as the block runs:
     its base URL, the engine's client (an SGLangClient) and the tokenizer as the replica loads it."""
     from policyloop.engines.embedded import start_engine
@@ -246,7 +246,7 @@ async def openai_endpoint(model_dir: Path, bus: Bus, served_model: str, *, weigh
     engine = SGLangClient(running.base_url, timeout_s=120, retries=0)
     tokenizer = load_tokenizer(model_dir)
     try:
-        async with serving_http(OpenAIApi(engine, tokenizer, bus, served_model).app()) as url:
+        async with serving_http(OpenAIApi(engine, tokenizer, bus, served_model).app(), port) as url:
             yield url, engine, tokenizer
     finally:
         await engine.close()

@@ -18,6 +18,7 @@ from policyloop.rollout.engine_process import engine_url_or_start, name_base_ver
 from policyloop.runtime import ServiceContext, model_directory, run_main
 from policyloop.sandbox.client import run_in_sandbox
 from policyloop.scorers.registry import default_registry
+from policyloop.scorers.settings import ScorerContext
 from policyloop.state import connect_redis
 from policyloop.state.catalog import EnvironmentCatalog, RunRegistry
 from policyloop.weights.client import WeightClient
@@ -51,7 +52,7 @@ async def body(ctx: ServiceContext) -> None:
 
     # Definitions and results are protobuf.
     raw = await connect_redis(settings.redis_url, pool=settings.redis_pool, decode_responses=False)
-    registry = default_registry(run_job, settings)
+    registry = default_registry(run_job, ScorerContext(settings, raw, settings.namespace))
     try:
         runs, evals = RunRegistry(raw, settings.namespace), EvalStore(raw, settings.namespace)
         evaluator = Evaluator(

@@ -17,6 +17,7 @@ from policyloop.reward.settings import RewardSettings
 from policyloop.runtime import ServiceContext, run_main, run_pull_workers
 from policyloop.sandbox.client import run_in_sandbox
 from policyloop.scorers.registry import default_registry
+from policyloop.scorers.settings import ScorerContext
 
 
 async def body(ctx: ServiceContext) -> None:
@@ -30,7 +31,7 @@ async def body(ctx: ServiceContext) -> None:
     def scored(samples: int) -> None:
         status.rollouts_done += samples
 
-    registry = default_registry(run_job, settings)
+    registry = default_registry(run_job, ScorerContext(settings, ctx.redis, settings.namespace))
     scorer = RolloutScorer(ctx.bus, registry, on_scored=scored)
     worker = PullWorker(
         ctx.bus, ctx.bus.topology.consumers["reward"], bus_pb2.TrajectoryGroup, scorer.handle,

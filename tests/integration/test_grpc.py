@@ -108,6 +108,10 @@ INVALID_ENVIRONMENTS = [
      "environment.reward_model.scale"),
     (lambda e: e.reward_model.CopyFrom(loop_pb2.RewardModelScorer(model="rm", timeout_seconds=-1)),
      "environment.reward_model.timeout_seconds"),
+    (lambda e: e.judge.CopyFrom(loop_pb2.JudgeScorer(judge="j", template="Rate it.")), "environment.judge.template"),
+    (lambda e: e.judge.CopyFrom(loop_pb2.JudgeScorer(judge="j", template="{response}",
+                                                     verdict=loop_pb2.JudgeScorer.VERDICT_LABEL)),
+     "environment.judge.labels"),
     # The eval split is checked as the tasks are.
     (lambda e: e.eval_tasks.add(prompt_text="", answer="3"), "environment.eval_tasks[0].prompt_text"),
     (lambda e: e.eval_tasks.add(prompt_text="1+2=", answer=""), "environment.eval_tasks[0].answer"),

@@ -22,7 +22,7 @@ from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.models.tokenizer import build_tokenizer
 from policyloop.scorers.classify_batcher import RewardModelUnavailable
 from policyloop.scorers.reward_model import reward_model_scorer, reward_model_text
-from policyloop.scorers.settings import ModelScorerSettings, RewardModelSettings
+from policyloop.scorers.settings import ModelScorerSettings, RewardModelSettings, ScorerContext
 from policyloop.telemetry.metrics import REWARD_MODEL_BATCH
 from tests.conftest import ServiceLauncher, fast_limits
 from tests.helpers import eventually, publish_group, stored, stored_samples
@@ -71,7 +71,7 @@ async def test_samples_of_many_groups_share_batched_calls_and_score_as_alone(
         reward_engine: EmbeddedEngine, tiny_reward_model: Path) -> None:
     settings = ModelScorerSettings(reward_models=RewardModelSettings(
         engines={"tiny-rm": [reward_engine.base_url]}, max_batch=8, max_wait_s=0.05, concurrency=2))
-    scorer = reward_model_scorer(settings)
+    scorer = reward_model_scorer(ScorerContext(settings))
     spec = bus_pb2.RewardModelScorer(model="tiny-rm", normalization=SIGMOID, scale=2.0, shift=-1.0)
     samples = [sample(f"s{i}", f"{i}+{i}=", str(2 * i + i % 3), spec) for i in range(24)]
     before = batches_made("tiny-rm")
@@ -91,8 +91,8 @@ async def test_samples_of_many_groups_share_batched_calls_and_score_as_alone(
 
 async def test_an_unknown_model_or_an_unreachable_engine_fails_with_the_reason() -> None:
     gone = f"http://127.0.0.1:{free_port()}"
-    scorer = reward_model_scorer(ModelScorerSettings(reward_models=RewardModelSettings(
-        engines={"away": [gone]}, timeout_s=20)))
+    scorer = reward_model_scorer(ScorerContext(ModelScorerSettings(reward_models=RewardModelSettings(
+        engines={"away": [gone]}, timeout_s=20))))
     try:
         with pytest.raises(RewardModelUnavailable, match="'elsewhere' is not a reward model this replica reaches"):
             await scorer.score(sample("a", "1+1=", "2", bus_pb2.RewardModelScorer(model="elsewhere")))

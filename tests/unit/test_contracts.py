@@ -117,7 +117,10 @@ def test_valid_scorers_pass() -> None:
                    bus_pb2.Scorer(reward_code=bus_pb2.RewardCodeScorer(source="def reward(p, c, m): return 1",
                                                                        timeout_seconds=3)),
                    bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(
-                       model="rm", normalization=bus_pb2.RewardModelScorer.NORMALIZATION_SIGMOID, scale=2, shift=-1))):
+                       model="rm", normalization=bus_pb2.RewardModelScorer.NORMALIZATION_SIGMOID, scale=2, shift=-1)),
+                   bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="Rate {response}", max_score=10)),
+                   bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{response}", labels={"yes": 1},
+                                                            verdict=bus_pb2.JudgeScorer.VERDICT_LABEL))):
         validate_scorer(scorer)
         validate_task(bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x", group_size=1, scorer=scorer))
         validate_trajectory(trajectory(scorer=scorer))
@@ -147,6 +150,16 @@ def test_valid_scorers_pass() -> None:
      "scorer.reward_model.shift"),
     (bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(model="rm", timeout_seconds=float("inf"))),
      "scorer.reward_model.timeout_seconds"),
+    (bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(template="{response}")), "scorer.judge.judge"),
+    (bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{prompt}")), "scorer.judge.template"),
+    (bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{response}", verdict=9)),  # type: ignore[arg-type]
+     "scorer.judge.verdict"),
+    (bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{response}", labels={"yes": float("nan")})),
+     "scorer.judge.labels"),
+    (bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{response}", max_tokens=10**6)),
+     "scorer.judge.max_tokens"),
+    (bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{response}", max_score=float("inf"))),
+     "scorer.judge.max_score"),
 ])
 def test_invalid_scorer_names_the_field(scorer: bus_pb2.Scorer, field: str) -> None:
     for validate, message in ((validate_task, bus_pb2.Task(task_id="a", environment="e@1", prompt_text="x",

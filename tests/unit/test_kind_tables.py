@@ -58,7 +58,7 @@ def test_the_cli_and_the_gateway_offer_the_tables_choices() -> None:
     scorer_help = get_type_hints(env_submit, include_extras=True)["scorer"].__metadata__[0].help
     assert all(f"{kind.name}: {kind.rewards}" in scorer_help for kind in SCORER_KINDS)
     assert field_choices() == "builtin (exact_answer, numeric_tolerance, regex), unit_tests, reward_code, " \
-                              "environment_reward or reward_model"
+                              "environment_reward, reward_model or judge"
 
 
 def test_the_environments_that_drive_their_episodes_are_the_contracts_and_the_docs() -> None:

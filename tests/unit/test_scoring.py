@@ -84,8 +84,8 @@ def test_scorer_kinds_key_the_registry() -> None:
         raise AssertionError("the built-in verifiers run no sandbox job")
 
     registry = default_registry(never)
-    assert registry.kinds == ["environment_reward", "exact_answer", "numeric_tolerance", "regex", "reward_code",
-                              "reward_model", "unit_tests"]
+    assert registry.kinds == ["environment_reward", "exact_answer", "judge", "numeric_tolerance", "regex",
+                              "reward_code", "reward_model", "unit_tests"]
     assert registry.scorer_for(traj("46", EXACT_46)) is not registry.scorer_for(
         traj("1", bus_pb2.Scorer(unit_tests=bus_pb2.UnitTestScorer())))
     with pytest.raises(UnscorableTrajectory, match="^scorer: the trajectory names none"):

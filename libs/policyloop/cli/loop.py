@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from policyloop.scorers.judge import verdict_kinds
 from policyloop.scorers.kinds import SCORER_KINDS
 from policyloop.scorers.reward_model import normalizations
 
@@ -59,6 +60,30 @@ def with_gateway(gateway: str | None, run_dir: Path, token: str, call):  # type:
         client.close()
 
 
+def _judge(name: str, model: str, template: Path | None, verdict: str, labels: list[str], json_field: str,
+           score_range: str, timeout_s: float) -> Any:
+    """The judge scorer the flags describe; ValueError naming the flag that is wrong."""
+    from policyloop.scorers.judge import judge_spec
+
+    values = {}
+    for entry in labels:
+        label, sep, reward = entry.rpartition("=")
+        try:
+            values[label] = float(reward)
+        except ValueError:
+            raise ValueError(f"--label {entry!r}: LABEL=REWARD, the reward a number") from None
+        if not sep:
+            raise ValueError(f"--label {entry!r}: LABEL=REWARD")
+    low, high = 0.0, 0.0
+    if score_range:
+        try:
+            low, high = (float(v) for v in score_range.split(","))
+        except ValueError:
+            raise ValueError(f"--score-range {score_range!r}: MIN,MAX") from None
+    return judge_spec(name, template.read_text() if template else "", model=model, verdict_kind=verdict,
+                      labels=values, json_field=json_field, min_score=low, max_score=high, timeout_s=timeout_s)
+
+
 # The scorer kinds' table (scorers.kinds) is the help's list.
 ScorerOption = Annotated[str, typer.Option(help="; ".join(f"{kind.name}: {kind.rewards}" for kind in SCORER_KINDS) +
                                            " (with --program, --openenv or --verifiers: environment_reward).")]
@@ -82,6 +107,19 @@ def env_submit(
                                                    "reward_models.engines names).")] = "",
     normalization: Annotated[str, typer.Option(help="reward_model: how its score becomes the reward (" +
                                                     ", ".join(normalizations()) + ").")] = "none",
+    judge: Annotated[str, typer.Option(help="judge: the judge's name (one the reward service's judges.endpoints "
+                                            "names).")] = "",
+    judge_model: Annotated[str, typer.Option(help="judge: the model to ask (default: the endpoint's).")] = "",
+    judge_template: Annotated[Path | None, typer.Option(
+        help="judge: a file holding the judge's prompt, with {response} and optionally {prompt} and {answer}.")]
+    = None,
+    verdict: Annotated[str, typer.Option(help="judge: how its reply is read (" + ", ".join(verdict_kinds()) +
+                                              ").")] = "number",
+    label: Annotated[list[str] | None, typer.Option(
+        help="judge: LABEL=REWARD, once per label (label verdicts; a JSON verdict's string values).")] = None,
+    json_field: Annotated[str, typer.Option(help="judge: the JSON verdict's field (default: score).")] = "",
+    score_range: Annotated[str, typer.Option(
+        help="judge: MIN,MAX of a number verdict, mapped onto [0, 1] (default: the number itself).")] = "",
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,
     timeout_s: Annotated[float, typer.Option(help="Sandbox time limit of one scoring job.")] = 10.0,
@@ -142,7 +180,9 @@ def env_submit(
                                 code=code.read_text() if code else "", timeout_s=timeout_s, group_size=group_size,
                                 max_new_tokens=max_new_tokens, temperature=temperature, max_turns=max_turns,
                                 tools=tool, supervised=supervised, driver=driver, reward_model=reward_model,
-                                normalization=normalization)
+                                normalization=normalization,
+                                judge=_judge(judge, judge_model, judge_template, verdict, label or [], json_field,
+                                             score_range, timeout_s) if scorer == "judge" else None)
         env.eval_tasks.extend(held_out)
     except (TaskFileError, ValueError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")

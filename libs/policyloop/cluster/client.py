@@ -105,7 +105,7 @@ def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], s
                       group_size: int = 8, max_new_tokens: int = 32, temperature: float = 1.0,
                       max_turns: int = 0, tools: list[str] | None = None, supervised: bool = False,
                       driver: Driver | None = None, reward_model: str = "",
-                      normalization: str = "none") -> loop_pb2.Environment:
+                      normalization: str = "none", judge: loop_pb2.JudgeScorer | None = None) -> loop_pb2.Environment:
     """An Environment; the gateway validates it (and names what is wrong). With a `driver` (a
     program, an OpenEnv server, a verifiers environment) the scorer is the rewards it gives
     (environment_reward)."""
@@ -128,6 +128,8 @@ def build_environment(name: str, version: str, tasks: list[loop_pb2.TaskSpec], s
     elif scorer == "reward_model":
         env.reward_model.CopyFrom(loop_pb2.RewardModelScorer(
             model=reward_model, normalization=normalization_value(normalization)))
+    elif scorer == "judge":
+        env.judge.CopyFrom(judge or loop_pb2.JudgeScorer())
     else:
         raise ValueError(f"scorer must be one of {', '.join(SCORERS)}, got {scorer!r}")
     return env

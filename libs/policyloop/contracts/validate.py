@@ -140,6 +140,11 @@ def validate_scorer(scorer: bus_pb2.Scorer) -> None:
     if kind == "reward_model":
         _validate_reward_model(scorer.reward_model)
         return
+    if kind == "judge":
+        problem = judge_problem(scorer.judge)
+        if problem is not None:
+            raise InvalidMessage(f"scorer.judge.{problem[0]}", problem[1])
+        return
     seconds = getattr(scorer, kind).timeout_seconds
     if not math.isfinite(seconds) or seconds < 0:
         raise InvalidMessage(f"scorer.{kind}.timeout_seconds", f"{seconds} is not a number of seconds (0: the default)")
@@ -156,6 +161,32 @@ def reward_model_problem(spec: bus_pb2.RewardModelScorer) -> tuple[str, str] | N
     for name in ("scale", "shift"):
         if not math.isfinite(getattr(spec, name)):
             return name, "is not a finite number"
+    if not math.isfinite(spec.timeout_seconds) or spec.timeout_seconds < 0:
+        return "timeout_seconds", f"{spec.timeout_seconds} is not a number of seconds (0: the default)"
+    return None
+
+
+MAX_JUDGE_TOKENS = 4096
+_JUDGE = bus_pb2.JudgeScorer
+
+
+def judge_problem(spec: bus_pb2.JudgeScorer) -> tuple[str, str] | None:
+    """(field below the scorer, what is wrong) of a judge scorer, None when it is well formed."""
+    if not spec.judge:
+        return "judge", "is empty: name the judge (one the reward service reaches)"
+    if "{response}" not in spec.template:
+        return "template", "must hold {response} (and may hold {prompt} and {answer})"
+    if spec.verdict not in _JUDGE.Verdict.values():
+        return "verdict", f"{spec.verdict} is not a verdict"
+    if spec.verdict == _JUDGE.VERDICT_LABEL and not spec.labels:
+        return "labels", "a label verdict needs labels (label -> reward)"
+    bad = sorted(label for label, value in spec.labels.items() if not label.strip() or not math.isfinite(value))
+    if bad:
+        return "labels", f"{bad[:3]}: a label is a word with a finite reward"
+    if not (math.isfinite(spec.min_score) and math.isfinite(spec.max_score)):
+        return "max_score", "min_score and max_score must be finite numbers"
+    if spec.max_tokens > MAX_JUDGE_TOKENS:
+        return "max_tokens", f"at most {MAX_JUDGE_TOKENS}"
     if not math.isfinite(spec.timeout_seconds) or spec.timeout_seconds < 0:
         return "timeout_seconds", f"{spec.timeout_seconds} is not a number of seconds (0: the default)"
     return None

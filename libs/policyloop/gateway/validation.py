@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pydantic import ValidationError
 
 from policyloop.contracts.v1 import loop_pb2, status_pb2
-from policyloop.contracts.validate import reward_model_problem
+from policyloop.contracts.validate import judge_problem, reward_model_problem
 from policyloop.envs.driven import DRIVER_KINDS, driver_of
 from policyloop.envs.spec import DEFAULT_GROUP_SIZE, DEFAULT_MAX_NEW_TOKENS
 from policyloop.envs.tools import TOOL_FORMATS
@@ -119,10 +119,11 @@ def _validate_scorer(env: loop_pb2.Environment) -> None:
     elif scorer == "reward_code":
         check_reward_code(env.reward_code.source)
         _check_timeout("environment.reward_code.timeout_seconds", env.reward_code.timeout_seconds)
-    elif scorer == "reward_model":
-        problem = reward_model_problem(env.reward_model)
+    elif scorer in ("reward_model", "judge"):
+        check = reward_model_problem if scorer == "reward_model" else judge_problem
+        problem = check(getattr(env, scorer))  # type: ignore[operator]
         if problem is not None:
-            raise InvalidField(f"environment.reward_model.{problem[0]}", problem[1])
+            raise InvalidField(f"environment.{scorer}.{problem[0]}", problem[1])
 
 
 MAX_PROGRAM_BYTES = 512 * 1024  # it travels on each Task

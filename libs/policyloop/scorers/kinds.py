@@ -13,17 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.scorers.judge import judge_scorer
 from policyloop.scorers.reward_code import reward_code_job, reward_code_score
 from policyloop.scorers.reward_model import reward_model_scorer
 from policyloop.scorers.sandboxed import CodeJob
 from policyloop.scorers.score import Score, TrajectoryScorer, UnscorableTrajectory, scorer_kind
-from policyloop.scorers.settings import ModelScorerSettings
+from policyloop.scorers.settings import ScorerContext
 from policyloop.scorers.unit_tests import unit_test_job, unit_test_score
 from policyloop.scorers.verifiers import Verifier, environment_reward, exact_answer, numeric_tolerance, regex
 
 BuildJob = Callable[[bus_pb2.Trajectory], CodeJob]
 ReadResult = Callable[[bus_pb2.Trajectory, CodeJob, bus_pb2.SandboxResult], Score]
-BuildServed = Callable[[ModelScorerSettings], TrajectoryScorer]
+BuildServed = Callable[[ScorerContext], TrajectoryScorer]
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class ScorerKind:
     rewards: str                                       # what it rewards, for people
     verify: Verifier | None = None                     # runs in the reward service's process
     sandboxed: tuple[BuildJob, ReadResult] | None = None  # runs as a sandbox job: (build, read its result)
-    served: BuildServed | None = None                  # calls a model: its scorer, built from the settings
+    served: BuildServed | None = None                  # calls a model: its scorer, built from the service's context
 
     @property
     def builtin(self) -> int | None:
@@ -60,6 +61,8 @@ SCORER_KINDS: tuple[ScorerKind, ...] = (
                verify=environment_reward),
     ScorerKind("reward_model", "a reward model's score of the prompt and response (served on engines' /classify; "
                                "optionally sigmoid-normalised, scaled and shifted)", served=reward_model_scorer),
+    ScorerKind("judge", "an LLM judge's verdict (a number, a label or a JSON field) on the prompt and response, "
+                        "from an OpenAI-compatible endpoint", served=judge_scorer),
 )
 SCORERS: dict[str, ScorerKind] = {kind.name: kind for kind in SCORER_KINDS}
 VERIFIERS: dict[str, Verifier] = {kind.name: kind.verify for kind in SCORER_KINDS if kind.verify is not None}

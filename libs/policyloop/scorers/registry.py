@@ -10,7 +10,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.scorers.kinds import SANDBOXED, SERVED, VERIFIERS
 from policyloop.scorers.sandboxed import CodeJob
 from policyloop.scorers.score import Score, TrajectoryScorer, UnscorableTrajectory, scorer_kind
-from policyloop.scorers.settings import ModelScorerSettings
+from policyloop.scorers.settings import ScorerContext
 from policyloop.scorers.verifiers import Verifier
 
 # Runs a job in the sandbox service and returns its result (policyloop.sandbox.client.run_in_sandbox).
@@ -88,14 +88,14 @@ class ScorerRegistry:
                 await close()
 
 
-def default_registry(run_job: RunJob, settings: ModelScorerSettings | None = None) -> ScorerRegistry:
+def default_registry(run_job: RunJob, context: ScorerContext | None = None) -> ScorerRegistry:
     """The built-in verifiers, the code scorers running their jobs through `run_job`, and the
-    scorers calling the models `settings` name (none reached without them)."""
+    scorers calling the models the context's settings name (none reached without them)."""
     registry = ScorerRegistry()
     for kind, verify in VERIFIERS.items():
         registry.register(kind, LocalScorer(verify))
     for kind, (build, read) in SANDBOXED.items():
         registry.register(kind, SandboxScorer(build, read, run_job))
     for kind, build_served in SERVED.items():
-        registry.register(kind, build_served(settings or ModelScorerSettings()))
+        registry.register(kind, build_served(context or ScorerContext()))
     return registry

@@ -10,7 +10,7 @@ from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.sglang_client import SGLangClient
 from policyloop.scorers.classify_batcher import ClassifyBatcher, RewardModelUnavailable
 from policyloop.scorers.score import Score, UnscorableTrajectory, component
-from policyloop.scorers.settings import ModelScorerSettings
+from policyloop.scorers.settings import ScorerContext
 
 _SPEC = bus_pb2.RewardModelScorer
 
@@ -69,9 +69,9 @@ class RewardModelScorer:
             await batcher.close()
 
 
-def reward_model_scorer(settings: ModelScorerSettings) -> RewardModelScorer:
-    """The scorer of the reward models in `settings`, a batcher and clients for each."""
-    models = settings.reward_models
+def reward_model_scorer(context: ScorerContext) -> RewardModelScorer:
+    """The scorer of the reward models in the settings, a batcher and clients for each."""
+    models = context.settings.reward_models
     batchers = {
         name: ClassifyBatcher(name, [SGLangClient(url, timeout_s=models.timeout_s, retries=1) for url in urls],
                               max_batch=models.max_batch, max_wait_s=models.max_wait_s,

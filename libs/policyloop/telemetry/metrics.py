@@ -165,6 +165,13 @@ REWARD_MODEL_QUEUE = Gauge(
 REWARD_MODEL_FAILURES = Counter(
     "policyloop_reward_model_failures", "Scorings a reward model did not give: timeout (no score in time), "
     "unavailable (no engine answered), refused (the model cannot take the sample).", ["model", "reason"])
+JUDGE_REQUESTS = Counter(
+    "policyloop_judge_requests", "Judgements by outcome: asked (the judge replied), cached (a reply kept from an "
+    "earlier delivery), timeout, unavailable (no reply: connection, 5xx, 429), refused (the judge's 4xx).",
+    ["judge", "outcome"])
+JUDGE_SECONDS = Histogram(
+    "policyloop_judge_seconds", "Time a judge took to reply (queueing for its concurrency included).", ["judge"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
 WEIGHT_SYNC_SECONDS = Histogram(
     "policyloop_weight_sync_seconds",
     "Time a new version spends in each phase of weight sync: encode and push (learner), fetch and "

@@ -132,21 +132,64 @@ class RewardModelScorer(_message.Message):
     timeout_seconds: float
     def __init__(self, model: _Optional[str] = ..., normalization: _Optional[_Union[RewardModelScorer.Normalization, str]] = ..., scale: _Optional[float] = ..., shift: _Optional[float] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
 
+class JudgeScorer(_message.Message):
+    __slots__ = ("judge", "model", "template", "verdict", "labels", "json_field", "min_score", "max_score", "max_tokens", "timeout_seconds")
+    class Verdict(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        VERDICT_UNSPECIFIED: _ClassVar[JudgeScorer.Verdict]
+        VERDICT_NUMBER: _ClassVar[JudgeScorer.Verdict]
+        VERDICT_LABEL: _ClassVar[JudgeScorer.Verdict]
+        VERDICT_JSON: _ClassVar[JudgeScorer.Verdict]
+    VERDICT_UNSPECIFIED: JudgeScorer.Verdict
+    VERDICT_NUMBER: JudgeScorer.Verdict
+    VERDICT_LABEL: JudgeScorer.Verdict
+    VERDICT_JSON: JudgeScorer.Verdict
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    JUDGE_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_FIELD_NUMBER: _ClassVar[int]
+    MIN_SCORE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SCORE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    judge: str
+    model: str
+    template: str
+    verdict: JudgeScorer.Verdict
+    labels: _containers.ScalarMap[str, float]
+    json_field: str
+    min_score: float
+    max_score: float
+    max_tokens: int
+    timeout_seconds: float
+    def __init__(self, judge: _Optional[str] = ..., model: _Optional[str] = ..., template: _Optional[str] = ..., verdict: _Optional[_Union[JudgeScorer.Verdict, str]] = ..., labels: _Optional[_Mapping[str, float]] = ..., json_field: _Optional[str] = ..., min_score: _Optional[float] = ..., max_score: _Optional[float] = ..., max_tokens: _Optional[int] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
 class Scorer(_message.Message):
-    __slots__ = ("builtin", "unit_tests", "reward_code", "environment_reward", "reward_model", "answer")
+    __slots__ = ("builtin", "unit_tests", "reward_code", "environment_reward", "reward_model", "judge", "answer")
     BUILTIN_FIELD_NUMBER: _ClassVar[int]
     UNIT_TESTS_FIELD_NUMBER: _ClassVar[int]
     REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_MODEL_FIELD_NUMBER: _ClassVar[int]
+    JUDGE_FIELD_NUMBER: _ClassVar[int]
     ANSWER_FIELD_NUMBER: _ClassVar[int]
     builtin: BuiltinVerifier
     unit_tests: UnitTestScorer
     reward_code: RewardCodeScorer
     environment_reward: EnvironmentRewardScorer
     reward_model: RewardModelScorer
+    judge: JudgeScorer
     answer: str
-    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., reward_model: _Optional[_Union[RewardModelScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
+    def __init__(self, builtin: _Optional[_Union[BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[EnvironmentRewardScorer, _Mapping]] = ..., reward_model: _Optional[_Union[RewardModelScorer, _Mapping]] = ..., judge: _Optional[_Union[JudgeScorer, _Mapping]] = ..., answer: _Optional[str] = ...) -> None: ...
 
 class Task(_message.Message):
     __slots__ = ("task_id", "run_id", "environment", "prompt_token_ids", "prompt_text", "group_size", "sampling", "metadata", "created_unix_ms", "max_turns", "tools", "scorer", "program", "openenv", "verifiers")

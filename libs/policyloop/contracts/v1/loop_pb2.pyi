@@ -11,6 +11,7 @@ from policyloop.contracts.v1.bus_pb2 import UnitTestScorer as UnitTestScorer
 from policyloop.contracts.v1.bus_pb2 import RewardCodeScorer as RewardCodeScorer
 from policyloop.contracts.v1.bus_pb2 import EnvironmentRewardScorer as EnvironmentRewardScorer
 from policyloop.contracts.v1.bus_pb2 import RewardModelScorer as RewardModelScorer
+from policyloop.contracts.v1.bus_pb2 import JudgeScorer as JudgeScorer
 from policyloop.contracts.v1.bus_pb2 import Scorer as Scorer
 from policyloop.contracts.v1.bus_pb2 import Task as Task
 from policyloop.contracts.v1.bus_pb2 import OpenEnvServer as OpenEnvServer
@@ -103,7 +104,7 @@ class TaskSpec(_message.Message):
     def __init__(self, prompt_text: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., answer: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., demonstration_token_ids: _Optional[_Iterable[int]] = ..., demonstration_text: _Optional[str] = ..., demonstration_loss_mask: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class Environment(_message.Message):
-    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "environment_reward", "reward_model", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised", "program", "openenv", "verifiers")
+    __slots__ = ("name", "version", "tasks", "builtin", "unit_tests", "reward_code", "environment_reward", "reward_model", "judge", "group_size", "sampling", "max_turns", "tools", "eval_tasks", "supervised", "program", "openenv", "verifiers")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TASKS_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +113,7 @@ class Environment(_message.Message):
     REWARD_CODE_FIELD_NUMBER: _ClassVar[int]
     ENVIRONMENT_REWARD_FIELD_NUMBER: _ClassVar[int]
     REWARD_MODEL_FIELD_NUMBER: _ClassVar[int]
+    JUDGE_FIELD_NUMBER: _ClassVar[int]
     GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MAX_TURNS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +131,7 @@ class Environment(_message.Message):
     reward_code: _bus_pb2.RewardCodeScorer
     environment_reward: _bus_pb2.EnvironmentRewardScorer
     reward_model: _bus_pb2.RewardModelScorer
+    judge: _bus_pb2.JudgeScorer
     group_size: int
     sampling: _bus_pb2.SamplingParams
     max_turns: int
@@ -138,7 +141,7 @@ class Environment(_message.Message):
     program: _bus_pb2.EnvironmentProgram
     openenv: _bus_pb2.OpenEnvServer
     verifiers: _bus_pb2.VerifiersEnvironment
-    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[_bus_pb2.EnvironmentRewardScorer, _Mapping]] = ..., reward_model: _Optional[_Union[_bus_pb2.RewardModelScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ..., program: _Optional[_Union[_bus_pb2.EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[_bus_pb2.OpenEnvServer, _Mapping]] = ..., verifiers: _Optional[_Union[_bus_pb2.VerifiersEnvironment, _Mapping]] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., builtin: _Optional[_Union[_bus_pb2.BuiltinVerifier, _Mapping]] = ..., unit_tests: _Optional[_Union[_bus_pb2.UnitTestScorer, _Mapping]] = ..., reward_code: _Optional[_Union[_bus_pb2.RewardCodeScorer, _Mapping]] = ..., environment_reward: _Optional[_Union[_bus_pb2.EnvironmentRewardScorer, _Mapping]] = ..., reward_model: _Optional[_Union[_bus_pb2.RewardModelScorer, _Mapping]] = ..., judge: _Optional[_Union[_bus_pb2.JudgeScorer, _Mapping]] = ..., group_size: _Optional[int] = ..., sampling: _Optional[_Union[_bus_pb2.SamplingParams, _Mapping]] = ..., max_turns: _Optional[int] = ..., tools: _Optional[_Iterable[str]] = ..., eval_tasks: _Optional[_Iterable[_Union[TaskSpec, _Mapping]]] = ..., supervised: _Optional[bool] = ..., program: _Optional[_Union[_bus_pb2.EnvironmentProgram, _Mapping]] = ..., openenv: _Optional[_Union[_bus_pb2.OpenEnvServer, _Mapping]] = ..., verifiers: _Optional[_Union[_bus_pb2.VerifiersEnvironment, _Mapping]] = ...) -> None: ...
 
 class SubmitEnvironmentRequest(_message.Message):
     __slots__ = ("environment",)
