@@ -178,6 +178,43 @@ async def test_a_killed_learner_replays_only_the_steps_since_its_checkpoint_cade
     assert report.steps == steps + 1 and report.generated == report.trained == 2 * (steps + 1)
 
 
+async def test_a_killed_learner_with_a_critic_resumes_it_and_replays_bit_exactly(
+        bus: Bus, services: ServiceLauncher, redis_client, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """PPO with a critic (advantages gae): the checkpoint written beside step 2 holds the critic
+    and its optimizer; killed after step 3, the next learner restores both and replays step 3 —
+    whose advantages are the critic's values, so a critic restored other than it was would give
+    other weights, which the replay's manifest check refuses — and goes on at step 4."""
+    import json
+
+    versions = VersionRegistry(redis_client, "default")
+    publisher = services.start("publisher")
+    await services.wait_healthy(publisher)
+    env = {**_every_steps(publisher, 2), "POLICYLOOP_LOSS__ADVANTAGES": "gae",
+           "POLICYLOOP_CHECKPOINT__DIR": str(tmp_path / "checkpoints")}
+    first = services.start("learner", env=env)
+    await services.wait_healthy(first, timeout_s=60)
+    for version in range(1, 4):
+        await publish_groups(bus, [f"g{version - 1}"])
+        await eventually(lambda v=version: _at(versions, v), timeout_s=60, what=f"version {version}")
+        if version == 2:
+            await eventually(lambda: _checkpointed(first, 2), timeout_s=60, what="checkpoint 2")
+    first.kill()
+    steps = [e for e in first.log_events() if e["event"] == "step"]
+    assert len(steps) == 3 and all(e["value_loss"] > 0 for e in steps), steps
+    [record] = [json.loads(p.read_text()) for p in (tmp_path / "checkpoints").rglob("trainer.json")]
+    assert record["version"] == 2 and record["critic"] is True
+
+    second = services.start("learner", env=env)
+    await services.wait_healthy(second, timeout_s=60)
+    [resumed] = [e for e in second.log_events() if e["event"] == "learner_resumed"]
+    assert (resumed["checkpoint_version"], resumed["replayed"], resumed["version"]) == (2, 1, 3)
+    await publish_groups(bus, ["g3"])
+    await eventually(lambda: _at(versions, 4), timeout_s=60, what="version 4")
+    await eventually(lambda: _settled(bus), what="every trajectory acked")
+    report = await clean_audit(bus)
+    assert report.steps == 4 and report.generated == report.trained == 8
+
+
 async def test_a_restarted_learner_takes_back_what_its_killed_predecessor_held(
         bus: Bus, services: ServiceLauncher, redis_client) -> None:  # type: ignore[no-untyped-def]
     """A group held by a learner that was killed comes back to the next learner when it starts

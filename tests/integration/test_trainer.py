@@ -136,6 +136,7 @@ def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, t
     loss_settings(kind="gspo", advantages="leave_one_out"),
     loss_settings(kind="cispo", off_policy="tis", tis_cap=2.0),
     loss_settings(off_policy="decoupled", kl_coef=0.1, kl_estimator="k3"),
+    loss_settings(advantages="gae", gamma=1.0, lam=0.95),                        # PPO with a critic
 ])
 def test_every_loss_variant_trains_towards_the_rewarded_response(model_dir: Path, loss: PolicyLoss) -> None:
     trainer = PolicyTrainer(model_dir, TrainerConfig(lr=3e-3, loss=loss), version=0)
@@ -163,20 +164,31 @@ def test_every_loss_variant_trains_towards_the_rewarded_response(model_dir: Path
             assert report.statistics["is_weight_mean"] != 1.0  # the correction is at work
         if loss.kl_coef:
             assert report.statistics["kl_reference"] > 0  # moved away from the base weights
+        if loss.advantages == "gae":  # the critic learned the returns too: its values moved off 0
+            assert report.statistics["values_mean"] != 0 and report.statistics["critic_grad_norm"] > 0
+            assert sorted(report.token_values) == ["t3/0", "t3/1"] and len(report.token_values["t3/0"]) == 2
     finally:
         trainer.close()
 
 
-def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path) -> None:
+def critic_tensors(trainer: PolicyTrainer) -> dict[str, torch.Tensor]:
+    assert trainer.critic is not None
+    return {k: v.detach().clone() for k, v in trainer.critic.model.state_dict().items()}
+
+
+@pytest.mark.parametrize("advantages", ["group", "gae"])
+def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path, advantages: str) -> None:
     """Steps 1–2, checkpoint, step 3 — against a fresh trainer that loads the checkpoint and
     takes step 3: the same version, the same trained ids and bit-identical weights (the
-    optimizer's moments and the LR schedule's position — mid-warmup here — came back too)."""
+    optimizer's moments and the LR schedule's position — mid-warmup here — came back too; with
+    GAE, the critic and its optimizer as well: step 3's advantages are its values')."""
     from policyloop.rl.checkpoint import latest_checkpoint
 
     prompt, good, bad = [4, 5, 14, 6, 7, 16], [8, 1], [9, 1]
     batches = [[group(f"t{step}", prompt, [good, bad], [1.0, 0.0], [[-2.0, -2.0], [-2.5, -2.5]])] * 2
                for step in range(3)]
-    config = TrainerConfig(lr=3e-3, warmup_steps=4, schedule="cosine", decay_steps=8)
+    config = TrainerConfig(lr=3e-3, warmup_steps=4, schedule="cosine", decay_steps=8,
+                           loss=loss_settings(advantages=advantages), critic={"lr": 3e-3})
     first = PolicyTrainer(model_dir, config, version=0)
     try:
         for batch in batches[:2]:
@@ -188,6 +200,7 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         assert latest_checkpoint(tmp_path / "ckpt") == saved
         first.step(batches[2])
         expected = first.export_tensors()
+        expected_critic = critic_tensors(first) if advantages == "gae" else {}
     finally:
         first.close()
     second = PolicyTrainer(model_dir, config, version=0)
@@ -203,12 +216,17 @@ def test_a_checkpointed_trainer_resumes_exactly(model_dir: Path, tmp_path: Path)
         assert second.version == 3
         resumed = second.export_tensors()
         assert all(torch.equal(expected[k].view(torch.uint8), resumed[k].view(torch.uint8)) for k in expected)
+        if advantages == "gae":
+            resumed_critic = critic_tensors(second)
+            assert all(torch.equal(expected_critic[k], resumed_critic[k]) for k in expected_critic)
     finally:
         second.close()
     fresh = PolicyTrainer(model_dir, config, version=0)
     try:
         fresh.step(batches[2])  # without the checkpoint the same step gives other weights
         assert not all(torch.equal(expected[k], t) for k, t in fresh.export_tensors().items())
+        if advantages == "gae":  # and another critic
+            assert not all(torch.equal(expected_critic[k], t) for k, t in critic_tensors(fresh).items())
     finally:
         fresh.close()
 

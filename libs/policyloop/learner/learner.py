@@ -201,9 +201,11 @@ class Learner:
         if not isinstance(self.tracker, NullTracker):
             self.tracker.log_step(report.step, step_statistics(report, time.monotonic() - started, samples,
                                                                version.number - 1, self.status))
+        critic = {name: round(report.statistics[name], 5) for name in ("value_loss", "explained_variance")
+                  if name in report.statistics}  # PPO with a critic: how its values fit
         log.info("step", step=report.step, version=version.number, mean_reward=round(report.mean_reward, 4),
                  loss=round(report.loss, 5), samples=report.samples, grad_norm=round(report.grad_norm, 4),
-                 step_s=round(time.monotonic() - started, 3))
+                 step_s=round(time.monotonic() - started, 3), **critic)
 
     async def published(self) -> None:
         """Waits for the newest version's publication, when it overlaps; raises its failure."""

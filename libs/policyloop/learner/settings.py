@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.rl.losses import KINDS, LossSettings
-from policyloop.rl.settings import OptimizerSettings
+from policyloop.rl.settings import CriticSettings, OptimizerSettings
 from policyloop.runtime.settings import ServiceSettings
 
 if TYPE_CHECKING:
@@ -99,6 +99,8 @@ class LearnerSettings(ServiceSettings):
     publish_deadline_s: float = Field(60.0, description="Deadline of one Push of a version to the publisher.")
     optimizer: OptimizerSettings = Field(default_factory=OptimizerSettings, description="AdamW and its schedule.")
     loss: LossSettings = Field(default_factory=KINDS["ppo"])
+    critic: CriticSettings = Field(default_factory=CriticSettings,
+                                   description="PPO's value model, trained beside the policy with loss.advantages gae.")
     checkpoint: CheckpointSettings = Field(default_factory=CheckpointSettings, description="Checkpoints and resume.")
     colocated: ColocatedSettings = Field(
         default_factory=ColocatedSettings, description="Engines on this node fed by broadcast.")
@@ -154,10 +156,12 @@ class LearnerSettings(ServiceSettings):
             return "lora_runs and tinker train on one rank: run them in a learner of their own"
         if not self.full_model and self.colocated.engines:
             return "colocated engines take the full model's versions: full_model=false takes none"
+        if self.loss.advantages == "gae" and not self.full_model:
+            return "loss.advantages gae trains a critic beside the full model: full_model=false has none"
         return None
 
     def trainer_config(self) -> TrainerConfig:
         from policyloop.rl.trainer import TrainerConfig  # torch: only where a trainer is made
 
         return TrainerConfig(**self.optimizer.model_dump(), loss=self.loss, threads=self.torch_threads,
-                             device=self.device, share_prompts=self.share_prompts)
+                             device=self.device, share_prompts=self.share_prompts, critic=self.critic)

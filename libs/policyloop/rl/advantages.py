@@ -1,4 +1,5 @@
-"""Group-relative advantages (GRPO): each sample's reward against the others of its group."""
+"""Advantages: group-relative (GRPO), each sample's reward against the others of its group; or per
+token from a critic's values (GAE, PPO with a value model: rl.critic)."""
 
 from __future__ import annotations
 
@@ -26,3 +27,40 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
     n = rewards.shape[1]
     others_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (n - 1)
     return rewards - others_mean
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over each row's trained tokens ([rows, tokens], `mask` 1
+    on them): δ_t = r_t + γ V_next − V_t and A_t = δ_t + γλ A_next, where "next" is the row's next
+    trained token (a tool's output between two model turns is skipped: the model acts again only
+    after it) and nothing follows the last. Returns (advantages, returns = A + V), 0 off the mask."""
+    if not rewards.shape == values.shape == mask.shape or rewards.dim() != 2:
+        raise ValueError("rewards, values and mask must be one [rows, tokens] shape")
+    trained = mask > 0
+    advantages = torch.zeros_like(values)
+    next_value = values.new_zeros(values.shape[0])
+    next_advantage = values.new_zeros(values.shape[0])
+    for t in range(values.shape[1] - 1, -1, -1):
+        here = trained[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(here, advantage, 0.0)
+        next_value = torch.where(here, values[:, t], next_value)
+        next_advantage = torch.where(here, advantage, next_advantage)
+    returns = torch.where(trained, advantages + values, 0.0)
+    return advantages, returns
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, total: tuple[float, float, float] | None = None,
+                  eps: float = 1e-8) -> torch.Tensor:
+    """`values` shifted and scaled to mean 0 and std 1 over the masked entries (0 elsewhere).
+    `total`: (count, sum, sum of squares) over the whole batch when this is a rank's share of it,
+    so that every rank whitens alike."""
+    maskf = mask.to(values.dtype)
+    count, first, second = total if total is not None else (
+        float(maskf.sum()), float((values * maskf).sum()), float((values.square() * maskf).sum()))
+    count = max(count, 1.0)
+    mean = first / count
+    variance = max(second / count - mean * mean, 0.0)
+    return (values - mean) / (variance ** 0.5 + eps) * maskf

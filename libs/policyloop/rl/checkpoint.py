@@ -79,10 +79,24 @@ def _barrier() -> None:
         dist.barrier()
 
 
+# A trainer's other model and its optimizer (PPO's critic), checkpointed with the policy.
+Companion = tuple[torch.nn.Module, torch.optim.Optimizer]
+COMPANION_KEYS = ("critic", "critic_optimizer")
+
+
+def _state_dicts(model: torch.nn.Module, optimizer: torch.optim.Optimizer, critic: Companion | None,
+                 options: StateDictOptions | None = None) -> dict[str, Any]:
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    tensors = {"model": model_state, "optimizer": optimizer_state}
+    if critic is not None:
+        tensors |= dict(zip(COMPANION_KEYS, get_state_dict(*critic, options=options), strict=True))
+    return tensors
+
+
 def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
-                    keep: int = 2) -> Path:
+                    keep: int = 2, critic: Companion | None = None) -> Path:
     """Writes the checkpoint of `state.version` (collective: every rank calls it); the `keep`
-    newest stay on disk."""
+    newest stay on disk. `critic`: PPO's value model and its optimizer, saved beside the policy."""
     root = Path(root)
     final = checkpoint_path(root, state.version)
     tmp = root / f".version-{state.version:09d}.tmp"
@@ -90,24 +104,23 @@ def save_checkpoint(root: Path, model: torch.nn.Module, optimizer: torch.optim.O
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=str(tmp))
+    dcp.save(_state_dicts(model, optimizer, critic), checkpoint_id=str(tmp))
     rank = dist.get_rank() if dist.is_initialized() else 0
     torch.save(rng_states(), tmp / f"rng-{rank}.pt")
     _barrier()
     if _is_leader():
-        _write_record(tmp, state, dist.get_world_size() if dist.is_initialized() else 1)
+        _write_record(tmp, state, dist.get_world_size() if dist.is_initialized() else 1, critic is not None)
         commit_checkpoint(tmp, final, keep)
     _barrier()
     return final
 
 
-def _write_record(tmp: Path, state: TrainerState, world_size: int) -> None:
+def _write_record(tmp: Path, state: TrainerState, world_size: int, critic: bool) -> None:
     """`trainer.json`, the last file of a checkpoint (`latest_checkpoint` takes one without it
     as incomplete)."""
     record = {"version": state.version, "steps": state.steps, "trained_ids": state.trained_ids,
               "extra": state.extra, "scheduler": state.scheduler, "written_unix": time.time(),
-              "world_size": world_size}
+              "world_size": world_size, "critic": critic}
     with open(tmp / "trainer.json", "w") as f:
         # dumps, not dump: json.dump streams through the pure-Python encoder, and the recent ids
         # (dedupe_steps lists of a step's ids) made it most of a write's CPU time.
@@ -122,15 +135,20 @@ class Snapshot:
     into a checkpoint while the next steps train."""
 
     state: TrainerState
-    tensors: dict[str, Any]          # {"model": ..., "optimizer": ...}: full, on the CPU, owned
+    tensors: dict[str, Any]          # {"model": ..., "optimizer": ...[, "critic", ...]}: full, on the CPU, owned
     rngs: list[dict[str, Any]]       # every rank's RNG states, by rank
 
+    @property
+    def critic(self) -> bool:
+        return COMPANION_KEYS[0] in self.tensors
 
-def take_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState) -> Snapshot | None:
+
+def take_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: TrainerState,
+                  critic: Companion | None = None) -> Snapshot | None:
     """Copies the state of `state.version` (collective: every rank calls it between the same two
     steps). Rank 0 gets the snapshot, the other ranks None."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+    state_dicts = _state_dicts(model, optimizer, critic, options)
     rngs: list[Any] = [rng_states()]
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] | None = [None] * dist.get_world_size() if _is_leader() else None
@@ -140,9 +158,10 @@ def take_snapshot(model: torch.nn.Module, optimizer: torch.optim.Optimizer, stat
         return None
     # On one rank (and for the optimizer's step counts) the state dict holds the live tensors
     # themselves, which the next step changes in place: those are copied.
-    live = _storages([*model.parameters(), *model.buffers(), *(
-        v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor))])
-    tensors = _owned({"model": model_state, "optimizer": optimizer_state}, live)
+    pairs = [(model, optimizer)] + ([critic] if critic is not None else [])
+    live = _storages([t for module, optim in pairs for t in (*module.parameters(), *module.buffers(), *(
+        v for s in optim.state.values() for v in s.values() if isinstance(v, torch.Tensor)))])
+    tensors = _owned(state_dicts, live)
     return Snapshot(state=state, tensors=tensors, rngs=rngs)
 
 
@@ -173,7 +192,7 @@ def write_snapshot(root: Path, snapshot: Snapshot) -> Path:
     dcp.save(snapshot.tensors, checkpoint_id=str(tmp), no_dist=True)
     for rank, rng in enumerate(snapshot.rngs):
         torch.save(rng, tmp / f"rng-{rank}.pt")
-    _write_record(tmp, snapshot.state, len(snapshot.rngs))
+    _write_record(tmp, snapshot.state, len(snapshot.rngs), snapshot.critic)
     return tmp
 
 
@@ -228,18 +247,23 @@ def latest_checkpoint(root: Path, record: str = "trainer.json") -> Path | None:
     return directory if (directory / record).exists() else None
 
 
-def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainerState:
-    """Restores model, optimizer and this rank's RNG from `directory` (collective)."""
+def load_checkpoint(directory: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    critic: Companion | None = None) -> TrainerState:
+    """Restores model, optimizer and this rank's RNG from `directory` (collective), and `critic`
+    when the checkpoint holds one (a checkpoint from before the critic: it keeps its fresh start)."""
     directory = Path(directory)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    loaded = {"model": model_state, "optimizer": optimizer_state}
+    record = json.loads((directory / "trainer.json").read_text())
+    with_critic = critic if critic is not None and record.get("critic") else None
+    loaded = _state_dicts(model, optimizer, with_critic)
     dcp.load(loaded, checkpoint_id=str(directory))
     set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+    if with_critic is not None:
+        set_state_dict(*with_critic, model_state_dict=loaded[COMPANION_KEYS[0]],
+                       optim_state_dict=loaded[COMPANION_KEYS[1]])
     rank = dist.get_rank() if dist.is_initialized() else 0
     rng = directory / f"rng-{rank}.pt"
     if rng.exists():  # a run resumed on more ranks than it was saved with starts their RNG fresh
         set_rng_states(torch.load(rng, weights_only=False))
-    record = json.loads((directory / "trainer.json").read_text())
     return TrainerState(version=int(record["version"]), steps=int(record["steps"]),
                         trained_ids=[list(ids) for ids in record["trained_ids"]], extra=dict(record.get("extra", {})),
                         scheduler=dict(record.get("scheduler", {})))

@@ -58,6 +58,8 @@ def compute_advantages(rewards: torch.Tensor, kind: AdvantageKind) -> torch.Tens
         return leave_one_out_advantages(rewards)
     if kind == "none":
         return rewards.clone()
+    if kind == "gae":  # per token, from the values of a critic: only a trainer that holds one computes them
+        raise ValueError("gae advantages need a critic (rl.critic): the full-model trainer computes them")
     raise ValueError(f"advantages must be one of {', '.join(ADVANTAGE_KINDS)}, not {kind!r}")
 
 

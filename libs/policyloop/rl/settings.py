@@ -38,6 +38,21 @@ class OptimizerSettings(BaseModel):
         return self
 
 
+class CriticSettings(BaseModel):
+    """The value model PPO's GAE advantages need (loss `advantages: gae`): trained by the learner
+    in the same step as the policy, checkpointed and restored with it. The learner's `critic`
+    settings (`--critic.<field>`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_path: str = Field(
+        "", description="The critic's model (a directory or a Hugging Face id; its vocabulary must cover the "
+                        "policy's): a value head on its backbone. Empty: a copy of the policy with a value head.")
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of the critic.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the critic.")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradient norm clipping threshold of the critic.")
+
+
 # The projections of a Llama/Qwen-style decoder: attention and MLP.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _MODULE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

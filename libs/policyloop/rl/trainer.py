@@ -26,7 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.advantages import gae, masked_whiten
 from policyloop.rl.batching import ModelLimits
+from policyloop.rl.critic import Critic, ValueLoss, token_rewards, value_loss, whitening_totals
 from policyloop.rl.logprobs import (
     PackedBatch,
     pack,
@@ -37,7 +39,7 @@ from policyloop.rl.logprobs import (
 from policyloop.rl.losses import KINDS, LossSettings
 from policyloop.rl.losses.cross_entropy import CrossEntropyLoss
 from policyloop.rl.objective import BatchCounts, LossStatistics, compute_advantages, objective
-from policyloop.rl.settings import OptimizerSettings
+from policyloop.rl.settings import CriticSettings, OptimizerSettings
 from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class TrainerConfig(OptimizerSettings):
     threads: int = 1
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA when present
     share_prompts: bool = True  # each distinct prompt of a step computed once (rl.logprobs)
+    critic: CriticSettings = Field(default_factory=CriticSettings)  # with loss.advantages gae
 
 
 @dataclass(frozen=True)
@@ -62,8 +65,10 @@ class StepReport:
     seconds: float
     statistics: LossStatistics          # the loss and its statistics by name (rl.objective)
     # Wall time of the step's phases: pack (the batch from the messages), forward (log-probs and
-    # entropy, the reference's), backward, optimizer (clip, step, schedule).
+    # entropy, the reference's), backward, optimizer (clip, step, schedule), critic (its update).
     phases: dict[str, float] = field(default_factory=dict, compare=False)
+    # With a critic: the value of each trained token of this rank's samples, by trajectory id.
+    token_values: dict[str, list[float]] = field(default_factory=dict, compare=False)
 
     @property
     def loss(self) -> float:
@@ -171,24 +176,27 @@ class StepLoss:
     groups: int
     samples: int             # the whole batch's, every rank's share
     tokens: float            # trained tokens of the whole batch
+    critic: ValueLoss | None = None                                   # with gae: the critic's loss
+    token_values: dict[str, list[float]] = field(default_factory=dict)
 
     def report(self, step: int, grad_norm: torch.Tensor | float, seconds: float,
                phases: dict[str, float]) -> StepReport:
         norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         return StepReport(step=step, samples=self.samples, groups=self.groups, mean_reward=float(self.rewards.mean()),
                           grad_norm=float(norm), trained_tokens=int(self.tokens), seconds=seconds,
-                          statistics=self.statistics, phases=phases)
+                          statistics=self.statistics, phases=phases, token_values=self.token_values)
 
 
 def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajectory]], config: LossSettings, *,
               pad_id: int, device: torch.device, rank: int = 0, world_size: int = 1,
               reference: Callable[[PackedBatch], torch.Tensor] | None = None,
-              clock: PhaseClock | None = None, share_prompts: bool = False) -> StepLoss:
+              clock: PhaseClock | None = None, share_prompts: bool = False, critic: Critic | None = None) -> StepLoss:
     """The objective of one step on complete groups, for this rank's share of the samples (every
     `world_size`-th from `rank`): the policy loss, or — for a step of demonstrations
     (Trajectory.supervised) — cross-entropy. `reference` gives the KL penalty's reference
     log-probs of a batch (when the penalty is on). `clock` gets the pack and forward phases.
-    `share_prompts`: rows of the same prompt compute it once (the same figures, fewer tokens)."""
+    `share_prompts`: rows of the same prompt compute it once (the same figures, fewer tokens).
+    `critic`: the value model of `advantages: gae` (its loss comes back beside the policy's)."""
     clock = clock or PhaseClock()
     group_size = len(groups[0])
     if any(len(g) != group_size for g in groups):
@@ -218,8 +226,25 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
         return StepLoss(result.loss, result.statistics, rewards, len(groups), len(samples), total_tokens)
     width = batch.input_ids.shape[1]
     behaviour = response_values([list(samples[i].behaviour_logprobs) for i in mine], prompts, width).to(device)
-    advantages = compute_advantages(rewards, config.advantages).reshape(-1)
-    token_adv = advantages[mine][:, None].to(device).expand_as(batch.response_mask)
+    critic_loss, token_values = None, {}
+    if config.advantages == "gae":
+        if critic is None:
+            raise ValueError("advantages=gae needs the trainer's critic (rl.critic)")
+        # One forward: its values before this step's update are the old ones.
+        values = critic.values(batch)
+        old_values = values.detach()
+        token_adv, returns = gae(token_rewards([samples[i] for i in mine], batch), old_values, batch.response_mask,
+                                 gamma=config.gamma, lam=config.lam)
+        token_adv = masked_whiten(token_adv, batch.response_mask,
+                                  total=whitening_totals(token_adv, batch.response_mask))
+        critic_loss = value_loss(values, old_values, returns, batch.response_mask, clip=config.value_clip,
+                                 total_tokens=total_tokens)
+        trained = batch.response_mask.cpu() > 0
+        token_values = {samples[i].trajectory_id: old_values[row].cpu()[trained[row]].tolist()
+                        for row, i in enumerate(mine)}
+    else:
+        advantages = compute_advantages(rewards, config.advantages).reshape(-1)
+        token_adv = advantages[mine][:, None].to(device).expand_as(batch.response_mask)
     ref_logprobs = None
     if reference is not None:
         with torch.no_grad():
@@ -227,7 +252,9 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
     result = objective(config, logprobs, token_adv, batch.response_mask, counts, behaviour_logprobs=behaviour,
                        ref_logprobs=ref_logprobs, entropy=entropy)
     clock.lap("forward")
-    return StepLoss(result.loss, result.statistics, rewards, len(groups), len(samples), total_tokens)
+    statistics = result.statistics | (critic_loss.statistics if critic_loss is not None else {})
+    return StepLoss(result.loss, statistics, rewards, len(groups), len(samples), total_tokens, critic_loss,
+                    token_values)
 
 
 def is_supervised_step(groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> bool:
@@ -237,6 +264,15 @@ def is_supervised_step(groups: Sequence[Sequence[bus_pb2.Trajectory]]) -> bool:
     if len(kinds) > 1:
         raise ValueError("a step trains demonstrations or policy samples, not both")
     return kinds == {True}
+
+
+def critic_directory(settings: CriticSettings, policy_path: Path) -> Path:
+    """The critic's model: settings.model_path (a directory or a Hugging Face id in the cache), or the policy's."""
+    if not settings.model_path:
+        return policy_path
+    from policyloop.models.resolve import resolve_model
+
+    return resolve_model(settings.model_path, setting="critic.model_path")
 
 
 class PolicyTrainer:
@@ -254,6 +290,10 @@ class PolicyTrainer:
         self.reference = load_reference(self.model_path).to(self.device) if config.loss.kl_coef > 0 else None
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr,
                                            weight_decay=config.weight_decay)
+        # PPO's value model, trained beside the policy (only for GAE advantages).
+        self.critic = Critic(critic_directory(config.critic, self.model_path), config.critic, self.mesh,
+                             self.model.get_input_embeddings().weight.shape[0]) \
+            if config.loss.advantages == "gae" else None
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, LrSchedule(config))
         self.version = version
         self.steps = 0
@@ -309,7 +349,7 @@ class PolicyTrainer:
                                                                              share_prompts=share)
         step_loss = grpo_loss(self.model, groups, self.config.loss, pad_id=self.pad_id, device=self.device,
                               rank=self.rank, world_size=self.world_size, reference=reference, clock=clock,
-                              share_prompts=share)
+                              share_prompts=share, critic=self.critic)
         # FSDP2 averages gradients over ranks; scaling by the world size makes that the sum.
         (step_loss.loss * self.world_size).backward()
         clock.lap("backward")
@@ -318,6 +358,9 @@ class PolicyTrainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         clock.lap("optimizer")
+        if self.critic is not None and step_loss.critic is not None:
+            step_loss.statistics["critic_grad_norm"] = self.critic.step(step_loss.critic.loss, self.world_size)
+            clock.lap("critic")
         self.steps += 1
         self.version += 1
         return step_loss.report(self.steps, grad_norm, time.monotonic() - started, clock.seconds)
@@ -351,7 +394,8 @@ class PolicyTrainer:
 
         if self.world_size > 1 and self.rank == 0:
             dist.broadcast_object_list([("save", str(root))], src=0)
-        return save_checkpoint(root, self.model, self.optimizer, self._state(trained_ids, extra), keep=keep)
+        return save_checkpoint(root, self.model, self.optimizer, self._state(trained_ids, extra), keep=keep,
+                               critic=self._critic_pair())
 
     def snapshot(self, trained_ids: Sequence[Sequence[str]] = (), extra: dict[str, Any] | None = None
                  ) -> Snapshot | None:
@@ -361,7 +405,10 @@ class PolicyTrainer:
 
         if self.world_size > 1 and self.rank == 0:
             dist.broadcast_object_list([("snapshot", "")], src=0)
-        return take_snapshot(self.model, self.optimizer, self._state(trained_ids, extra))
+        return take_snapshot(self.model, self.optimizer, self._state(trained_ids, extra), critic=self._critic_pair())
+
+    def _critic_pair(self) -> tuple[torch.nn.Module, torch.optim.Optimizer] | None:
+        return None if self.critic is None else (self.critic.model, self.critic.optimizer)
 
     def _state(self, trained_ids: Sequence[Sequence[str]], extra: dict[str, Any] | None) -> TrainerState:
         from policyloop.rl.checkpoint import TrainerState
@@ -376,7 +423,7 @@ class PolicyTrainer:
 
         if self.world_size > 1 and self.rank == 0:
             dist.broadcast_object_list([("restore", str(directory))], src=0)
-        state = load_checkpoint(directory, self.model, self.optimizer)
+        state = load_checkpoint(directory, self.model, self.optimizer, critic=self._critic_pair())
         self.version, self.steps = state.version, state.steps
         # The optimizer's param groups (their current lr) came back with it; the schedule goes on
         # from the saved position (older checkpoints: the steps taken, which it follows).

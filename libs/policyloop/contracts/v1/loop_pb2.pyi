@@ -200,7 +200,7 @@ class StartRunRequest(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., environments: _Optional[_Iterable[_Union[EnvironmentMix, _Mapping]]] = ..., model: _Optional[str] = ..., num_tasks: _Optional[int] = ..., max_lag: _Optional[int] = ..., loss: _Optional[_Union[LossSettings, _Mapping]] = ..., seed: _Optional[int] = ..., lora: _Optional[_Union[LoraSpec, _Mapping]] = ...) -> None: ...
 
 class LossSettings(_message.Message):
-    __slots__ = ("kind", "normalization", "constant", "clip_low", "clip_high", "advantages", "off_policy", "tis_cap", "kl_coef", "kl_estimator", "beta")
+    __slots__ = ("kind", "normalization", "constant", "clip_low", "clip_high", "advantages", "off_policy", "tis_cap", "kl_coef", "kl_estimator", "beta", "gamma", "lam", "value_clip")
     KIND_FIELD_NUMBER: _ClassVar[int]
     NORMALIZATION_FIELD_NUMBER: _ClassVar[int]
     CONSTANT_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +212,9 @@ class LossSettings(_message.Message):
     KL_COEF_FIELD_NUMBER: _ClassVar[int]
     KL_ESTIMATOR_FIELD_NUMBER: _ClassVar[int]
     BETA_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    LAM_FIELD_NUMBER: _ClassVar[int]
+    VALUE_CLIP_FIELD_NUMBER: _ClassVar[int]
     kind: str
     normalization: str
     constant: float
@@ -223,7 +226,10 @@ class LossSettings(_message.Message):
     kl_coef: float
     kl_estimator: str
     beta: float
-    def __init__(self, kind: _Optional[str] = ..., normalization: _Optional[str] = ..., constant: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., advantages: _Optional[str] = ..., off_policy: _Optional[str] = ..., tis_cap: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., beta: _Optional[float] = ...) -> None: ...
+    gamma: float
+    lam: float
+    value_clip: float
+    def __init__(self, kind: _Optional[str] = ..., normalization: _Optional[str] = ..., constant: _Optional[float] = ..., clip_low: _Optional[float] = ..., clip_high: _Optional[float] = ..., advantages: _Optional[str] = ..., off_policy: _Optional[str] = ..., tis_cap: _Optional[float] = ..., kl_coef: _Optional[float] = ..., kl_estimator: _Optional[str] = ..., beta: _Optional[float] = ..., gamma: _Optional[float] = ..., lam: _Optional[float] = ..., value_clip: _Optional[float] = ...) -> None: ...
 
 class LoraSpec(_message.Message):
     __slots__ = ("rank", "alpha", "dropout", "target_modules")

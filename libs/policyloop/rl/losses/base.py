@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from torch import Tensor
 
 Normalization = Literal["token", "sequence", "constant", "sum"]
-AdvantageKind = Literal["group", "group_no_std", "leave_one_out", "none"]
+AdvantageKind = Literal["group", "group_no_std", "leave_one_out", "none", "gae"]
 OffPolicy = Literal["none", "tis", "decoupled"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -68,7 +68,13 @@ class PolicyLoss(BaseModel):
         "token", description="Loss normalisation: token (DAPO), sequence (GRPO), constant (Dr.GRPO), sum (none).")
     constant: float = Field(0.0, ge=0, description="Normaliser of normalization=constant (0: the batch's width).")
     advantages: AdvantageKind = Field(
-        "group", description="Advantages: group mean/std (GRPO), group mean only (Dr.GRPO), leave-one-out, none.")
+        "group", description="Advantages: group mean/std (GRPO), group mean only (Dr.GRPO), leave-one-out, none, "
+                             "or gae (PPO's: per token from a critic the learner trains beside the policy).")
+    gamma: float = Field(1.0, ge=0, le=1, description="gae: the discount of later rewards per token.")
+    lam: float = Field(0.95, ge=0, le=1, description="gae: lambda, between one-step TD (0) and Monte Carlo (1).")
+    value_clip: float = Field(
+        0.2, ge=0, description="gae: the critic's clipped value loss keeps new values within this of the old "
+                               "(0: no clipping).")
     off_policy: OffPolicy = Field(
         "none", description="Off-policy correction: none (ratio to behaviour), tis (truncated IS weight "
                             "proximal/behaviour), decoupled (trust region at the proximal policy).")
