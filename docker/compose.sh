@@ -3,7 +3,8 @@
 # docker-compose against a Docker engine, else docker-compose against rootful podman's
 # Docker-compatible socket (started here if it is not running), else podman-compose.
 # The image names `make images` built (docker/images.env) are passed on. COMPOSE_GPU=1 adds
-# compose.gpu.yaml, COMPOSE_TINKER=1 compose.tinker.yaml (the Tinker API).
+# compose.gpu.yaml, COMPOSE_TINKER=1 compose.tinker.yaml (the Tinker API), COMPOSE_REWARD_MODEL=1
+# compose.reward-model.yaml (a reward model's engine, which reward and evaluator score with).
 #
 #   docker/compose.sh up -d --no-build      # make compose-up
 #   docker/compose.sh ps
@@ -15,6 +16,7 @@ project=${COMPOSE_PROJECT_NAME:-policyloop}
 files=(-f compose.yaml)
 [ -n "${COMPOSE_GPU:-}" ] && files+=(-f compose.gpu.yaml)
 [ -n "${COMPOSE_TINKER:-}" ] && files+=(-f compose.tinker.yaml)
+[ -n "${COMPOSE_REWARD_MODEL:-}" ] && files+=(-f compose.reward-model.yaml)
 env_file=()
 [ -f docker/images.env ] && env_file=(--env-file docker/images.env)
 

@@ -1,7 +1,8 @@
 """compose.yaml runs the same topology as `policyloop up`: every catalogue service, started
 with the same arguments, wired to NATS and Redis, configured only through settings that exist.
 The Tinker API is one switch over it, compose.tinker.yaml: the front (the catalogue's `tinker`),
-its sampler, and tinker=true on the one learner.
+its sampler, and tinker=true on the one learner. A reward model is another, compose.reward-model.yaml:
+its build job and engine, and the scoring services pointed at it.
 
 The checks read what `docker-compose config` resolves (anchors, merges and defaults applied),
 not the raw files; no docker engine is needed."""
@@ -26,6 +27,7 @@ REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
 TINKER_FILE = REPO / "compose.tinker.yaml"
 GPU_FILE = REPO / "compose.gpu.yaml"
+REWARD_MODEL_FILE = REPO / "compose.reward-model.yaml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 # The catalogue services only compose.tinker.yaml runs, and what it adds beside them.
 TINKER_SERVICES = {"tinker"}
@@ -78,7 +80,9 @@ def _normalized(service: dict[str, Any]) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("files", [(COMPOSE_FILE,), (COMPOSE_FILE, TINKER_FILE), (COMPOSE_FILE, GPU_FILE),
-                                   (COMPOSE_FILE, GPU_FILE, TINKER_FILE)], ids=lambda fs: "+".join(f.stem for f in fs))
+                                   (COMPOSE_FILE, GPU_FILE, TINKER_FILE), (COMPOSE_FILE, REWARD_MODEL_FILE),
+                                   (COMPOSE_FILE, GPU_FILE, TINKER_FILE, REWARD_MODEL_FILE)],
+                         ids=lambda fs: "+".join(f.stem for f in fs))
 def test_compose_config_is_valid(files: tuple[Path, ...]) -> None:
     result = _run_config(*files)
     assert result.returncode == 0, result.stderr
@@ -207,7 +211,7 @@ def test_the_models_job_fetches_the_hugging_face_model_base_model_names(tinker_c
             assert _environment(service)["HF_HUB_OFFLINE"] == "1", name
 
 
-@pytest.mark.parametrize("file", [COMPOSE_FILE, TINKER_FILE, GPU_FILE], ids=lambda f: f.name)
+@pytest.mark.parametrize("file", [COMPOSE_FILE, TINKER_FILE, GPU_FILE, REWARD_MODEL_FILE], ids=lambda f: f.name)
 def test_every_image_comes_from_a_variable_with_the_official_default(file: Path) -> None:
     images = re.findall(r"^\s*image:\s*(\S+)\s*$", file.read_text(), flags=re.MULTILINE)
     assert images
@@ -379,8 +383,9 @@ def test_the_tinker_override_adds_the_front_and_the_sampler_and_turns_tinker_on_
 
 
 def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
-    """COMPOSE_GPU=1 and COMPOSE_TINKER=1: docker/compose.sh passes compose.gpu.yaml and
-    compose.tinker.yaml after compose.yaml (run here against a stand-in `docker`)."""
+    """COMPOSE_GPU=1, COMPOSE_TINKER=1 and COMPOSE_REWARD_MODEL=1: docker/compose.sh passes
+    compose.gpu.yaml, compose.tinker.yaml and compose.reward-model.yaml after compose.yaml (run here
+    against a stand-in `docker`)."""
     import os
     import stat
 
@@ -390,7 +395,8 @@ def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
 
     def files(**env: str) -> list[str]:
-        environ = {k: v for k, v in os.environ.items() if k not in ("COMPOSE_GPU", "COMPOSE_TINKER")}
+        environ = {k: v for k, v in os.environ.items()
+                   if k not in ("COMPOSE_GPU", "COMPOSE_TINKER", "COMPOSE_REWARD_MODEL")}
         done = subprocess.run([str(REPO / "docker" / "compose.sh"), "config"], capture_output=True, text=True,
                               timeout=30, env={**environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
         assert done.returncode == 0, done.stderr
@@ -400,6 +406,9 @@ def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
     assert files() == [COMPOSE_FILE.name]
     assert files(COMPOSE_TINKER="1") == [COMPOSE_FILE.name, TINKER_FILE.name]
     assert files(COMPOSE_GPU="1", COMPOSE_TINKER="1") == [COMPOSE_FILE.name, GPU_FILE.name, TINKER_FILE.name]
+    assert files(COMPOSE_REWARD_MODEL="1") == [COMPOSE_FILE.name, REWARD_MODEL_FILE.name]
+    assert files(COMPOSE_GPU="1", COMPOSE_TINKER="1", COMPOSE_REWARD_MODEL="1") == \
+        [COMPOSE_FILE.name, GPU_FILE.name, TINKER_FILE.name, REWARD_MODEL_FILE.name]
 
 
 def test_the_serving_profile_adds_a_serving_replica_of_a_runs_promoted_versions(config: dict[str, Any]) -> None:
@@ -506,3 +515,121 @@ def test_the_openenv_profile_starts_an_openenv_server_beside_the_cluster(config:
     assert "127.0.0.1:8000/health" in " ".join(server["healthcheck"]["test"])
     assert not server.get("ports")  # the cluster's network only
     assert "--openenv http://openenv:8000" in COMPOSE_FILE.read_text()
+
+
+# --- a reward model: compose.reward-model.yaml ------------------------------------------------------------
+
+REWARD_MODEL_ADDS = {"reward-model-build", "reward-model", "reward-model-sglang"}
+SCORING_SERVICES = {"reward", "evaluator"}
+
+
+@pytest.fixture(scope="module")
+def reward_model_config() -> dict[str, Any]:
+    """compose.yaml with compose.reward-model.yaml."""
+    return _resolved(COMPOSE_FILE, REWARD_MODEL_FILE)
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def _volume_targets(service: dict[str, Any]) -> dict[str, str]:
+    """Container path -> source:target:mode of each short-form volume."""
+    return {v.split(":")[1]: v for v in service.get("volumes", [])}
+
+
+def test_the_reward_model_override_serves_it_and_points_the_scoring_services_at_it(
+        config: dict[str, Any], reward_model_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """compose.reward-model.yaml, one switch: a job that builds the bootstrap reward model after
+    the models job and links it at /models/reward-model, the embedded engine serving that link on
+    the CPU (SGLang's with the gpu profile, under the same host name), and reward and evaluator
+    given the engine's address under the model's name, as settings they load. Everything else is
+    compose.yaml's as it was."""
+    from policyloop.cluster.local import REWARD_MODEL_NAME
+    from policyloop.evaluation.settings import EvaluatorSettings
+    from policyloop.reward.settings import RewardSettings
+    from policyloop.runtime.settings import load_settings
+
+    base, merged = config["services"], reward_model_config["services"]
+    assert set(merged) == set(base) | REWARD_MODEL_ADDS
+    for name in set(base) - SCORING_SERVICES - {"prometheus"}:
+        assert _normalized(merged[name]) == _normalized(base[name]), name
+    assert reward_model_config["volumes"] == config["volumes"]
+
+    build = merged["reward-model-build"]
+    assert build["command"] == ["policyloop", "bootstrap", "--reward-model", "--out", "/models/cache",
+                                "--link", "/models/reward-model"]
+    assert build["build"] == merged["rollout"]["build"] and build["image"] == merged["models"]["image"]
+    # After the models job: the bootstrap policy it starts from is then in the same cache.
+    assert build["depends_on"] == {"models": {"condition": "service_completed_successfully"}}
+    assert build["restart"] == "no" and _volume_targets(build)["/models"] == "models:/models:rw"
+
+    engine, sglang = merged["reward-model"], merged["reward-model-sglang"]
+    command = engine["command"]
+    assert command[:3] == ["python", "-m", "policyloop.engines.embedded"] and not engine.get("profiles")
+    assert _flag(command, "--model-path") == "/models/reward-model" and _flag(command, "--host") == "0.0.0.0"
+    assert engine["image"] == merged["evaluator"]["image"] and engine["build"] == merged["evaluator"]["build"]
+    port = _flag(command, "--port")
+    assert f"127.0.0.1:{port}/health" in " ".join(engine["healthcheck"]["test"])
+    assert sglang["profiles"] == ["gpu"] and sglang["image"] == base["sglang"]["image"]
+    assert sglang["command"][:3] == ["python3", "-m", "sglang.launch_server"] and "--is-embedding" in sglang["command"]
+    assert (_flag(sglang["command"], "--model-path"), _flag(sglang["command"], "--port")) == \
+        ("/models/reward-model", port)
+    assert sglang["networks"]["default"]["aliases"] == ["reward-model"]  # reached where the CPU engine is
+    assert sglang["deploy"] == base["sglang"]["deploy"]
+    for service in (engine, sglang):
+        assert _volume_targets(service)["/models"] == "models:/models:ro"
+        assert service["depends_on"] == {"reward-model-build": {"condition": "service_completed_successfully"}}
+
+    # The scoring services: compose.yaml's, plus the engine's address under the model's name.
+    url = f"http://reward-model:{port}"
+    for name, model in (("reward", RewardSettings), ("evaluator", EvaluatorSettings)):
+        env = _environment(merged[name])
+        assert env == {**_environment(base[name]),
+                       "POLICYLOOP_REWARD_MODELS__ENGINES": json.dumps({REWARD_MODEL_NAME: [url]})}, name
+        assert {k: v for k, v in _normalized(merged[name]).items() if k != "environment"} == \
+            {k: v for k, v in _normalized(base[name]).items() if k != "environment"}, name
+        with monkeypatch.context() as patch:
+            for variable, value in env.items():
+                if variable.startswith("POLICYLOOP_"):
+                    patch.setenv(variable, value)
+            assert load_settings(model).reward_models.engines == {REWARD_MODEL_NAME: [url]}, name
+
+
+def test_the_reward_model_override_has_prometheus_scrape_its_engine_too(config: dict[str, Any],
+                                                                        reward_model_config: dict[str, Any]) -> None:
+    """Its targets directory replaces compose.json's: the same targets, and the engine's as the
+    service reward-model on its port."""
+    base, prometheus = config["services"]["prometheus"], reward_model_config["services"]["prometheus"]
+    assert {k: v for k, v in prometheus.items() if k != "volumes"} == {k: v for k, v in base.items() if k != "volumes"}
+    mounts = {target: source for source, target, *_ in (v.split(":") for v in prometheus["volumes"])}
+    assert {t: s for t, s in mounts.items() if t != "/etc/prometheus/targets"} == \
+        {target: source for source, target, *_ in (v.split(":") for v in base["volumes"])
+         if target != "/etc/prometheus/targets"}
+    directory = Path(mounts["/etc/prometheus/targets"])
+    assert directory.relative_to(REPO).as_posix() == "docker/prometheus/targets-reward-model"
+    assert sorted(p.name for p in directory.iterdir()) == ["compose.json", "reward-model.json"]
+    compose_json = REPO / "docker" / "prometheus" / "targets" / "compose.json"
+    assert (directory / "compose.json").read_bytes() == compose_json.read_bytes(), "copy compose.json over"
+    port = _flag(reward_model_config["services"]["reward-model"]["command"], "--port")
+    assert json.loads((directory / "reward-model.json").read_text()) == [
+        {"targets": [f"reward-model:{port}"], "labels": {"service": "reward-model", "instance": "reward-model"}}]
+
+
+def test_the_reward_model_override_copies_compose_yamls_shared_parts() -> None:
+    """YAML anchors do not reach across files: the copies must say what compose.yaml says."""
+    compose, override = yaml.safe_load(COMPOSE_FILE.read_text()), yaml.safe_load(REWARD_MODEL_FILE.read_text())
+    assert override["x-reward-model-build"] == compose["services"]["rollout"]["build"]
+    shared = compose["x-policyloop-env"]
+    assert override["x-reward-model-env"] == {k: shared[k] for k in override["x-reward-model-env"]}
+
+
+def test_the_reward_model_override_combines_with_the_gpu_and_tinker_ones() -> None:
+    """All four files: each override's services as it makes them alone."""
+    every = _resolved(COMPOSE_FILE, GPU_FILE, TINKER_FILE, REWARD_MODEL_FILE)["services"]
+    reward_model = _resolved(COMPOSE_FILE, REWARD_MODEL_FILE)["services"]
+    tinker = _resolved(COMPOSE_FILE, GPU_FILE, TINKER_FILE)["services"]
+    for name in REWARD_MODEL_ADDS | SCORING_SERVICES | {"prometheus"}:
+        assert _normalized(every[name]) == _normalized(reward_model[name]), name
+    for name in set(tinker) - SCORING_SERVICES - {"prometheus"}:
+        assert _normalized(every[name]) == _normalized(tinker[name]), name

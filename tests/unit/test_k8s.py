@@ -1146,3 +1146,197 @@ def test_the_openenv_component_runs_an_environment_server_beside_the_cluster(ove
     assert result.returncode == 0, result.stderr
     [deployment] = [o for o in yaml.safe_load_all(result.stdout) if o and key(o) == ("Deployment", "openenv")]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example.com/envs/echo-env:1.0"
+
+
+# --- a reward model: a component an overlay may add, and its GPU variant ----------------------------------
+
+REWARD_MODEL_LINK = "/models/reward-model"
+REWARD_MODEL_ADDED = [("ConfigMap", "policyloop-reward-models"), ("Deployment", "reward-model"),
+                      ("Job", "bootstrap-reward-model"), ("Service", "reward-model")]
+
+
+def _flag(command: list[str], flag: str) -> str:
+    return command[command.index(flag) + 1]
+
+
+def _scraped(workload: dict[str, Any], pod_name: str) -> list[dict[str, str]]:
+    """The targets Prometheus' pod discovery and relabelling make of one pod of the workload."""
+    [job] = yaml.safe_load((K8S_CONFIG / "prometheus" / "prometheus.yml").read_text())["scrape_configs"]
+    found = {frozenset(t.items()) for t in (_relabel(d, job["relabel_configs"])
+                                             for d in _discovered(workload, pod_name, "10.1.2.3")) if t}
+    return [dict(t) for t in found]
+
+
+@pytest.mark.parametrize("variant", ["cpu-local", "gpu", "gpu+sglang"])
+def test_the_reward_model_component_serves_it_to_the_scoring_services(variant: str, tmp_path: Path) -> None:
+    """components/reward-model: a Job that builds the bootstrap reward model into the models volume
+    and links it at /models/reward-model, an engine serving that link behind the reward-model
+    Service (the embedded engine on the CPU; with components/reward-model/gpu, SGLang on a GPU),
+    scraped as the service reward-model, and reward and evaluator given its address under the
+    model's name, as a setting they load. The rest of the overlay is left as it was."""
+    import kubernetes_validate
+
+    from policyloop.cluster.catalogue import entry as catalogue_entry
+    from policyloop.cluster.local import REWARD_MODEL_NAME
+    from policyloop.evaluation.settings import EvaluatorSettings
+    from policyloop.reward.settings import RewardSettings
+
+    overlay, sglang = variant.removesuffix("+sglang"), variant.endswith("+sglang")
+    components = ("reward-model", "reward-model/gpu") if sglang else ("reward-model",)
+    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path, components)
+    before, after = {_unhashed(o): o for o in plain}, {_unhashed(o): o for o in objects}
+    assert sorted(set(after) - set(before)) == REWARD_MODEL_ADDED and set(before) <= set(after)
+    for key in REWARD_MODEL_ADDED:
+        kubernetes_validate.validate(after[key], KUBERNETES_VERSION, strict=True)
+        assert after[key]["metadata"]["namespace"] == "policyloop", key
+    # Changed: the scoring services' pods, which read the reward models' ConfigMap last.
+    changed = {key for key in before if after[key] != before[key]}
+    assert changed == {("Deployment", "reward"), ("Deployment", "evaluator")}
+    rendered = Rendered(overlay, objects)
+    configmap = rendered.get("ConfigMap", after[("ConfigMap", "policyloop-reward-models")]["metadata"]["name"])
+    service = rendered.get("Service", "reward-model")
+    [port] = service["spec"]["ports"]
+    url = f"http://{service['metadata']['name']}:{port['port']}"
+    for name, model in (("reward", RewardSettings), ("evaluator", EvaluatorSettings)):
+        old, new = before[("Deployment", name)], after[("Deployment", name)]
+        [container] = new["spec"]["template"]["spec"]["containers"]
+        assert container["name"] == name
+        assert container["envFrom"] == [*old["spec"]["template"]["spec"]["containers"][0]["envFrom"],
+                                        {"configMapRef": {"name": configmap["metadata"]["name"]}}]
+        env = rendered.environment(container)
+        assert env["POLICYLOOP_REWARD_MODELS__ENGINES"] == json.dumps({REWARD_MODEL_NAME: [url]}), name
+        assert _settings(model, env).reward_models.engines == {REWARD_MODEL_NAME: [url]}, name
+
+    # The Job: the bootstrap reward model into the volume's cache, linked where the engine reads it.
+    job = rendered.get("Job", "bootstrap-reward-model")
+    pod = job["spec"]["template"]["spec"]
+    [builder] = pod["containers"]
+    assert builder["command"] == ["policyloop", "bootstrap", "--reward-model", "--out", "/models/cache",
+                                  "--link", REWARD_MODEL_LINK]
+    assert _image(builder["image"]) == ("policyloop-torch", IMAGE_TAGS[overlay]["policyloop-torch"])
+    [mount] = [m for m in builder["volumeMounts"] if m["mountPath"] == "/models"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "models" and not mount.get("readOnly")
+    assert _scraped(job, "bootstrap-reward-model-0") == []
+
+    # The engine: the link read-only from the models claim, behind the Service, probed on /health.
+    workload = rendered.get("Deployment", "reward-model")
+    assert service["spec"]["selector"].items() <= workload["spec"]["template"]["metadata"]["labels"].items()
+    pod = workload["spec"]["template"]["spec"]
+    [engine] = pod["containers"]
+    assert [c["name"] for c in pod["initContainers"]] == ["wait-for-model"]
+    assert REWARD_MODEL_LINK in " ".join(pod["initContainers"][0]["command"])
+    command = engine["command"]
+    assert _flag(command, "--model-path") == REWARD_MODEL_LINK and _flag(command, "--host") == "0.0.0.0"
+    engine_port = int(_flag(command, "--port"))
+    assert _declared(engine, port["targetPort"]) == engine_port
+    for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
+        probe = engine[kind]["httpGet"]
+        assert probe["path"] == "/health" and _declared(engine, probe["port"]) == engine_port, kind
+    model = Service(catalogue_entry("reward"), workload, engine, {})
+    mount, source = model.mount_for(REWARD_MODEL_LINK)
+    assert source["persistentVolumeClaim"]["claimName"] == "models" and mount.get("readOnly")
+    for container in pod["initContainers"] + pod["containers"]:
+        assert {"cpu", "memory"} <= set(container["resources"]["requests"]) & set(container["resources"]["limits"])
+    if sglang:
+        assert engine["name"] == "sglang" and engine["image"].startswith("lmsysorg/sglang:")
+        assert command[:3] == ["python3", "-m", "sglang.launch_server"]
+        assert "--is-embedding" in command and "--enable-metrics" in command
+        assert _gpus(engine) == 1 and {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in \
+            pod["tolerations"]
+    else:
+        assert command[:3] == ["python", "-m", "policyloop.engines.embedded"] and _gpus(engine) == 0
+        assert _image(engine["image"]) == ("policyloop-torch", IMAGE_TAGS[overlay]["policyloop-torch"])
+        context = engine["securityContext"]
+        assert context["runAsNonRoot"] and context["allowPrivilegeEscalation"] is False
+    # Scraped once, as the service reward-model, on the engine's port (its own /metrics).
+    assert _scraped(workload, "reward-model-0") == [{"__address__": f"10.1.2.3:{engine_port}",
+                                                     "service": "reward-model", "instance": "reward-model-0"}]
+
+
+def _reward_model_up(run_dir: Path, monkeypatch: pytest.MonkeyPatch, **options: Any) -> LocalCluster:
+    """The cluster `policyloop up --reward-model` would start (nothing is started)."""
+    def server(name: str) -> Callable[[Path], ManagedProcess]:
+        return lambda run_dir: ManagedProcess(name, [name], {}, run_dir / f"{name}.log", {"client": free_port()})
+
+    monkeypatch.setattr(ManagedProcess, "start", lambda self: None)
+    monkeypatch.setattr(local, "start_nats", server("nats-server"))
+    monkeypatch.setattr(local, "start_redis", server("redis-server"))
+    waited: list[str] = []
+    monkeypatch.setattr(local, "wait_engine_healthy", lambda managed, timeout_s: waited.append(managed.name))
+    cluster = LocalCluster(run_dir, extra_env={"POLICYLOOP_MODEL_PATH": "/models/base"}, **options)
+    cluster.start()
+    assert waited == ([f"{local.REWARD_MODEL}-0"] if options.get("reward_model") else [])
+    return cluster
+
+
+def test_up_serves_a_reward_model_to_the_scoring_services_on_request(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LocalCluster(reward_model=DIR)`: reward-model-0, the embedded engine serving DIR on a free
+    port, waited for until healthy; reward and evaluator (those scaled up later too) score with it
+    under the model's name, as a setting they load; Prometheus scrapes it as the service
+    reward-model. Without it, none of this."""
+    from policyloop.cluster.prometheus import ScrapeTarget
+    from policyloop.evaluation.settings import EvaluatorSettings
+    from policyloop.reward.settings import RewardSettings
+
+    variable = "POLICYLOOP_REWARD_MODELS__ENGINES"
+    monkeypatch.delenv(variable, raising=False)
+    plain = _reward_model_up(tmp_path / "plain", monkeypatch)
+    assert not [p for p in plain.processes if local.service_of(p.name) == local.REWARD_MODEL]
+    assert not [p.name for p in plain.processes if variable in p.env]
+
+    cluster = _reward_model_up(tmp_path / "rm", monkeypatch, reward_model=Path("/models/rm"))
+    processes = {p.name: p for p in cluster.processes}
+    engine = processes[f"{local.REWARD_MODEL}-0"]
+    assert engine.command[1:3] == ["-m", "policyloop.engines.embedded"]
+    assert _flag(engine.command, "--model-path") == "/models/rm"
+    port = engine.ports["http"]
+    assert int(_flag(engine.command, "--port")) == port and _flag(engine.command, "--host") == "127.0.0.1"
+    url = f"http://127.0.0.1:{port}"
+    assert {name for name, p in processes.items() if variable in p.env} == {"reward-0", "evaluator-0"}
+    for name, model in (("reward-0", RewardSettings), ("evaluator-0", EvaluatorSettings)):
+        assert _settings(model, processes[name].env).reward_models.engines == {local.REWARD_MODEL_NAME: [url]}
+    assert "POLICYLOOP_PUBLISHER_ENDPOINT" not in engine.env  # an engine, not a service
+    assert ScrapeTarget(local.REWARD_MODEL, engine.name, f"127.0.0.1:{port}") in cluster.scrape_targets()
+    assert cluster.info().processes[engine.name] == {"http": port}
+    cluster.scale("reward", 2)
+    [added] = [p for p in cluster.processes if p.name == "reward-1"]
+    assert added.env[variable] == processes["reward-0"].env[variable]
+    with pytest.raises(ValueError, match="cannot scale"):
+        cluster.scale(local.REWARD_MODEL, 2)
+
+
+@pytest.mark.parametrize("path", ["compose", *(f"k8s-{o}" for o in OVERLAYS)])
+def test_deployment_paths_serve_the_reward_model_alike(path: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """`up --reward-model`, compose.reward-model.yaml and components/reward-model: the same
+    services score with the reward model, under the same name, at the address of the engine each
+    deployment runs for it (a compose service, a Kubernetes Service)."""
+    variable = "POLICYLOOP_REWARD_MODELS__ENGINES"
+    cluster = _reward_model_up(tmp_path / "up", monkeypatch, reward_model=Path("/models/rm"))
+    up = {local.service_of(p.name): json.loads(p.env[variable]) for p in cluster.processes if variable in p.env}
+    if path == "compose":
+        binary = shutil.which("docker-compose")
+        if binary is None:
+            pytest.skip("the docker-compose binary is not installed (it resolves compose.yaml)")
+        result = subprocess.run([binary, "-f", "compose.yaml", "-f", "compose.reward-model.yaml", "config"], cwd=REPO,
+                                capture_output=True, text=True, timeout=60)
+        assert result.returncode == 0, result.stderr
+        services = yaml.safe_load(result.stdout)["services"]
+        deployed = {name: json.loads(s["environment"][variable]) for name, s in services.items()
+                    if variable in (s.get("environment") or {})}
+        hosts = set(services)
+    else:
+        overlay = path.removeprefix("k8s-")
+        rendered = Rendered(overlay, _render_with_components(overlay, tmp_path, ("reward-model",)))
+        deployed = {w["metadata"]["name"]: json.loads(env[variable]) for w in rendered.workloads
+                    for c in w["spec"]["template"]["spec"]["containers"]
+                    for env in [rendered.environment(c)] if variable in env}
+        hosts = {svc["metadata"]["name"] for svc in rendered.of_kind("Service")}
+    assert set(up) == set(deployed) == set(local.SCORING_SERVICES)
+    for name in local.SCORING_SERVICES:
+        assert list(up[name]) == list(deployed[name]) == [local.REWARD_MODEL_NAME], name
+        [address] = deployed[name][local.REWARD_MODEL_NAME]
+        host = re.fullmatch(r"http://([\w-]+):\d+", address)
+        assert host and host.group(1) == local.REWARD_MODEL and host.group(1) in hosts, address

@@ -32,6 +32,8 @@ def _parse_replicas(values: list[str]) -> dict[str, int]:
 
 
 def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
+    from policyloop.cluster.local import REWARD_MODEL, REWARD_MODEL_NAME, service_of
+
     table = Table(title=f"policyloop cluster in {info.run_dir}")
     table.add_column("process")
     table.add_column("listens on")
@@ -41,6 +43,10 @@ def _print_endpoints(info) -> None:  # type: ignore[no-untyped-def]
         table.add_row("prometheus", f"{info.prometheus_url} (every service's /metrics, alert rules)")
     for name, ports in sorted(info.processes.items()):
         if name in ("redis-server", "prometheus") or name.startswith("nats-"):  # nats-server, or nodes nats-0, …
+            continue
+        if service_of(name) == REWARD_MODEL:  # an engine, not a service: no /healthz
+            table.add_row(name, f"reward model {REWARD_MODEL_NAME}: http://127.0.0.1:{ports['http']}/classify, "
+                                "/metrics, /health")
             continue
         where = []
         if "grpc" in ports:
@@ -80,6 +86,11 @@ def up(
     serving_run: Annotated[str, typer.Option(
         help="Also start serving-0: a serving replica of this run's promoted versions behind an "
              "OpenAI-compatible endpoint (docs/evaluation.md).")] = "",
+    reward_model: Annotated[bool, typer.Option(
+        "--reward-model",
+        help="Also start reward-model-0: an embedded engine serving the bootstrap reward model (built once, "
+             "cached) as arith-rm on /classify, which reward and evaluator score with (the reward_model "
+             "scorer).")] = False,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cli.models import model_dir
@@ -92,10 +103,16 @@ def up(
 
         model_path = str(bootstrap(BootstrapConfig()))
     model_path = str(model_dir(model_path))  # a Hugging Face id: downloaded once, before any service starts
+    reward_model_dir = None
+    if reward_model:
+        from policyloop.models.bootstrap import bootstrap
+        from policyloop.models.reward_model import REWARD_MODEL_BOOTSTRAP
+
+        reward_model_dir = bootstrap(REWARD_MODEL_BOOTSTRAP).resolve()
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
-                           tinker=tinker, serving_run=serving_run)
+                           tinker=tinker, serving_run=serving_run, reward_model=reward_model_dir)
     stopping = False
 
     def request_stop(*_: object) -> None:

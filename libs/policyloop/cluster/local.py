@@ -3,8 +3,10 @@
 `policyloop up` uses it; so do the tests. NATS and Redis start on free ports with their data
 under the run directory, unless URLs of running ones are given. NATS is one server, or with
 `nats_nodes=3` a JetStream cluster of three (every stream and consumer then kept on all three,
-so the loop survives losing one). Every process is supervised: one that exits unexpectedly is
-restarted on the same ports and data (a service recovers its work from the bus).
+so the loop survives losing one). With a reward model, its engine runs as one more process
+(reward-model-0) that the services scoring with it reach by URL. Every process is supervised: one
+that exits unexpectedly is restarted on the same ports and data (a service recovers its work from
+the bus).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -156,6 +160,15 @@ TINKER_SAMPLER = "tinker-sampler"
 SERVING = "serving"
 
 
+# The reward model's engine (docs/deploy.md, "A reward model"): the embedded engine serving a
+# sequence-classification directory on SGLang's /classify, one process beside the services, under
+# the name environments' reward_model scorers give it. `LocalCluster(reward_model=…)` starts it.
+REWARD_MODEL = "reward-model"
+REWARD_MODEL_NAME = "arith-rm"
+# The services that score samples, and so call the reward model's engines.
+SCORING_SERVICES = ("reward", "evaluator")
+
+
 def service_of(instance: str) -> str:
     """The service an instance belongs to: rollout-0 → rollout (tinker-sampler-0 → tinker-sampler)."""
     return instance.rsplit("-", 1)[0]
@@ -220,6 +233,49 @@ def service_process(entry: ServiceEntry, index: int, run_dir: Path, nats_url: st
     )
 
 
+def reward_model_process(model_dir: Path, run_dir: Path, index: int = 0) -> ManagedProcess:
+    """The embedded engine serving the reward model at `model_dir` on a free port (ports["http"]:
+    /classify, /health and its /metrics, which Prometheus scrapes like a service's)."""
+    instance = f"{REWARD_MODEL}-{index}"
+    port = free_port()
+    env = dict(os.environ)
+    # One math thread, as every service here: the processes share the cores.
+    env.update({"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    command = [sys.executable, "-m", "policyloop.engines.embedded", "--model-path", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(port)]
+    return ManagedProcess(instance, command, env, run_dir / "logs" / f"{instance}.log", {"http": port})
+
+
+def engine_url(managed: ManagedProcess) -> str:
+    return f"http://127.0.0.1:{managed.ports['http']}"
+
+
+def reward_model_env(engines: dict[str, list[str]]) -> dict[str, str]:
+    """The setting that points the scoring services at reward models' engines, by model name."""
+    return {"POLICYLOOP_REWARD_MODELS__ENGINES": json.dumps(engines)}
+
+
+def wait_engine_healthy(managed: ManagedProcess, timeout_s: float) -> None:
+    """Returns once the engine answers /health with 200; raises ClusterError if it exits first or
+    does not within `timeout_s` (loading torch and the model)."""
+    url = f"{engine_url(managed)}/health"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if managed.proc is not None and managed.proc.poll() is not None:
+            raise ClusterError(f"{managed.name} exited with {managed.proc.returncode} before it was healthy "
+                               f"(log: {managed.log_path})")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"{managed.name} at {url} is not healthy after {timeout_s:.0f}s "
+                               f"(log: {managed.log_path})")
+        time.sleep(0.25)
+
+
 @dataclass
 class ClusterInfo:
     """What `policyloop status` needs to find a running cluster (written to cluster.json)."""
@@ -265,12 +321,16 @@ class LocalCluster:
         prometheus: bool | None = False,
         tinker: bool = False,
         serving_run: str = "",
+        reward_model: Path | None = None,
+        engine_start_timeout_s: float = 180.0,
     ) -> None:
         """`prometheus`: start one scraping every service (None: when it is installed).
         `tinker`: the Tinker API trains and samples: the learner trains its models too
         (tinker=true) and a rollout replica samples for it (TINKER_SAMPLER). `serving_run`: also start a
         serving replica (SERVING, process serving-0) of that run's promoted versions, its
-        OpenAI-compatible API on a free port (ports["openai"])."""
+        OpenAI-compatible API on a free port (ports["openai"]). `reward_model`: a sequence-classification
+        model directory served as REWARD_MODEL_NAME by an embedded engine (process reward-model-0,
+        healthy within `engine_start_timeout_s`), which the SCORING_SERVICES score with."""
         if nats_nodes < 1:
             raise ValueError("nats_nodes must be at least 1")
         if nats_nodes > 1 and nats_url:
@@ -294,6 +354,20 @@ class LocalCluster:
         self.prometheus: ManagedProcess | None = None
         self.tinker = tinker
         self.serving_run = serving_run
+        self.reward_model = reward_model
+        self.engine_start_timeout_s = engine_start_timeout_s
+        self.reward_model_engine: ManagedProcess | None = None
+
+    def _service_env(self, entry: ServiceEntry) -> dict[str, str]:
+        """What this cluster sets for every process of `entry` beyond its own (extra_env wins)."""
+        env: dict[str, str] = {}
+        if self.nats_nodes > 1:  # every stream and consumer on every node
+            env["POLICYLOOP_BUS__STREAM_REPLICAS"] = str(self.nats_nodes)
+        if self.tinker and entry.name == "learner":  # the one learner trains the Tinker API's models too
+            env["POLICYLOOP_TINKER"] = "true"
+        if self.reward_model_engine is not None and entry.name in SCORING_SERVICES:
+            env |= reward_model_env({REWARD_MODEL_NAME: [engine_url(self.reward_model_engine)]})
+        return env | self.extra_env
 
     def start(self) -> ClusterInfo:
         if self.fresh:
@@ -309,28 +383,34 @@ class LocalCluster:
             elif not self.given_nats_url:
                 self.nats_servers = start_nats_cluster(self.run_dir, self.nats_nodes)
                 self.nats_url = ",".join(f"nats://127.0.0.1:{m.ports['client']}" for m in self.nats_servers)
-            # Every stream and consumer on every node (extra_env may say otherwise).
-            replicas = {"POLICYLOOP_BUS__STREAM_REPLICAS": str(self.nats_nodes)} if self.nats_nodes > 1 else {}
-            extra_env = replicas | self.extra_env
             if not self.given_redis_url:
                 self.redis = start_redis(self.run_dir)
                 self.redis_url = f"redis://127.0.0.1:{self.redis.ports['client']}/0"
+            if self.reward_model is not None:
+                # First, so that its URL is known to the services that score with it.
+                self.reward_model_engine = reward_model_process(self.reward_model, self.run_dir)
+                self.processes.append(self.reward_model_engine)
             for entry in self.services:
-                # With the Tinker API the one learner trains its models too.
-                env = extra_env | ({"POLICYLOOP_TINKER": "true"} if self.tinker and entry.name == "learner" else {})
+                env = self._service_env(entry)
                 for index in range(self.replicas.get(entry.name, 1)):
                     self.processes.append(service_process(entry, index, self.run_dir, self.nats_url,
                                                           self.redis_url, self.namespace, env))
+            rollout = catalogue_entry("rollout")
             if self.tinker:
-                self.processes.append(service_process(catalogue_entry("rollout"), 0, self.run_dir, self.nats_url,
-                                                      self.redis_url, self.namespace, extra_env, role=TINKER_SAMPLER))
+                self.processes.append(service_process(rollout, 0, self.run_dir, self.nats_url, self.redis_url,
+                                                      self.namespace, self._service_env(rollout),
+                                                      role=TINKER_SAMPLER))
             if self.serving_run:
-                self.processes.append(service_process(catalogue_entry("rollout"), 0, self.run_dir, self.nats_url,
-                                                      self.redis_url, self.namespace, extra_env, role=SERVING,
+                self.processes.append(service_process(rollout, 0, self.run_dir, self.nats_url, self.redis_url,
+                                                      self.namespace, self._service_env(rollout), role=SERVING,
                                                       serve_run=self.serving_run))
             for proc in self.processes:
-                self._point_at_publisher(proc)
+                if proc is not self.reward_model_engine:
+                    self._point_at_publisher(proc)
                 proc.start()
+            if self.reward_model_engine is not None:
+                # The services load meanwhile; a scoring before the engine answers is retried anyway.
+                wait_engine_healthy(self.reward_model_engine, self.engine_start_timeout_s)
             self._start_prometheus()
         except BaseException:
             self.stop()
@@ -384,7 +464,7 @@ class LocalCluster:
         running = [p for p in self.processes if service_of(p.name) == service]
         for index in range(len(running), replicas):
             managed = service_process(entry, index, self.run_dir, self.nats_url, self.redis_url, self.namespace,
-                                      self.extra_env)
+                                      self._service_env(entry))
             self._point_at_publisher(managed)
             managed.start()
             self.processes.append(managed)

@@ -18,6 +18,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from policyloop.cluster.local import REWARD_MODEL
 from policyloop.cluster.scrape import Scrape
 
 
@@ -70,8 +71,8 @@ class Ledger:
 
     seconds: float
     source: str
-    services: list[tuple[str, str, bool, bool, int]] = field(default_factory=list)  # instance, service, up,
-    # healthy, version
+    services: list[tuple[str, str, bool, bool | None, int]] = field(default_factory=list)  # instance, service,
+    # up, healthy (None: no health of its own, as a reward model's engine), version
     backlogs: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)  # (stream, consumer):
     # (pending, change per second)
     generated_per_s: float = 0.0
@@ -102,7 +103,7 @@ class Ledger:
         up = current.by("up", "instance", "service", reduce="max")
         healthy = current.by("policyloop_service_healthy", "instance", reduce="max")
         version = current.by("policyloop_policy_version", "instance", reduce="max")
-        self.services = sorted((instance, service, value == 1, healthy.get((instance,), 0) == 1,
+        self.services = sorted((instance, service, value == 1, _healthy(healthy, instance, service, value == 1),
                                 int(version.get((instance,), 0))) for (instance, service), value in up.items())
         pending = current.by("policyloop_bus_backlog_messages", "stream", "consumer", reduce="max", kind="pending")
         before = previous.by("policyloop_bus_backlog_messages", "stream", "consumer", reduce="max",
@@ -167,6 +168,14 @@ class LedgerWindow:
         return ledger
 
 
+def _healthy(healthy: Mapping[tuple[str, ...], float], instance: str, service: str, up: bool) -> bool | None:
+    """Whether the instance reports itself healthy; None for a process that has no such report
+    (the reward model's engine: `up` is its health). A service that does not answer is unhealthy."""
+    if (instance,) in healthy:
+        return healthy[(instance,)] == 1
+    return None if service == REWARD_MODEL and up else False
+
+
 def _number(value: float | None, digits: int = 1, unit: str = "") -> str:
     return "–" if value is None else f"{value:,.{digits}f}{unit}"
 
@@ -178,8 +187,8 @@ def render(ledger: Ledger) -> Group:
     for column in ("instance", "up", "healthy", "version"):
         services.add_column(column)
     for instance, _service, up, healthy, version in ledger.services:
-        services.add_row(instance, "yes" if up else "[red]no[/red]", "yes" if healthy else "[red]no[/red]",
-                         str(version))
+        shown = "–" if healthy is None else "yes" if healthy else "[red]no[/red]"
+        services.add_row(instance, "yes" if up else "[red]no[/red]", shown, str(version))
     backlogs = Table(title="backlog (pending)", title_justify="left")
     for column in ("stream", "consumer", "messages", "change/s"):
         backlogs.add_column(column)
