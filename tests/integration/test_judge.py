@@ -26,8 +26,9 @@ from tests.integration.test_openai_endpoint import with_chat_template
 
 openai = pytest.importorskip("openai")
 SERVED = "judge-model"
-# The policy reads the response back as an addition it finishes: a number the verdict maps onto [0, 1].
-SPEC = judge_spec("cluster", "{response}+0=", verdict_kind="number", min_score=0, max_score=198, max_tokens=6)
+# The policy finishes the response + 10 as an addition (it gives a number for any 0-3 digit response): a
+# number the verdict maps onto [0, 1].
+SPEC = judge_spec("cluster", "{response}+10=", verdict_kind="number", min_score=0, max_score=210, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ async def test_a_judgement_is_the_reply_read_and_a_redelivered_sample_is_not_jud
             await replicas[1].score(sample("b", "12+34=", "47"))
             assert judgements("asked") - asked == 2
             # A request the judge refuses (a reply budget past the model's context): its reason.
-            too_long = judge_spec("cluster", "{response}+0=", max_tokens=4000)
+            too_long = judge_spec("cluster", "{response}+10=", max_tokens=4000)
             with pytest.raises(UnscorableTrajectory, match="judge 'cluster' refused the request: .*max_tokens"):
                 await replicas[0].score(sample("c", "1+1=", "2", too_long))
         finally:

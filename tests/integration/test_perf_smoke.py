@@ -211,3 +211,12 @@ def test_reward_throughput_scores_samples_at_each_batch_size(tmp_path: Path) -> 
     assert (eight["max_batch"], eight["calls"], eight["mean_batch"]) == (8, 4, 8.0)
     assert one["samples_per_s"] > 0 and eight["samples_per_s"] > 0
     assert (tmp_path / "out" / "reward_throughput.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_reward_throughput_times_a_judge_at_each_concurrency(tmp_path: Path, tiny_model_dir: Path) -> None:
+    figures = run_harness("reward_throughput.py", "--scorer", "judge", "--model-path", str(tiny_model_dir),
+                          "--samples", "16", "--batch-sizes", "1,4", "--repeats", "1", "--out", str(tmp_path / "out"),
+                          cwd=tmp_path)
+    assert figures["scorer"] == "judge" and [r["max_batch"] for r in figures["results"]] == [1, 4]
+    assert all(r["samples_per_s"] > 0 and 0 <= r["replies_without_verdict"] <= 16 for r in figures["results"])

@@ -61,7 +61,7 @@ def with_gateway(gateway: str | None, run_dir: Path, token: str, call):  # type:
 
 
 def _judge(name: str, model: str, template: Path | None, verdict: str, labels: list[str], json_field: str,
-           score_range: str, timeout_s: float) -> Any:
+           score_range: str, max_tokens: int, timeout_s: float) -> Any:
     """The judge scorer the flags describe; ValueError naming the flag that is wrong."""
     from policyloop.scorers.judge import judge_spec
 
@@ -81,7 +81,8 @@ def _judge(name: str, model: str, template: Path | None, verdict: str, labels: l
         except ValueError:
             raise ValueError(f"--score-range {score_range!r}: MIN,MAX") from None
     return judge_spec(name, template.read_text() if template else "", model=model, verdict_kind=verdict,
-                      labels=values, json_field=json_field, min_score=low, max_score=high, timeout_s=timeout_s)
+                      labels=values, json_field=json_field, min_score=low, max_score=high, max_tokens=max_tokens,
+                      timeout_s=timeout_s)
 
 
 # The scorer kinds' table (scorers.kinds) is the help's list.
@@ -120,9 +121,11 @@ def env_submit(
     json_field: Annotated[str, typer.Option(help="judge: the JSON verdict's field (default: score).")] = "",
     score_range: Annotated[str, typer.Option(
         help="judge: MIN,MAX of a number verdict, mapped onto [0, 1] (default: the number itself).")] = "",
+    judge_max_tokens: Annotated[int, typer.Option(help="judge: the reply's token budget (0: 64).")] = 0,
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,
-    timeout_s: Annotated[float, typer.Option(help="Sandbox time limit of one scoring job.")] = 10.0,
+    timeout_s: Annotated[float, typer.Option(
+        help="Time limit of one scoring: a code scorer's sandbox job, a judge's reply.")] = 10.0,
     group_size: Annotated[int, typer.Option(help="Samples per prompt.")] = 8,
     max_new_tokens: Annotated[int, typer.Option(help="Token budget of one sample.")] = 32,
     temperature: Annotated[float, typer.Option(help="Sampling temperature.")] = 1.0,
@@ -182,7 +185,7 @@ def env_submit(
                                 tools=tool, supervised=supervised, driver=driver, reward_model=reward_model,
                                 normalization=normalization,
                                 judge=_judge(judge, judge_model, judge_template, verdict, label or [], json_field,
-                                             score_range, timeout_s) if scorer == "judge" else None)
+                                             score_range, judge_max_tokens, timeout_s) if scorer == "judge" else None)
         env.eval_tasks.extend(held_out)
     except (TaskFileError, ValueError, OSError) as exc:
         console.print(f"[red]{exc}[/red]")
