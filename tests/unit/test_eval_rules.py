@@ -64,6 +64,12 @@ def test_a_task_passes_when_every_component_of_its_score_passed() -> None:
     program = bus_pb2.Trajectory(scorer=bus_pb2.Scorer(environment_reward=bus_pb2.EnvironmentRewardScorer()))
     assert passed(program, 1.2, [component("turn_0", 0.2, 1.0, ""), component("turn_1", 1.0, 1.0, "")])
     assert not passed(program, 0.2, [component("turn_0", 0.2, 1.0, ""), component("turn_1", 0.0, 1.0, "")])
+    # A sample a model scored passes at a reward of 0.5 or more (a sigmoid reward model's P(good)).
+    for scorer in (bus_pb2.Scorer(reward_model=bus_pb2.RewardModelScorer(model="rm")),
+                   bus_pb2.Scorer(judge=bus_pb2.JudgeScorer(judge="j", template="{response}"))):
+        judged = bus_pb2.Trajectory(scorer=scorer)
+        assert passed(judged, 0.73, [component("reward_model", 0.73, 1.0, "")])
+        assert not passed(judged, 0.27, [component("reward_model", 0.27, 1.0, "")])
 
 
 def test_a_versions_pass_rate_is_over_all_its_environments_tasks() -> None:

@@ -97,11 +97,18 @@ class Outcome:
     passed: bool
 
 
+MODEL_PASS = 0.5  # a model scorer's reward that passes: a sigmoid reward model's P(good), a judge's half-range
+
+
 def passed(traj: bus_pb2.Trajectory, reward: float, breakdown: Sequence[bus_pb2.RewardComponent]) -> bool:
     """A task passes when every component of its score passed (arithmetic: well formed and exact);
-    an environment program's episode, when the rewards it gave sum to 1 or more."""
-    if traj.scorer.WhichOneof("kind") == "environment_reward":
+    an environment program's episode, when the rewards it gave sum to 1 or more; a sample a model
+    scored (reward model, judge), when its reward is at least MODEL_PASS."""
+    kind = traj.scorer.WhichOneof("kind")
+    if kind == "environment_reward":
         return reward >= 1.0
+    if kind in ("reward_model", "judge"):
+        return reward >= MODEL_PASS
     return bool(breakdown) and all(part.value >= 1.0 for part in breakdown)
 
 
