@@ -33,12 +33,13 @@ SHORT_STEPS = 20
 SHORT_EVAL_PROBLEMS = 100
 
 
-def run_demo(tmp_path: Path, steps: int, eval_problems: int) -> tuple[subprocess.CompletedProcess[str], dict, Path]:
+def run_demo(tmp_path: Path, steps: int, eval_problems: int, *extra: str
+             ) -> tuple[subprocess.CompletedProcess[str], dict, Path]:
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", "policyloop", "demo", "--run-dir", str(tmp_path / "run"), "--out", str(out),
          "--steps", str(steps), "--budget-s", str(BUDGET_S), "--eval-interval-s", "60",
-         "--eval-problems", str(eval_problems), "--tracker", "tensorboard"],
+         "--eval-problems", str(eval_problems), "--tracker", "tensorboard", *extra],
         capture_output=True, text=True, timeout=840,
     )
     assert result.returncode in (0, 1), result.stdout[-4000:] + result.stderr[-4000:]
@@ -86,10 +87,14 @@ def test_the_demo_runs_every_service_and_reports_what_it_did(tmp_path: Path) -> 
     check_outputs(tmp_path, result, summary, out, SHORT_STEPS, SHORT_EVAL_PROBLEMS)
 
 
+# Slow (minutes each): the default run covers the critic's step, its checkpoint and resume
+# (tests/integration/test_trainer.py, test_recovery.py) and the demo's outputs (the short demo above).
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
-    result, summary, out = run_demo(tmp_path, STEPS, EVAL_PROBLEMS)
+@pytest.mark.parametrize("advantages", ["group", "gae"])
+def test_demo_raises_heldout_accuracy(tmp_path: Path, advantages: str) -> None:
+    """GRPO's group advantages (the demo's default) and PPO's with a critic (`--advantages gae`)."""
+    result, summary, out = run_demo(tmp_path, STEPS, EVAL_PROBLEMS, "--advantages", advantages)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     check_outputs(tmp_path, result, summary, out, STEPS, EVAL_PROBLEMS)
     gain = summary["accuracy_after"] - summary["accuracy_before"]
@@ -99,6 +104,8 @@ def test_demo_raises_heldout_accuracy(tmp_path: Path) -> None:
     assert quarter >= 5, summary["progress"]
     first, last = rewards[:quarter], rewards[-quarter:]
     assert sum(last) / quarter - sum(first) / quarter >= MIN_TRAIN_REWARD_GAIN, rewards
+    if advantages == "gae":  # the critic's values came to fit the returns
+        assert summary["learner_stats"]["explained_variance"] > 0, summary["learner_stats"]
 
 
 # Slow (the whole cluster for minutes): the default run covers two LoRA runs through the loop
