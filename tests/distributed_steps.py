@@ -1,5 +1,6 @@
 """Run under torchrun by tests/integration/test_trainer.py: a few GRPO steps led by rank 0 and
-followed by the other ranks; rank 0 writes the exported weights to argv[2]."""
+followed by the other ranks; rank 0 writes the exported weights to argv[2]. argv[3]: the
+advantages (gae: PPO with a critic, sharded and trained beside the policy)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import torch
 
 from policyloop.contracts.v1 import bus_pb2
+from policyloop.rl.losses import loss_settings
 from policyloop.rl.trainer import PolicyTrainer, TrainerConfig
 
 
@@ -33,13 +35,16 @@ def step_groups(step: int) -> list[list[bus_pb2.Trajectory]]:
     return groups
 
 
-def run(model_dir: Path, out: Path, steps: int = 3) -> None:
-    trainer = PolicyTrainer(model_dir, TrainerConfig(lr=1e-3), version=0)
+def run(model_dir: Path, out: Path, advantages: str = "group", steps: int = 3) -> None:
+    trainer = PolicyTrainer(model_dir, TrainerConfig(lr=1e-3, loss=loss_settings(advantages=advantages)), version=0)
     if trainer.rank != 0:
         trainer.follow()
         trainer.close()
         return
-    norms = [trainer.step(step_groups(step)).grad_norm for step in range(steps)]
+    reports = [trainer.step(step_groups(step)) for step in range(steps)]
+    # The critic's gradient norm too (Adam's update hides a wrong scale of its gradient as well).
+    norms = [n for r in reports for n in (r.grad_norm, *([r.statistics["critic_grad_norm"]]
+                                                           if "critic_grad_norm" in r.statistics else []))]
     out.write_bytes(trainer.export_safetensors())
     # Adam hides a wrong gradient scale in the weights; the gradient norm does not.
     out.with_suffix(".norms").write_text(" ".join(repr(n) for n in norms))
@@ -47,7 +52,7 @@ def run(model_dir: Path, out: Path, steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    run(Path(sys.argv[1]), Path(sys.argv[2]))
+    run(Path(sys.argv[1]), Path(sys.argv[2]), *sys.argv[3:4], *[int(s) for s in sys.argv[4:5]])
     # Done and closed: leave without the interpreter's teardown, where a C++ thread of the process
     # group, still joinable, aborted one run in a few ("terminate called without an active
     # exception", SIGABRT) after the steps had been checked.

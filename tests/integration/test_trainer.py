@@ -102,7 +102,9 @@ def test_groups_of_a_step_must_share_a_size(model_dir: Path) -> None:
         trainer.close()
 
 
-def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("advantages", ["group", "gae"])
+def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, tmp_path: Path,
+                                                              advantages: str) -> None:
     import subprocess
     import sys
 
@@ -110,13 +112,14 @@ def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, t
 
     two_ranks = tmp_path / "two.safetensors"
     env_cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-               f"--master_port={free_port()}", "-m", "tests.distributed_steps", str(model_dir), str(two_ranks)]
+               f"--master_port={free_port()}", "-m", "tests.distributed_steps", str(model_dir), str(two_ranks),
+               advantages]
     result = subprocess.run(env_cmd, capture_output=True, text=True, timeout=240,
                             env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     one_rank = tmp_path / "one.safetensors"
-    single = subprocess.run([sys.executable, "-m", "tests.distributed_steps", str(model_dir), str(one_rank)],
-                            capture_output=True, text=True, timeout=240)
+    single = subprocess.run([sys.executable, "-m", "tests.distributed_steps", str(model_dir), str(one_rank),
+                             advantages], capture_output=True, text=True, timeout=240)
     assert single.returncode == 0, single.stderr[-3000:]
     a, b = safetensors.torch.load_file(str(two_ranks)), safetensors.torch.load_file(str(one_rank))
     base = safetensors.torch.load_file(str(model_dir / "model.safetensors"))

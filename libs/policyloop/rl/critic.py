@@ -30,7 +30,8 @@ def load_value_model(model_path: Path, mesh: DeviceMesh, vocab_size: int) -> tor
     import transformers
     from transformers import AutoConfig, AutoModelForTokenClassification
 
-    config = AutoConfig.from_pretrained(model_path, num_labels=1, classifier_dropout=0.0)
+    config = AutoConfig.from_pretrained(model_path, num_labels=1)
+    config.classifier_dropout = 0.0
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # "newly initialized: score": the value head, on purpose
     try:
@@ -41,6 +42,9 @@ def load_value_model(model_path: Path, mesh: DeviceMesh, vocab_size: int) -> tor
     if embeddings < vocab_size:
         raise ValueError(f"the critic's vocabulary ({embeddings} tokens, {model_path}) does not cover the "
                          f"policy's ({vocab_size})")
+    for module in model.modules():  # whatever the config's names for it: a value has no dropout
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
     head = model.score
     torch.nn.init.zeros_(head.weight)
     if head.bias is not None:
