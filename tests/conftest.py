@@ -273,8 +273,10 @@ def suite_models() -> dict:  # name -> BootstrapRecipe (imported late: conftest 
     """The bootstrap models the tests run on, by name."""
     from policyloop.models.bootstrap import TOOLS_BOOTSTRAP, BootstrapConfig
     from policyloop.models.chat import CHAT_BOOTSTRAP
+    from policyloop.models.reward_model import REWARD_MODEL_BOOTSTRAP
 
-    return {"arithmetic": BootstrapConfig(), "tools": TOOLS_BOOTSTRAP, "chat": CHAT_BOOTSTRAP}
+    return {"arithmetic": BootstrapConfig(), "tools": TOOLS_BOOTSTRAP, "chat": CHAT_BOOTSTRAP,
+            "reward_model": REWARD_MODEL_BOOTSTRAP}
 
 
 # The bootstrap models each test module runs on, directly or through a process it starts
@@ -286,7 +288,10 @@ MODULE_MODELS: dict[str, tuple[str, ...]] = {
     "integration/test_openai_endpoint.py": ("arithmetic",),
     "integration/test_evaluation.py": ("arithmetic",),
     "integration/test_tinker_api.py": ("arithmetic",),
-    "integration/test_suite_models.py": ("arithmetic", "tools", "chat"),
+    "integration/test_judge.py": ("arithmetic",),
+    "integration/test_suite_models.py": ("arithmetic", "tools", "chat", "reward_model"),
+    "integration/test_reward_model_bootstrap.py": ("reward_model",),
+    "integration/test_reward_scoring.py": ("arithmetic", "reward_model"),
     "integration/test_chat_model.py": ("chat",),
     "integration/test_agents.py": ("chat",),
     "integration/test_program_env.py": ("chat",),

@@ -152,3 +152,105 @@ async def test_an_engine_outage_loses_nothing_and_a_refused_sample_is_dead_lette
     raw = direct_scores(tiny_reward_model, ["12+34=46", "9+9=18"])
     assert [scored_by_id["early"].reward, scored_by_id["fits"].reward] == pytest.approx(raw, abs=1e-5)
     assert len(await stored_samples(bus, "TRAJECTORIES")) == 2
+
+
+GROUPS_PER_STEP, GROUP_SIZE, STEPS = 2, 4, 2
+
+
+def arithmetic_tasks(path: Path, count: int) -> Path:
+    import json
+
+    from policyloop.envs.arithmetic import ArithmeticConfig, train_problems
+
+    path.write_text("\n".join(json.dumps({"prompt": p.prompt, "answer": p.answer})
+                              for p in train_problems(ArithmeticConfig(), count, seed=5)))
+    return path
+
+
+@pytest.mark.timeout(480)
+async def test_environments_scored_by_the_bootstrap_reward_model_and_by_a_judge_train_on_the_cluster(
+        bus: Bus, services: ServiceLauncher, redis_client, request: pytest.FixtureRequest,  # type: ignore[no-untyped-def]
+        tmp_path: Path) -> None:
+    """The loop's real services on the bootstrap policy: an environment scored by the bootstrap
+    reward model (its engine beside them, as `up --reward-model` runs it) trains two steps, each
+    sample's reward the model's sigmoid score of its prompt and response; then one judged by an
+    LLM judge on the cluster's own OpenAI-compatible endpoint (the serving API over the policy)
+    trains two more, each reward the judge's verdict."""
+    from tests.conftest import prebuilt_model
+    from tests.helpers import openai_endpoint, submit_and_start, trained_once
+    from tests.integration.test_openai_endpoint import with_chat_template
+
+    policy = prebuilt_model(request.config, "arithmetic")
+    reward_model = prebuilt_model(request.config, "reward_model")
+    engine = await start_engine(reward_model, max_batch=32, threads=1)
+    try:
+        async with openai_endpoint(with_chat_template(policy, tmp_path / "judge"), bus, "judge-model") as (
+                judge_url, _engine, _tokenizer):
+            env = {"POLICYLOOP_REWARD_MODELS__ENGINES": f'{{"arith-rm": ["{engine.base_url}"]}}',
+                   "POLICYLOOP_JUDGES__ENDPOINTS": f'{{"cluster": {{"base_url": "{judge_url}/v1", '
+                                                   f'"model": "judge-model"}}}}'}
+            loop = await services.start_loop(policy, GROUPS_PER_STEP, names=("gateway", "rollout", "reward"),
+                                             env=env)
+            port, samples = loop["gateway"].ports["grpc"], STEPS * GROUPS_PER_STEP * GROUP_SIZE
+            tasks = arithmetic_tasks(tmp_path / "sums.jsonl", 8)
+            await submit_and_start(port, "rm-sums", [str(tasks), "--scorer", "reward_model", "--reward-model",
+                                                     "arith-rm", "--normalization", "sigmoid", "--max-new-tokens",
+                                                     "6"], tasks=8, group_size=GROUP_SIZE, run_id="rm-run",
+                                   num_tasks=STEPS * GROUPS_PER_STEP)
+            await trained_once(bus, redis_client, "rm-run", steps=STEPS, samples=samples, timeout_s=300)
+            template = tmp_path / "judge.txt"
+            template.write_text("{response}+10=")
+            await submit_and_start(port, "judged-sums", [
+                str(tasks), "--scorer", "judge", "--judge", "cluster", "--judge-template", str(template),
+                "--score-range", "0,210", "--judge-max-tokens", "6", "--timeout-s", "60", "--max-new-tokens", "6"],
+                tasks=8, group_size=GROUP_SIZE, run_id="judged-run", num_tasks=STEPS * GROUPS_PER_STEP)
+            await trained_once(bus, redis_client, "judged-run", steps=2 * STEPS, samples=samples, timeout_s=300)
+    finally:
+        await engine.stop()
+    scored = await stored_samples(bus, "TRAJECTORIES")
+    by_rm = [t for t in scored if t.run_id == "rm-run"]
+    judged = [t for t in scored if t.run_id == "judged-run"]
+    assert len(by_rm) == len(judged) == samples
+    raw = direct_scores(reward_model, [reward_model_text(t.prompt_text, t.response_text) for t in by_rm])
+    assert [t.reward for t in by_rm] == pytest.approx([1 / (1 + math.exp(-r)) for r in raw], abs=1e-5)
+    assert all(t.reward_breakdown[0].name == "reward_model" for t in by_rm)
+    assert all(t.reward_breakdown[0].name == "judge" and 0.0 <= t.reward <= 1.0 for t in judged)
+
+
+# Slow (a run of 80 steps, minutes): the default run trains the same path for two steps above.
+@pytest.mark.slow
+@pytest.mark.timeout(1500)
+async def test_the_reward_models_reward_rises_over_a_run(
+        bus: Bus, services: ServiceLauncher, redis_client, request: pytest.FixtureRequest,  # type: ignore[no-untyped-def]
+        tmp_path: Path) -> None:
+    """80 steps of 16 groups of 8 on the bootstrap policy, scored by the bootstrap reward model
+    alone: the mean reward of the samples the last versions generated beats the first versions'."""
+    from policyloop.state import VersionRegistry
+    from tests.conftest import prebuilt_model
+    from tests.helpers import submit_and_start
+
+    steps, groups, size = 80, 16, 8
+    policy = prebuilt_model(request.config, "arithmetic")
+    engine = await start_engine(prebuilt_model(request.config, "reward_model"), max_batch=64, threads=1)
+    try:
+        loop = await services.start_loop(policy, groups, names=("gateway", "rollout", "reward"), env={
+            "POLICYLOOP_REWARD_MODELS__ENGINES": f'{{"arith-rm": ["{engine.base_url}"]}}',
+            "POLICYLOOP_OPTIMIZER__LR": "3e-4"})
+        await submit_and_start(loop["gateway"].ports["grpc"], "rm-sums", [
+            str(arithmetic_tasks(tmp_path / "sums.jsonl", 256)), "--scorer", "reward_model", "--reward-model",
+            "arith-rm", "--normalization", "sigmoid", "--max-new-tokens", "6"], tasks=256, group_size=size,
+            run_id="rm-run", num_tasks=steps * groups)
+        versions = VersionRegistry(redis_client, "default")
+
+        async def trained() -> bool:
+            return (await versions.get("policy") or 0) >= steps
+
+        await eventually(trained, timeout_s=1200, interval_s=2, what=f"{steps} steps")
+    finally:
+        await engine.stop()
+    by_version: dict[int, list[float]] = {}
+    for traj in await stored_samples(bus, "TRAJECTORIES"):
+        by_version.setdefault(max(s.version for s in traj.version_spans), []).append(traj.reward)
+    early = [r for v in sorted(by_version)[:10] for r in by_version[v]]
+    late = [r for v in sorted(by_version)[-10:] for r in by_version[v]]
+    assert sum(late) / len(late) - sum(early) / len(early) >= 0.05, (sum(early) / len(early), sum(late) / len(late))

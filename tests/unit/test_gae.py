@@ -28,7 +28,8 @@ def test_gae_matches_a_hand_computation() -> None:
     b2 = 2.0 - 0.3
     b0 = 0.5 + gamma * 0.3 - 0.2 + gamma * lam * b2
     assert advantages.flatten().tolist() == pytest.approx([a0, a1, a2, 0.0, b0, 0.0, b2, 0.0])
-    assert returns.flatten().tolist() == pytest.approx([a0 + 0.5, a1 + 0.4, a2 + 0.6, 0.0, b0 + 0.2, 0.0, b2 + 0.3, 0.0])
+    assert returns.flatten().tolist() == pytest.approx(
+        [a0 + 0.5, a1 + 0.4, a2 + 0.6, 0.0, b0 + 0.2, 0.0, b2 + 0.3, 0.0])
     # λ = 1, γ = 1: the return of every token is the reward to go (Monte Carlo).
     _, mc = gae(rewards, values, mask, gamma=1.0, lam=1.0)
     assert mc[0, :3].tolist() == pytest.approx([1.0, 1.0, 1.0]) and mc[1].tolist() == pytest.approx([2.5, 0, 2.0, 0])

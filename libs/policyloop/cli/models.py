@@ -25,11 +25,16 @@ def bootstrap(
     chat: Annotated[bool, typer.Option(
         help="The chat model: a BPE tokenizer, the Qwen2.5 chat template, and function tools it calls "
              "(<tool_call> blocks) after a warm-up on arithmetic questions.")] = False,
+    reward_model: Annotated[bool, typer.Option(
+        "--reward-model",
+        help="The reward model: a sequence classifier scoring an arithmetic answer (prompt + completion), trained "
+             "on pairs of right and wrong answers; its build samples the arithmetic model (built first, in OUT).")
+    ] = False,
     link: Annotated[Path | None, typer.Option(
         help="Also point this path at the model (a relative symlink, replaced atomically): a fixed name "
              "such as /models/base for containers that mount the same volume.")] = None,
 ) -> None:
-    """Build (or find cached) the small base model warmed up on arithmetic; prints JSON."""
+    """Build (or find cached) the small base model warmed up on arithmetic, or its reward model; prints JSON."""
     from policyloop.models.bootstrap import (
         TOOLS_BOOTSTRAP,
         BootstrapConfig,
@@ -41,14 +46,18 @@ def bootstrap(
     )
     from policyloop.models.bootstrap import bootstrap as build_bootstrap
 
-    if tools and chat:
-        console.print("[red]--tools and --chat name different models: give one[/red]")
+    if tools + chat + reward_model > 1:
+        console.print("[red]--tools, --chat and --reward-model name different models: give one[/red]")
         raise typer.Exit(2)
     config: BootstrapRecipe
     if chat:
         from policyloop.models.chat import CHAT_BOOTSTRAP
 
         config = CHAT_BOOTSTRAP
+    elif reward_model:
+        from policyloop.models.reward_model import REWARD_MODEL_BOOTSTRAP
+
+        config = REWARD_MODEL_BOOTSTRAP
     else:
         config = TOOLS_BOOTSTRAP if tools else BootstrapConfig()
     cached = is_complete(bootstrap_dir(config, out)) and not force
@@ -64,6 +73,10 @@ def bootstrap(
         from policyloop.models.chat import summary
 
         printed = {"path": str(path.resolve()), **summary(record), "cached": cached}
+    elif reward_model:
+        from policyloop.models.reward_model import summary as reward_model_summary
+
+        printed = {"path": str(path.resolve()), **reward_model_summary(record), "cached": cached}
     else:
         printed = {"path": str(path.resolve()), "heldout_accuracy": record["heldout_accuracy"],
                    "steps": record["steps"], "seconds": record["seconds"], "cached": cached}

@@ -16,8 +16,8 @@ _SPEC = bus_pb2.RewardModelScorer
 
 
 def reward_model_text(prompt: str, response: str) -> str:
-    """What a reward model scores: the prompt, then the response (the bootstrap reward model is
-    trained on exactly this)."""
+    """What a reward model scores: the prompt, then the response (eos stripped). The bootstrap
+    reward model (models/reward_model.py) is trained on exactly this, so RL shows it what it learned."""
     return prompt + response
 
 
