@@ -82,3 +82,17 @@ def build_tiny_reward_model(directory: Path, seed: int = 0, max_position_embeddi
     model.save_pretrained(directory, safe_serialization=True)
     save_tokenizer(directory)
     return directory
+
+
+def reward_model_scores(model_dir: Path, texts: list[str]) -> list[float]:
+    """Each text's score under the reward model in `model_dir`, from an unpadded forward of it
+    alone (what an engine's batched /classify must give)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from policyloop.models.tokenizer import build_tokenizer
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = build_tokenizer()
+    with torch.inference_mode():
+        return [float(model(input_ids=torch.tensor([tokenizer.encode(t).ids])).logits[0, 0]) for t in texts]

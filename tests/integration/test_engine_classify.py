@@ -11,12 +11,11 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-import torch
 
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
 from policyloop.engines.sglang_client import EngineError, SGLangClient
 from policyloop.models.tokenizer import VOCAB, build_tokenizer
-from tests.tiny_model import build_tiny_reward_model
+from tests.tiny_model import build_tiny_reward_model, reward_model_scores
 
 TEXTS = ["12+34=46", "12+34=47", "9+9=18", "5+5=", "99+1=100x"]
 
@@ -33,23 +32,13 @@ async def engine(reward_model: Path) -> AsyncIterator[EmbeddedEngine]:
     await running.stop()
 
 
-def alone(model_dir: Path, texts: list[str]) -> list[float]:
-    """Each text's score from an unpadded forward of it alone."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = build_tokenizer()
-    with torch.inference_mode():
-        return [float(model(input_ids=torch.tensor([tokenizer.encode(t).ids])).logits[0, 0]) for t in texts]
-
-
 async def post(url: str, payload: object) -> tuple[int, object]:
     async with aiohttp.ClientSession() as session, session.post(url, json=payload) as response:
         return response.status, await response.json(content_type=None)
 
 
 async def test_scores_are_each_prompts_own_in_any_batch(engine: EmbeddedEngine, reward_model: Path) -> None:
-    expected = alone(reward_model, TEXTS)
+    expected = reward_model_scores(reward_model, TEXTS)
     async with SGLangClient(engine.base_url, timeout_s=30, retries=0) as client:
         info = await client.model_info()
         assert info.is_generation is False and info.architectures == ["Qwen2ForSequenceClassification"]

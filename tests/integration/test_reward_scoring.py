@@ -13,20 +13,18 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from policyloop.bus import Bus, rollouts_subject
 from policyloop.common.ports import free_port
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
-from policyloop.models.tokenizer import build_tokenizer
 from policyloop.scorers.classify_batcher import RewardModelUnavailable
 from policyloop.scorers.reward_model import reward_model_scorer, reward_model_text
 from policyloop.scorers.settings import ModelScorerSettings, RewardModelSettings, ScorerContext
 from policyloop.telemetry.metrics import REWARD_MODEL_BATCH
 from tests.conftest import ServiceLauncher, fast_limits
 from tests.helpers import eventually, publish_group, stored, stored_samples
-from tests.tiny_model import build_tiny_reward_model
+from tests.tiny_model import build_tiny_reward_model, reward_model_scores
 
 SIGMOID = bus_pb2.RewardModelScorer.NORMALIZATION_SIGMOID
 
@@ -41,16 +39,6 @@ async def reward_engine(tiny_reward_model: Path) -> AsyncIterator[EmbeddedEngine
     running = await start_engine(tiny_reward_model, max_batch=8, threads=1)
     yield running
     await running.stop()
-
-
-def direct_scores(model_dir: Path, texts: list[str]) -> list[float]:
-    """Each text's score from an unpadded forward of it alone."""
-    from transformers import AutoModelForSequenceClassification
-
-    model = AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
-    tokenizer = build_tokenizer()
-    with torch.inference_mode():
-        return [float(model(input_ids=torch.tensor([tokenizer.encode(t).ids])).logits[0, 0]) for t in texts]
 
 
 def sample(trajectory_id: str, prompt: str, response: str, scorer: bus_pb2.RewardModelScorer) -> bus_pb2.Trajectory:
@@ -79,7 +67,7 @@ async def test_samples_of_many_groups_share_batched_calls_and_score_as_alone(
         scores = await asyncio.gather(*(scorer.score(t) for t in samples))
     finally:
         await scorer.close()
-    raw = direct_scores(tiny_reward_model, [reward_model_text(t.prompt_text, t.response_text) for t in samples])
+    raw = reward_model_scores(tiny_reward_model, [reward_model_text(t.prompt_text, t.response_text) for t in samples])
     assert [reward for reward, _ in scores] == pytest.approx([2.0 / (1 + math.exp(-r)) - 1.0 for r in raw],
                                                              abs=1e-5)
     [part] = scores[0][1]
@@ -149,7 +137,7 @@ async def test_an_engine_outage_loses_nothing_and_a_refused_sample_is_dead_lette
     [letter] = await stored(bus, "DLQ", bus_pb2.DeadLetter)
     assert "long" in letter.reason and "context length" in letter.reason, letter.reason
     scored_by_id = {t.trajectory_id: t for t in await stored_samples(bus, "TRAJECTORIES")}
-    raw = direct_scores(tiny_reward_model, ["12+34=46", "9+9=18"])
+    raw = reward_model_scores(tiny_reward_model, ["12+34=46", "9+9=18"])
     assert [scored_by_id["early"].reward, scored_by_id["fits"].reward] == pytest.approx(raw, abs=1e-5)
     assert len(await stored_samples(bus, "TRAJECTORIES")) == 2
 
@@ -211,7 +199,7 @@ async def test_environments_scored_by_the_bootstrap_reward_model_and_by_a_judge_
     by_rm = [t for t in scored if t.run_id == "rm-run"]
     judged = [t for t in scored if t.run_id == "judged-run"]
     assert len(by_rm) == len(judged) == samples
-    raw = direct_scores(reward_model, [reward_model_text(t.prompt_text, t.response_text) for t in by_rm])
+    raw = reward_model_scores(reward_model, [reward_model_text(t.prompt_text, t.response_text) for t in by_rm])
     assert [t.reward for t in by_rm] == pytest.approx([1 / (1 + math.exp(-r)) for r in raw], abs=1e-5)
     assert all(t.reward_breakdown[0].name == "reward_model" for t in by_rm)
     assert all(t.reward_breakdown[0].name == "judge" and 0.0 <= t.reward <= 1.0 for t in judged)
