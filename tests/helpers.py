@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import subprocess
 import sys
@@ -376,3 +377,22 @@ async def tinker_sampling_replica(bus: Bus, engine_url: str, drain_s: float = 5.
         await worker.drain(drain_s)
         await engine.close()
         await asyncio.gather(*(f.close() for f in fetchers.values()))
+
+
+def torchrun_args(command: list[str]) -> argparse.Namespace:
+    """A `python -m torch.distributed.run ...` command as torchrun itself parses it (its
+    arguments' Namespace): a command it would refuse fails here."""
+    from torch.distributed.run import get_args_parser
+
+    assert command[:3] == ["python", "-m", "torch.distributed.run"], command
+    return get_args_parser().parse_args(command[3:])
+
+
+def torchrun_rank_order(addresses: list[str]) -> list[str]:
+    """The order in which torchrun's c10d rendezvous ranks the nodes that name these addresses
+    (--local-addr): it sorts its node descriptors, whose first field is that address (the process
+    ids after it are given here in the opposite order, so only the addresses decide)."""
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+    nodes = [_NodeDesc(address, len(addresses) - i, 0) for i, address in enumerate(addresses)]
+    return [node.addr for node in sorted(nodes)]

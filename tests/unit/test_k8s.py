@@ -12,14 +12,18 @@ compose.yaml, the overlays) with each other."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import http.server
 import json
 import os
 import re
 import shutil
 import subprocess
+import sys
 import tempfile
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -32,7 +36,7 @@ from policyloop.cluster import local
 from policyloop.cluster.catalogue import SERVICE_NAMES, SERVICES, ServiceEntry
 from policyloop.cluster.local import LocalCluster, ManagedProcess, free_port, service_args
 from policyloop.tinker.settings import TinkerSettings
-from tests.helpers import setting_field, settings_model
+from tests.helpers import setting_field, settings_model, torchrun_args, torchrun_rank_order
 
 REPO = Path(__file__).resolve().parents[2]
 OVERLAYS = ("cpu-local", "gpu")
@@ -924,6 +928,193 @@ def test_the_hub_model_component_makes_a_hugging_face_model_the_base_policy(over
     [patched_container] = patched_job["spec"]["template"]["spec"]["containers"]
     assert patched.environment(patched_container)["BASE_MODEL"] == "org/model@v1"
     assert patched_container["envFrom"] != container["envFrom"]
+
+
+# --- a multi-node learner: a component an overlay may add ------------------------------------------------
+
+MULTINODE_ADDED = [("Service", "learner-nodes")]
+MULTINODE_REMOVED = [("Service", "learner")]
+# Changed: the learner's pods, and its claim (ReadWriteMany) but where one machine keeps it ReadWriteOnce.
+MULTINODE_CHANGED = {"cpu-local": {("StatefulSet", "learner")},
+                     "gpu": {("StatefulSet", "learner"), ("PersistentVolumeClaim", "learner-checkpoints")}}
+RENDEZVOUS_PORT = 29400
+# How docs/kubernetes.md changes the number of nodes: one patch for replicas and NNODES together.
+NODES_PATCH = """\
+apiVersion: apps/v1
+kind: StatefulSet
+metadata: {name: learner}
+spec:
+  replicas: %d
+  template:
+    spec:
+      containers:
+        - name: learner
+          env: [{name: NNODES, value: "%d"}]
+"""
+
+
+def _expanded(command: list[str], env: dict[str, str]) -> list[str]:
+    """The command as the kubelet runs it: each $(VAR) replaced by the container's variable."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in command]
+
+
+def _pod_env(rendered: Rendered, workload: dict[str, Any], container: dict[str, Any], pod: str) -> dict[str, str]:
+    """The container's variables in pod `pod` of the StatefulSet (the downward API's fields filled in)."""
+    fields = {"metadata.name": pod, "metadata.namespace": workload["metadata"]["namespace"]}
+    env = {}
+    for name, value in rendered.environment(container).items():
+        if isinstance(value, dict) and "fieldRef" in value and value["fieldRef"]["fieldPath"] in fields:
+            env[name] = fields[value["fieldRef"]["fieldPath"]]
+        elif isinstance(value, str):
+            env[name] = value
+    return env
+
+
+@contextlib.contextmanager
+def _http_status(status: int) -> Iterator[int]:
+    """A local HTTP server answering every GET with `status`; yields its port."""
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the base class's name)
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_multinode_learner_component_runs_the_learner_as_torchrun_across_pods(
+        overlay: str, tmp_path: Path) -> None:
+    """components/multinode-learner: StatefulSet learner of two pods, each a torchrun agent of one
+    rank, meeting at a c10d rendezvous on learner-0 through the headless Service learner-nodes
+    (which replaces Service learner); the pods keep the learner's settings, image, resources and
+    (gpu) GPU, and write into one checkpoint claim, ReadWriteMany (ReadWriteOnce on cpu-local's one
+    machine). Rank 0 lands on learner-0, the pod that is probed and scraped; the other pods' probes
+    pass without HTTP. The rest of the overlay is left as it was."""
+    import kubernetes_validate
+
+    from policyloop.cluster.catalogue import entry as catalogue_entry
+    from policyloop.learner.settings import LearnerSettings
+
+    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path / "default", ("multinode-learner",))
+    before, after = {_unhashed(o): o for o in plain}, {_unhashed(o): o for o in objects}
+    assert sorted(set(after) - set(before)) == MULTINODE_ADDED
+    assert sorted(set(before) - set(after)) == MULTINODE_REMOVED
+    assert {key for key in set(before) & set(after) if after[key] != before[key]} == MULTINODE_CHANGED[overlay]
+    for key in [*MULTINODE_ADDED, *MULTINODE_CHANGED[overlay]]:
+        kubernetes_validate.validate(after[key], KUBERNETES_VERSION, strict=True)
+        assert after[key]["metadata"]["namespace"] == "policyloop", key
+    rendered, base = Rendered(overlay, objects), Rendered(overlay, plain).services["learner"]
+
+    # The pods: every one at once (learner-0 is ready only once all joined), replaced together.
+    workload = rendered.get("StatefulSet", "learner")
+    spec = workload["spec"]
+    nodes = spec["replicas"]
+    assert nodes == 2 and spec["podManagementPolicy"] == "Parallel" and spec["updateStrategy"] == {"type": "OnDelete"}
+    assert "volumeClaimTemplates" not in spec
+    pods = [f"learner-{i}" for i in range(nodes)]
+    # Their DNS names, published before they are ready, from the headless Service that governs them.
+    service = rendered.get("Service", spec["serviceName"])
+    assert service["metadata"]["name"] == "learner-nodes" and service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    assert service["spec"]["selector"].items() <= spec["template"]["metadata"]["labels"].items()
+    [container] = spec["template"]["spec"]["containers"]
+    [rendezvous] = [p for p in service["spec"]["ports"] if p["port"] == RENDEZVOUS_PORT]
+    assert _declared(container, rendezvous["targetPort"]) == RENDEZVOUS_PORT
+    learner = Service(base.entry, workload, container, rendered.environment(container))
+
+    # The learner's container as the overlay makes it, but for torchrun in front of its command.
+    assert {k: v for k, v in container.items() if k not in ("command", "env", "ports") and not k.endswith("Probe")} \
+        == {k: v for k, v in base.container.items() if k not in ("command", "env", "ports")
+            and not k.endswith("Probe")}
+    assert {e["name"]: e for e in base.container["env"]}.items() <= {e["name"]: e for e in container["env"]}.items()
+    assert {k: v for k, v in learner.env.items() if k not in ("NNODES", "POD_NAME", "POD_NAMESPACE")} == base.env
+    assert learner.pod["terminationGracePeriodSeconds"] == base.pod["terminationGracePeriodSeconds"]
+    if overlay == "gpu":
+        assert _gpus(container) == 1 and learner.env["POLICYLOOP_DEVICE"] == "cuda"
+        assert learner.pod["tolerations"] == base.pod["tolerations"]
+    settings = _settings(LearnerSettings, learner.env)
+    assert settings.kinds_problem(world_size=nodes) is None
+    # The Tinker API and LoRA runs train on one rank (docs/kubernetes.md: not with this component).
+    assert "one rank" in str(_settings(LearnerSettings, {**learner.env, "POLICYLOOP_TINKER": "true"})
+                             .kinds_problem(world_size=nodes))
+
+    # torchrun, as it parses the command each pod runs: one rank per pod, as many nodes as pods,
+    # the rendezvous on learner-0 named through the headless Service, the catalogue's command.
+    namespace = workload["metadata"]["namespace"]
+    grace = float(learner.setting("POLICYLOOP_SHUTDOWN_GRACE_S"))
+    addresses = []
+    for pod in pods:
+        args = torchrun_args(_expanded(container["command"], _pod_env(rendered, workload, container, pod)))
+        assert args.nnodes == str(nodes) and args.nproc_per_node == "1", pod
+        assert args.rdzv_backend == "c10d" and args.rdzv_id == "policyloop-learner", pod
+        assert args.rdzv_endpoint == f"{pods[0]}.{service['metadata']['name']}.{namespace}.svc:{RENDEZVOUS_PORT}", pod
+        assert args.local_addr == f"{pod}.{service['metadata']['name']}.{namespace}.svc", pod
+        assert args.module and [args.training_script, *args.training_script_args] == \
+            ["policyloop", *service_args(catalogue_entry("learner"))], pod
+        assert args.max_restarts > 0, pod
+        # Rank 0 finishes its step and writes its checkpoint before torchrun kills the ranks,
+        # and torchrun before the kubelet does.
+        assert grace + SERVE_MARGIN_S < args.shutdown_timeout < learner.pod["terminationGracePeriodSeconds"], pod
+        addresses.append(args.local_addr)
+    assert torchrun_rank_order(addresses)[0] == addresses[0]  # node 0, rank 0: learner-0
+    more = [a.replace("learner-1.", f"learner-{i}.") for i in range(1, 12) for a in addresses[1:2]]
+    assert torchrun_rank_order([*more, addresses[0]])[0] == addresses[0]  # learner-10 and on too
+
+    # The checkpoint directory: one claim, written by every pod.
+    mount, source = learner.mount_for(str(settings.checkpoint.dir))
+    assert source["persistentVolumeClaim"]["claimName"] == "learner-checkpoints" and not mount.get("readOnly")
+    claim = rendered.get("PersistentVolumeClaim", "learner-checkpoints")
+    assert claim["spec"]["accessModes"] == (["ReadWriteOnce"] if overlay == "cpu-local" else ["ReadWriteMany"])
+    assert claim["spec"]["resources"] == before[("PersistentVolumeClaim", "learner-checkpoints")]["spec"]["resources"]
+
+    # Probes: rank 0's pod on /metrics (startup, liveness) and /healthz (readiness), as the base
+    # learner; a follower's pod, which serves nothing, passes. Run here against a local server.
+    python = tmp_path / "bin" / "python"
+    python.parent.mkdir()
+    python.symlink_to(sys.executable)
+    paths = {"startupProbe": "/metrics", "livenessProbe": "/metrics", "readinessProbe": "/healthz"}
+    assert {kind: base.container[kind]["httpGet"]["path"] for kind in paths} == paths
+    http_port = int(learner.setting("POLICYLOOP_HTTP_PORT"))
+    assert _declared(container, "http") == http_port
+
+    def probe(kind: str, pod: str, port: int) -> int:
+        command = container[kind]["exec"]["command"]
+        assert command[-1] == paths[kind], kind
+        env = {"PATH": f"{python.parent}:{os.environ['PATH']}", "POD_NAME": pod, "POLICYLOOP_HTTP_PORT": str(port)}
+        return subprocess.run(command, env=env, capture_output=True, timeout=30).returncode
+
+    for kind in paths:
+        with _http_status(200) as port:
+            assert probe(kind, pods[0], port) == 0, kind
+        with _http_status(503) as port:
+            assert probe(kind, pods[0], port) != 0, kind
+            assert probe(kind, pods[1], free_port()) == 0, kind
+        assert container[kind]["timeoutSeconds"] >= 3, kind
+
+    # Scraped on learner-0 alone, as the service learner.
+    assert _scraped(workload, pods[0]) == [{"__address__": f"10.1.2.3:{http_port}", "service": "learner",
+                                            "instance": pods[0]}]
+    for pod in pods[1:]:
+        assert _scraped(workload, pod) == [], pod
+
+    # Another number of nodes, as docs/kubernetes.md sets it: replicas and --nnodes together.
+    patch = {"target": {"kind": "StatefulSet", "name": "learner"}, "patch": NODES_PATCH % (3, 3)}
+    patched = Rendered(overlay, _render_with_components(overlay, tmp_path / "three", ("multinode-learner",), [patch]))
+    three = patched.get("StatefulSet", "learner")
+    [patched_container] = three["spec"]["template"]["spec"]["containers"]
+    args = torchrun_args(_expanded(patched_container["command"],
+                                   _pod_env(patched, three, patched_container, "learner-2")))
+    assert three["spec"]["replicas"] == 3 and args.nnodes == "3"
 
 
 # --- three deployment paths, one topology -------------------------------------------------------------
