@@ -4,7 +4,8 @@
 # Docker-compatible socket (started here if it is not running), else podman-compose.
 # The image names `make images` built (docker/images.env) are passed on. COMPOSE_GPU=1 adds
 # compose.gpu.yaml, COMPOSE_TINKER=1 compose.tinker.yaml (the Tinker API), COMPOSE_REWARD_MODEL=1
-# compose.reward-model.yaml (a reward model's engine, which reward and evaluator score with).
+# compose.reward-model.yaml (a reward model's engine, which reward and evaluator score with),
+# COMPOSE_MULTINODE_LEARNER=1 compose.multinode-learner.yaml (the learner as two torchrun nodes).
 #
 #   docker/compose.sh up -d --no-build      # make compose-up
 #   docker/compose.sh ps
@@ -17,6 +18,18 @@ files=(-f compose.yaml)
 [ -n "${COMPOSE_GPU:-}" ] && files+=(-f compose.gpu.yaml)
 [ -n "${COMPOSE_TINKER:-}" ] && files+=(-f compose.tinker.yaml)
 [ -n "${COMPOSE_REWARD_MODEL:-}" ] && files+=(-f compose.reward-model.yaml)
+if [ -n "${COMPOSE_MULTINODE_LEARNER:-}" ]; then
+  # Combinations that would start a learner group that cannot train (compose.multinode-learner.yaml).
+  if [ -n "${COMPOSE_GPU:-}" ]; then
+    echo "COMPOSE_MULTINODE_LEARNER runs the learner's two nodes on the CPU: not with COMPOSE_GPU, which gives a GPU to node 0 alone (one torchrun agent with --nproc_per_node uses a host's GPUs)" >&2
+    exit 2
+  fi
+  if [ -n "${COMPOSE_TINKER:-}" ]; then
+    echo "COMPOSE_MULTINODE_LEARNER: not with COMPOSE_TINKER, the Tinker API trains on one rank" >&2
+    exit 2
+  fi
+  files+=(-f compose.multinode-learner.yaml)
+fi
 env_file=()
 [ -f docker/images.env ] && env_file=(--env-file docker/images.env)
 

@@ -2,7 +2,8 @@
 with the same arguments, wired to NATS and Redis, configured only through settings that exist.
 The Tinker API is one switch over it, compose.tinker.yaml: the front (the catalogue's `tinker`),
 its sampler, and tinker=true on the one learner. A reward model is another, compose.reward-model.yaml:
-its build job and engine, and the scoring services pointed at it.
+its build job and engine, and the scoring services pointed at it. compose.multinode-learner.yaml
+runs the learner as two torchrun nodes sharing its checkpoint volume.
 
 The checks read what `docker-compose config` resolves (anchors, merges and defaults applied),
 not the raw files; no docker engine is needed."""
@@ -21,13 +22,14 @@ import yaml
 
 from policyloop.cluster.catalogue import SERVICE_NAMES, SERVICES, ServiceEntry
 from policyloop.cluster.local import service_args
-from tests.helpers import setting_field, settings_model
+from tests.helpers import setting_field, settings_model, torchrun_args, torchrun_rank_order
 
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "compose.yaml"
 TINKER_FILE = REPO / "compose.tinker.yaml"
 GPU_FILE = REPO / "compose.gpu.yaml"
 REWARD_MODEL_FILE = REPO / "compose.reward-model.yaml"
+MULTINODE_LEARNER_FILE = REPO / "compose.multinode-learner.yaml"
 DOCKERFILE = REPO / "docker" / "Dockerfile"
 # The catalogue services only compose.tinker.yaml runs, and what it adds beside them.
 TINKER_SERVICES = {"tinker"}
@@ -81,7 +83,9 @@ def _normalized(service: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.mark.parametrize("files", [(COMPOSE_FILE,), (COMPOSE_FILE, TINKER_FILE), (COMPOSE_FILE, GPU_FILE),
                                    (COMPOSE_FILE, GPU_FILE, TINKER_FILE), (COMPOSE_FILE, REWARD_MODEL_FILE),
-                                   (COMPOSE_FILE, GPU_FILE, TINKER_FILE, REWARD_MODEL_FILE)],
+                                   (COMPOSE_FILE, GPU_FILE, TINKER_FILE, REWARD_MODEL_FILE),
+                                   (COMPOSE_FILE, MULTINODE_LEARNER_FILE),
+                                   (COMPOSE_FILE, REWARD_MODEL_FILE, MULTINODE_LEARNER_FILE)],
                          ids=lambda fs: "+".join(f.stem for f in fs))
 def test_compose_config_is_valid(files: tuple[Path, ...]) -> None:
     result = _run_config(*files)
@@ -211,7 +215,8 @@ def test_the_models_job_fetches_the_hugging_face_model_base_model_names(tinker_c
             assert _environment(service)["HF_HUB_OFFLINE"] == "1", name
 
 
-@pytest.mark.parametrize("file", [COMPOSE_FILE, TINKER_FILE, GPU_FILE, REWARD_MODEL_FILE], ids=lambda f: f.name)
+@pytest.mark.parametrize("file", [COMPOSE_FILE, TINKER_FILE, GPU_FILE, REWARD_MODEL_FILE, MULTINODE_LEARNER_FILE],
+                         ids=lambda f: f.name)
 def test_every_image_comes_from_a_variable_with_the_official_default(file: Path) -> None:
     images = re.findall(r"^\s*image:\s*(\S+)\s*$", file.read_text(), flags=re.MULTILINE)
     assert images
@@ -382,10 +387,11 @@ def test_the_tinker_override_adds_the_front_and_the_sampler_and_turns_tinker_on_
     assert settings.tinker_sampling and settings.lora_runs and settings.role == "training"
 
 
-def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
-    """COMPOSE_GPU=1, COMPOSE_TINKER=1 and COMPOSE_REWARD_MODEL=1: docker/compose.sh passes
-    compose.gpu.yaml, compose.tinker.yaml and compose.reward-model.yaml after compose.yaml (run here
-    against a stand-in `docker`)."""
+COMPOSE_SWITCHES = ("COMPOSE_GPU", "COMPOSE_TINKER", "COMPOSE_REWARD_MODEL", "COMPOSE_MULTINODE_LEARNER")
+
+
+def _compose_sh(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str]:
+    """`docker/compose.sh config` with these switches, against a stand-in `docker` that prints its arguments."""
     import os
     import stat
 
@@ -393,12 +399,17 @@ def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
     fake.write_text('#!/bin/sh\n[ "$1" = info ] && exit 0\n[ "$1 $2" = "compose version" ] && exit 0\n'
                     'echo "$@"\n')
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    environ = {k: v for k, v in os.environ.items() if k not in COMPOSE_SWITCHES}
+    return subprocess.run([str(REPO / "docker" / "compose.sh"), "config"], capture_output=True, text=True,
+                          timeout=30, env={**environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
 
+
+def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
+    """COMPOSE_GPU=1, COMPOSE_TINKER=1, COMPOSE_REWARD_MODEL=1 and COMPOSE_MULTINODE_LEARNER=1:
+    docker/compose.sh passes compose.gpu.yaml, compose.tinker.yaml, compose.reward-model.yaml and
+    compose.multinode-learner.yaml after compose.yaml (run here against a stand-in `docker`)."""
     def files(**env: str) -> list[str]:
-        environ = {k: v for k, v in os.environ.items()
-                   if k not in ("COMPOSE_GPU", "COMPOSE_TINKER", "COMPOSE_REWARD_MODEL")}
-        done = subprocess.run([str(REPO / "docker" / "compose.sh"), "config"], capture_output=True, text=True,
-                              timeout=30, env={**environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", **env})
+        done = _compose_sh(tmp_path, **env)
         assert done.returncode == 0, done.stderr
         args = done.stdout.split()
         return [args[i + 1] for i, arg in enumerate(args) if arg == "-f"]
@@ -409,6 +420,18 @@ def test_compose_sh_adds_the_overrides_it_is_asked_for(tmp_path: Path) -> None:
     assert files(COMPOSE_REWARD_MODEL="1") == [COMPOSE_FILE.name, REWARD_MODEL_FILE.name]
     assert files(COMPOSE_GPU="1", COMPOSE_TINKER="1", COMPOSE_REWARD_MODEL="1") == \
         [COMPOSE_FILE.name, GPU_FILE.name, TINKER_FILE.name, REWARD_MODEL_FILE.name]
+    assert files(COMPOSE_MULTINODE_LEARNER="1") == [COMPOSE_FILE.name, MULTINODE_LEARNER_FILE.name]
+    assert files(COMPOSE_REWARD_MODEL="1", COMPOSE_MULTINODE_LEARNER="1") == \
+        [COMPOSE_FILE.name, REWARD_MODEL_FILE.name, MULTINODE_LEARNER_FILE.name]
+
+
+@pytest.mark.parametrize("other", ["COMPOSE_GPU", "COMPOSE_TINKER"])
+def test_compose_sh_refuses_a_multinode_learner_that_could_not_train(other: str, tmp_path: Path) -> None:
+    """On the GPU (node 0 alone would get one) or with the Tinker API (it trains on one rank), the
+    two-node learner would not train: docker/compose.sh says why and runs nothing."""
+    done = _compose_sh(tmp_path, COMPOSE_MULTINODE_LEARNER="1", **{other: "1"})
+    assert done.returncode == 2 and not done.stdout
+    assert "COMPOSE_MULTINODE_LEARNER" in done.stderr and other in done.stderr
 
 
 def test_the_serving_profile_adds_a_serving_replica_of_a_runs_promoted_versions(config: dict[str, Any]) -> None:
@@ -633,3 +656,86 @@ def test_the_reward_model_override_combines_with_the_gpu_and_tinker_ones() -> No
         assert _normalized(every[name]) == _normalized(reward_model[name]), name
     for name in set(tinker) - SCORING_SERVICES - {"prometheus"}:
         assert _normalized(every[name]) == _normalized(tinker[name]), name
+
+
+# --- the learner as two torchrun nodes: compose.multinode-learner.yaml ------------------------------------
+
+@pytest.fixture(scope="module")
+def multinode_config() -> dict[str, Any]:
+    return _resolved(COMPOSE_FILE, MULTINODE_LEARNER_FILE)
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration (30s, 1m30s) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_the_multinode_learner_override_runs_the_learner_as_two_torchrun_nodes(
+        config: dict[str, Any], multinode_config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`learner` (node 0) and `learner-node1`: each a torchrun agent of one rank running the
+    catalogue's learner command, agreeing on the number of nodes and the rendezvous (c10d, on
+    learner, the node that runs rank 0), with the learner's settings and the one checkpoint volume.
+    Rank 0 keeps the base learner's health check; node 1, which serves nothing, has none. Everything
+    else is compose.yaml's as it was."""
+    from policyloop.cluster.catalogue import entry
+    from policyloop.learner.settings import LearnerSettings
+    from policyloop.runtime.settings import load_settings
+
+    base, merged = config["services"], multinode_config["services"]
+    assert set(merged) == set(base) | {"learner-node1"}
+    for name in base:
+        if name != "learner":
+            assert _normalized(merged[name]) == _normalized(base[name]), name
+    assert multinode_config["volumes"] == config["volumes"]
+    learner, node1 = merged["learner"], merged["learner-node1"]
+    assert {k: v for k, v in _normalized(learner).items() if k != "command"} == \
+        {k: v for k, v in _normalized(base["learner"]).items() if k != "command"}
+    torchrun = ["python", "-m", "torch.distributed.run"]
+    nodes = {name: service for name, service in merged.items() if service.get("command", [])[:3] == torchrun}
+    assert list(nodes) == ["learner", "learner-node1"]
+
+    # torchrun, as it parses each node's command.
+    grace = float(_environment(learner)["POLICYLOOP_SHUTDOWN_GRACE_S"])
+    parsed = {name: torchrun_args(service["command"]) for name, service in nodes.items()}
+    for name, args in parsed.items():
+        assert args.nnodes == str(len(nodes)) and args.nproc_per_node == "1", name
+        assert args.rdzv_backend == "c10d" and args.rdzv_id == "policyloop-learner", name
+        assert args.rdzv_endpoint == "learner:29400" and args.local_addr == name, name
+        assert args.module and [args.training_script, *args.training_script_args] == \
+            ["policyloop", *service_args(entry("learner"))], name
+        assert args.max_restarts > 0, name
+        # Rank 0 finishes its step and writes the checkpoint before torchrun kills the ranks
+        # (serve() gives a stopping service its grace and 5 s to nack), and torchrun before compose.
+        assert grace + 5 < args.shutdown_timeout < _seconds(nodes[name]["stop_grace_period"]), name
+    # The rendezvous host runs rank 0: the node whose address torchrun ranks first.
+    assert torchrun_rank_order([args.local_addr for args in parsed.values()])[0] == "learner"
+
+    # Node 1: the learner's image, settings (its trainer's configuration is rank 0's), volumes.
+    for key in ("build", "image", "restart", "stop_grace_period"):
+        assert node1[key] == learner[key], key
+    assert _environment(node1) == {**_environment(learner), "POLICYLOOP_ADVERTISE_HOST": "learner-node1"}
+    assert sorted(node1["volumes"]) == sorted(learner["volumes"])
+    target = _environment(learner)["POLICYLOOP_CHECKPOINT__DIR"]
+    assert [v for v in node1["volumes"] if v.split(":")[1] == target] == ["checkpoints:/data/checkpoints:rw"]
+    for name, value in _environment(learner).items():
+        if name.startswith("POLICYLOOP_"):
+            monkeypatch.setenv(name, value)
+    assert load_settings(LearnerSettings).kinds_problem(world_size=len(nodes)) is None
+    # Started with node 0, not after it: compose stops dependents first, and node 1 must outlast
+    # rank 0's last checkpoint.
+    assert node1["depends_on"] == learner["depends_on"] and "learner" not in node1["depends_on"]
+    assert node1["healthcheck"] == {"test": ["NONE"]}
+    assert learner["healthcheck"] == base["learner"]["healthcheck"]
+
+
+def test_the_multinode_learner_override_copies_compose_yamls_shared_parts() -> None:
+    """YAML anchors do not reach across files: the copies must say what compose.yaml says."""
+    compose, override = yaml.safe_load(COMPOSE_FILE.read_text()), yaml.safe_load(MULTINODE_LEARNER_FILE.read_text())
+    learner = compose["services"]["learner"]
+    assert override["x-multinode-learner-build"] == learner["build"]
+    assert override["x-multinode-learner-env"] == {k: v for k, v in learner["environment"].items()
+                                                   if k != "POLICYLOOP_ADVERTISE_HOST"}
+    assert override["x-multinode-learner-depends"] == learner["depends_on"]
