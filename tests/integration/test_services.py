@@ -247,7 +247,11 @@ async def test_embedded_engine_dies_with_its_rollout_replica(bus: Bus, services:
     await eventually(gone, timeout_s=15)
 
 
-async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: ServiceLauncher) -> None:
+@pytest.mark.parametrize("nodes", [1, 2])
+async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: ServiceLauncher, nodes: int) -> None:
+    """Two ranks: one torchrun agent with two processes, or two agents of one process each — two
+    "nodes", as pods are, rendezvousing on node 0's address (its rank 0 is the service; node 1
+    only follows) and sharing the checkpoint directory."""
     import sys
 
     from policyloop.bus import trajectories_subject
@@ -256,12 +260,18 @@ async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: Ser
 
     publisher = services.start("publisher")
     await services.wait_healthy(publisher)
-    learner = services.start(
-        "learner", env={"POLICYLOOP_GROUPS_PER_STEP": "2", "OMP_NUM_THREADS": "1",
-                        "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"},
-        launcher=[sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=1",
-                  f"--master_port={free_port()}"],
-    )
+    env = {"POLICYLOOP_GROUPS_PER_STEP": "2", "OMP_NUM_THREADS": "1",
+           "POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    if nodes == 1:
+        learner = services.start("learner", env=env, launcher=[*torchrun, "--nproc_per_node=2", "--nnodes=1",
+                                                               f"--master_port={free_port()}"])
+        follower = learner
+    else:
+        node = [*torchrun, "--nproc_per_node=1", "--nnodes=2", "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}"]
+        learner = services.start("learner", env=env, launcher=[*node, "--node_rank=0"])
+        follower = services.start("learner", instance="learner-node1", env=env, launcher=[*node, "--node_rank=1"])
     await services.wait_healthy(learner, timeout_s=60)
     for task in ("a", "b"):
         for i in range(2):
@@ -290,9 +300,11 @@ async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: Ser
     # torchrun turns SIGTERM into its own failure exit; what matters is that rank 0 stopped
     # gracefully (handing back what it held) and released the other rank.
     learner.terminate(timeout_s=60)
+    if follower is not learner:  # node 1 ends with its follower, released by rank 0
+        assert await asyncio.to_thread(follower.proc.wait, 60) is not None
     events = learner.log_events()
     assert any(e["event"] == "service_stopped" and e["exit_code"] == 0 for e in events)
-    assert any(e["event"] == "follower_stopped" and e["steps"] == 1 for e in events)
+    assert any(e["event"] == "follower_stopped" and e["steps"] == 1 for e in follower.log_events())
     # SIGTERM wrote a checkpoint (both ranks their shards); one rank resumes from it.
     assert any(e["event"] == "checkpoint_written" and e["version"] == 1 for e in events)
     single = services.start("learner", env={"POLICYLOOP_PUBLISHER_ENDPOINT": f"127.0.0.1:{publisher.ports['grpc']}"})

@@ -132,6 +132,36 @@ def test_two_ranks_under_torchrun_make_the_single_rank_update(model_dir: Path, t
     assert norms_two == pytest.approx(norms_one, rel=1e-4)
 
 
+def test_two_torchrun_nodes_make_the_single_rank_update(model_dir: Path, tmp_path: Path) -> None:
+    """The learner across machines: two torchrun agents (two "nodes", one rank each) that find
+    each other by c10d rendezvous on loopback, as pods do through a headless Service, train the
+    same steps as one rank (gloo), to the same weights and gradient norms."""
+    import os
+    import subprocess
+    import sys
+
+    from policyloop.cluster.local import free_port
+
+    two_nodes = tmp_path / "two-nodes.safetensors"
+    endpoint = f"127.0.0.1:{free_port()}"
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+         f"--rdzv-endpoint={endpoint}", "--rdzv-id=policyloop-test", "-m", "tests.distributed_steps", str(model_dir),
+         str(two_nodes)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for _ in range(2)]
+    outputs = [agent.communicate(timeout=240)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    one_rank = tmp_path / "one.safetensors"
+    single = subprocess.run([sys.executable, "-m", "tests.distributed_steps", str(model_dir), str(one_rank)],
+                            capture_output=True, text=True, timeout=240)
+    assert single.returncode == 0, single.stderr[-3000:]
+    a, b = safetensors.torch.load_file(str(two_nodes)), safetensors.torch.load_file(str(one_rank))
+    assert sorted(a) == sorted(b) and all(torch.allclose(a[name], b[name], atol=1e-5) for name in a)
+    norms_two = [float(x) for x in two_nodes.with_suffix(".norms").read_text().split()]
+    norms_one = [float(x) for x in one_rank.with_suffix(".norms").read_text().split()]
+    assert norms_two == pytest.approx(norms_one, rel=1e-4)
+
+
 @pytest.mark.parametrize("loss", [
     loss_settings(),                                                              # DAPO-style PPO-clip
     loss_settings(normalization="sequence", clip_high=0.28),                      # GRPO + clip-higher
