@@ -84,7 +84,7 @@ async def body(ctx: ServiceContext) -> None:
 
 
 def check_device_and_tracker(settings: LearnerSettings) -> None:
-    from policyloop.rl.trainer import DeviceUnavailable, resolve_device
+    from policyloop.common.device import DeviceUnavailable, resolve_device
 
     try:
         resolve_device(settings.device)

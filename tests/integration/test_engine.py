@@ -764,3 +764,16 @@ async def test_a_streamed_generation_sends_everything_so_far_after_each_step_and
     streamed = [event async for event in client.generate_stream(GenerateRequest.from_json(body))]
     assert streamed[-1].output_ids == whole.output_ids and streamed[-1].output_logprobs == whole.output_logprobs
     assert all(s.output_ids == whole.output_ids[:len(s.output_ids)] for s in streamed)
+
+
+def test_an_engine_asked_for_cuda_without_a_gpu_refuses_to_start(tiny_model: Path) -> None:
+    """`device=cuda` is a promise, as for the learner: never a silent CPU engine."""
+    from policyloop.common.device import DeviceUnavailable
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(DeviceUnavailable, match="device=cuda was asked for"):
+        EmbeddedEngine(tiny_model, device="cuda")
+    with pytest.raises(ValueError, match="device must be auto, cpu or cuda"):
+        EmbeddedEngine(tiny_model, device="tpu")
+    assert EmbeddedEngine(tiny_model, device="auto").served.device == torch.device("cpu")

@@ -23,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from policyloop.bus import Bus
 from policyloop.cli.models import _replace_symlink
 from policyloop.cluster.local import free_port
-from policyloop.rl.trainer import DeviceUnavailable, resolve_device
+from policyloop.common.device import DeviceUnavailable, resolve_device
 from policyloop.runtime import ServiceCannotStart, ServiceSettings, serve
 from policyloop.runtime.probe import probe_grpc, probe_http
 from tests.conftest import Server, ServiceLauncher

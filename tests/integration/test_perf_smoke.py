@@ -220,3 +220,15 @@ def test_reward_throughput_times_a_judge_at_each_concurrency(tmp_path: Path, tin
                           cwd=tmp_path)
     assert figures["scorer"] == "judge" and [r["max_batch"] for r in figures["results"]] == [1, 4]
     assert all(r["samples_per_s"] > 0 and 0 <= r["replies_without_verdict"] <= 16 for r in figures["results"])
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_gpu_check_runs_its_parts_on_the_cpu_with_a_tiny_shape(tmp_path: Path) -> None:
+    figures = run_harness("gpu_check.py", "--shape", "tiny", "--device", "cpu", "--steps", "2", "--groups", "2",
+                          "--group-size", "4", "--prompt-tokens", "8", "--response-tokens", "8", "--engine-requests",
+                          "4", "--new-tokens", "8", cwd=tmp_path)
+    assert (figures["device"], figures["shape"]) == ("cpu", "tiny") and figures["parameters"] > 0
+    assert len(figures["learner"]["step_s"]) == 2 and figures["learner"]["step_s_median"] > 0
+    weights = figures["weights"]
+    assert weights["exact"] and 0 < weights["delta_bytes"] and weights["raw_bytes"] > 0
+    assert figures["engine"]["engine_tokens"] == 4 * 8 and figures["engine"]["engine_tokens_per_s"] > 0

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import safetensors.torch
 import torch
 
+from policyloop.common.device import resolve_device
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.batching import ModelLimits
 from policyloop.rl.logprobs import PackedBatch, token_logprobs
@@ -31,7 +32,7 @@ from policyloop.rl.settings import (
     adapter_model_name,
     run_directory,
 )
-from policyloop.rl.trainer import LrSchedule, StepReport, TrainerConfig, grpo_loss, resolve_device
+from policyloop.rl.trainer import LrSchedule, StepReport, TrainerConfig, grpo_loss
 from policyloop.telemetry.phases import PhaseClock
 
 if TYPE_CHECKING:

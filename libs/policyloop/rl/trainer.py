@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from policyloop.common.device import resolve_device
 from policyloop.contracts.v1 import bus_pb2
 from policyloop.rl.advantages import gae, masked_whiten
 from policyloop.rl.batching import ModelLimits
@@ -73,27 +74,6 @@ class StepReport:
     @property
     def loss(self) -> float:
         return self.statistics["loss"]
-
-
-class DeviceUnavailable(RuntimeError):
-    """The configured device cannot be used by this process's torch."""
-
-
-def resolve_device(requested: str) -> str:
-    """`auto` is CUDA when this torch sees a GPU, else the CPU. `cuda` is a promise: a CPU-only
-    torch build, or a node without a visible GPU, is an error rather than a silent CPU run."""
-    if requested not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda, not {requested!r}")
-    if requested == "cuda" and not torch.cuda.is_available():
-        if torch.version.cuda is None:
-            why = f"this torch ({torch.__version__}) is a CPU-only build"
-        else:
-            why = f"torch {torch.__version__} (CUDA {torch.version.cuda}) sees no GPU (driver, device plugin or " \
-                  f"CUDA_VISIBLE_DEVICES)"
-        raise DeviceUnavailable(f"device=cuda was asked for but {why}")
-    if requested == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return requested
 
 
 def init_distributed(device: str = "auto") -> DeviceMesh:

@@ -28,13 +28,15 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the version reported until the first update (SGLang's default: \"default\")")
     parser.add_argument("--batch-window-ms", type=float, default=5.0,
                         help="how long to gather concurrent requests into one wave")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda", "auto"),
+                        help="where the model computes (auto: CUDA when torch sees a GPU)")
     return parser.parse_args(argv)
 
 
 async def _serve(args: argparse.Namespace) -> None:
     engine = await start_engine(args.model_path, host=args.host, port=args.port, max_batch=args.max_batch,
                                 threads=args.threads, weight_version=args.weight_version,
-                                batch_window_s=args.batch_window_ms / 1000)
+                                batch_window_s=args.batch_window_ms / 1000, device=args.device)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

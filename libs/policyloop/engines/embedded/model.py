@@ -55,8 +55,12 @@ def sent_tensors(copies: Sequence[bytes], expected_checksums: dict[str, str] | N
 class ServedModel:
     """Loaded by `load()` on the compute thread; every method that touches the weights runs there."""
 
-    def __init__(self, model_path: str | Path, *, threads: int, weight_version: str) -> None:
+    def __init__(self, model_path: str | Path, *, threads: int, weight_version: str, device: str = "cpu") -> None:
+        from policyloop.common.device import resolve_device
+
         self.model_path = str(model_path)
+        # Where the weights and the KV cache live; inputs go there and logits come back to the CPU.
+        self.device = torch.device(resolve_device(device))
         self.threads = threads
         self.weight_version = str(weight_version)
         self.model: Any = None
@@ -89,6 +93,7 @@ class ServedModel:
         self.is_generation = not any(a.endswith(CLASSIFIER_SUFFIX) for a in architectures)
         loader = AutoModelForCausalLM if self.is_generation else AutoModelForSequenceClassification
         model = loader.from_pretrained(self.model_path, local_files_only=True, **{dtype_kw: torch.float32})
+        model.to(self.device)
         model.eval()
         model.requires_grad_(False)
         self.model = model
@@ -128,9 +133,10 @@ class ServedModel:
             model = self.lora
             kwargs["adapter_names"] = [self._peft_name(a) for a in adapters] if adapters else \
                 [BASE_ADAPTER] * input_ids.shape[0]
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                    use_cache=True, logits_to_keep=1, **kwargs)
-        return out.logits[:, -1].float(), out.past_key_values
+        device = self.device
+        out = model(input_ids=input_ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
+                    past_key_values=cache, use_cache=True, logits_to_keep=1, **kwargs)
+        return out.logits[:, -1].float().cpu(), out.past_key_values
 
     def prompt_logprobs(self, input_ids: list[int], adapter: str | None = None) -> list[float]:
         """The log-probability of each prompt token after the first, given the tokens before it
@@ -140,7 +146,7 @@ class ServedModel:
             model, kwargs = self.lora, {"adapter_names": [self._peft_name(adapter)]}
         ids = torch.tensor([input_ids], dtype=torch.long)
         with torch.inference_mode():
-            logits = model(input_ids=ids, use_cache=False, **kwargs).logits[0, :-1].float()
+            logits = model(input_ids=ids.to(self.device), use_cache=False, **kwargs).logits[0, :-1].float().cpu()
             chosen = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
         return chosen.tolist()
 
@@ -253,7 +259,8 @@ class ServedModel:
                 width = max(len(r) for r in rows)
                 ids = torch.tensor([r + [pad] * (width - len(r)) for r in rows], dtype=torch.long)
                 mask = (torch.arange(width) < torch.tensor([[len(r)] for r in rows])).long()
-                logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits
+                logits = logits.float().cpu()
                 scores.extend(logits.tolist())
         return scores
 

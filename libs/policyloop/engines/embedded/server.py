@@ -123,10 +123,12 @@ class EmbeddedEngine:
 
     def __init__(self, model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
                  threads: int = 1, weight_version: str = DEFAULT_WEIGHT_VERSION, batch_window_s: float = 0.005,
-                 weights_group_timeout_s: float = 600.0) -> None:
+                 weights_group_timeout_s: float = 600.0, device: str = "cpu") -> None:
+        """`device`: where the model computes (cpu, cuda, auto: CUDA when this torch sees a GPU);
+        sampling stays on the CPU either way, with each request's own generator."""
         self.host = host
         self.port = port
-        self.served = ServedModel(model_path, threads=threads, weight_version=weight_version)
+        self.served = ServedModel(model_path, threads=threads, weight_version=weight_version, device=device)
         self.scheduler = Scheduler(self.served, max_batch=max_batch, batch_window_s=batch_window_s)
         self.receiver = WeightReceiver(self.served, self.scheduler, group_timeout_s=weights_group_timeout_s)
         self._metrics = CollectorRegistry(auto_describe=False)
@@ -531,10 +533,10 @@ class EmbeddedEngine:
 
 async def start_engine(model_path: str | Path, *, host: str = "127.0.0.1", port: int = 0, max_batch: int = 64,
                        threads: int = 1, weight_version: str = DEFAULT_WEIGHT_VERSION, batch_window_s: float = 0.005,
-                       weights_group_timeout_s: float = 600.0) -> EmbeddedEngine:
+                       weights_group_timeout_s: float = 600.0, device: str = "cpu") -> EmbeddedEngine:
     """Loads the model, starts the server and returns the running engine (stop it with `stop()`)."""
     engine = EmbeddedEngine(model_path, host=host, port=port, max_batch=max_batch, threads=threads,
                             weight_version=weight_version, batch_window_s=batch_window_s,
-                            weights_group_timeout_s=weights_group_timeout_s)
+                            weights_group_timeout_s=weights_group_timeout_s, device=device)
     await engine.start()
     return engine
