@@ -247,7 +247,10 @@ async def test_embedded_engine_dies_with_its_rollout_replica(bus: Bus, services:
     await eventually(gone, timeout_s=15)
 
 
-@pytest.mark.parametrize("nodes", [1, 2])
+# Two nodes: slow (two torchrun agents and a resume); the default run covers two agents'
+# rendezvous and their update in test_trainer.py::test_two_torchrun_nodes_make_the_single_rank_update
+# and this service path on one agent.
+@pytest.mark.parametrize("nodes", [1, pytest.param(2, marks=pytest.mark.slow)])
 async def test_learner_on_two_ranks_trains_and_publishes(bus: Bus, services: ServiceLauncher, nodes: int) -> None:
     """Two ranks: one torchrun agent with two processes, or two agents of one process each — two
     "nodes", as pods are, rendezvousing on node 0's address (its rank 0 is the service; node 1
