@@ -43,6 +43,8 @@ def test_whitening_uses_the_whole_batch_when_told() -> None:
     whitened = masked_whiten(values, mask)
     assert whitened[0, :3].mean().item() == pytest.approx(0.0, abs=1e-6)
     assert whitened[0, :3].pow(2).mean().item() == pytest.approx(1.0, rel=1e-4) and whitened[0, 3] == 0
+    # Equal advantages (up to rounding) stay about 0, not rounding noise blown up to ±1.
+    assert masked_whiten(torch.tensor([[0.5, 0.5 + 1e-7, 0.5]]), torch.ones(1, 3)).abs().max() < 1e-3
     # A rank's share whitened with the batch's totals: as if the batch were whitened at once.
     batch = torch.tensor([[1.0, 2.0], [3.0, 6.0]])
     ones = torch.ones_like(batch)

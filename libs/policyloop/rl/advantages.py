@@ -63,4 +63,6 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, *, total: tuple[floa
     count = max(count, 1.0)
     mean = first / count
     variance = max(second / count - mean * mean, 0.0)
-    return (values - mean) / (variance ** 0.5 + eps) * maskf
+    # eps inside the root bounds the scale (1e4 at eps 1e-8): a batch of near-equal advantages
+    # is not blown up from rounding noise.
+    return (values - mean) / (variance + eps) ** 0.5 * maskf
