@@ -104,3 +104,35 @@ def test_environments_and_mixes_from_flags() -> None:
     assert [(m.environment, m.weight) for m in parse_mix(["a@v1=0.7", "b@v2"])] == [("a@v1", 0.7), ("b@v2", 1.0)]
     with pytest.raises(ValueError, match="must be a number"):
         parse_mix(["a@v1=lots"])
+
+
+def test_model_scorers_from_flags(tmp_path: Path) -> None:
+    from policyloop.cli.loop import _judge
+    from policyloop.contracts.v1 import loop_pb2
+
+    scored = build_environment("s", "v1", [], "reward_model", reward_model="arith-rm", normalization="sigmoid")
+    assert (scored.reward_model.model, scored.reward_model.normalization) == (
+        "arith-rm", loop_pb2.RewardModelScorer.NORMALIZATION_SIGMOID)
+    with pytest.raises(ValueError, match="normalization must be one of none, sigmoid"):
+        build_environment("s", "v1", [], "reward_model", reward_model="arith-rm", normalization="softmax")
+    template = tmp_path / "judge.txt"
+    template.write_text("Rate {response}")
+    spec = _judge("cluster", "", template, "label", ["yes=1", "no=0", "a=b=0.5"], "", "", 0, 10.0)
+    assert (spec.template, dict(spec.labels), spec.verdict) == (
+        "Rate {response}", {"yes": 1.0, "no": 0.0, "a=b": 0.5}, loop_pb2.JudgeScorer.VERDICT_LABEL)
+    assert (spec.min_score, spec.max_score) == (0, 0)
+    ranged = _judge("cluster", "m", template, "number", [], "", "1,11", 6, 10.0)
+    assert (ranged.min_score, ranged.max_score, ranged.max_tokens, ranged.model) == (1, 11, 6, "m")
+    for labels, score_range, verdict, problem in ((["yes"], "", "label", "--label 'yes'"),
+                                                  (["yes=lots"], "", "label", "--label 'yes=lots'"),
+                                                  (["yes=inf"], "", "label", "--label 'yes=inf'"),
+                                                  ([], "0-10", "number", "--score-range '0-10': MIN,MAX"),
+                                                  ([], "", "stars", "verdict must be one of number, label, json")):
+        with pytest.raises(ValueError, match=problem):
+            _judge("cluster", "", template, verdict, labels, "", score_range, 0, 10.0)
+    # On the command line, refused before any call to the gateway.
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    result = cli("env", "submit", str(tasks), "--name", "x", "--scorer", "judge", "--judge", "cluster",
+                 "--judge-template", str(template), "--verdict", "label", "--label", "yes", "--gateway", "127.0.0.1:1")
+    assert result.returncode == 2 and "LABEL=REWARD" in result.stdout

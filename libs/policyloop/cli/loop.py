@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -69,11 +70,12 @@ def _judge(name: str, model: str, template: Path | None, verdict: str, labels: l
     for entry in labels:
         label, sep, reward = entry.rpartition("=")
         try:
-            values[label] = float(reward)
+            value = float(reward)
         except ValueError:
-            raise ValueError(f"--label {entry!r}: LABEL=REWARD, the reward a number") from None
-        if not sep:
-            raise ValueError(f"--label {entry!r}: LABEL=REWARD")
+            value = math.nan
+        if not sep or not math.isfinite(value):
+            raise ValueError(f"--label {entry!r}: LABEL=REWARD, the reward a number")
+        values[label] = value
     low, high = 0.0, 0.0
     if score_range:
         try:

@@ -219,8 +219,9 @@ def grpo_loss(model: torch.nn.Module, groups: Sequence[Sequence[bus_pb2.Trajecto
                                   total=whitening_totals(token_adv, batch.response_mask))
         critic_loss = value_loss(values, old_values, returns, batch.response_mask, clip=config.value_clip,
                                  total_tokens=total_tokens)
-        trained = batch.response_mask.cpu() > 0
-        token_values = {samples[i].trajectory_id: old_values[row].cpu()[trained[row]].tolist()
+        # One transfer for the whole batch, not one per row.
+        trained, values_here = batch.response_mask.cpu() > 0, old_values.cpu()
+        token_values = {samples[i].trajectory_id: values_here[row][trained[row]].tolist()
                         for row, i in enumerate(mine)}
     else:
         advantages = compute_advantages(rewards, config.advantages).reshape(-1)
