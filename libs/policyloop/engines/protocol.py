@@ -1005,3 +1005,51 @@ class ControlResult(_Answer):
     @classmethod
     def from_json(cls, body: Any) -> Self:
         return super().from_json({"message": "", **body} if isinstance(body, Mapping) else body)
+
+
+# ---------------------------------------------------------------------------------------------
+# The embedded engine's own routes for a version staged beside the served one and activated by a
+# swap (SGLang 0.5.23 has no such routes: with SGLang a version goes pause → update → continue).
+
+
+class StageWeightsFromDiskRequest(_Request):
+    """Stage the weights in `model_path` beside the served ones as version `weight_version`,
+    while generation goes on; /activate_staged_weights makes them the served weights."""
+
+    model_path: Annotated[str, Field(min_length=1)]
+    weight_version: Annotated[str, Field(min_length=1)]
+
+
+class StageWeightsFromTensorRequest(_SentTensors):
+    """Stage the tensors sent in the body (any of the model's parameters, by name) as version
+    `weight_version`, as /stage_weights_from_disk stages a directory's."""
+
+    weight_version: Annotated[str, Field(min_length=1)]
+
+
+class StageWeightsResult(_Answer):
+    """What was staged: its version, how many tensors and bytes, and the seconds staging took
+    (decode, check and place; generation went on meanwhile)."""
+
+    success: bool
+    message: str = ""
+    weight_version: str | None = None
+    tensors: int = 0
+    bytes: int = 0
+    prepare_s: float = 0.0
+
+
+class ActivateStagedWeightsRequest(_Request):
+    """Make the staged version `weight_version` the served one, at the next boundary between two
+    decode steps. Naming the version guards against activating another replica's stage."""
+
+    weight_version: Annotated[str, Field(min_length=1)]
+
+
+class ActivateStagedWeightsResult(_Answer):
+    """The activation: its version, and `pause_s`, how long decoding stood still for the swap."""
+
+    success: bool
+    message: str = ""
+    weight_version: str | None = None
+    pause_s: float = 0.0

@@ -75,6 +75,7 @@ class ServedModel:
         self.adapter_ids: dict[str, str] = {}
         self._made = 0
         self.is_generation = True  # False: a sequence-classification (reward) model, served on /classify
+        self.staged: Any = None  # a version staged beside the served one (weight_loading.StagedWeights)
 
     def load(self) -> None:
         import transformers
@@ -122,6 +123,14 @@ class ServedModel:
         if self.lora is None:
             return state
         return {name.replace(".base_layer.", "."): t for name, t in state.items() if ".lora_" not in name}
+
+    def parameter_objects(self) -> dict[str, torch.nn.Parameter]:
+        """The served base parameters themselves, under parameters()'s names (tied ones under each
+        name, one object): what a staged version's tensors are swapped into."""
+        named = self.model.named_parameters(remove_duplicate=False)
+        if self.lora is None:
+            return dict(named)
+        return {name.replace(".base_layer.", "."): p for name, p in named if ".lora_" not in name}
 
     def forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
                 cache: Any, adapters: Sequence[str | None] = ()) -> tuple[torch.Tensor, Any]:

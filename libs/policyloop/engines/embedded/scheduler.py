@@ -107,6 +107,8 @@ class Scheduler:
         self.max_batch = max_batch
         self.classifying = 0  # /classify requests in flight (a reward model's: engines/embedded/server.py)
         self.classified_prompts = 0
+        self.activations = 0  # staged versions swapped in, and the time decoding stood still for them
+        self.activation_pause_s = 0.0
         self.batch_window_s = batch_window_s
         self.requests: dict[str, EngineRequest] = {}
         self.waiting: deque[EngineRequest] = deque()  # admitted to the scheduler, not yet running

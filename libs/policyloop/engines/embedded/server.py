@@ -19,11 +19,18 @@ from policyloop.engines.embedded.model import ServedModel, sent_tensors
 from policyloop.engines.embedded.receiver import WeightReceiver
 from policyloop.engines.embedded.sampling import request_generator
 from policyloop.engines.embedded.scheduler import EngineRequest, Scheduler
-from policyloop.engines.embedded.weight_loading import load_from_disk, load_sent
+from policyloop.engines.embedded.weight_loading import (
+    activate_staged,
+    load_from_disk,
+    load_sent,
+    stage_from_disk,
+    stage_sent,
+)
 from policyloop.engines.protocol import (
     DEFAULT_WEIGHT_VERSION,
     SCHEMA,
     AbortRequest,
+    ActivateStagedWeightsRequest,
     BeginWeightUpdateRequest,
     ClassifyRequest,
     ClassifyResult,
@@ -37,6 +44,9 @@ from policyloop.engines.protocol import (
     LoadLoraAdapterRequest,
     LoraUpdateResult,
     RequestError,
+    StageWeightsFromDiskRequest,
+    StageWeightsFromTensorRequest,
+    StageWeightsResult,
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
@@ -87,6 +97,15 @@ class _EngineMetrics(Collector):
                                 value=scheduler.classifying)
         yield CounterMetricFamily("policyloop_engine_classified_prompts", "Prompts scored on /classify.",
                                   value=scheduler.classified_prompts)
+        staged = scheduler.served.staged
+        yield GaugeMetricFamily("policyloop_engine_staged_weight_bytes",
+                                "Bytes of a version staged beside the served weights, waiting to be activated.",
+                                value=0 if staged is None else staged.bytes)
+        yield CounterMetricFamily("policyloop_engine_weight_activations", "Staged versions swapped in.",
+                                  value=scheduler.activations)
+        yield CounterMetricFamily("policyloop_engine_activation_pause_seconds",
+                                  "Time decoding stood still for the swaps of staged versions.",
+                                  value=scheduler.activation_pause_s)
         yield GaugeMetricFamily("policyloop_engine_in_flight_output_tokens",
                                 "Tokens decoded so far by the requests not yet done.",
                                 value=sum(len(r.output_ids) for r in requests if r.state != "done"))
@@ -197,6 +216,9 @@ class EmbeddedEngine:
             ("POST", "/update_weights_from_disk", self._update_from_disk),
             ("POST", "/update_weights_from_tensor", self._update_from_tensor),
             ("POST", "/update_weight_version", self._update_weight_version),
+            ("POST", "/stage_weights_from_disk", self._stage_from_disk),
+            ("POST", "/stage_weights_from_tensor", self._stage_from_tensor),
+            ("POST", "/activate_staged_weights", self._activate_staged),
             ("POST", "/pause_generation", self._pause), ("POST", "/continue_generation", self._continue),
             ("GET", "/flush_cache", self._flush_cache), ("POST", "/flush_cache", self._flush_cache),
             ("POST", "/abort_request", self._abort),
@@ -472,6 +494,48 @@ class EmbeddedEngine:
             result = await self.scheduler.compute(load_sent, self.served, tensors, parsed)
         log.info("engine_weights_update", source="tensors", tensors=len(tensors), success=result.success,
                  message=result.message, weight_version=self.served.weight_version)
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    # -- a version staged beside the served one, swapped in at a step boundary (this engine's own) --
+
+    async def _stage_from_disk(self, request: web.Request) -> web.Response:
+        try:
+            parsed = StageWeightsFromDiskRequest.from_json(await _json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return _refusal(exc)
+        async with self.scheduler.load_lock:  # generation goes on: staging runs beside the compute thread
+            result = await asyncio.to_thread(stage_from_disk, self.served, parsed)
+        return self._staged_answer(result, source=parsed.model_path)
+
+    async def _stage_from_tensor(self, request: web.Request) -> web.Response:
+        started = time.perf_counter()
+        try:
+            parsed = StageWeightsFromTensorRequest.from_json(await _json_body(request, empty_ok=False))
+            tensors = await asyncio.to_thread(sent_tensors, parsed.serialized_named_tensors)
+        except RequestError as exc:
+            return _refusal(exc)
+        async with self.scheduler.load_lock:
+            result = await asyncio.to_thread(stage_sent, self.served, tensors, parsed, started)
+        return self._staged_answer(result, source="tensors")
+
+    def _staged_answer(self, result: StageWeightsResult, *, source: str) -> web.Response:
+        log.info("engine_weights_staged", source=source, success=result.success, message=result.message,
+                 staged_version=result.weight_version, bytes=result.bytes, prepare_s=round(result.prepare_s, 4))
+        return web.json_response(result.to_json(), status=200 if result.success else 400)
+
+    async def _activate_staged(self, request: web.Request) -> web.Response:
+        try:
+            parsed = ActivateStagedWeightsRequest.from_json(await _json_body(request, empty_ok=False))
+        except RequestError as exc:
+            return _refusal(exc)
+        async with self.scheduler.load_lock:
+            # On the compute thread: after the step it is computing, before the next.
+            result = await self.scheduler.compute(activate_staged, self.served, parsed.weight_version)
+        if result.success:
+            self.scheduler.activations += 1
+            self.scheduler.activation_pause_s += result.pause_s
+        log.info("engine_weights_activated", success=result.success, message=result.message,
+                 weight_version=self.served.weight_version, pause_ms=round(result.pause_s * 1000, 3))
         return web.json_response(result.to_json(), status=200 if result.success else 400)
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:

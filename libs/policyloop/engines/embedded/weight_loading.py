@@ -1,18 +1,26 @@
-"""New weights into the served model, in place, all or nothing: from a safetensors directory
+"""New weights into the served model, all or nothing: in place from a safetensors directory
 (`/update_weights_from_disk`), from tensors sent in the request (`/update_weights_from_tensor`)
-or from tensors received by broadcast (`/update_weights_from_distributed`). Every name and shape
-is checked before anything is copied; any failure leaves the old weights and version serving.
-Runs on the compute thread, between two decode steps."""
+or from tensors received by broadcast (`/update_weights_from_distributed`); or staged beside the
+served weights from either of the first two (`/stage_weights_from_*`, while generation goes on)
+and swapped in by `/activate_staged_weights`. Every name and shape is checked before anything is
+copied or staged; any failure leaves the old weights and version serving. Copies and swaps run on
+the compute thread, between two decode steps; staging runs beside it."""
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from policyloop.engines.embedded.model import ServedModel
 from policyloop.engines.protocol import (
+    ActivateStagedWeightsResult,
     ControlResult,
+    StageWeightsFromDiskRequest,
+    StageWeightsFromTensorRequest,
+    StageWeightsResult,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -21,26 +29,31 @@ from policyloop.engines.protocol import (
 
 
 def load_from_disk(served: ServedModel, req: UpdateWeightsFromDiskRequest) -> UpdateWeightsResult:
-    def fail(message: str) -> UpdateWeightsResult:
-        return _failed(served, message)
-
     if req.load_format not in (None, "auto", "safetensors"):
-        return fail(f"load_format {req.load_format!r} is not supported (auto or safetensors)")
-    path = Path(req.model_path)
+        return _failed(served, f"load_format {req.load_format!r} is not supported (auto or safetensors)")
+    loaded, problem = _checked_directory(served, Path(req.model_path))
+    if problem:
+        return _failed(served, problem)
+    served.model_path = req.model_path
+    return _copy_in(served, served.parameters(), loaded, req.weight_version)
+
+
+def _checked_directory(served: ServedModel, path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of the directory's safetensors files, each a parameter of the served model with
+    its shape, every parameter covered; or what is wrong."""
     if not path.is_dir():
-        return fail(f"{path} is not a directory")
+        return {}, f"{path} is not a directory"
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        return fail(f"no *.safetensors files in {path}")
+        return {}, f"no *.safetensors files in {path}"
     params = served.parameters()
     loaded, problem = _read_checked(files, params)
     if problem:
-        return fail(problem)
+        return {}, problem
     missing = _uncovered(params, loaded)
     if missing:
-        return fail(f"missing tensors {missing[:5]}{' …' if len(missing) > 5 else ''}")
-    served.model_path = str(path)
-    return _copy_in(served, params, loaded, req.weight_version)
+        return {}, f"missing tensors {missing[:5]}{' …' if len(missing) > 5 else ''}"
+    return loaded, ""
 
 
 def load_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: UpdateWeightsFromTensorRequest
@@ -49,15 +62,98 @@ def load_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: Update
     them), each checked by name, shape and kind before any is copied."""
     if req.selector == "draft":
         return _failed(served, "the embedded engine has no draft model (selector 'draft')")
-    params = served.parameters()
+    problem = _sent_problem(served.parameters(), tensors)
+    if problem:
+        return _failed(served, problem)
+    return _copy_in(served, served.parameters(), tensors, req.weight_version)
+
+
+def _sent_problem(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> str:
     for name, tensor in tensors.items():
         target = params.get(name)
         if target is None:
-            return _failed(served, f"{name!r} is not a parameter of the served model")
+            return f"{name!r} is not a parameter of the served model"
         problem = _mismatch(name, tensor, target, "sent")
         if problem:
-            return _failed(served, problem)
-    return _copy_in(served, params, tensors, req.weight_version)
+            return problem
+    return ""
+
+
+@dataclass(frozen=True)
+class StagedWeights:
+    """A version placed beside the served weights: each served tensor with its replacement, already
+    on the served device in the served dtype, so activating is a swap of storage, not a copy."""
+    version: str
+    swaps: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (served parameter or buffer, its replacement)
+    bytes: int
+    model_path: str | None
+
+
+def stage_from_disk(served: ServedModel, req: StageWeightsFromDiskRequest) -> StageWeightsResult:
+    """Reads and checks a directory's weights and stages them (off the compute thread)."""
+    started = time.perf_counter()
+    loaded, problem = _checked_directory(served, Path(req.model_path))
+    if problem:
+        return _not_staged(served, problem)
+    return _stage(served, loaded, req.weight_version, req.model_path, started)
+
+
+def stage_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: StageWeightsFromTensorRequest,
+               started: float) -> StageWeightsResult:
+    """Checks the tensors sent and stages them (off the compute thread); `started`: when decoding
+    the request began, which is part of preparing."""
+    problem = _sent_problem(served.parameters(), tensors)
+    if problem:
+        return _not_staged(served, problem)
+    return _stage(served, tensors, req.weight_version, None, started)
+
+
+def _stage(served: ServedModel, loaded: dict[str, torch.Tensor], version: str, model_path: str | None,
+           started: float) -> StageWeightsResult:
+    params, objects = served.parameters(), served.parameter_objects()
+    by_storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, tensor in loaded.items():
+        # A Parameter's storage is swapped (tied names share the object, so one swap serves them
+        # all); anything else in the state dict (a persistent buffer) is copied at activation.
+        target = objects.get(name, params[name])
+        replacement = tensor.detach().to(device=target.device, dtype=target.dtype).contiguous()
+        by_storage[params[name].data_ptr()] = (target, replacement)  # the last of tied names wins, as copies do
+    swaps = tuple(by_storage.values())
+    staged = StagedWeights(version=version, swaps=swaps, model_path=model_path,
+                           bytes=sum(t.numel() * t.element_size() for _, t in swaps))
+    served.staged = staged  # replaces (and frees) an earlier stage
+    return StageWeightsResult(success=True, message=f"Staged version {version}.", weight_version=version,
+                              tensors=len(swaps), bytes=staged.bytes, prepare_s=time.perf_counter() - started)
+
+
+def _not_staged(served: ServedModel, message: str) -> StageWeightsResult:
+    return StageWeightsResult(success=False, message=f"Failed to stage weights: {message}. Version "
+                                                     f"{served.weight_version} keeps serving; nothing was staged.")
+
+
+def activate_staged(served: ServedModel, version: str) -> ActivateStagedWeightsResult:
+    """Swaps the staged version in (on the compute thread, between two decode steps): each served
+    parameter takes its replacement's storage, so the pause is a pointer per tensor, whatever the
+    model's size."""
+    staged: StagedWeights | None = served.staged
+    if staged is None or staged.version != version:
+        what = "nothing is staged" if staged is None else f"version {staged.version} is staged"
+        return ActivateStagedWeightsResult(success=False, message=f"Failed to activate version {version}: {what}. "
+                                                                  f"Version {served.weight_version} keeps serving.")
+    started = time.perf_counter()
+    with torch.no_grad():
+        for target, replacement in staged.swaps:
+            if isinstance(target, torch.nn.Parameter):
+                target.data = replacement
+            else:
+                target.copy_(replacement)
+    served.weight_version = staged.version
+    pause_s = time.perf_counter() - started
+    served.staged = None
+    if staged.model_path is not None:
+        served.model_path = staged.model_path
+    return ActivateStagedWeightsResult(success=True, message=f"Version {version} serves.", weight_version=version,
+                                       pause_s=pause_s)
 
 
 def _failed(served: ServedModel, message: str) -> UpdateWeightsResult:
@@ -79,6 +175,7 @@ def _copy_in(served: ServedModel, params: dict[str, torch.Tensor], loaded: dict[
     with torch.no_grad():
         for name, tensor in loaded.items():
             params[name].copy_(tensor)  # casts to the parameter's dtype
+    served.staged = None  # staged against the weights replaced now
     message = "Succeeded to update model weights."
     if weight_version is not None:
         served.weight_version = weight_version
@@ -141,6 +238,7 @@ def load_received(served: ServedModel, received: list[tuple[str, torch.Tensor]],
     with torch.no_grad():
         for name, tensor in received:
             params[name].copy_(tensor)  # casts to the parameter's dtype, as a disk load does
+    served.staged = None
     message = "Succeeded to update parameter online."
     if req.weight_version is not None:
         served.weight_version = req.weight_version
