@@ -12,7 +12,7 @@ learner's and the replicas' phase counters are read, and again `--seconds` later
   `per_step_ms` is the part of them a step waited for;
 - `learner.steps`, `steps_per_s` and `busy_fraction` (not waiting for a batch) over the window;
 - `rollout.per_version_ms`: the mean time of each phase of taking a version on the replicas
-  (fetch, decode_verify, write, pause, load, continue) and `versions`;
+  (fetch, decode_verify, write, then stage and activate, or pause, load and continue) and `versions`;
 - `cpu.core_ms_per_step`: the CPU time (user + system, from /proc) each process of the cluster
   spent per learner step over the window — each service, its engine ('<name> children'),
   nats-server, redis-server — and their sum, `cpu.core_s_per_step`: what a step costs the machine,
@@ -48,7 +48,7 @@ from policyloop.learner.figures import ON_STEP, OVERLAPPED, PUBLISH_PHASES, STEP
 from policyloop.models.resolve import model_argument  # noqa: E402
 from policyloop.state import HeartbeatRegistry, connect_redis  # noqa: E402
 
-VERSION_PHASES = ("fetch", "decode_verify", "write", "pause", "load", "continue")
+VERSION_PHASES = ("fetch", "decode_verify", "write", "stage", "activate", "pause", "load", "continue")
 
 
 def phase_totals(scrape: Scrape, name: str, **match: str) -> dict[str, float]:

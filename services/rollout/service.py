@@ -18,7 +18,13 @@ import redis.asyncio as aioredis
 from policyloop.bus import PullWorker
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.sglang_client import SGLangClient
-from policyloop.rollout.engine_process import engine_url_or_start, name_base_version, stop_engine, wait_for_engine
+from policyloop.rollout.engine_process import (
+    engine_client,
+    engine_url_or_start,
+    name_base_version,
+    stop_engine,
+    wait_for_engine,
+)
 from policyloop.rollout.follower import WeightFollower, promoted_versions
 from policyloop.rollout.health import EngineHealth
 from policyloop.rollout.replica import RolloutReplica
@@ -41,7 +47,7 @@ async def body(ctx: ServiceContext) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
     url, engine_proc = engine_url_or_start(settings.engine_url, model_dir,
                                            max_batch=settings.engine_max_batch, threads=settings.engine_threads)
-    client = SGLangClient(url, timeout_s=settings.generate_timeout_s)
+    client = engine_client(settings, url)
     status = status_pb2.RolloutStatus(loop=settings.loop_config(), engine_url=url)
     ctx.status = lambda: status
     runs_redis = None

@@ -34,6 +34,7 @@ from policyloop.gateway.servicer import GatewayStores, LoopServicer
 from policyloop.publisher.announcer import Announcer
 from policyloop.releases.evals import EvalStore
 from policyloop.releases.promotion import Promoter, PromotionLog
+from policyloop.rollout.engine_process import engine_client
 from policyloop.rollout.follower import WeightFollower, promoted_versions
 from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
@@ -160,9 +161,9 @@ async def loop(bus: Bus, redis_server, redis_client, model_dir: Path,  # type: i
 
     # A serving replica of the run: its engine follows the run's promotions, the OpenAI API in front.
     serving_engine = await start_engine(model_dir, threads=1, weight_version="0")
-    serving_client = SGLangClient(serving_engine.base_url, timeout_s=60)
     serving_settings = RolloutSettings(role="serving", serve_run=RUN, model_path=model_dir,
                                        weights_dir=tmp_path / "serving", instance_id="serving-t")
+    serving_client = engine_client(serving_settings, serving_engine.base_url)
     serving_ctx = ServiceContext(name="rollout", settings=serving_settings, bus=bus, redis=redis_client)
     follower = WeightFollower(serving_ctx, serving_settings, serving_client, status_pb2.RolloutStatus(),
                               promoted_versions(RUN))

@@ -232,3 +232,14 @@ def test_gpu_check_runs_its_parts_on_the_cpu_with_a_tiny_shape(tmp_path: Path) -
     weights = figures["weights"]
     assert weights["exact"] and 0 < weights["delta_bytes"] and weights["raw_bytes"] > 0
     assert figures["engine"]["engine_tokens"] == 4 * 8 and figures["engine"]["engine_tokens_per_s"] > 0
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_weight_swap_times_the_activation_pause_and_the_paused_load(tmp_path: Path) -> None:
+    figures = run_harness("weight_swap.py", "--sizes", "tiny", "--reps", "2", "--plot", str(tmp_path / "swap.png"),
+                          cwd=tmp_path)
+    [tiny] = figures["results"]
+    swap, paused = tiny["swap"], tiny["pause"]
+    assert tiny["size"] == "tiny" and swap["tensors"] > 0 and 0 < swap["prepare_s"] and 0 <= swap["pause_ms"]
+    assert swap["step_ms"] > 0 and paused["pause_ms"] > 0 and paused["stream_gap_ms"] > 0
+    assert (tmp_path / "swap.png").stat().st_size > 0

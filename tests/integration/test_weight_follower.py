@@ -19,9 +19,8 @@ from policyloop.bus import Bus
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import status_pb2
 from policyloop.engines.embedded import EmbeddedEngine, start_engine
-from policyloop.engines.sglang_client import SGLangClient
 from policyloop.publisher.announcer import Announcer
-from policyloop.rollout.engine_process import name_base_version
+from policyloop.rollout.engine_process import engine_client, name_base_version
 from policyloop.rollout.follower import WeightFollower
 from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext
@@ -79,7 +78,7 @@ def serves(engine: EmbeddedEngine, weights: WeightSet) -> bool:
 
 @asynccontextmanager
 async def rig(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: ignore[no-untyped-def]
-              weight_load: str = "directory") -> AsyncIterator[Rig]:
+              weight_load: str = "directory", weight_activation: str = "auto") -> AsyncIterator[Rig]:
     library = WeightLibrary(VersionStore(root / "store", retention=8), snapshot_every=2)
     announcer = Announcer(bus)
     publisher = GatedFetches(library, on_stored=announcer.announce)
@@ -87,9 +86,9 @@ async def rig(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: igno
     announcer.endpoint = f"127.0.0.1:{port}"
     weights_client = WeightClient(announcer.endpoint, deadline_s=60)
     engine = await start_engine(model_dir, threads=1)
-    client = SGLangClient(engine.base_url, timeout_s=60)
     settings = RolloutSettings(model_path=model_dir, weights_dir=root / "versions", instance_id="rollout-t",
-                               weight_load=weight_load)
+                               weight_load=weight_load, weight_activation=weight_activation)
+    client = engine_client(settings, engine.base_url)
     ctx = ServiceContext(name="rollout", settings=settings, bus=bus, redis=redis_client)
     ctx.policy_version = await name_base_version(client)
     rigged = Rig(publisher, VersionPusher(weights_client, settings.model), engine, ctx)
@@ -117,16 +116,17 @@ async def rig(bus: Bus, redis_client, model_dir: Path, root: Path,  # type: igno
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("weight_load", ["tensors", "directory"])
+@pytest.mark.parametrize(("weight_load", "weight_activation"), [("tensors", "pause"), ("directory", "swap")])
 async def test_versions_load_in_order_and_those_announced_during_a_load_are_skipped_for_the_newest(
         bus: Bus, redis_client, tiny_model_dir: Path, tmp_path: Path,  # type: ignore[no-untyped-def]
-        weight_load: str) -> None:
-    """Either way a version reaches the engine: written as a directory the engine loads, or sent
-    in the request (weight_load tensors)."""
+        weight_load: str, weight_activation: str) -> None:
+    """Either way a version reaches the engine: written as a directory the engine stages or loads,
+    or sent in the request (weight_load tensors); staged and swapped in, or loaded while paused."""
     versions = {n: version(tiny_model_dir, n) for n in range(1, 5)}
     delays = REGISTRY.get_sample_value("policyloop_weights_serving_delay_seconds_count") or 0
     since_step = REGISTRY.get_sample_value("policyloop_weights_step_to_serving_seconds_count") or 0
-    async with rig(bus, redis_client, tiny_model_dir, tmp_path, weight_load) as r:
+    swaps = REGISTRY.get_sample_value("policyloop_rollout_weight_activation_pause_seconds_count") or 0
+    async with rig(bus, redis_client, tiny_model_dir, tmp_path, weight_load, weight_activation) as r:
         follower = r.start()  # type: ignore[attr-defined]
         trained_ms = now_ms()
         await r.pusher.push(versions[1], step=1, trained_unix_ms=trained_ms)
@@ -160,6 +160,10 @@ async def test_versions_load_in_order_and_those_announced_during_a_load_are_skip
         assert REGISTRY.get_sample_value("policyloop_weights_step_to_serving_seconds_count") == since_step + 1
         listed = {v.version: v.trained_unix_ms for v in await r.pusher.client.list_versions("policy")}
         assert listed[1] == trained_ms and listed[4] == 0
+        # Each version swapped in (1, 2 and 4) recorded its pause; a paused load records none.
+        swapped = (REGISTRY.get_sample_value("policyloop_rollout_weight_activation_pause_seconds_count") or 0) - swaps
+        assert swapped == (3 if weight_activation == "swap" else 0)
+        assert r.engine.scheduler.activations == swapped
 
 
 @pytest.mark.timeout(240)

@@ -84,6 +84,16 @@ def test_rollout_refuses_engine_settings_that_cannot_work() -> None:
     load_settings(RolloutSettings, ["--weight-load", "tensors"]).check_engine()
     with pytest.raises(ValueError, match="role=serving needs serve_run"):
         load_settings(RolloutSettings, ["--role", "serving"]).check_engine()
+    sglang = ["--engine", "sglang", "--engine-url", "http://sglang:30000"]
+    with pytest.raises(ValueError, match="weight_activation=swap needs engine=embedded"):
+        load_settings(RolloutSettings, [*sglang, "--weight-activation", "swap"]).check_engine()
+    with pytest.raises(ValueError, match="weight_activation=swap needs weight_update_mode=in_place"):
+        load_settings(RolloutSettings, ["--weight-activation", "swap", "--weight-update-mode", "abort"]).check_engine()
+    # auto: a swap where the engine can stage, SGLang's pause → update → continue elsewhere.
+    assert load_settings(RolloutSettings, []).activation == "swap"
+    assert load_settings(RolloutSettings, sglang).activation == "pause"
+    assert load_settings(RolloutSettings, ["--weight-update-mode", "retract"]).activation == "pause"
+    assert load_settings(RolloutSettings, ["--weight-activation", "pause"]).activation == "pause"
 
 
 def test_the_loss_settings_message_carries_every_setting_of_every_kind() -> None:

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 from policyloop.common.ports import free_port
+from policyloop.engines.embedded_client import EmbeddedEngineClient
 from policyloop.engines.protocol import ModelInfo
 from policyloop.engines.sglang_client import SGLangClient
+from policyloop.rollout.settings import RolloutSettings
 from policyloop.telemetry.logging import get_logger
 
 log = get_logger(__name__)
@@ -35,6 +37,12 @@ def start_embedded_engine(model_path: Path, port: int, *, max_batch: int, thread
          "--threads", str(threads)],
         stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
+
+
+def engine_client(settings: RolloutSettings, url: str) -> SGLangClient:
+    """The client of the replica's engine: the embedded engine's also stages and swaps versions."""
+    kind = EmbeddedEngineClient if settings.engine == "embedded" else SGLangClient
+    return kind(url, timeout_s=settings.generate_timeout_s)
 
 
 def engine_url_or_start(engine_url: str, model_path: Path, *, max_batch: int, threads: int

@@ -17,6 +17,7 @@ from policyloop.bus import promotions_subject, weights_subject
 from policyloop.bus.newest import NewestPerSubject
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import bus_pb2, loop_pb2, status_pb2
+from policyloop.engines.embedded_client import EmbeddedEngineClient
 from policyloop.engines.sglang_client import EngineUnavailable, SGLangClient
 from policyloop.rollout.engine_process import engine_version, name_base_version
 from policyloop.rollout.settings import RolloutSettings
@@ -24,6 +25,7 @@ from policyloop.runtime import ServiceContext
 from policyloop.telemetry.logging import get_logger
 from policyloop.telemetry.metrics import (
     VERSION_LOAD_PHASE_SECONDS,
+    WEIGHT_ACTIVATION_PAUSE_SECONDS,
     WEIGHT_PAYLOAD_BYTES,
     WEIGHT_SYNC_FALLBACKS,
     WEIGHT_SYNC_SECONDS,
@@ -177,21 +179,52 @@ class WeightFollower:
 
     async def _into_engine(self, weights: WeightSet, clock: PhaseClock) -> None:
         """The verified weights into the engine: made into the request's safetensors bytes or
-        written as a directory (phase "write"), then pause → update → continue, as SGLang wants it
-        (the update checks /model_info afterwards)."""
+        written as a directory (phase "write"); then staged beside the served weights while the
+        engine generates and swapped in between two steps (weight_activation swap: phases "stage",
+        "activate"), or pause → update → continue, as SGLang wants it (phases "pause", "load",
+        "continue"). Either way the update is checked against /model_info afterwards."""
         from policyloop.weights import torch_io  # torch, which only loading needs
 
-        mode, version = self.settings.weight_update_mode, str(weights.version)
+        version = str(weights.version)
+        payload: bytes | None = None
         directory: Path | None = None
-        update: Callable[[], Awaitable[object]]
         if self.settings.weight_load == "tensors":
             payload = await asyncio.to_thread(torch_io.safetensors_bytes, weights)
-            update = partial(self.client.update_weights_from_tensor, payload, version, mode == "abort")
         else:
             directory = await asyncio.to_thread(torch_io.write_version_dir, self.settings.weights_dir /
                                                 self.settings.instance_id, self.base_dir, weights)
-            update = partial(self.client.update_weights_from_disk, str(directory), version, mode == "abort")
         clock.lap("write")
+        if self.settings.activation == "swap":
+            await self._swap(payload, directory, version, clock)
+        else:
+            await self._pause_and_load(payload, directory, version, clock)
+        previous, self.loaded_dir = self.loaded_dir, directory
+        if previous is not None and previous != directory:
+            shutil.rmtree(previous, ignore_errors=True)
+
+    async def _swap(self, payload: bytes | None, directory: Path | None, version: str, clock: PhaseClock) -> None:
+        engine = self.client
+        if not isinstance(engine, EmbeddedEngineClient):
+            raise TypeError("weight_activation swap needs the embedded engine's client "
+                            "(rollout.engine_process.engine_client makes it)")
+        if payload is not None:
+            await engine.stage_weights_from_tensor(payload, version)
+        else:
+            await engine.stage_weights_from_disk(str(directory), version)
+        clock.lap("stage")
+        activated = await engine.activate_staged_weights(version)
+        clock.lap("activate")
+        WEIGHT_ACTIVATION_PAUSE_SECONDS.observe(activated.pause_s)
+
+    async def _pause_and_load(self, payload: bytes | None, directory: Path | None, version: str,
+                              clock: PhaseClock) -> None:
+        mode = self.settings.weight_update_mode
+        update: Callable[[], Awaitable[object]]
+        if payload is not None:
+            update = partial(self.client.update_weights_from_tensor, payload, version, flush_cache=mode == "abort")
+        else:
+            update = partial(self.client.update_weights_from_disk, str(directory), version,
+                             flush_cache=mode == "abort")
         await self.client.pause_generation(mode)
         clock.lap("pause")
         try:
@@ -200,9 +233,6 @@ class WeightFollower:
             clock.lap("load")
             await self.client.continue_generation()
             clock.lap("continue")
-        previous, self.loaded_dir = self.loaded_dir, directory
-        if previous is not None and previous != directory:
-            shutil.rmtree(previous, ignore_errors=True)
 
     async def fetch_and_load(self, event: bus_pb2.WeightsPublished) -> None:
         """Fetch (a delta from the held version when possible), verify every tensor, load into

@@ -50,6 +50,13 @@ class RolloutSettings(ServiceSettings, ToolSettings):
                                  "(/update_weights_from_tensor as one safetensors file, nothing written; the embedded "
                                  "engine only: SGLang's from-tensor route takes pickled tensors). Sending costs more "
                                  "CPU than writing: the file goes as base64 in JSON.")
+    weight_activation: Literal["auto", "swap", "pause"] = Field(
+        "auto", description="How the engine switches to a fetched version: swap — staged beside the served weights "
+                            "while it goes on generating (/stage_weights_from_*), then swapped in between two decode "
+                            "steps (/activate_staged_weights), so generation stands still only for the swap (the "
+                            "embedded engine, in weight_update_mode in_place); pause — SGLang's pause → update → "
+                            "continue, generation standing still while the weights are copied in. auto: swap where "
+                            "it can, pause otherwise.")
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
     weight_source: Literal["publisher", "colocated"] = Field(
         "publisher", description="publisher: fetch each version (a delta) and load it into the engine. colocated: "
@@ -108,6 +115,19 @@ class RolloutSettings(ServiceSettings, ToolSettings):
                              "pickled tensors only (load versions from a directory)")
         if self.engine == "sglang" and not self.engine_url:
             raise ValueError("engine=sglang needs engine_url (the SGLang server's address, e.g. http://sglang:30000)")
+        if self.weight_activation == "swap" and self.engine == "sglang":
+            raise ValueError("weight_activation=swap needs engine=embedded: SGLang 0.5.23 has no route to stage a "
+                             "version beside the served one (use pause)")
+        if self.weight_activation == "swap" and self.weight_update_mode != "in_place":
+            raise ValueError(f"weight_activation=swap needs weight_update_mode=in_place: {self.weight_update_mode} "
+                             f"acts on the requests held at a pause, and a swap holds none")
+
+    @property
+    def activation(self) -> Literal["swap", "pause"]:
+        """weight_activation resolved: auto is swap for the embedded engine in mode in_place."""
+        if self.weight_activation != "auto":
+            return self.weight_activation
+        return "swap" if self.engine == "embedded" and self.weight_update_mode == "in_place" else "pause"
 
     @property
     def adapter_source(self) -> Literal["tensors", "directory"]:

@@ -192,8 +192,14 @@ WEIGHTS_STEP_TO_SERVING = Histogram(
 )
 VERSION_LOAD_PHASE_SECONDS = Counter(
     "policyloop_rollout_version_phase_seconds", "Wall time of each phase of a replica taking a version from the "
-    "publisher: fetch, decode_verify, write (the HF directory the engine loads), pause, load, continue "
-    "(over policyloop_weight_sync_seconds_count{phase=\"fetch\"}, the mean per version).", ["phase"],
+    "publisher: fetch, decode_verify, write (the HF directory the engine loads), then stage and activate (a "
+    "swap) or pause, load, continue (over policyloop_weight_sync_seconds_count{phase=\"fetch\"}, the mean per "
+    "version).", ["phase"],
+)
+WEIGHT_ACTIVATION_PAUSE_SECONDS = Histogram(
+    "policyloop_rollout_weight_activation_pause_seconds",
+    "How long the engine's decoding stood still to swap in a staged version, as the engine measured it.",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5),
 )
 WEIGHT_PAYLOAD_BYTES = Counter(
     "policyloop_weight_payload_bytes_total", "Weight payload bytes sent (learner) or received (rollout), by kind.",

@@ -12,7 +12,9 @@ Routes: POST/PUT /generate, GET /model_info and /get_model_info, GET /health (an
 /health_generate), POST /update_weights_from_disk, POST /pause_generation, POST
 /continue_generation, GET/POST /flush_cache, POST /abort_request, and for the colocated weight
 sync POST /init_weights_update_group, /begin_weight_update, /update_weights_from_distributed,
-/end_weight_update, /destroy_weights_update_group; GET /metrics in Prometheus' text format, with
+/end_weight_update, /destroy_weights_update_group; its own POST /stage_weights_from_disk,
+/stage_weights_from_tensor and /activate_staged_weights (a version prepared beside the served one
+while generating, then swapped in between two steps); GET /metrics in Prometheus' text format, with
 SGLang's names for what both engines count (`sglang:num_running_reqs`, `sglang:num_queue_reqs`,
 `sglang:prompt_tokens_total`, `sglang:generation_tokens_total`) and
 `policyloop_engine_in_flight_output_tokens` (tokens decoded so far by the requests not yet done:

@@ -530,7 +530,8 @@ class EmbeddedEngine:
             return _refusal(exc)
         async with self.scheduler.load_lock:
             # On the compute thread: after the step it is computing, before the next.
-            result = await self.scheduler.compute(activate_staged, self.served, parsed.weight_version)
+            result, retired = await self.scheduler.compute(activate_staged, self.served, parsed.weight_version)
+        await asyncio.to_thread(retired.clear)  # the old weights freed beside the compute thread
         if result.success:
             self.scheduler.activations += 1
             self.scheduler.activation_pause_s += result.pause_s

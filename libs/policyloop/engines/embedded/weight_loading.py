@@ -116,7 +116,10 @@ def _stage(served: ServedModel, loaded: dict[str, torch.Tensor], version: str, m
         # A Parameter's storage is swapped (tied names share the object, so one swap serves them
         # all); anything else in the state dict (a persistent buffer) is copied at activation.
         target = objects.get(name, params[name])
-        replacement = tensor.detach().to(device=target.device, dtype=target.dtype).contiguous()
+        # A copy, made here: a tensor read from a file maps it, and its pages would otherwise be
+        # read in by the first decode step after the swap.
+        replacement = tensor.detach().to(device=target.device, dtype=target.dtype, copy=True,
+                                          memory_format=torch.contiguous_format)
         by_storage[params[name].data_ptr()] = (target, replacement)  # the last of tied names wins, as copies do
     swaps = tuple(by_storage.values())
     staged = StagedWeights(version=version, swaps=swaps, model_path=model_path,
@@ -131,19 +134,22 @@ def _not_staged(served: ServedModel, message: str) -> StageWeightsResult:
                                                      f"{served.weight_version} keeps serving; nothing was staged.")
 
 
-def activate_staged(served: ServedModel, version: str) -> ActivateStagedWeightsResult:
+def activate_staged(served: ServedModel, version: str) -> tuple[ActivateStagedWeightsResult, list[torch.Tensor]]:
     """Swaps the staged version in (on the compute thread, between two decode steps): each served
     parameter takes its replacement's storage, so the pause is a pointer per tensor, whatever the
-    model's size."""
+    model's size. Returns the answer and the tensors replaced: the caller drops them off the compute
+    thread, since freeing a model's worth of memory takes as long as the swap should not."""
     staged: StagedWeights | None = served.staged
     if staged is None or staged.version != version:
         what = "nothing is staged" if staged is None else f"version {staged.version} is staged"
         return ActivateStagedWeightsResult(success=False, message=f"Failed to activate version {version}: {what}. "
-                                                                  f"Version {served.weight_version} keeps serving.")
+                                                                  f"Version {served.weight_version} keeps serving."), []
+    retired: list[torch.Tensor] = []
     started = time.perf_counter()
     with torch.no_grad():
         for target, replacement in staged.swaps:
             if isinstance(target, torch.nn.Parameter):
+                retired.append(target.data)
                 target.data = replacement
             else:
                 target.copy_(replacement)
@@ -153,7 +159,7 @@ def activate_staged(served: ServedModel, version: str) -> ActivateStagedWeightsR
     if staged.model_path is not None:
         served.model_path = staged.model_path
     return ActivateStagedWeightsResult(success=True, message=f"Version {version} serves.", weight_version=version,
-                                       pause_s=pause_s)
+                                       pause_s=pause_s), retired
 
 
 def _failed(served: ServedModel, message: str) -> UpdateWeightsResult:
