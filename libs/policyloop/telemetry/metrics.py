@@ -196,6 +196,17 @@ VERSION_LOAD_PHASE_SECONDS = Counter(
     "swap) or pause, load, continue (over policyloop_weight_sync_seconds_count{phase=\"fetch\"}, the mean per "
     "version).", ["phase"],
 )
+WEIGHTS_BYTES_SERVED = Counter(
+    "policyloop_weights_bytes_served_total", "Weight payload bytes served on Fetch: by the publisher, or by a "
+    "replica relaying versions to its children in the fan-out tree.", ["server"])
+WEIGHTS_TREE_DEPTH = Gauge(
+    "policyloop_weights_tree_depth", "Hops from the publisher to the deepest replica of the fan-out tree "
+    "(publisher).")
+WEIGHTS_TREE_MEMBERS = Gauge(
+    "policyloop_weights_tree_members", "Replicas placed in the fan-out tree, relays and leaves (publisher).")
+WEIGHTS_TREE_FALLBACKS = Counter(
+    "policyloop_weights_tree_fallbacks_total", "Fetches a replica's parent failed (dead, lagging past the "
+    "deadline, or a payload that did not verify), fetched again from a new parent or the publisher.")
 WEIGHT_ACTIVATION_PAUSE_SECONDS = Histogram(
     "policyloop_rollout_weight_activation_pause_seconds",
     "How long the engine's decoding stood still to swap in a staged version, as the engine measured it.",

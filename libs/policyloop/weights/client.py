@@ -108,6 +108,10 @@ class WeightClient:
             wait_for_ready=wait_for_ready)
         return list(reply.versions)
 
+    async def join_tree(self, request: weights_pb2.JoinTreeRequest) -> weights_pb2.TreePlacement:
+        """Where the publisher places this replica in the fan-out tree (weights.tree)."""
+        return await self.stub.JoinTree(request, timeout=self.deadline_s, metadata=self.metadata)
+
     async def keep_version(self, model: str, version: int, reason: str) -> weights_pb2.VersionInfo:
         """Has the publisher keep `version` past its retention window (idempotent)."""
         return await self.stub.KeepVersion(

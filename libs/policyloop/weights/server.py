@@ -18,8 +18,10 @@ import grpc
 from policyloop.common.clock import now_ms
 from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
 from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import WEIGHTS_BYTES_SERVED, WEIGHTS_TREE_DEPTH, WEIGHTS_TREE_MEMBERS
 from policyloop.weights.codec import CODEC
-from policyloop.weights.library import BaseUnavailable, PushRejected, WeightLibrary
+from policyloop.weights.fanout import FanoutTree
+from policyloop.weights.library import BaseUnavailable, PushRejected, Served, WeightLibrary
 from policyloop.weights.link import LinkLimit
 from policyloop.weights.store import (
     CHUNK_BYTES,
@@ -34,6 +36,7 @@ from policyloop.weights.store import (
 log = get_logger(__name__)
 
 _HEX128 = re.compile(r"^[0-9a-f]{32}$")
+_ENDPOINT = re.compile(r"^[^\s:/]+:\d{1,5}$|^\[[0-9a-fA-F:.]+\]:\d{1,5}$")
 OnStored = Callable[[StoredVersion], Awaitable[None]]
 
 # First match wins (subclasses before their bases): the status and the message's prefix.
@@ -76,6 +79,46 @@ def version_info(v: StoredVersion, kept: bool = False) -> weights_pb2.VersionInf
     )
 
 
+def check_fetch_request(request: weights_pb2.FetchRequest) -> str | None:
+    """The name and problem of the first invalid field of a Fetch, or None."""
+    try:
+        validate_model_name(request.model)
+    except ValueError as exc:
+        return f"model: {exc}"
+    if request.want_version < 0:
+        return "want_version: must not be negative"
+    if request.have_version < 0:
+        return "have_version: must not be negative"
+    return None
+
+
+async def payload_chunks(served: Served, chunk_bytes: int, egress: LinkLimit) -> AsyncIterator[weights_pb2.WeightChunk]:
+    """A Fetch's answer: the header, then the payload in chunks, each through the egress limit."""
+    yield weights_pb2.WeightChunk(header=weights_pb2.FetchHeader(
+        model=served.model, version=served.version, base_version=served.base_version,
+        kind=weights_pb2.PAYLOAD_KIND_DELTA if served.kind == "delta" else weights_pb2.PAYLOAD_KIND_KEYFRAME,
+        codec=CODEC, total_bytes=len(served.payload), payload_xxh3_128=served.payload_xxh3_128,
+        manifest_hash=served.manifest_hash,
+    ))
+    view = memoryview(served.payload)
+    for start in range(0, len(view), chunk_bytes):
+        piece = view[start:start + chunk_bytes]
+        await egress.take(len(piece))
+        yield weights_pb2.WeightChunk(data=bytes(piece))
+
+
+def check_join_request(request: weights_pb2.JoinTreeRequest) -> str | None:
+    try:
+        validate_model_name(request.model)
+    except ValueError as exc:
+        return f"model: {exc}"
+    if not request.replica:
+        return "replica: an id is required"
+    if request.relay_endpoint and not _ENDPOINT.match(request.relay_endpoint):
+        return f"relay_endpoint: {request.relay_endpoint!r} is not host:port"
+    return None
+
+
 def check_push_header(header: weights_pb2.PushHeader) -> str | None:
     """The name and problem of the first invalid header field, or None."""
     try:
@@ -100,8 +143,9 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
     client's version to the wanted one in chunks of at most 1 MiB, through the egress limit."""
 
     def __init__(self, library: WeightLibrary, on_stored: OnStored, chunk_bytes: int = CHUNK_BYTES,
-                 egress: LinkLimit | None = None) -> None:
+                 egress: LinkLimit | None = None, tree: FanoutTree | None = None) -> None:
         self.library = library
+        self.tree = tree  # None: relayed fan-out is off, every replica fetches from here
         self.store = library.store
         self.on_stored = on_stored
         self.chunk_bytes = min(chunk_bytes, CHUNK_BYTES)
@@ -153,14 +197,9 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
 
     async def Fetch(self, request: weights_pb2.FetchRequest,
                     context: grpc.aio.ServicerContext) -> AsyncIterator[weights_pb2.WeightChunk]:
-        try:
-            validate_model_name(request.model)
-        except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: {exc}")
-        if request.want_version < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "want_version: must not be negative")
-        if request.have_version < 0:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "have_version: must not be negative")
+        problem = check_fetch_request(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         try:
             served = await self.library.payload_for(request.model, request.have_version, request.want_version)
         except Exception as exc:
@@ -168,17 +207,27 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         if request.have_version and request.have_version == served.version:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"have_version: the client already holds version {served.version}")
-        yield weights_pb2.WeightChunk(header=weights_pb2.FetchHeader(
-            model=served.model, version=served.version, base_version=served.base_version,
-            kind=weights_pb2.PAYLOAD_KIND_DELTA if served.kind == "delta" else weights_pb2.PAYLOAD_KIND_KEYFRAME,
-            codec=CODEC, total_bytes=len(served.payload), payload_xxh3_128=served.payload_xxh3_128,
-            manifest_hash=served.manifest_hash,
-        ))
-        view = memoryview(served.payload)
-        for start in range(0, len(view), self.chunk_bytes):
-            piece = view[start:start + self.chunk_bytes]
-            await self.egress.take(len(piece))
-            yield weights_pb2.WeightChunk(data=bytes(piece))
+        async for chunk in payload_chunks(served, self.chunk_bytes, self.egress):
+            if chunk.WhichOneof("part") == "data":
+                WEIGHTS_BYTES_SERVED.labels("publisher").inc(len(chunk.data))
+            yield chunk
+
+    async def JoinTree(self, request: weights_pb2.JoinTreeRequest,
+                       context: grpc.aio.ServicerContext) -> weights_pb2.TreePlacement:
+        problem = check_join_request(request)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if self.tree is None:
+            return weights_pb2.TreePlacement(depth=1)  # no tree: fetch from the publisher, ask again each time
+        placed = self.tree.join(request.replica, endpoint=request.relay_endpoint, node=request.node,
+                                zone=request.zone, failed_parent=request.failed_parent)
+        if request.failed_parent:
+            log.warning("weights_parent_failed", replica=request.replica, parent=request.failed_parent,
+                        new_parent=placed.parent or "publisher")
+        WEIGHTS_TREE_DEPTH.set(self.tree.depth)
+        WEIGHTS_TREE_MEMBERS.set(len(self.tree.members))
+        return weights_pb2.TreePlacement(parent=placed.parent, parent_endpoint=placed.parent_endpoint,
+                                         depth=placed.depth, fanout=self.tree.fanout, lease_s=self.tree.lease_s)
 
     async def ListVersions(self, request: weights_pb2.ListVersionsRequest,
                            context: grpc.aio.ServicerContext) -> weights_pb2.ListVersionsResponse:

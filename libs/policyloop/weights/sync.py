@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -28,6 +28,8 @@ class SyncReport:
     transfer_s: float
     apply_s: float
     fallback_reason: str    # why a delta was refused and a keyframe fetched instead ("" if not)
+    # The verified payload itself, which a relaying replica serves on to its children.
+    fetched: FetchedVersion | None = field(default=None, repr=False, compare=False)
 
 
 async def sync_weights(client: WeightClient, model: str, held: codec.WeightSet | None, want_version: int
@@ -70,7 +72,7 @@ async def sync_weights(client: WeightClient, model: str, held: codec.WeightSet |
             continue
         kind = "delta" if fetched.header.kind == weights_pb2.PAYLOAD_KIND_DELTA else "keyframe"
         return weights, SyncReport(weights.version, kind, len(fetched.payload), weights.raw_bytes, transfer_s,
-                                   time.monotonic() - started, fallback)
+                                   time.monotonic() - started, fallback, fetched)
 
 
 def check_labels(fetched: FetchedVersion, want_version: int) -> None:

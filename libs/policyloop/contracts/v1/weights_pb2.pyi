@@ -141,3 +141,33 @@ class ListVersionsResponse(_message.Message):
     VERSIONS_FIELD_NUMBER: _ClassVar[int]
     versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+
+class JoinTreeRequest(_message.Message):
+    __slots__ = ("model", "replica", "relay_endpoint", "node", "zone", "failed_parent")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ZONE_FIELD_NUMBER: _ClassVar[int]
+    FAILED_PARENT_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    replica: str
+    relay_endpoint: str
+    node: str
+    zone: str
+    failed_parent: str
+    def __init__(self, model: _Optional[str] = ..., replica: _Optional[str] = ..., relay_endpoint: _Optional[str] = ..., node: _Optional[str] = ..., zone: _Optional[str] = ..., failed_parent: _Optional[str] = ...) -> None: ...
+
+class TreePlacement(_message.Message):
+    __slots__ = ("parent", "parent_endpoint", "depth", "fanout", "lease_s")
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    FANOUT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_S_FIELD_NUMBER: _ClassVar[int]
+    parent: str
+    parent_endpoint: str
+    depth: int
+    fanout: int
+    lease_s: float
+    def __init__(self, parent: _Optional[str] = ..., parent_endpoint: _Optional[str] = ..., depth: _Optional[int] = ..., fanout: _Optional[int] = ..., lease_s: _Optional[float] = ...) -> None: ...

@@ -54,6 +54,11 @@ class WeightServiceStub:
                 request_serializer=policyloop_dot_v1_dot_weights__pb2.KeepVersionRequest.SerializeToString,
                 response_deserializer=policyloop_dot_v1_dot_weights__pb2.VersionInfo.FromString,
                 _registered_method=True)
+        self.JoinTree = channel.unary_unary(
+                '/policyloop.v1.WeightService/JoinTree',
+                request_serializer=policyloop_dot_v1_dot_weights__pb2.JoinTreeRequest.SerializeToString,
+                response_deserializer=policyloop_dot_v1_dot_weights__pb2.TreePlacement.FromString,
+                _registered_method=True)
 
 
 class WeightServiceServicer:
@@ -93,6 +98,17 @@ class WeightServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def JoinTree(self, request, context):
+        """Relayed fan-out: a replica asks where to fetch versions from. The publisher places it in a
+        tree of fan-out `fanout` (same node, then same zone, first) and answers with its parent —
+        another replica serving Fetch from what it has verified — or none (fetch from the publisher).
+        A replica joins again within `lease_s`, and when its parent failed it (naming it in
+        failed_parent, which drops that parent from the tree). Served by the publisher only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WeightServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +131,11 @@ def add_WeightServiceServicer_to_server(servicer, server):
                     servicer.KeepVersion,
                     request_deserializer=policyloop_dot_v1_dot_weights__pb2.KeepVersionRequest.FromString,
                     response_serializer=policyloop_dot_v1_dot_weights__pb2.VersionInfo.SerializeToString,
+            ),
+            'JoinTree': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinTree,
+                    request_deserializer=policyloop_dot_v1_dot_weights__pb2.JoinTreeRequest.FromString,
+                    response_serializer=policyloop_dot_v1_dot_weights__pb2.TreePlacement.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -225,6 +246,33 @@ class WeightService:
             '/policyloop.v1.WeightService/KeepVersion',
             policyloop_dot_v1_dot_weights__pb2.KeepVersionRequest.SerializeToString,
             policyloop_dot_v1_dot_weights__pb2.VersionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/policyloop.v1.WeightService/JoinTree',
+            policyloop_dot_v1_dot_weights__pb2.JoinTreeRequest.SerializeToString,
+            policyloop_dot_v1_dot_weights__pb2.TreePlacement.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,103 @@
+"""A replica's fetches through the fan-out tree: it joins the tree at the publisher (JoinTree), fetches
+each version from the parent it was given, and when that parent dies, lags past
+`parent_deadline_s` or sends what does not verify, it reports it (which drops it from the tree),
+takes the new placement and fetches again — from a new parent or the publisher. A parent that
+only lacks what this replica needs (NOT_FOUND: no keyframe to make) is not reported: that one fetch
+goes to the publisher."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from policyloop.contracts.v1 import weights_pb2
+from policyloop.telemetry.logging import get_logger
+from policyloop.telemetry.metrics import WEIGHTS_TREE_FALLBACKS
+from policyloop.weights import codec
+from policyloop.weights.client import FetchError, WeightClient
+from policyloop.weights.fanout import PUBLISHER
+from policyloop.weights.relay import RelayHoldings
+from policyloop.weights.sync import SyncReport, sync_weights
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+
+class TreeSync:
+    def __init__(self, publisher: WeightClient, *, model: str, replica: str, relay_endpoint: str = "",
+                 node: str = "", zone: str = "", parent_deadline_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.publisher = publisher
+        self.request = weights_pb2.JoinTreeRequest(model=model, replica=replica, relay_endpoint=relay_endpoint,
+                                                   node=node, zone=zone)
+        self.parent_deadline_s = parent_deadline_s
+        self.clock = clock
+        self.current: weights_pb2.TreePlacement | None = None
+        self._joined_at = 0.0
+        self._parents: dict[str, WeightClient] = {}
+        self.fallbacks = 0
+
+    async def placement(self, failed_parent: str = "") -> weights_pb2.TreePlacement:
+        """Where to fetch from, joining again when the lease is a third gone (or a parent failed)."""
+        current = self.current
+        due = current is None or current.lease_s <= 0 or self.clock() - self._joined_at >= current.lease_s / 3
+        if failed_parent or due:
+            request = weights_pb2.JoinTreeRequest()
+            request.CopyFrom(self.request)
+            request.failed_parent = failed_parent
+            self.current = await self.publisher.join_tree(request)
+            self._joined_at = self.clock()
+        assert self.current is not None
+        return self.current
+
+    def _parent(self, endpoint: str) -> WeightClient:
+        client = self._parents.get(endpoint)
+        if client is None:
+            client = self._parents[endpoint] = WeightClient(endpoint, deadline_s=self.parent_deadline_s)
+        return client
+
+    async def fetch(self, attempt: Callable[[WeightClient], Awaitable[T]]) -> tuple[T, str]:
+        """`attempt` (a fetch and its verification) against the parent, within the deadline; again
+        after each failed parent; at the publisher last. Returns its result and the source (a
+        parent's replica id, or PUBLISHER)."""
+        placement = await self.placement()
+        tried: set[str] = set()
+        while placement.parent and placement.parent not in tried:
+            parent = placement.parent
+            tried.add(parent)
+            try:
+                return await asyncio.wait_for(attempt(self._parent(placement.parent_endpoint)),
+                                              self.parent_deadline_s), parent
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.NOT_FOUND:  # it lacks what this replica needs: not a failure
+                    log.info("weights_parent_lacks", parent=parent, reason=exc.details())
+                    break
+                reason = f"{exc.code().name}: {exc.details()}"
+            except (FetchError, codec.CodecError) as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            except TimeoutError:
+                reason = f"no verified version within {self.parent_deadline_s} s"
+            self.fallbacks += 1
+            WEIGHTS_TREE_FALLBACKS.inc()
+            log.warning("weights_parent_failed", parent=parent, reason=reason)
+            placement = await self.placement(failed_parent=parent)
+        return await attempt(self.publisher), PUBLISHER
+
+    async def close(self) -> None:
+        for client in self._parents.values():
+            await client.close()
+        self._parents.clear()
+
+
+async def sync_through_tree(tree: TreeSync, holdings: RelayHoldings | None, model: str, held: codec.WeightSet | None,
+                            want_version: int) -> tuple[codec.WeightSet, SyncReport, str]:
+    """sync_weights through the tree; the verified version is then held for this replica's own
+    children (`holdings`; None: a leaf). Returns the weights, the report and the source."""
+    (weights, report), source = await tree.fetch(lambda client: sync_weights(client, model, held, want_version))
+    if holdings is not None and report.fetched is not None:
+        await holdings.hold(report.fetched, weights)
+    return weights, report, source
