@@ -14,6 +14,7 @@ from policyloop.publisher.announcer import Announcer
 from policyloop.publisher.quarantine import Reports, quarantine_reporter
 from policyloop.publisher.settings import PublisherSettings
 from policyloop.runtime import ServiceContext, run_main
+from policyloop.weights.fanout import FanoutTree
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.link import LinkLimit
 from policyloop.weights.server import WeightServicer, start_weight_server
@@ -33,7 +34,10 @@ async def body(ctx: ServiceContext) -> None:
         ctx.policy_version = max(ctx.policy_version, stored.version)
 
     announcer = Announcer(ctx.bus, on_announced=announced)
-    servicer = WeightServicer(library, on_stored=announcer.announce, egress=LinkLimit(settings.egress_gbps))
+    tree = settings.tree
+    servicer = WeightServicer(library, on_stored=announcer.announce, egress=LinkLimit(settings.egress_gbps),
+                              tree=FanoutTree(tree.fanout, tree.lease_s, node=tree.node, zone=tree.zone)
+                              if tree.fanout else None)
     server, port = await start_weight_server(servicer, host=settings.grpc_host, port=settings.grpc_port,
                                              bearer_token=settings.bearer_token)
     announcer.endpoint = f"{settings.advertise_host}:{port}"

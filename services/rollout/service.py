@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import grpc
 import redis.asyncio as aioredis
 
 from policyloop.bus import PullWorker
@@ -32,6 +33,8 @@ from policyloop.rollout.settings import RolloutSettings
 from policyloop.runtime import ServiceContext, model_directory, run_main, run_pull_workers
 from policyloop.runtime.agreement import LoopAgreement
 from policyloop.state import HeartbeatRegistry
+from policyloop.weights.link import LinkLimit
+from policyloop.weights.relay import RelayHoldings, RelayServicer, start_relay_server
 
 if TYPE_CHECKING:
     from policyloop.rollout.adapters import PromotedAdapter
@@ -51,13 +54,19 @@ async def body(ctx: ServiceContext) -> None:
     status = status_pb2.RolloutStatus(loop=settings.loop_config(), engine_url=url)
     ctx.status = lambda: status
     runs_redis = None
+    relay_server: grpc.aio.Server | None = None
     try:
         await wait_for_engine(client, engine_proc, settings.engine_start_timeout_s)
         ctx.policy_version = await name_base_version(client)
         if settings.role == "serving":
             await serve_promoted(ctx, settings, client, tokenizer, status, engine_proc, model_dir)
             return
-        follower = WeightFollower(ctx, settings, client, status, base_dir=model_dir)
+        relay, relay_endpoint = None, ""
+        if settings.relay.enabled:
+            relay, relay_server, relay_endpoint = await start_relay(settings)
+            status.relay_endpoint = relay_endpoint
+        follower = WeightFollower(ctx, settings, client, status, base_dir=model_dir, relay=relay,
+                                  relay_endpoint=relay_endpoint)
         engine_health = EngineHealth(client, settings.engine_health_interval_s, engine_proc, follower.resync)
         ctx.add_health_probe("engine", engine_health.probe)
         agreement = LoopAgreement(settings, HeartbeatRegistry(ctx.redis, settings.namespace))
@@ -74,8 +83,18 @@ async def body(ctx: ServiceContext) -> None:
     finally:
         if runs_redis is not None:
             await runs_redis.aclose()
+        if relay_server is not None:
+            await relay_server.stop(settings.shutdown_grace_s)
         await client.close()
         await stop_engine(engine_proc)
+
+
+async def start_relay(settings: RolloutSettings) -> tuple[RelayHoldings, grpc.aio.Server, str]:
+    """This replica's relay in the fan-out tree: what it verified, served to its children."""
+    holdings = RelayHoldings()
+    servicer = RelayServicer(holdings, wait_s=settings.relay.wait_s, egress=LinkLimit(settings.relay.egress_gbps))
+    server, port = await start_relay_server(servicer, host=settings.relay.host, port=settings.relay.port)
+    return holdings, server, f"{settings.advertise_host}:{port}"
 
 
 async def serve_lora_runs(ctx: ServiceContext, settings: RolloutSettings, replica: RolloutReplica,

@@ -7,6 +7,7 @@ from pathlib import Path
 from pydantic import Field
 
 from policyloop.runtime import ServiceSettings
+from policyloop.weights.settings import FanoutTreeSettings
 
 
 class PublisherSettings(ServiceSettings):
@@ -20,3 +21,6 @@ class PublisherSettings(ServiceSettings):
                         "version (restart, a lagging client) applies at most this many deltas.")
     payload_cache_entries: int = Field(4, description="Payloads kept in memory for fetches (each built once).")
     egress_gbps: float = Field(0.0, description="Cap on the bytes all fetches send, in Gbit/s (0: no cap).")
+    tree: FanoutTreeSettings = Field(default_factory=FanoutTreeSettings,
+                                     description="Relayed fan-out: replicas placed in a tree, fetching from one "
+                                                 "another (tree.fanout 0: off).")

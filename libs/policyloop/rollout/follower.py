@@ -35,7 +35,9 @@ from policyloop.telemetry.metrics import (
 from policyloop.telemetry.phases import PhaseClock
 from policyloop.weights.client import WeightClient
 from policyloop.weights.codec import WeightSet
+from policyloop.weights.relay import RelayHoldings
 from policyloop.weights.sync import sync_weights
+from policyloop.weights.tree import TreeSync, sync_through_tree
 
 log = get_logger(__name__)
 
@@ -64,8 +66,11 @@ class WeightFollower:
 
     def __init__(self, ctx: ServiceContext, settings: RolloutSettings, client: SGLangClient,
                  status: status_pb2.RolloutStatus, announcements: Announcements | None = None, *,
-                 base_dir: Path | None = None) -> None:
+                 base_dir: Path | None = None, relay: RelayHoldings | None = None, relay_endpoint: str = "") -> None:
         self.ctx, self.settings, self.client, self.status = ctx, settings, client, status
+        # Relayed fan-out (settings.relay): what this replica serves its children, and where.
+        self.relay, self.relay_endpoint = relay, relay_endpoint
+        self._trees: dict[str, TreeSync] = {}
         # The base policy's directory (settings.model_path as the service resolved it): its config
         # goes beside each version written for the engine.
         self.base_dir = base_dir if base_dir is not None else Path(settings.model_path)
@@ -82,6 +87,16 @@ class WeightFollower:
         if endpoint not in self._publishers:
             self._publishers[endpoint] = WeightClient(endpoint, bearer_token=self.settings.publisher_token)
         return self._publishers[endpoint]
+
+    def tree(self, endpoint: str) -> TreeSync:
+        """This replica's place in the fan-out tree of the publisher at `endpoint`."""
+        if endpoint not in self._trees:
+            relay = self.settings.relay
+            self._trees[endpoint] = TreeSync(self.publisher(endpoint), model=self.settings.model,
+                                             replica=self.settings.instance_id, relay_endpoint=self.relay_endpoint,
+                                             node=relay.node, zone=relay.zone,
+                                             parent_deadline_s=relay.parent_deadline_s)
+        return self._trees[endpoint]
 
     async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
         event = self.announcements.parse(msg.data)
@@ -237,14 +252,21 @@ class WeightFollower:
     async def fetch_and_load(self, event: bus_pb2.WeightsPublished) -> None:
         """Fetch (a delta from the held version when possible), verify every tensor, load into
         the engine. Until the engine confirms the new version, the old one keeps serving."""
-        started, clock = time.monotonic(), PhaseClock()
+        started, clock, source = time.monotonic(), PhaseClock(), "publisher"
         if self.held is not None and self.held.version == event.version:
             # The engine lost a version this replica still holds verified (it restarted on its
             # base weights): load it again, nothing to fetch.
             weights, report = self.held, None
         else:
-            client = self.publisher(event.fetch_endpoint)
-            weights, report = await sync_weights(client, event.model, self.held, event.version)
+            if self.settings.relay.enabled:
+                tree = self.tree(event.fetch_endpoint)
+                weights, report, parent = await sync_through_tree(tree, self.relay, event.model, self.held,
+                                                                  event.version)
+                source = parent or source
+                self.status.tree_depth = tree.current.depth if tree.current is not None else 0
+            else:
+                weights, report = await sync_weights(self.publisher(event.fetch_endpoint), event.model, self.held,
+                                                     event.version)
             self.held = weights  # verified: the next delta applies to these bytes
             if report.fallback_reason:
                 WEIGHT_SYNC_FALLBACKS.inc()
@@ -264,7 +286,7 @@ class WeightFollower:
             VERSION_LOAD_PHASE_SECONDS.labels(phase).inc(seconds)
         WEIGHT_PAYLOAD_BYTES.labels(report.kind).inc(report.payload_bytes)
         self.status.last_fetch.CopyFrom(status_pb2.WeightFetch(kind=report.kind, bytes=report.payload_bytes,
-                                                               raw_bytes=report.raw_bytes))
+                                                               raw_bytes=report.raw_bytes, source=source))
         log.info("weights_loaded", version=weights.version, kind=report.kind, bytes=report.payload_bytes,
                  fallback=report.fallback_reason or None, seconds=round(time.monotonic() - started, 3))
 

@@ -11,6 +11,7 @@ from pydantic import Field
 from policyloop.envs.tool_episodes import ToolSettings
 from policyloop.models.resolve import REF_HELP, ModelRef
 from policyloop.runtime.settings import ServiceSettings
+from policyloop.weights.settings import RelaySettings
 
 
 class RolloutSettings(ServiceSettings, ToolSettings):
@@ -58,6 +59,9 @@ class RolloutSettings(ServiceSettings, ToolSettings):
                             "continue, generation standing still while the weights are copied in. auto: swap where "
                             "it can, pause otherwise.")
     publisher_token: str = Field("", description="Bearer token for the publisher, if it wants one.")
+    relay: RelaySettings = Field(default_factory=RelaySettings,
+                                 description="Relayed fan-out: fetch versions from a parent replica and serve them "
+                                             "to children (the publisher's tree.fanout places replicas).")
     weight_source: Literal["publisher", "colocated"] = Field(
         "publisher", description="publisher: fetch each version (a delta) and load it into the engine. colocated: "
                                  "the learner broadcasts it into the engine (its colocated_engines lists engine_url); "

@@ -124,17 +124,19 @@ class LearnerStatus(_message.Message):
     def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., loss: _Optional[_Union[_loop_pb2.LossSettings, _Mapping]] = ..., step: _Optional[int] = ..., trajectories_seen: _Optional[int] = ..., groups_complete: _Optional[int] = ..., dropped: _Optional[_Union[DroppedCounts, _Mapping]] = ..., lag_histogram: _Optional[_Mapping[int, int]] = ..., trained_samples: _Optional[int] = ..., trained_tokens: _Optional[int] = ..., busy_s: _Optional[float] = ..., first_trajectory_at: _Optional[float] = ..., last_step_at: _Optional[float] = ..., checkpoint_version: _Optional[int] = ..., resumed_checkpoint_version: _Optional[int] = ..., replayed_steps: _Optional[int] = ..., weights: _Optional[_Union[WeightPushTotals, _Mapping]] = ..., last_step: _Optional[_Union[StepStats, _Mapping]] = ..., lora_runs: _Optional[bool] = ..., full_model: _Optional[bool] = ..., tinker: _Optional[bool] = ..., lora_run_versions: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class WeightFetch(_message.Message):
-    __slots__ = ("kind", "bytes", "raw_bytes")
+    __slots__ = ("kind", "bytes", "raw_bytes", "source")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     RAW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     kind: str
     bytes: int
     raw_bytes: int
-    def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ...) -> None: ...
+    source: str
+    def __init__(self, kind: _Optional[str] = ..., bytes: _Optional[int] = ..., raw_bytes: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
 
 class RolloutStatus(_message.Message):
-    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch", "serving_run", "openai_url", "tinker_sampling", "tinker_samples_done")
+    __slots__ = ("loop", "engine_url", "announced_version", "tasks_done", "tasks_skipped", "generated_tokens", "resubmitted", "tool_calls", "paced", "last_fetch", "serving_run", "openai_url", "tinker_sampling", "tinker_samples_done", "relay_endpoint", "tree_depth")
     LOOP_FIELD_NUMBER: _ClassVar[int]
     ENGINE_URL_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCED_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,8 @@ class RolloutStatus(_message.Message):
     OPENAI_URL_FIELD_NUMBER: _ClassVar[int]
     TINKER_SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TINKER_SAMPLES_DONE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    TREE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     loop: LoopConfig
     engine_url: str
     announced_version: int
@@ -163,7 +167,9 @@ class RolloutStatus(_message.Message):
     openai_url: str
     tinker_sampling: bool
     tinker_samples_done: int
-    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ..., serving_run: _Optional[str] = ..., openai_url: _Optional[str] = ..., tinker_sampling: _Optional[bool] = ..., tinker_samples_done: _Optional[int] = ...) -> None: ...
+    relay_endpoint: str
+    tree_depth: int
+    def __init__(self, loop: _Optional[_Union[LoopConfig, _Mapping]] = ..., engine_url: _Optional[str] = ..., announced_version: _Optional[int] = ..., tasks_done: _Optional[int] = ..., tasks_skipped: _Optional[int] = ..., generated_tokens: _Optional[int] = ..., resubmitted: _Optional[int] = ..., tool_calls: _Optional[int] = ..., paced: _Optional[bool] = ..., last_fetch: _Optional[_Union[WeightFetch, _Mapping]] = ..., serving_run: _Optional[str] = ..., openai_url: _Optional[str] = ..., tinker_sampling: _Optional[bool] = ..., tinker_samples_done: _Optional[int] = ..., relay_endpoint: _Optional[str] = ..., tree_depth: _Optional[int] = ...) -> None: ...
 
 class EvaluatorStatus(_message.Message):
     __slots__ = ("evaluated", "engine_url", "last_version")
