@@ -243,3 +243,18 @@ def test_weight_swap_times_the_activation_pause_and_the_paused_load(tmp_path: Pa
     assert tiny["size"] == "tiny" and swap["tensors"] > 0 and 0 < swap["prepare_s"] and 0 <= swap["pause_ms"]
     assert swap["step_ms"] > 0 and paused["pause_ms"] > 0 and paused["stream_gap_ms"] > 0
     assert (tmp_path / "swap.png").stat().st_size > 0
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+def test_fanout_fetches_every_version_to_every_replica_direct_and_relayed(tmp_path: Path) -> None:
+    figures = run_harness("fanout.py", "--replicas", "8", "--delta-mb", "0.05", "--link-mbps", "200", "--fanout", "2",
+                          "--versions", "1", "--workers", "1", "--plot", str(tmp_path / "fanout.png"), cwd=tmp_path)
+    direct, relayed = figures["results"]
+    assert (direct["mode"], relayed["mode"]) == ("direct", "relayed")
+    delta = direct["delta_bytes"]
+    assert direct["publisher_egress_bytes_per_version"] == 8 * delta  # every copy from the publisher
+    assert relayed["publisher_egress_bytes_per_version"] == 2 * delta  # its two children's
+    assert relayed["depth"] == 3 and relayed["fallbacks"] == 0
+    assert relayed["bytes_served_per_replica"]["max"] == 2 * delta
+    assert all(r["p99_s"] > 0 and r["bound_s"] > 0 for r in (direct, relayed))
+    assert (tmp_path / "fanout.png").stat().st_size > 0

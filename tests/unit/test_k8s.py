@@ -1531,3 +1531,41 @@ def test_deployment_paths_serve_the_reward_model_alike(path: str, tmp_path: Path
         [address] = deployed[name][local.REWARD_MODEL_NAME]
         host = re.fullmatch(r"http://([\w-]+):\d+", address)
         assert host and host.group(1) == local.REWARD_MODEL and host.group(1) in hosts, address
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_relayed_fanout_component_puts_the_publisher_and_the_replicas_in_a_tree(
+        overlay: str, tmp_path: Path) -> None:
+    """components/relayed-fanout: the publisher places replicas in a tree of fan-out 4; each rollout
+    replica relays on port 50060 of its pod (declared, on every interface, reached at the pod's IP,
+    its advertised host) with its node's name as its topology label. Nothing else changes."""
+    import kubernetes_validate
+
+    from policyloop.publisher.settings import PublisherSettings
+    from policyloop.rollout.settings import RolloutSettings
+
+    plain, objects = _render(overlay), _render_with_components(overlay, tmp_path, ("relayed-fanout",))
+    before, after = {_unhashed(o): o for o in plain}, {_unhashed(o): o for o in objects}
+    assert set(before) == set(after)
+    changed = {key for key in before if after[key] != before[key]}
+    assert changed == {("StatefulSet", "publisher"), ("Deployment", "rollout")}
+    for key in changed:
+        kubernetes_validate.validate(after[key], KUBERNETES_VERSION, strict=True)
+    rendered, base = Rendered(overlay, objects), Rendered(overlay, plain)
+
+    publisher = rendered.get("StatefulSet", "publisher")["spec"]["template"]["spec"]["containers"][0]
+    tree = _settings(PublisherSettings, rendered.environment(publisher)).tree
+    assert (tree.fanout, tree.lease_s) == (4, PublisherSettings().tree.lease_s)
+
+    pod = rendered.get("Deployment", "rollout")["spec"]["template"]["spec"]
+    [container] = [c for c in pod["containers"] if c["name"] == "rollout"]
+    env = rendered.environment(container)
+    settings = _settings(RolloutSettings, env)
+    assert settings.relay.enabled and settings.relay.host == "0.0.0.0"
+    assert _declared(container, "relay") == settings.relay.port == 50060
+    relay_env = {e["name"]: e for e in container["env"]}
+    assert relay_env["POLICYLOOP_RELAY__NODE"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert relay_env["POLICYLOOP_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    base_container = base.services["rollout"].container
+    assert {k: v for k, v in container.items() if k not in ("env", "ports")} == \
+        {k: v for k, v in base_container.items() if k not in ("env", "ports")}
