@@ -1569,3 +1569,24 @@ def test_the_relayed_fanout_component_puts_the_publisher_and_the_replicas_in_a_t
     base_container = base.services["rollout"].container
     assert {k: v for k, v in container.items() if k not in ("env", "ports")} == \
         {k: v for k, v in base_container.items() if k not in ("env", "ports")}
+
+
+def test_up_with_relay_fanout_puts_the_publisher_and_the_training_replicas_in_a_tree(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`LocalCluster(relay_fanout=k)` (`policyloop up --relay-fanout k`): the publisher's tree of
+    fan-out k and every training rollout replica's relay, as settings they load; without it, none."""
+    from policyloop.publisher.settings import PublisherSettings
+    from policyloop.rollout.settings import RolloutSettings
+
+    plain = _reward_model_up(tmp_path / "plain", monkeypatch)
+    assert not [p.name for p in plain.processes if any("RELAY" in k or "TREE" in k for k in p.env)]
+    cluster = _reward_model_up(tmp_path / "tree", monkeypatch, relay_fanout=3,
+                               replicas={"rollout": 2})
+    processes = {p.name: p for p in cluster.processes}
+    assert _settings(PublisherSettings, processes["publisher-0"].env).tree.fanout == 3
+    for name in ("rollout-0", "rollout-1"):
+        relay = _settings(RolloutSettings, processes[name].env).relay
+        assert relay.enabled and relay.port == 0 and relay.host == "127.0.0.1"
+    assert {name for name, p in processes.items() if "POLICYLOOP_RELAY__ENABLED" in p.env} == {"rollout-0", "rollout-1"}
+    with pytest.raises(ValueError, match="relay_fanout"):
+        LocalCluster(tmp_path / "bad", relay_fanout=-1)

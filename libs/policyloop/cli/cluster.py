@@ -91,6 +91,10 @@ def up(
         help="Also start reward-model-0: an embedded engine serving the bootstrap reward model (built once, "
              "cached) as arith-rm on /classify, which reward and evaluator score with (the reward_model "
              "scorer).")] = False,
+    relay_fanout: Annotated[int, typer.Option(
+        min=0, help="Relayed fan-out: the publisher places the rollout replicas in a tree of this fan-out and "
+                    "each fetches versions from its parent, serving its children (docs/weights.md; 0: every "
+                    "replica fetches from the publisher).")] = 0,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
     from policyloop.cli.models import model_dir
@@ -112,7 +116,8 @@ def up(
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
                            extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
-                           tinker=tinker, serving_run=serving_run, reward_model=reward_model_dir)
+                           tinker=tinker, serving_run=serving_run, reward_model=reward_model_dir,
+                           relay_fanout=relay_fanout)
     stopping = False
 
     def request_stop(*_: object) -> None:

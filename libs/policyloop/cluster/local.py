@@ -323,6 +323,7 @@ class LocalCluster:
         serving_run: str = "",
         reward_model: Path | None = None,
         engine_start_timeout_s: float = 180.0,
+        relay_fanout: int = 0,
     ) -> None:
         """`prometheus`: start one scraping every service (None: when it is installed).
         `tinker`: the Tinker API trains and samples: the learner trains its models too
@@ -330,7 +331,9 @@ class LocalCluster:
         serving replica (SERVING, process serving-0) of that run's promoted versions, its
         OpenAI-compatible API on a free port (ports["openai"]). `reward_model`: a sequence-classification
         model directory served as REWARD_MODEL_NAME by an embedded engine (process reward-model-0,
-        healthy within `engine_start_timeout_s`), which the SCORING_SERVICES score with."""
+        healthy within `engine_start_timeout_s`), which the SCORING_SERVICES score with. `relay_fanout`:
+        the publisher places the rollout replicas in a tree of that fan-out and they relay versions
+        to one another (docs/weights.md; 0: each fetches from the publisher)."""
         if nats_nodes < 1:
             raise ValueError("nats_nodes must be at least 1")
         if nats_nodes > 1 and nats_url:
@@ -357,6 +360,9 @@ class LocalCluster:
         self.reward_model = reward_model
         self.engine_start_timeout_s = engine_start_timeout_s
         self.reward_model_engine: ManagedProcess | None = None
+        if relay_fanout < 0:
+            raise ValueError("relay_fanout must not be negative")
+        self.relay_fanout = relay_fanout
 
     def _service_env(self, entry: ServiceEntry) -> dict[str, str]:
         """What this cluster sets for every process of `entry` beyond its own (extra_env wins)."""
@@ -365,6 +371,10 @@ class LocalCluster:
             env["POLICYLOOP_BUS__STREAM_REPLICAS"] = str(self.nats_nodes)
         if self.tinker and entry.name == "learner":  # the one learner trains the Tinker API's models too
             env["POLICYLOOP_TINKER"] = "true"
+        if self.relay_fanout and entry.name == "publisher":
+            env["POLICYLOOP_TREE__FANOUT"] = str(self.relay_fanout)
+        if self.relay_fanout and entry.name == "rollout":  # its relay on any free port of 127.0.0.1
+            env["POLICYLOOP_RELAY__ENABLED"] = "true"
         if self.reward_model_engine is not None and entry.name in SCORING_SERVICES:
             env |= reward_model_env({REWARD_MODEL_NAME: [engine_url(self.reward_model_engine)]})
         return env | self.extra_env
