@@ -19,12 +19,11 @@ import grpc
 import xxhash
 
 from policyloop.contracts.v1 import weights_pb2, weights_pb2_grpc
-from policyloop.telemetry.metrics import WEIGHTS_BYTES_SERVED
 from policyloop.weights import codec
 from policyloop.weights.client import FetchedVersion
 from policyloop.weights.library import Served
 from policyloop.weights.link import LinkLimit
-from policyloop.weights.server import check_fetch_request, payload_chunks
+from policyloop.weights.server import answer_fetch, check_fetch_request
 from policyloop.weights.store import CHUNK_BYTES
 
 
@@ -70,6 +69,9 @@ class RelayHoldings:
             if current is None or current.served.version < served.version:
                 self._held[served.model] = _Held(served, weights)
             self._changed.notify_all()
+
+    def count_served(self, nbytes: int) -> None:
+        self.bytes_served += nbytes
 
     def version(self, model: str) -> int:
         held = self._held.get(model)
@@ -134,13 +136,8 @@ class RelayServicer(weights_pb2_grpc.WeightServiceServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except NotYet as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if request.have_version and request.have_version == served.version:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"have_version: the client already holds version {served.version}")
-        async for chunk in payload_chunks(served, self.chunk_bytes, self.egress):
-            if chunk.WhichOneof("part") == "data":
-                self.holdings.bytes_served += len(chunk.data)
-                WEIGHTS_BYTES_SERVED.labels("relay").inc(len(chunk.data))
+        async for chunk in answer_fetch(served, request, context, chunk_bytes=self.chunk_bytes, egress=self.egress,
+                                        server="relay", on_bytes=self.holdings.count_served):
             yield chunk
 
     async def _publisher_only(self, context: grpc.aio.ServicerContext, call: str) -> None:

@@ -107,6 +107,22 @@ async def payload_chunks(served: Served, chunk_bytes: int, egress: LinkLimit) ->
         yield weights_pb2.WeightChunk(data=bytes(piece))
 
 
+async def answer_fetch(served: Served, request: weights_pb2.FetchRequest, context: grpc.aio.ServicerContext, *,
+                       chunk_bytes: int, egress: LinkLimit, server: str,
+                       on_bytes: Callable[[int], None] | None = None) -> AsyncIterator[weights_pb2.WeightChunk]:
+    """Fetch's answer once `served` is found: refused when the client holds it already, else
+    streamed, its bytes counted for `server` (publisher or relay)."""
+    if request.have_version and request.have_version == served.version:
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                            f"have_version: the client already holds version {served.version}")
+    async for chunk in payload_chunks(served, chunk_bytes, egress):
+        if chunk.WhichOneof("part") == "data":
+            WEIGHTS_BYTES_SERVED.labels(server).inc(len(chunk.data))
+            if on_bytes is not None:
+                on_bytes(len(chunk.data))
+        yield chunk
+
+
 def check_join_request(request: weights_pb2.JoinTreeRequest) -> str | None:
     try:
         validate_model_name(request.model)
@@ -204,12 +220,8 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
             served = await self.library.payload_for(request.model, request.have_version, request.want_version)
         except Exception as exc:
             await abort_with(context, "Fetch", exc)
-        if request.have_version and request.have_version == served.version:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                f"have_version: the client already holds version {served.version}")
-        async for chunk in payload_chunks(served, self.chunk_bytes, self.egress):
-            if chunk.WhichOneof("part") == "data":
-                WEIGHTS_BYTES_SERVED.labels("publisher").inc(len(chunk.data))
+        async for chunk in answer_fetch(served, request, context, chunk_bytes=self.chunk_bytes, egress=self.egress,
+                                        server="publisher"):
             yield chunk
 
     async def JoinTree(self, request: weights_pb2.JoinTreeRequest,
