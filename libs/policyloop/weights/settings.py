@@ -28,9 +28,11 @@ class RelaySettings(BaseModel):
                                       "zone (e.g. the Kubernetes node name).")
     zone: str = Field("", description="Topology label (e.g. topology.kubernetes.io/zone).")
     parent_deadline_s: float = Field(
-        30.0, gt=0, description="How long a fetch from the parent may take, waiting for it included; then the "
-                                "parent is reported failed and the version fetched from a new parent or the "
-                                "publisher.")
-    wait_s: float = Field(30.0, gt=0, description="How long a child's Fetch waits for a version this replica is "
-                                                  "still fetching.")
+        120.0, gt=0, description="How long a fetch from the parent may take, waiting for it included; then the "
+                                 "parent is reported failed and the version fetched from a new parent or the "
+                                 "publisher. Keep it above the time a version takes to reach this depth of the "
+                                 "tree, or lagging parents send their children to the publisher all at once "
+                                 "(a parent that is gone fails at once, whatever it is).")
+    wait_s: float = Field(120.0, gt=0, description="How long a child's Fetch waits for a version this replica is "
+                                                   "still fetching.")
     egress_gbps: float = Field(0.0, ge=0, description="Cap on the bytes this relay sends, in Gbit/s (0: no cap).")

@@ -84,6 +84,9 @@ class TreeSync:
             self.fallbacks += 1
             WEIGHTS_TREE_FALLBACKS.inc()
             log.warning("weights_parent_failed", parent=parent, reason=reason)
+            failed = self._parents.pop(placement.parent_endpoint, None)
+            if failed is not None:
+                await failed.close()
             placement = await self.placement(failed_parent=parent)
         return await attempt(self.publisher), PUBLISHER
 
