@@ -237,7 +237,7 @@ async def run_one(n: int, relayed: bool, versions: list, args: argparse.Namespac
             workers.append((conn, proc))
             conn.recv()  # joined in order, worker after worker
         loop = asyncio.get_running_loop()
-        samples, per_version = [], []
+        per_version: list[dict] = []
         try:
             for weights in versions[1:]:
                 await pusher.push(weights, step=weights.version)
@@ -252,7 +252,6 @@ async def run_one(n: int, relayed: bool, versions: list, args: argparse.Namespac
                 after = await loop.run_in_executor(None, pub_conn.recv)
                 results = [r for reply in replies for r in reply["results"]]
                 times = [r["seconds"] for r in results]
-                samples += times
                 served = [s for reply in replies for s in reply["served"]]
                 egress = after["bytes_served"] - before["bytes_served"]
                 per_version.append({"delta_bytes": stored.bytes, "egress": egress,

@@ -73,10 +73,6 @@ class RelayHoldings:
     def count_served(self, nbytes: int) -> None:
         self.bytes_served += nbytes
 
-    def version(self, model: str) -> int:
-        held = self._held.get(model)
-        return 0 if held is None else held.served.version
-
     async def payload_for(self, model: str, have: int, want: int, wait_s: float) -> Served:
         held = await self._wait(model, want, wait_s)
         version = held.served.version
