@@ -105,8 +105,8 @@ async def _publisher(conn, store: str, fanout: int, relayed: bool, link_mbps: fl
         return None
 
     library = WeightLibrary(VersionStore(Path(store), retention=16), snapshot_every=64)
-    tree = FanoutTree(fanout, lease_s=3600) if relayed else None
-    servicer = WeightServicer(library, on_stored=stored, egress=LinkLimit(link_mbps / 1000), tree=tree)
+    servicer = WeightServicer(library, on_stored=stored, egress=LinkLimit(link_mbps / 1000),
+                              tree=(lambda: FanoutTree(fanout, lease_s=3600)) if relayed else None)
     server, port = await start_weight_server(servicer, host="127.0.0.1", port=0)
     conn.send(port)
     loop = asyncio.get_running_loop()
@@ -114,6 +114,7 @@ async def _publisher(conn, store: str, fanout: int, relayed: bool, link_mbps: fl
         command = await loop.run_in_executor(None, conn.recv)
         if command == "stop":
             break
+        tree = servicer.trees.get(MODEL)
         conn.send({"bytes_served": REGISTRY.get_sample_value("policyloop_weights_bytes_served_total",
                                                              {"server": "publisher"}) or 0.0,
                    "depth": tree.depth if tree else 1, "members": len(tree.members) if tree else 0,
@@ -299,11 +300,16 @@ def bandwidth_bound(parents: dict[str, str], delta_bytes: int, link_bytes_per_s:
         children.setdefault(parent, []).append(replica)
     hop = delta_bytes / link_bytes_per_s
 
-    def needs(replica: str) -> float:
-        below = sorted((needs(child) for child in children.get(replica, [])), reverse=True)
-        return max((i * hop + t for i, t in enumerate(below, start=1)), default=0.0)
-
-    return needs("")
+    order, todo = [], [""]  # parents before children; worked through backwards (no recursion: a chain)
+    while todo:
+        replica = todo.pop()
+        order.append(replica)
+        todo.extend(children.get(replica, []))
+    needs: dict[str, float] = {}
+    for replica in reversed(order):
+        below = sorted((needs[child] for child in children.get(replica, [])), reverse=True)
+        needs[replica] = max((i * hop + t for i, t in enumerate(below, start=1)), default=0.0)
+    return needs[""]
 
 
 def _quantile(values: list[float], q: float) -> float:

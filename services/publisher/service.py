@@ -36,7 +36,7 @@ async def body(ctx: ServiceContext) -> None:
     announcer = Announcer(ctx.bus, on_announced=announced)
     tree = settings.tree
     servicer = WeightServicer(library, on_stored=announcer.announce, egress=LinkLimit(settings.egress_gbps),
-                              tree=FanoutTree(tree.fanout, tree.lease_s, node=tree.node, zone=tree.zone)
+                              tree=(lambda: FanoutTree(tree.fanout, tree.lease_s, node=tree.node, zone=tree.zone))
                               if tree.fanout else None)
     server, port = await start_weight_server(servicer, host=settings.grpc_host, port=settings.grpc_port,
                                              bearer_token=settings.bearer_token)

@@ -93,7 +93,8 @@ async def start_relay(settings: RolloutSettings) -> tuple[RelayHoldings, grpc.ai
     """This replica's relay in the fan-out tree: what it verified, served to its children."""
     holdings = RelayHoldings()
     servicer = RelayServicer(holdings, wait_s=settings.relay.wait_s, egress=LinkLimit(settings.relay.egress_gbps))
-    server, port = await start_relay_server(servicer, host=settings.relay.host, port=settings.relay.port)
+    server, port = await start_relay_server(servicer, host=settings.relay.host, port=settings.relay.port,
+                                            bearer_token=settings.publisher_token)
     return holdings, server, f"{settings.advertise_host}:{port}"
 
 

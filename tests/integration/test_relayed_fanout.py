@@ -22,7 +22,7 @@ from policyloop.weights.fanout import PUBLISHER, FanoutTree
 from policyloop.weights.library import WeightLibrary
 from policyloop.weights.link import LinkLimit
 from policyloop.weights.push import VersionPusher
-from policyloop.weights.relay import RelayHoldings, RelayServicer, start_relay_server
+from policyloop.weights.relay import NotHeld, RelayHoldings, RelayServicer, start_relay_server
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
 from policyloop.weights.tree import TreeSync, sync_through_tree
@@ -73,8 +73,7 @@ class Cluster:
 
     @property
     def tree(self) -> FanoutTree:
-        assert self.publisher.tree is not None
-        return self.publisher.tree
+        return self.publisher.trees[MODEL]
 
 
 def publisher_bytes() -> float:
@@ -89,7 +88,7 @@ async def cluster(tmp_path: Path, *, fanout: int, replicas: int, parent_deadline
     async def stored(_version: object) -> None:
         return None
 
-    servicer = WeightServicer(library, on_stored=stored, tree=FanoutTree(fanout, lease_s=600))
+    servicer = WeightServicer(library, on_stored=stored, tree=lambda: FanoutTree(fanout, lease_s=600))
     server, port = await start_weight_server(servicer, host="127.0.0.1", port=0)
     endpoint = f"127.0.0.1:{port}"
     pusher = VersionPusher(WeightClient(endpoint, deadline_s=60), MODEL)
@@ -224,3 +223,41 @@ async def test_bad_calls_are_refused_naming_the_field_and_a_relay_serves_fetch_o
         finally:
             await channel.close()
             await client.close()
+
+
+async def test_a_replica_stays_in_the_tree_between_versions_and_keyframes_never_come_from_changing_weights(
+        tmp_path: Path) -> None:
+    async with cluster(tmp_path, fanout=2, replicas=1) as c:
+        [replica] = c.replicas
+        joins: list[str] = []
+        tree = c.tree
+        join = tree.join
+
+        def counted(replica_id: str, **kwargs: object) -> object:
+            joins.append(replica_id)
+            return join(replica_id, **kwargs)  # type: ignore[arg-type]
+
+        tree.join = counted  # type: ignore[method-assign]
+        tree.lease_s = 3.0  # renewed every second: three joins with no version published meanwhile
+        replica.tree.current.lease_s = 3.0  # type: ignore[union-attr]
+        stop = asyncio.Event()
+        renewing = asyncio.create_task(replica.tree.keep_joined(stop))
+        await until(lambda: joins.count("r0") >= 3, what="three renewals")
+        stop.set()
+        await renewing
+        assert "r0" in tree.members
+
+        # The held weights change in place as the next delta is applied: from then on no keyframe is
+        # made of them (NOT_FOUND: the child goes to the publisher), and one made before is kept.
+        first = random_weights(1)
+        await c.pusher.push(first, step=1)
+        await replica.sync(1)
+        holdings = replica.holdings
+        keyframe = await holdings.payload_for(MODEL, have=0, want=1, wait_s=5)
+        await holdings.release_weights(MODEL)
+        assert await holdings.payload_for(MODEL, have=0, want=1, wait_s=5) is keyframe
+        await c.pusher.push(perturbed(first, 2), step=2)
+        await replica.sync(2)  # releases version 1's weights before applying, holds version 2's after
+        await holdings.release_weights(MODEL)
+        with pytest.raises(NotHeld, match="keeps no weights"):
+            await holdings.payload_for(MODEL, have=0, want=2, wait_s=5)

@@ -102,6 +102,17 @@ def test_a_replica_is_never_placed_under_its_own_descendant() -> None:
     check_shape(tree)
 
 
+def test_a_member_back_after_being_dropped_is_not_placed_under_its_old_grandchild() -> None:
+    tree = FanoutTree(fanout=1, lease_s=60)
+    for name in ("p", "c", "g"):
+        tree.join(name, endpoint=f"{name}:1")  # a chain: p ← c ← g
+    tree.join("x", failed_parent="p")  # a leaf reports p: dropped, its place at the root taken by x
+    placed = tree.join("p", endpoint="p:1")
+    assert placed.parent not in ("c", "g")  # c and g hang from the old p: not placed until they join
+    assert not tree.is_placed("c") and not tree.is_placed("g")
+    check_shape(tree)
+
+
 def test_leaves_take_no_children_and_a_returning_replica_with_new_labels_is_placed_anew() -> None:
     tree = FanoutTree(fanout=1, lease_s=60)
     tree.join("leaf")  # no relay endpoint

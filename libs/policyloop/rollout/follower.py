@@ -71,6 +71,7 @@ class WeightFollower:
         # Relayed fan-out (settings.relay): what this replica serves its children, and where.
         self.relay, self.relay_endpoint = relay, relay_endpoint
         self._trees: dict[str, TreeSync] = {}
+        self._joining: list[asyncio.Task[None]] = []  # each tree's membership, renewed between versions
         # The base policy's directory (settings.model_path as the service resolved it): its config
         # goes beside each version written for the engine.
         self.base_dir = base_dir if base_dir is not None else Path(settings.model_path)
@@ -92,10 +93,11 @@ class WeightFollower:
         """This replica's place in the fan-out tree of the publisher at `endpoint`."""
         if endpoint not in self._trees:
             relay = self.settings.relay
-            self._trees[endpoint] = TreeSync(self.publisher(endpoint), model=self.settings.model,
-                                             replica=self.settings.instance_id, relay_endpoint=self.relay_endpoint,
-                                             node=relay.node, zone=relay.zone,
-                                             parent_deadline_s=relay.parent_deadline_s)
+            tree = self._trees[endpoint] = TreeSync(
+                self.publisher(endpoint), model=self.settings.model, replica=self.settings.instance_id,
+                relay_endpoint=self.relay_endpoint, node=relay.node, zone=relay.zone,
+                parent_deadline_s=relay.parent_deadline_s, bearer_token=self.settings.publisher_token)
+            self._joining.append(asyncio.create_task(tree.keep_joined(self.ctx.stop)))
         return self._trees[endpoint]
 
     async def on_event(self, msg) -> None:  # type: ignore[no-untyped-def]
@@ -130,6 +132,10 @@ class WeightFollower:
                     self.announced.set()
         finally:
             await announcements.close()
+            for task in self._joining:
+                task.cancel()
+            for tree in self._trees.values():
+                await tree.close()
             for client in self._publishers.values():
                 await client.close()
 

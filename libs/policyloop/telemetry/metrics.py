@@ -200,10 +200,11 @@ WEIGHTS_BYTES_SERVED = Counter(
     "policyloop_weights_bytes_served_total", "Weight payload bytes served on Fetch: by the publisher, or by a "
     "replica relaying versions to its children in the fan-out tree.", ["server"])
 WEIGHTS_TREE_DEPTH = Gauge(
-    "policyloop_weights_tree_depth", "Hops from the publisher to the deepest replica of the fan-out tree "
-    "(publisher).")
+    "policyloop_weights_tree_depth", "Hops from the publisher to the deepest replica of a model's fan-out tree "
+    "(publisher).", ["model"])
 WEIGHTS_TREE_MEMBERS = Gauge(
-    "policyloop_weights_tree_members", "Replicas placed in the fan-out tree, relays and leaves (publisher).")
+    "policyloop_weights_tree_members", "Replicas placed in a model's fan-out tree, relays and leaves (publisher).",
+    ["model"])
 WEIGHTS_TREE_FALLBACKS = Counter(
     "policyloop_weights_tree_fallbacks_total", "Fetches a replica's parent failed (dead, lagging past the "
     "deadline, or a payload that did not verify), fetched again from a new parent or the publisher.")

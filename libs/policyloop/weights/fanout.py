@@ -92,11 +92,17 @@ class FanoutTree:
             self.children.get(member.parent, set()).discard(replica)
 
     def is_placed(self, replica: str) -> bool:
-        """Whether a member's parent is the publisher or a member that has it as a child (not
-        one that dropped out, or came back as something else)."""
-        member = self.members[replica]
-        return replica in self.children_of(member.parent) and (member.parent == PUBLISHER
-                                                               or member.parent in self.members)
+        """Whether the chain of parents from a member reaches the publisher, each link one its
+        parent knows: not through a member that dropped out or came back as something else (so a
+        member placed anew can never land under what was its own subtree)."""
+        seen: set[str] = set()
+        while replica != PUBLISHER:
+            member = self.members.get(replica)
+            if member is None or replica in seen or replica not in self.children_of(member.parent):
+                return False
+            seen.add(replica)
+            replica = member.parent
+        return True
 
     def children_of(self, parent: str) -> set[str]:
         """The members placed under `parent` (PUBLISHER: the root)."""

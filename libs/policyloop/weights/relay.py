@@ -58,6 +58,9 @@ class RelayHoldings:
     def __init__(self) -> None:
         self._held: dict[str, _Held] = {}
         self._changed = asyncio.Condition()
+        # Held weights are the replica's own, which the next delta changes in place: a keyframe is
+        # made from them under this lock, and they are let go under it before that apply starts.
+        self._weights = asyncio.Lock()
         self.bytes_served = 0
 
     async def hold(self, fetched: FetchedVersion, weights: codec.WeightSet | None) -> None:
@@ -69,6 +72,14 @@ class RelayHoldings:
             if current is None or current.served.version < served.version:
                 self._held[served.model] = _Held(served, weights)
             self._changed.notify_all()
+
+    async def release_weights(self, model: str) -> None:
+        """Stops making keyframes from the held weights of `model` (a keyframe already made is
+        kept): call it before those weights change, as the next delta is applied to them."""
+        async with self._weights:
+            held = self._held.get(model)
+            if held is not None:
+                held.weights = None
 
     def count_served(self, nbytes: int) -> None:
         self.bytes_served += nbytes
@@ -82,14 +93,15 @@ class RelayHoldings:
             return held.served  # the caller answers FAILED_PRECONDITION, as the publisher does
         if held.served.kind == "keyframe" or have == held.served.base_version:
             return held.served
-        if held.weights is None:
+        async with self._weights:  # one keyframe a version, made while the weights hold still
+            if held.keyframe is None and held.weights is not None:
+                encoded = await asyncio.to_thread(codec.encode, held.weights)
+                held.keyframe = Served(model=model, version=version, base_version=0, kind="keyframe",
+                                       manifest_hash=held.served.manifest_hash, payload=encoded.payload,
+                                       payload_xxh3_128=xxhash.xxh3_128_hexdigest(encoded.payload))
+        if held.keyframe is None:
             raise NotHeld(f"have_version: this relay serves version {version} as a delta from "
                           f"{held.served.base_version} only (it keeps no weights to make a keyframe)")
-        if held.keyframe is None:
-            encoded = await asyncio.to_thread(codec.encode, held.weights)
-            held.keyframe = Served(model=model, version=version, base_version=0, kind="keyframe",
-                                   manifest_hash=held.served.manifest_hash, payload=encoded.payload,
-                                   payload_xxh3_128=xxhash.xxh3_128_hexdigest(encoded.payload))
         return held.keyframe
 
     async def _wait(self, model: str, want: int, wait_s: float) -> _Held:
@@ -125,9 +137,13 @@ class RelayServicer(weights_pb2_grpc.WeightServiceServicer):
         problem = check_fetch_request(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        # Waits as long as the child does (its deadline), up to wait_s: a child deeper in the tree
+        # waits longer, so a parent that lags for its own parent is not the one blamed.
+        remaining = context.time_remaining()
+        wait_s = self.wait_s if remaining is None else max(0.0, min(self.wait_s, remaining - min(1.0, remaining / 10)))
         try:
             served = await self.holdings.payload_for(request.model, request.have_version, request.want_version,
-                                                     self.wait_s)
+                                                     wait_s)
         except NotHeld as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         except NotYet as exc:
@@ -153,11 +169,14 @@ class RelayServicer(weights_pb2_grpc.WeightServiceServicer):
         await self._publisher_only(context, "JoinTree")
 
 
-async def start_relay_server(servicer: RelayServicer, *, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """A replica's relay on a gRPC server of its own; returns it and its port."""
+async def start_relay_server(servicer: RelayServicer, *, host: str, port: int, bearer_token: str = ""
+                             ) -> tuple[grpc.aio.Server, int]:
+    """A replica's relay on a gRPC server of its own (every call carrying `bearer_token` when one
+    is set: the publisher's, which the replicas hold); returns it and its port."""
     from policyloop.runtime.grpc_server import start_grpc_server
 
     server, _health, bound = await start_grpc_server(
         [lambda s: weights_pb2_grpc.add_WeightServiceServicer_to_server(servicer, s)],
-        [weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name], host=host, port=port)
+        [weights_pb2.DESCRIPTOR.services_by_name["WeightService"].full_name], host=host, port=port,
+        bearer_token=bearer_token)
     return server, bound

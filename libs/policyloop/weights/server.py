@@ -159,9 +159,11 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
     client's version to the wanted one in chunks of at most 1 MiB, through the egress limit."""
 
     def __init__(self, library: WeightLibrary, on_stored: OnStored, chunk_bytes: int = CHUNK_BYTES,
-                 egress: LinkLimit | None = None, tree: FanoutTree | None = None) -> None:
+                 egress: LinkLimit | None = None, tree: Callable[[], FanoutTree] | None = None) -> None:
         self.library = library
-        self.tree = tree  # None: relayed fan-out is off, every replica fetches from here
+        # Relayed fan-out: one tree per model, made by `tree` (None: off, every replica fetches here).
+        self.new_tree = tree
+        self.trees: dict[str, FanoutTree] = {}
         self.store = library.store
         self.on_stored = on_stored
         self.chunk_bytes = min(chunk_bytes, CHUNK_BYTES)
@@ -229,17 +231,20 @@ class WeightServicer(weights_pb2_grpc.WeightServiceServicer):
         problem = check_join_request(request)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        if self.tree is None:
+        if self.new_tree is None:
             return weights_pb2.TreePlacement(depth=1)  # no tree: fetch from the publisher, ask again each time
-        placed = self.tree.join(request.replica, endpoint=request.relay_endpoint, node=request.node,
-                                zone=request.zone, failed_parent=request.failed_parent)
+        tree = self.trees.get(request.model)
+        if tree is None:
+            tree = self.trees[request.model] = self.new_tree()
+        placed = tree.join(request.replica, endpoint=request.relay_endpoint, node=request.node,
+                           zone=request.zone, failed_parent=request.failed_parent)
         if request.failed_parent:
-            log.warning("weights_parent_failed", replica=request.replica, parent=request.failed_parent,
-                        new_parent=placed.parent or "publisher")
-        WEIGHTS_TREE_DEPTH.set(self.tree.depth)
-        WEIGHTS_TREE_MEMBERS.set(len(self.tree.members))
+            log.warning("weights_parent_failed", model=request.model, replica=request.replica,
+                        parent=request.failed_parent, new_parent=placed.parent or "publisher")
+        WEIGHTS_TREE_DEPTH.labels(request.model).set(tree.depth)
+        WEIGHTS_TREE_MEMBERS.labels(request.model).set(len(tree.members))
         return weights_pb2.TreePlacement(parent=placed.parent, parent_endpoint=placed.parent_endpoint,
-                                         depth=placed.depth, fanout=self.tree.fanout, lease_s=self.tree.lease_s)
+                                         depth=placed.depth, fanout=tree.fanout, lease_s=tree.lease_s)
 
     async def ListVersions(self, request: weights_pb2.ListVersionsRequest,
                            context: grpc.aio.ServicerContext) -> weights_pb2.ListVersionsResponse:

@@ -29,9 +29,10 @@ T = TypeVar("T")
 
 class TreeSync:
     def __init__(self, publisher: WeightClient, *, model: str, replica: str, relay_endpoint: str = "",
-                 node: str = "", zone: str = "", parent_deadline_s: float = 30.0,
+                 node: str = "", zone: str = "", parent_deadline_s: float = 30.0, bearer_token: str = "",
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.publisher = publisher
+        self.bearer_token = bearer_token
         self.request = weights_pb2.JoinTreeRequest(model=model, replica=replica, relay_endpoint=relay_endpoint,
                                                    node=node, zone=zone)
         self.parent_deadline_s = parent_deadline_s
@@ -54,24 +55,44 @@ class TreeSync:
         assert self.current is not None
         return self.current
 
-    def _parent(self, endpoint: str) -> WeightClient:
-        client = self._parents.get(endpoint)
+    async def keep_joined(self, stop: asyncio.Event) -> None:
+        """Joins again every third of the lease until `stop`, versions or not (a tree whose
+        members joined only to fetch would lapse between versions slower than the lease)."""
+        while not stop.is_set():
+            lease_s = self.current.lease_s if self.current is not None else 0.0
+            if self.current is not None and lease_s <= 0:
+                return  # the publisher keeps no tree
+            try:
+                await self.placement()
+            except grpc.aio.AioRpcError as exc:
+                log.warning("weights_tree_join_failed", code=exc.code().name, reason=exc.details())
+            try:
+                await asyncio.wait_for(stop.wait(), max(1.0, (lease_s or 3.0) / 3))
+            except TimeoutError:
+                continue
+
+    def _parent(self, placement: weights_pb2.TreePlacement) -> WeightClient:
+        client = self._parents.get(placement.parent_endpoint)
         if client is None:
-            client = self._parents[endpoint] = WeightClient(endpoint, deadline_s=self.parent_deadline_s)
+            client = self._parents[placement.parent_endpoint] = WeightClient(
+                placement.parent_endpoint, bearer_token=self.bearer_token, deadline_s=self.parent_deadline_s)
+        # Deeper replicas wait longer: a parent's own fetch may fall back after the deadline of its
+        # depth, and its children should not give up on it at that same moment.
+        client.deadline_s = self.parent_deadline_s * max(1, placement.depth - 1)
         return client
 
     async def fetch(self, attempt: Callable[[WeightClient], Awaitable[T]]) -> tuple[T, str]:
-        """`attempt` (a fetch and its verification) against the parent, within the deadline; again
-        after each failed parent; at the publisher last. Returns its result and the source (a
-        parent's replica id, or PUBLISHER)."""
+        """`attempt` (a fetch and its verification) against the parent, its fetch within the
+        parent's deadline; again after each failed parent; at the publisher last. Returns its result
+        and the source (a parent's replica id, or PUBLISHER). The deadline is the gRPC call's: a
+        payload that arrived is applied and verified to the end, never abandoned half-applied."""
         placement = await self.placement()
         tried: set[str] = set()
         while placement.parent and placement.parent not in tried:
             parent = placement.parent
             tried.add(parent)
             try:
-                return await asyncio.wait_for(attempt(self._parent(placement.parent_endpoint)),
-                                              self.parent_deadline_s), parent
+                return await attempt(self._parent(placement)), parent
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.NOT_FOUND:  # it lacks what this replica needs: not a failure
                     log.info("weights_parent_lacks", parent=parent, reason=exc.details())
@@ -79,8 +100,6 @@ class TreeSync:
                 reason = f"{exc.code().name}: {exc.details()}"
             except (FetchError, codec.CodecError) as exc:
                 reason = f"{type(exc).__name__}: {exc}"
-            except TimeoutError:
-                reason = f"no verified version within {self.parent_deadline_s} s"
             self.fallbacks += 1
             WEIGHTS_TREE_FALLBACKS.inc()
             log.warning("weights_parent_failed", parent=parent, reason=reason)
@@ -100,6 +119,8 @@ async def sync_through_tree(tree: TreeSync, holdings: RelayHoldings | None, mode
                             want_version: int) -> tuple[codec.WeightSet, SyncReport, str]:
     """sync_weights through the tree; the verified version is then held for this replica's own
     children (`holdings`; None: a leaf). Returns the weights, the report and the source."""
+    if holdings is not None:
+        await holdings.release_weights(model)  # `held` changes in place as the delta is applied
     (weights, report), source = await tree.fetch(lambda client: sync_weights(client, model, held, want_version))
     if holdings is not None and report.fetched is not None:
         await holdings.hold(report.fetched, weights)

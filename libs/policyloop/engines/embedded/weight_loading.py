@@ -110,6 +110,7 @@ def stage_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: Stage
 
 def _stage(served: ServedModel, loaded: dict[str, torch.Tensor], version: str, model_path: str | None,
            started: float) -> StageWeightsResult:
+    served.staged = None  # an earlier stage goes before this one is made: never two beside the served weights
     params, objects = served.parameters(), served.parameter_objects()
     by_storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, tensor in loaded.items():
@@ -124,7 +125,7 @@ def _stage(served: ServedModel, loaded: dict[str, torch.Tensor], version: str, m
     swaps = tuple(by_storage.values())
     staged = StagedWeights(version=version, swaps=swaps, model_path=model_path,
                            bytes=sum(t.numel() * t.element_size() for _, t in swaps))
-    served.staged = staged  # replaces (and frees) an earlier stage
+    served.staged = staged
     return StageWeightsResult(success=True, message=f"Staged version {version}.", weight_version=version,
                               tensors=len(swaps), bytes=staged.bytes, prepare_s=time.perf_counter() - started)
 
