@@ -27,7 +27,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import aiohttp
 
@@ -59,7 +59,16 @@ from policyloop.engines.protocol import (
 )
 from policyloop.weights.broadcast.engine_control import EngineControlError, WeightSyncError
 
-R = TypeVar("R", UpdateWeightsResult, ControlResult)
+
+class WeightAnswer(Protocol):
+    """An answer with `success` and `message`: the weight routes' (the embedded engine's staging too)."""
+
+    success: bool
+    message: str
+
+
+R = TypeVar("R", bound=WeightAnswer)
+T = TypeVar("T")
 A = TypeVar("A", ControlResult, LoraUpdateResult)
 
 
@@ -360,21 +369,24 @@ class SGLangClient:
                                             f"update_weight_version({new_version!r})", str(new_version))
 
     async def _versioned_update(self, path: str, payload: dict[str, Any], parse: Callable[[Any], R], what: str,
-                                version: str) -> R:
-        """Sends an update that sets the served version (safe to repeat), checks its
-        `{success, message}` answer and then that /model_info reports `version`."""
-        status, body = await self._call("POST", path, payload, idempotent=True)
-        try:
-            result = parse(json.loads(body))
-        except ValueError:
-            self._raise_for_status("POST", path, status, body)
-            raise EngineProtocolError(f"{path}: unexpected answer {body[:200]!r}", status, body) from None
-        if not result.success or status >= 400:
-            raise WeightUpdateError(f"{what} failed: {result.message}", status, body)
+                                version: str, *, idempotent: bool = True) -> R:
+        """Sends an update that sets the served version (resent on a lost answer when
+        `idempotent`), checks its `{success, message}` answer and then that /model_info reports
+        `version`."""
+        result = await self._succeeded(path, payload, parse, what, idempotent=idempotent)
         served = (await self.model_info()).weight_version
         if served != version:
             raise WeightUpdateError(f"{what} succeeded but the engine reports weight_version {served!r}, not "
-                                    f"{version!r}", status, body)
+                                    f"{version!r}", 200, "")
+        return result
+
+    async def _succeeded(self, path: str, payload: dict[str, Any], parse: Callable[[Any], R], what: str, *,
+                         idempotent: bool) -> R:
+        """Sends a weight request and returns its successful `{success, message}` answer;
+        WeightUpdateError with the engine's reason otherwise."""
+        status, body, result = await self._parsed(path, payload, parse, idempotent=idempotent)
+        if not result.success or status >= 400:
+            raise WeightUpdateError(f"{what} failed: {result.message}", status, body)
         return result
 
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -429,7 +441,11 @@ class SGLangClient:
     async def _post_once(self, path: str, payload: dict[str, Any], parse: Callable[[Any], A]) -> tuple[int, str, A]:
         """Sends one request that is never resent once it may have reached the engine; (status,
         body, the parsed answer), or SGLang's ErrorResponse raised."""
-        status, body = await self._call("POST", path, payload, idempotent=False)
+        return await self._parsed(path, payload, parse, idempotent=False)
+
+    async def _parsed(self, path: str, payload: dict[str, Any], parse: Callable[[Any], T], *,
+                      idempotent: bool) -> tuple[int, str, T]:
+        status, body = await self._call("POST", path, payload, idempotent=idempotent)
         try:
             return status, body, parse(json.loads(body))
         except ValueError:
@@ -447,10 +463,7 @@ class SGLangClient:
     async def _control(self, path: str, payload: dict[str, Any], what: str) -> ControlResult:
         """Sends one weight-sync request (never resent once it may have reached the engine) and
         returns its successful `{success, message}` answer; raises WeightUpdateError otherwise."""
-        status, body, result = await self._post_once(path, payload, ControlResult.from_json)
-        if not result.success or status >= 400:
-            raise WeightUpdateError(f"{what} failed: {result.message}", status, body)
-        return result
+        return await self._succeeded(path, payload, ControlResult.from_json, what, idempotent=False)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, *, group_name: str = DEFAULT_WEIGHT_GROUP,

@@ -31,22 +31,22 @@ from policyloop.engines.protocol import (
 def load_from_disk(served: ServedModel, req: UpdateWeightsFromDiskRequest) -> UpdateWeightsResult:
     if req.load_format not in (None, "auto", "safetensors"):
         return _failed(served, f"load_format {req.load_format!r} is not supported (auto or safetensors)")
-    loaded, problem = _checked_directory(served, Path(req.model_path))
+    params = served.parameters()
+    loaded, problem = _checked_directory(params, Path(req.model_path))
     if problem:
         return _failed(served, problem)
     served.model_path = req.model_path
-    return _copy_in(served, served.parameters(), loaded, req.weight_version)
+    return _copy_in(served, params, loaded, req.weight_version)
 
 
-def _checked_directory(served: ServedModel, path: Path) -> tuple[dict[str, torch.Tensor], str]:
-    """Every tensor of the directory's safetensors files, each a parameter of the served model with
-    its shape, every parameter covered; or what is wrong."""
+def _checked_directory(params: dict[str, torch.Tensor], path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """Every tensor of the directory's safetensors files, each one of `params` (the served model's)
+    with its shape, every parameter covered; or what is wrong."""
     if not path.is_dir():
         return {}, f"{path} is not a directory"
     files = sorted(path.glob("*.safetensors"))
     if not files:
         return {}, f"no *.safetensors files in {path}"
-    params = served.parameters()
     loaded, problem = _read_checked(files, params)
     if problem:
         return {}, problem
@@ -62,10 +62,11 @@ def load_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: Update
     them), each checked by name, shape and kind before any is copied."""
     if req.selector == "draft":
         return _failed(served, "the embedded engine has no draft model (selector 'draft')")
-    problem = _sent_problem(served.parameters(), tensors)
+    params = served.parameters()
+    problem = _sent_problem(params, tensors)
     if problem:
         return _failed(served, problem)
-    return _copy_in(served, served.parameters(), tensors, req.weight_version)
+    return _copy_in(served, params, tensors, req.weight_version)
 
 
 def _sent_problem(params: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]) -> str:
@@ -92,26 +93,28 @@ class StagedWeights:
 def stage_from_disk(served: ServedModel, req: StageWeightsFromDiskRequest) -> StageWeightsResult:
     """Reads and checks a directory's weights and stages them (off the compute thread)."""
     started = time.perf_counter()
-    loaded, problem = _checked_directory(served, Path(req.model_path))
+    params = served.parameters()
+    loaded, problem = _checked_directory(params, Path(req.model_path))
     if problem:
         return _not_staged(served, problem)
-    return _stage(served, loaded, req.weight_version, req.model_path, started)
+    return _stage(served, params, loaded, req.weight_version, req.model_path, started)
 
 
 def stage_sent(served: ServedModel, tensors: dict[str, torch.Tensor], req: StageWeightsFromTensorRequest,
                started: float) -> StageWeightsResult:
     """Checks the tensors sent and stages them (off the compute thread); `started`: when decoding
     the request began, which is part of preparing."""
-    problem = _sent_problem(served.parameters(), tensors)
+    params = served.parameters()
+    problem = _sent_problem(params, tensors)
     if problem:
         return _not_staged(served, problem)
-    return _stage(served, tensors, req.weight_version, None, started)
+    return _stage(served, params, tensors, req.weight_version, None, started)
 
 
-def _stage(served: ServedModel, loaded: dict[str, torch.Tensor], version: str, model_path: str | None,
-           started: float) -> StageWeightsResult:
+def _stage(served: ServedModel, params: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], version: str,
+           model_path: str | None, started: float) -> StageWeightsResult:
     served.staged = None  # an earlier stage goes before this one is made: never two beside the served weights
-    params, objects = served.parameters(), served.parameter_objects()
+    objects = served.parameter_objects()
     by_storage: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for name, tensor in loaded.items():
         # A Parameter's storage is swapped (tied names share the object, so one swap serves them
