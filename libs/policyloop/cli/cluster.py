@@ -97,27 +97,35 @@ def up(
                     "replica fetches from the publisher).")] = 0,
 ) -> None:
     """Start nats-server, redis-server and every service as local processes; Ctrl-C stops all."""
-    from policyloop.cli.models import model_dir
     from policyloop.cluster.local import LocalCluster
 
     if nats_url and nats_nodes > 1:
         raise typer.BadParameter("--nats-nodes starts a NATS cluster; --nats-url uses one already running")
-    if model_path is None:
-        from policyloop.models.bootstrap import BootstrapConfig, bootstrap
-
-        model_path = str(bootstrap(BootstrapConfig()))
-    model_path = str(model_dir(model_path))  # a Hugging Face id: downloaded once, before any service starts
-    reward_model_dir = None
-    if reward_model:
-        from policyloop.models.bootstrap import bootstrap
-        from policyloop.models.reward_model import REWARD_MODEL_BOOTSTRAP
-
-        reward_model_dir = bootstrap(REWARD_MODEL_BOOTSTRAP).resolve()
+    base_model, reward_model_dir = _cluster_models(model_path, reward_model)
     cluster = LocalCluster(run_dir, nats_url=nats_url, redis_url=redis_url, namespace=namespace,
                            replicas=_parse_replicas(replicas), nats_nodes=nats_nodes, prometheus=prometheus,
-                           extra_env={"POLICYLOOP_MODEL_PATH": str(Path(model_path).resolve())},
+                           extra_env={"POLICYLOOP_MODEL_PATH": str(base_model)},
                            tinker=tinker, serving_run=serving_run, reward_model=reward_model_dir,
                            relay_fanout=relay_fanout)
+    _run_until_stopped(cluster, namespace, wait_s)
+
+
+def _cluster_models(model_path: str | None, reward_model: bool) -> tuple[Path, Path | None]:
+    """The base policy's directory (the bootstrap one by default; a Hugging Face id downloaded once,
+    before any service starts) and, with `reward_model`, the bootstrap reward model's."""
+    from policyloop.cli.models import model_dir
+    from policyloop.models.bootstrap import BootstrapConfig, bootstrap
+
+    base = Path(model_dir(model_path if model_path is not None else str(bootstrap(BootstrapConfig())))).resolve()
+    if not reward_model:
+        return base, None
+    from policyloop.models.reward_model import REWARD_MODEL_BOOTSTRAP
+
+    return base, bootstrap(REWARD_MODEL_BOOTSTRAP).resolve()
+
+
+def _run_until_stopped(cluster, namespace: str, wait_s: float) -> None:  # type: ignore[no-untyped-def]
+    """Starts the cluster, reports its health, restarts what exits until SIGINT/SIGTERM, then stops it."""
     stopping = False
 
     def request_stop(*_: object) -> None:

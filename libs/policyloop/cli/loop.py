@@ -95,6 +95,55 @@ PatternOption = Annotated[str, typer.Option(help="regex: the pattern a completio
                                                  "format term.")]
 
 
+# The model scorers' flags (reward_model, judge).
+RewardModelOption = Annotated[str, typer.Option(help="reward_model: the reward model's name (one the reward service's "
+                                                     "reward_models.engines names).")]
+NormalizationOption = Annotated[str, typer.Option(help="reward_model: how its score becomes the reward (" +
+                                                       ", ".join(normalizations()) + ").")]
+JudgeOption = Annotated[str, typer.Option(help="judge: the judge's name (one the reward service's judges.endpoints "
+                                               "names).")]
+JudgeModelOption = Annotated[str, typer.Option(help="judge: the model to ask (default: the endpoint's).")]
+JudgeTemplateOption = Annotated[Path | None, typer.Option(
+    help="judge: a file holding the judge's prompt, with {response} and optionally {prompt} and {answer}.")]
+VerdictOption = Annotated[str, typer.Option(help="judge: how its reply is read (" + ", ".join(verdict_kinds()) +
+                                                 ").")]
+LabelOption = Annotated[list[str] | None, typer.Option(
+    help="judge: LABEL=REWARD, once per label (label verdicts; a JSON verdict's string values).")]
+JsonFieldOption = Annotated[str, typer.Option(help="judge: the JSON verdict's field (default: score).")]
+ScoreRangeOption = Annotated[str, typer.Option(
+    help="judge: MIN,MAX of a number verdict, mapped onto [0, 1] (default: the number itself).")]
+JudgeMaxTokensOption = Annotated[int, typer.Option(help="judge: the reply's token budget (0: 64).")]
+
+# What drives an environment's episodes: a program, a verifiers environment, an OpenEnv server.
+ProgramOption = Annotated[Path | None, typer.Option(
+    help="An environment program (reset/step, see docs/environments.md): a module, a package directory or a "
+         "pure-Python wheel, run in a sandbox session per episode; its tasks are what reset is given.")]
+EntryOption = Annotated[str, typer.Option(help="--program: its class, as module:Class.")]
+StepTimeoutOption = Annotated[float, typer.Option(
+    help="--program, --verifiers: most seconds of one exchange (0: 10; verifiers, its loading included: 60).")]
+EpisodeTimeoutOption = Annotated[float, typer.Option(
+    help="--program, --verifiers: most seconds of an episode (0: 60; verifiers: 300).")]
+RequirementOption = Annotated[list[str] | None, typer.Option(
+    help="--program, --verifiers: a dependency, as a pip requirement (e.g. sortedcontainers==2.4.0), once per "
+         "requirement; the sandbox installs wheels only.")]
+WheelOption = Annotated[list[Path] | None, typer.Option(
+    help="--program, --verifiers: a wheel file it depends on, once per wheel.")]
+VerifiersOption = Annotated[str, typer.Option(
+    help="A verifiers environment's id (vf.load_environment), run unchanged in a sandbox session per episode "
+         "and scored by its rubric; installed here too, its dataset and eval dataset are the tasks.")]
+EnvSourceOption = Annotated[Path | None, typer.Option(
+    help="--verifiers: the environment's module, package directory or wheel, when no --wheel or "
+         "--requirement installs it.")]
+EnvArgsOption = Annotated[str, typer.Option(help="--verifiers: load_environment's keyword arguments, a JSON object.")]
+TaskCountOption = Annotated[int, typer.Option(help="--verifiers: the first N dataset rows (0: all).")]
+EvalCountOption = Annotated[int, typer.Option(help="--verifiers: the first N eval dataset rows (0: all).")]
+OpenenvOption = Annotated[str, typer.Option(
+    help="An OpenEnv environment server's URL: each episode a session of its own, scored by the rewards it gives.")]
+ActionFieldOption = Annotated[str, typer.Option(help="--openenv: the action's text field (default: message).")]
+ObservationFieldOption = Annotated[str, typer.Option(
+    help="--openenv: the observation's field the model is shown (default: all of it, as JSON).")]
+
+
 @env_app.command("submit")
 def env_submit(
     name: Annotated[str, typer.Option(help="Environment name.")],
@@ -106,24 +155,16 @@ def env_submit(
     scorer: ScorerOption = "exact_answer",
     pattern: PatternOption = "",
     tolerance: Annotated[float, typer.Option(help="numeric_tolerance: the allowed difference.")] = 0.0,
-    reward_model: Annotated[str, typer.Option(help="reward_model: the reward model's name (one the reward service's "
-                                                   "reward_models.engines names).")] = "",
-    normalization: Annotated[str, typer.Option(help="reward_model: how its score becomes the reward (" +
-                                                    ", ".join(normalizations()) + ").")] = "none",
-    judge: Annotated[str, typer.Option(help="judge: the judge's name (one the reward service's judges.endpoints "
-                                            "names).")] = "",
-    judge_model: Annotated[str, typer.Option(help="judge: the model to ask (default: the endpoint's).")] = "",
-    judge_template: Annotated[Path | None, typer.Option(
-        help="judge: a file holding the judge's prompt, with {response} and optionally {prompt} and {answer}.")]
-    = None,
-    verdict: Annotated[str, typer.Option(help="judge: how its reply is read (" + ", ".join(verdict_kinds()) +
-                                              ").")] = "number",
-    label: Annotated[list[str] | None, typer.Option(
-        help="judge: LABEL=REWARD, once per label (label verdicts; a JSON verdict's string values).")] = None,
-    json_field: Annotated[str, typer.Option(help="judge: the JSON verdict's field (default: score).")] = "",
-    score_range: Annotated[str, typer.Option(
-        help="judge: MIN,MAX of a number verdict, mapped onto [0, 1] (default: the number itself).")] = "",
-    judge_max_tokens: Annotated[int, typer.Option(help="judge: the reply's token budget (0: 64).")] = 0,
+    reward_model: RewardModelOption = "",
+    normalization: NormalizationOption = "none",
+    judge: JudgeOption = "",
+    judge_model: JudgeModelOption = "",
+    judge_template: JudgeTemplateOption = None,
+    verdict: VerdictOption = "number",
+    label: LabelOption = None,
+    json_field: JsonFieldOption = "",
+    score_range: ScoreRangeOption = "",
+    judge_max_tokens: JudgeMaxTokensOption = 0,
     code: Annotated[Path | None, typer.Option(help="unit_tests: shared test code; reward_code: the source "
                                                    "defining reward(prompt, completion, metadata).")] = None,
     timeout_s: Annotated[float, typer.Option(
@@ -140,35 +181,20 @@ def env_submit(
         help="Supervised (SFT): every task gives a demonstration (text, or demonstration_token_ids) that runs "
              "train on by cross-entropy; nothing is sampled or scored, the scorer judges only --eval-tasks.")]
     = False,
-    program: Annotated[Path | None, typer.Option(
-        help="An environment program (reset/step, see docs/environments.md): a module, a package directory or a "
-             "pure-Python wheel, run in a sandbox session per episode; its tasks are what reset is given.")] = None,
-    entry: Annotated[str, typer.Option(help="--program: its class, as module:Class.")] = "",
-    step_timeout_s: Annotated[float, typer.Option(
-        help="--program, --verifiers: most seconds of one exchange (0: 10; verifiers, its loading included: 60).")]
-    = 0.0,
-    episode_timeout_s: Annotated[float, typer.Option(
-        help="--program, --verifiers: most seconds of an episode (0: 60; verifiers: 300).")] = 0.0,
-    requirement: Annotated[list[str] | None, typer.Option(
-        help="--program, --verifiers: a dependency, as a pip requirement (e.g. sortedcontainers==2.4.0), once per "
-             "requirement; the sandbox installs wheels only.")] = None,
-    wheel: Annotated[list[Path] | None, typer.Option(
-        help="--program, --verifiers: a wheel file it depends on, once per wheel.")] = None,
-    verifiers: Annotated[str, typer.Option(
-        help="A verifiers environment's id (vf.load_environment), run unchanged in a sandbox session per episode "
-             "and scored by its rubric; installed here too, its dataset and eval dataset are the tasks.")] = "",
-    env_source: Annotated[Path | None, typer.Option(
-        help="--verifiers: the environment's module, package directory or wheel, when no --wheel or "
-             "--requirement installs it.")] = None,
-    env_args: Annotated[str, typer.Option(help="--verifiers: load_environment's keyword arguments, a JSON object.")]
-    = "",
-    task_count: Annotated[int, typer.Option(help="--verifiers: the first N dataset rows (0: all).")] = 0,
-    eval_count: Annotated[int, typer.Option(help="--verifiers: the first N eval dataset rows (0: all).")] = 0,
-    openenv: Annotated[str, typer.Option(help="An OpenEnv environment server's URL: each episode a session of its "
-                                              "own, scored by the rewards it gives.")] = "",
-    action_field: Annotated[str, typer.Option(help="--openenv: the action's text field (default: message).")] = "",
-    observation_field: Annotated[str, typer.Option(
-        help="--openenv: the observation's field the model is shown (default: all of it, as JSON).")] = "",
+    program: ProgramOption = None,
+    entry: EntryOption = "",
+    step_timeout_s: StepTimeoutOption = 0.0,
+    episode_timeout_s: EpisodeTimeoutOption = 0.0,
+    requirement: RequirementOption = None,
+    wheel: WheelOption = None,
+    verifiers: VerifiersOption = "",
+    env_source: EnvSourceOption = None,
+    env_args: EnvArgsOption = "",
+    task_count: TaskCountOption = 0,
+    eval_count: EvalCountOption = 0,
+    openenv: OpenenvOption = "",
+    action_field: ActionFieldOption = "",
+    observation_field: ObservationFieldOption = "",
     gateway: GatewayOption = None, run_dir: RunDirOption = DEFAULT_RUN_DIR, token: TokenOption = "",
 ) -> None:
     """Submit an environment: tasks from a JSONL file (or a verifiers environment's datasets), the
