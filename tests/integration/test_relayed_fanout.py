@@ -261,3 +261,33 @@ async def test_a_replica_stays_in_the_tree_between_versions_and_keyframes_never_
         await holdings.release_weights(MODEL)
         with pytest.raises(NotHeld, match="keeps no weights"):
             await holdings.payload_for(MODEL, have=0, want=2, wait_s=5)
+
+
+async def test_a_relay_serves_only_calls_with_the_publishers_token_and_deeper_replicas_wait_longer(
+        tmp_path: Path) -> None:
+    holdings = RelayHoldings()
+    server, port = await start_relay_server(RelayServicer(holdings, wait_s=5), host="127.0.0.1", port=0,
+                                            bearer_token="s3cret")
+    first = random_weights(1)
+    async with cluster(tmp_path, fanout=2, replicas=0) as c:
+        await c.pusher.push(first, step=1)
+        await holdings.hold(await c.pusher.client.fetch(MODEL, want_version=1), first)
+    anonymous = WeightClient(f"127.0.0.1:{port}", deadline_s=10)
+    tree = TreeSync(WeightClient("127.0.0.1:1"), model=MODEL, replica="child", parent_deadline_s=7.0,
+                    bearer_token="s3cret")
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await anonymous.fetch(MODEL, want_version=1)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # The tree's client to a parent carries the token, its deadline the parent's depth's.
+        deep = tree._parent(weights_pb2.TreePlacement(parent="p", parent_endpoint=f"127.0.0.1:{port}", depth=4))
+        assert deep.deadline_s == 3 * 7.0
+        fetched = await deep.fetch(MODEL, want_version=1)
+        assert fetched.header.version == 1 and fetched.header.manifest_hash == first.manifest_hash
+        assert tree._parent(weights_pb2.TreePlacement(parent="p", parent_endpoint=f"127.0.0.1:{port}",
+                                                      depth=2)).deadline_s == 7.0
+    finally:
+        await anonymous.close()
+        await tree.close()
+        await tree.publisher.close()
+        await server.stop(None)

@@ -91,3 +91,13 @@ def test_a_demos_first_sigterm_interrupts_and_later_ones_are_ignored() -> None:
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_up_refuses_a_negative_relay_fanout_before_it_starts_anything(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from policyloop.cli import app
+
+    result = CliRunner().invoke(app, ["up", "--run-dir", str(tmp_path / "run"), "--relay-fanout", "-1"])
+    assert result.exit_code == 2 and "--relay-fanout" in result.output, result.output
+    assert not (tmp_path / "run").exists()
