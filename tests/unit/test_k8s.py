@@ -754,22 +754,7 @@ def test_the_tinker_component_adds_the_front_and_the_sampler_and_turns_tinker_on
     mount, source = learner.mount_for(str(settings.checkpoint.dir / "tinker"))
     assert _is_claim(source) and not mount.get("readOnly")
 
-    # The front: one replica (it orders each model's requests), the API behind the Service on 8088.
-    front = rendered.services["tinker"]
-    assert front.workload["kind"] == "Deployment" and front.workload["spec"]["replicas"] == 1
-    assert front.container["command"] == ["policyloop", *service_args(front.entry)]
-    assert front.env["POLICYLOOP_API_HOST"] == "0.0.0.0"
-    svc = rendered.get("Service", "tinker")
-    assert svc["spec"]["selector"].items() <= front.workload["spec"]["template"]["metadata"]["labels"].items()
-    [exposed] = [p for p in svc["spec"]["ports"] if p["port"] == 8088]
-    assert _declared(front.container, exposed["targetPort"]) == int(front.env["POLICYLOOP_API_PORT"])
-    assert front.env["POLICYLOOP_API_KEY"]["secretKeyRef"] == \
-        {"name": "policyloop-tokens", "key": "tinker-api-key", "optional": True}
-    # No engine: nothing of one configured, no publisher to fetch from, smaller than a replica.
-    assert not [v for v in front.env if v.startswith(("POLICYLOOP_ENGINE", "POLICYLOOP_PUBLISHER"))]
-    assert _gpus(front.container) == 0
-    requests, replica = front.container["resources"]["requests"], plain.services["rollout"].container["resources"]
-    assert all(_quantity(requests[r]) < _quantity(replica["requests"][r]) for r in ("cpu", "memory"))
+    _check_tinker_front(rendered, plain)
 
     # The sampler: the training replicas' command, image and settings, and its own switches.
     sampler, rollout = rendered.services["tinker-sampler"], plain.services["rollout"]
@@ -794,6 +779,25 @@ def test_the_tinker_component_adds_the_front_and_the_sampler_and_turns_tinker_on
         assert "POLICYLOOP_ENGINE_THREADS" not in sampler.env
     mount, source = sampler.mount_for(sampler.env["POLICYLOOP_WEIGHTS_DIR"])
     assert "emptyDir" in source and not mount.get("readOnly")
+
+
+def _check_tinker_front(rendered: Rendered, plain: Rendered) -> None:
+    # The front: one replica (it orders each model's requests), the API behind the Service on 8088.
+    front = rendered.services["tinker"]
+    assert front.workload["kind"] == "Deployment" and front.workload["spec"]["replicas"] == 1
+    assert front.container["command"] == ["policyloop", *service_args(front.entry)]
+    assert front.env["POLICYLOOP_API_HOST"] == "0.0.0.0"
+    svc = rendered.get("Service", "tinker")
+    assert svc["spec"]["selector"].items() <= front.workload["spec"]["template"]["metadata"]["labels"].items()
+    [exposed] = [p for p in svc["spec"]["ports"] if p["port"] == 8088]
+    assert _declared(front.container, exposed["targetPort"]) == int(front.env["POLICYLOOP_API_PORT"])
+    assert front.env["POLICYLOOP_API_KEY"]["secretKeyRef"] == \
+        {"name": "policyloop-tokens", "key": "tinker-api-key", "optional": True}
+    # No engine: nothing of one configured, no publisher to fetch from, smaller than a replica.
+    assert not [v for v in front.env if v.startswith(("POLICYLOOP_ENGINE", "POLICYLOOP_PUBLISHER"))]
+    assert _gpus(front.container) == 0
+    requests, replica = front.container["resources"]["requests"], plain.services["rollout"].container["resources"]
+    assert all(_quantity(requests[r]) < _quantity(replica["requests"][r]) for r in ("cpu", "memory"))
 
 
 # --- the serving deployment: a component an overlay may add --------------------------------------------
@@ -1002,7 +1006,6 @@ def test_the_multinode_learner_component_runs_the_learner_as_torchrun_across_pod
     pass without HTTP. The rest of the overlay is left as it was."""
     import kubernetes_validate
 
-    from policyloop.cluster.catalogue import entry as catalogue_entry
     from policyloop.learner.settings import LearnerSettings
 
     plain, objects = _render(overlay), _render_with_components(overlay, tmp_path / "default", ("multinode-learner",))
@@ -1048,6 +1051,29 @@ def test_the_multinode_learner_component_runs_the_learner_as_torchrun_across_pod
     assert "one rank" in str(_settings(LearnerSettings, {**learner.env, "POLICYLOOP_TINKER": "true"})
                              .kinds_problem(world_size=nodes))
 
+    _check_torchrun_commands(rendered, workload, container, service, learner, pods)
+
+    # The checkpoint directory: one claim, written by every pod.
+    mount, source = learner.mount_for(str(settings.checkpoint.dir))
+    assert source["persistentVolumeClaim"]["claimName"] == "learner-checkpoints" and not mount.get("readOnly")
+    claim = rendered.get("PersistentVolumeClaim", "learner-checkpoints")
+    assert claim["spec"]["accessModes"] == (["ReadWriteOnce"] if overlay == "cpu-local" else ["ReadWriteMany"])
+    assert claim["spec"]["resources"] == before[("PersistentVolumeClaim", "learner-checkpoints")]["spec"]["resources"]
+
+    http_port = _check_multinode_probes(container, base.container, learner, pods, tmp_path)
+
+    # Scraped on learner-0 alone, as the service learner.
+    assert _scraped(workload, pods[0]) == [{"__address__": f"10.1.2.3:{http_port}", "service": "learner",
+                                            "instance": pods[0]}]
+    for pod in pods[1:]:
+        assert _scraped(workload, pod) == [], pod
+
+    _check_another_node_count(overlay, tmp_path)
+
+def _check_torchrun_commands(rendered: Rendered, workload: dict[str, Any], container: dict[str, Any],
+                             service: dict[str, Any], learner: Service, pods: list[str]) -> None:
+    from policyloop.cluster.catalogue import entry as catalogue_entry
+
     # torchrun, as it parses the command each pod runs: one rank per pod, as many nodes as pods,
     # the rendezvous on learner-0 named through the headless Service, the catalogue's command.
     namespace = workload["metadata"]["namespace"]
@@ -1055,7 +1081,7 @@ def test_the_multinode_learner_component_runs_the_learner_as_torchrun_across_pod
     addresses = []
     for pod in pods:
         args = torchrun_args(_expanded(container["command"], _pod_env(rendered, workload, container, pod)))
-        assert args.nnodes == str(nodes) and args.nproc_per_node == "1", pod
+        assert args.nnodes == str(len(pods)) and args.nproc_per_node == "1", pod
         assert args.rdzv_backend == "c10d" and args.rdzv_id == "policyloop-learner", pod
         assert args.rdzv_endpoint == f"{pods[0]}.{service['metadata']['name']}.{namespace}.svc:{RENDEZVOUS_PORT}", pod
         assert args.local_addr == f"{pod}.{service['metadata']['name']}.{namespace}.svc", pod
@@ -1070,20 +1096,17 @@ def test_the_multinode_learner_component_runs_the_learner_as_torchrun_across_pod
     more = [a.replace("learner-1.", f"learner-{i}.") for i in range(1, 12) for a in addresses[1:2]]
     assert torchrun_rank_order([*more, addresses[0]])[0] == addresses[0]  # learner-10 and on too
 
-    # The checkpoint directory: one claim, written by every pod.
-    mount, source = learner.mount_for(str(settings.checkpoint.dir))
-    assert source["persistentVolumeClaim"]["claimName"] == "learner-checkpoints" and not mount.get("readOnly")
-    claim = rendered.get("PersistentVolumeClaim", "learner-checkpoints")
-    assert claim["spec"]["accessModes"] == (["ReadWriteOnce"] if overlay == "cpu-local" else ["ReadWriteMany"])
-    assert claim["spec"]["resources"] == before[("PersistentVolumeClaim", "learner-checkpoints")]["spec"]["resources"]
 
+def _check_multinode_probes(container: dict[str, Any], base_container: dict[str, Any], learner: Service,
+                            pods: list[str], tmp_path: Path) -> int:
+    """Returns the learner's HTTP port."""
     # Probes: rank 0's pod on /metrics (startup, liveness) and /healthz (readiness), as the base
     # learner; a follower's pod, which serves nothing, passes. Run here against a local server.
     python = tmp_path / "bin" / "python"
     python.parent.mkdir()
     python.symlink_to(sys.executable)
     paths = {"startupProbe": "/metrics", "livenessProbe": "/metrics", "readinessProbe": "/healthz"}
-    assert {kind: base.container[kind]["httpGet"]["path"] for kind in paths} == paths
+    assert {kind: base_container[kind]["httpGet"]["path"] for kind in paths} == paths
     http_port = int(learner.setting("POLICYLOOP_HTTP_PORT"))
     assert _declared(container, "http") == http_port
 
@@ -1100,13 +1123,10 @@ def test_the_multinode_learner_component_runs_the_learner_as_torchrun_across_pod
             assert probe(kind, pods[0], port) != 0, kind
             assert probe(kind, pods[1], free_port()) == 0, kind
         assert container[kind]["timeoutSeconds"] >= 3, kind
+    return http_port
 
-    # Scraped on learner-0 alone, as the service learner.
-    assert _scraped(workload, pods[0]) == [{"__address__": f"10.1.2.3:{http_port}", "service": "learner",
-                                            "instance": pods[0]}]
-    for pod in pods[1:]:
-        assert _scraped(workload, pod) == [], pod
 
+def _check_another_node_count(overlay: str, tmp_path: Path) -> None:
     # Another number of nodes, as docs/kubernetes.md sets it: replicas and --nnodes together.
     patch = {"target": {"kind": "StatefulSet", "name": "learner"}, "patch": NODES_PATCH % (3, 3)}
     patched = Rendered(overlay, _render_with_components(overlay, tmp_path / "three", ("multinode-learner",), [patch]))
@@ -1398,17 +1418,7 @@ def test_the_reward_model_component_serves_it_to_the_scoring_services(variant: s
         assert env["POLICYLOOP_REWARD_MODELS__ENGINES"] == json.dumps({REWARD_MODEL_NAME: [url]}), name
         assert _settings(model, env).reward_models.engines == {REWARD_MODEL_NAME: [url]}, name
 
-    # The Job: the bootstrap reward model into the volume's cache, linked where the engine reads it.
-    job = rendered.get("Job", "bootstrap-reward-model")
-    pod = job["spec"]["template"]["spec"]
-    [builder] = pod["containers"]
-    assert builder["command"] == ["policyloop", "bootstrap", "--reward-model", "--out", "/models/cache",
-                                  "--link", REWARD_MODEL_LINK]
-    assert _image(builder["image"]) == ("policyloop-torch", IMAGE_TAGS[overlay]["policyloop-torch"])
-    [mount] = [m for m in builder["volumeMounts"] if m["mountPath"] == "/models"]
-    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
-    assert volume["persistentVolumeClaim"]["claimName"] == "models" and not mount.get("readOnly")
-    assert _scraped(job, "bootstrap-reward-model-0") == []
+    _check_reward_model_job(rendered, overlay)
 
     # The engine: the link read-only from the models claim, behind the Service, probed on /health.
     workload = rendered.get("Deployment", "reward-model")
@@ -1443,6 +1453,20 @@ def test_the_reward_model_component_serves_it_to_the_scoring_services(variant: s
     # Scraped once, as the service reward-model, on the engine's port (its own /metrics).
     assert _scraped(workload, "reward-model-0") == [{"__address__": f"10.1.2.3:{engine_port}",
                                                      "service": "reward-model", "instance": "reward-model-0"}]
+
+
+def _check_reward_model_job(rendered: Rendered, overlay: str) -> None:
+    # The Job: the bootstrap reward model into the volume's cache, linked where the engine reads it.
+    job = rendered.get("Job", "bootstrap-reward-model")
+    pod = job["spec"]["template"]["spec"]
+    [builder] = pod["containers"]
+    assert builder["command"] == ["policyloop", "bootstrap", "--reward-model", "--out", "/models/cache",
+                                  "--link", REWARD_MODEL_LINK]
+    assert _image(builder["image"]) == ("policyloop-torch", IMAGE_TAGS[overlay]["policyloop-torch"])
+    [mount] = [m for m in builder["volumeMounts"] if m["mountPath"] == "/models"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["persistentVolumeClaim"]["claimName"] == "models" and not mount.get("readOnly")
+    assert _scraped(job, "bootstrap-reward-model-0") == []
 
 
 def _reward_model_up(run_dir: Path, monkeypatch: pytest.MonkeyPatch, **options: Any) -> LocalCluster:
