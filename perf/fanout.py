@@ -259,7 +259,8 @@ async def run_one(n: int, relayed: bool, versions: list, args: argparse.Namespac
                                     "cpu_s": sum(reply["cpu_s"] for reply in replies), "depth": after["depth"],
                                     "fallbacks": sum(reply["fallbacks"] for reply in replies),
                                     "served": served, "p50": statistics.median(times),
-                                    "p99": _quantile(times, 0.99), "max": max(times),
+                                    "p99": statistics.quantiles(times, n=100, method="inclusive")[98],
+                                    "max": max(times),
                                     "bound": bandwidth_bound({r["replica"]: r["parent"] for r in results},
                                                              stored.bytes, args.link_mbps * 1e6 / 8)})
         finally:
@@ -310,11 +311,6 @@ def bandwidth_bound(parents: dict[str, str], delta_bytes: int, link_bytes_per_s:
         below = sorted((needs[child] for child in children.get(replica, [])), reverse=True)
         needs[replica] = max((i * hop + t for i, t in enumerate(below, start=1)), default=0.0)
     return needs[""]
-
-
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def plot(results: list[dict], path: Path) -> None:

@@ -26,7 +26,7 @@ from policyloop.weights.relay import NotHeld, RelayHoldings, RelayServicer, star
 from policyloop.weights.server import WeightServicer, start_weight_server
 from policyloop.weights.store import VersionStore
 from policyloop.weights.tree import TreeSync, sync_through_tree
-from tests.helpers import perturbed, random_weights
+from tests.helpers import perturbed, random_weights, until
 
 MODEL = "policy"
 
@@ -112,14 +112,6 @@ async def cluster(tmp_path: Path, *, fanout: int, replicas: int, parent_deadline
         await pusher.client.close()
         await server.stop(None)
         await library.drain()
-
-
-async def until(check, timeout_s: float = 60, what: str = "condition") -> None:  # type: ignore[no-untyped-def]
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        await asyncio.sleep(0.005)
 
 
 async def test_versions_travel_down_the_tree_and_the_publisher_serves_only_its_children(tmp_path: Path) -> None:

@@ -75,6 +75,9 @@ async def test_a_version_staged_while_the_compute_thread_is_busy_is_swapped_in_b
     assert [s.version for s in spans] == ["0", "1"] and spans[0].end == spans[1].start and spans[1].end == 240
     metrics = await post_metrics(engine)
     assert "policyloop_engine_weight_activations_total 1.0" in metrics
+    [pause_total] = [float(line.split()[1]) for line in metrics.splitlines()
+                     if line.startswith("policyloop_engine_activation_pause_seconds_total ")]
+    assert pause_total == pytest.approx(activated.pause_s)
     assert "policyloop_engine_staged_weight_bytes 0.0" in metrics
 
 
